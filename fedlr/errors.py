@@ -1,0 +1,90 @@
+"""Named exceptions raised by fedlr.
+
+Every error says what was wrong (the key, the shape, the value) so that a user
+can fix the input without reading the source.
+"""
+
+from __future__ import annotations
+
+
+class FedLRError(Exception):
+    """Base class of every fedlr error."""
+
+
+class ConfigError(FedLRError, ValueError):
+    """A run-config value is missing, of the wrong type or out of range.
+
+    Parameters
+    ----------
+    key : str
+        The run-config key (kebab-case, as written in ``pyproject.toml``).
+    reason : str
+        What is wrong with the value.
+    """
+
+    def __init__(self, key: str, reason: str) -> None:
+        self.key = key
+        self.reason = reason
+        super().__init__(f"run-config '{key}': {reason}")
+
+
+class ShapeMismatchError(FedLRError, ValueError):
+    """Tensors that must agree in shape do not."""
+
+
+class ReplyValidationError(FedLRError, ValueError):
+    """A client reply failed validation (keys, shapes, dtype, finiteness, metrics).
+
+    Parameters
+    ----------
+    node_id : int
+        The node whose reply was rejected.
+    reason : str
+        Why the reply was rejected.
+    """
+
+    def __init__(self, node_id: int, reason: str) -> None:
+        self.node_id = node_id
+        self.reason = reason
+        super().__init__(f"reply from node {node_id} rejected: {reason}")
+
+
+class NoValidRepliesError(FedLRError, RuntimeError):
+    """Fewer valid replies arrived than the strategy needs to aggregate.
+
+    Parameters
+    ----------
+    server_round : int
+        The round that could not be aggregated.
+    received : int
+        Number of valid replies.
+    required : int
+        Minimum number of valid replies.
+    reasons : list of str
+        The reasons the other replies were dropped.
+    """
+
+    def __init__(
+        self, server_round: int, received: int, required: int, reasons: list[str]
+    ) -> None:
+        self.server_round = server_round
+        self.received = received
+        self.required = required
+        self.reasons = reasons
+        detail = "; ".join(reasons) if reasons else "no replies arrived"
+        super().__init__(
+            f"round {server_round}: {received} valid replies, {required} required "
+            f"({detail})"
+        )
+
+
+class UnknownMethodError(FedLRError, KeyError):
+    """The requested aggregation method is not registered."""
+
+    def __init__(self, name: str, known: list[str]) -> None:
+        self.name = name
+        self.known = known
+        super().__init__(f"unknown method '{name}'; known methods: {', '.join(known)}")
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the sentence.
+        return str(self.args[0])

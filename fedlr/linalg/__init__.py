@@ -1,0 +1,22 @@
+"""Pure torch kernels for aggregation; no Flower, no peft.
+
+Each module holds one family of kernels with the shapes in its docstrings.
+"""
+
+from fedlr.linalg.lowrank import (
+    factored_frobenius_norm,
+    fold_residual,
+    mean_of_products_factors,
+    normalise_weights,
+    residual_factors,
+    weighted_mean,
+)
+
+__all__ = [
+    "factored_frobenius_norm",
+    "fold_residual",
+    "mean_of_products_factors",
+    "normalise_weights",
+    "residual_factors",
+    "weighted_mean",
+]

@@ -1,0 +1,255 @@
+"""Kernels on low-rank factors: means of products, residuals, their norms.
+
+A LoRA client ``i`` holds ``B_i`` of shape ``(d_out, r)`` and ``A_i`` of shape
+``(r, d_in)`` (``nn.Linear``'s ``(out, in)`` layout, so ``B_i @ A_i`` has the
+weight's shape and needs no transpose). With client weights ``w_i`` summing to
+one, the ideal aggregate is the mean of products
+
+    M = sum_i w_i B_i A_i = [w_1 B_1, ..., w_k B_k] @ [A_1; ...; A_k],
+
+the product of two *stacked factors* of inner size ``k r``. Nothing here ever
+forms a ``d_out x d_in`` matrix per client: the residual of FedEx-LoRA,
+``M - B_bar A_bar``, is again a product of stacked factors (one more block),
+applied to the base weight as a single GEMM, and its Frobenius norm comes from
+two thin QR factorisations and a ``(k+1) r``-sized core.
+
+References
+----------
+.. [1] Singhal, Ponkshe, Vepakomma, "FedEx-LoRA: Exact Aggregation for
+   Federated and Efficient Fine-Tuning of Foundation Models", ACL 2025.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from fedlr.errors import ShapeMismatchError
+
+__all__ = [
+    "factored_frobenius_norm",
+    "fold_residual",
+    "mean_of_products_factors",
+    "normalise_weights",
+    "residual_factors",
+    "weighted_mean",
+]
+
+_COMPUTE_DTYPE = torch.float64
+
+
+def normalise_weights(
+    weights: Sequence[float] | torch.Tensor, count: int
+) -> torch.Tensor:
+    """Return client weights as a float64 vector summing to one.
+
+    Parameters
+    ----------
+    weights : (k,) sequence of float
+        Non-negative weights, e.g. each client's number of examples.
+    count : int
+        The number of clients ``k`` the weights must match.
+
+    Returns
+    -------
+    (k,) torch.Tensor
+        ``weights / sum(weights)`` in float64.
+
+    Raises
+    ------
+    ShapeMismatchError
+        If there are not exactly ``count`` weights.
+    ValueError
+        If a weight is negative or not finite, or all weights are zero.
+    """
+    w = torch.as_tensor(weights, dtype=_COMPUTE_DTYPE).flatten()
+    if w.numel() != count:
+        raise ShapeMismatchError(f"expected {count} weights, got {w.numel()}")
+    if not bool(torch.isfinite(w).all()) or bool((w < 0).any()):
+        raise ValueError(f"weights must be finite and non-negative, got {w.tolist()}")
+    total = float(w.sum())
+    if total <= 0.0:
+        raise ValueError("weights sum to zero; at least one must be positive")
+    return w / total
+
+
+def _check_same_shapes(tensors: Sequence[torch.Tensor], what: str) -> torch.Size:
+    if len(tensors) == 0:
+        raise ValueError(f"no {what} given")
+    shape = tensors[0].shape
+    for i, t in enumerate(tensors):
+        if t.shape != shape:
+            raise ShapeMismatchError(
+                f"{what}[{i}] has shape {tuple(t.shape)}, {what}[0] has {tuple(shape)}"
+            )
+    return shape
+
+
+def _check_factors(
+    bs: Sequence[torch.Tensor], as_: Sequence[torch.Tensor]
+) -> tuple[int, int, int]:
+    if len(bs) != len(as_):
+        raise ShapeMismatchError(f"{len(bs)} B factors but {len(as_)} A factors")
+    b_shape = _check_same_shapes(bs, "B")
+    a_shape = _check_same_shapes(as_, "A")
+    if len(b_shape) != 2 or len(a_shape) != 2:
+        raise ShapeMismatchError(
+            f"factors must be 2-D, got B {tuple(b_shape)} and A {tuple(a_shape)}"
+        )
+    if b_shape[1] != a_shape[0]:
+        raise ShapeMismatchError(
+            f"B (d_out, r) = {tuple(b_shape)} and A (r, d_in) = {tuple(a_shape)} "
+            "disagree on r"
+        )
+    return int(b_shape[0]), int(b_shape[1]), int(a_shape[1])
+
+
+def weighted_mean(
+    tensors: Sequence[torch.Tensor], weights: Sequence[float] | torch.Tensor
+) -> torch.Tensor:
+    """Weighted mean of same-shaped tensors, computed in float64.
+
+    Parameters
+    ----------
+    tensors : sequence of k tensors of one shape
+    weights : (k,) sequence of float
+        Normalised internally (see :func:`normalise_weights`).
+
+    Returns
+    -------
+    torch.Tensor
+        ``sum_i w_i t_i`` in the first tensor's dtype and device.
+    """
+    _check_same_shapes(tensors, "tensor")
+    w = normalise_weights(weights, len(tensors)).to(tensors[0].device)
+    stacked = torch.stack([t.to(_COMPUTE_DTYPE) for t in tensors])
+    mean = torch.tensordot(w, stacked, dims=1)
+    return mean.to(tensors[0].dtype)
+
+
+def mean_of_products_factors(
+    bs: Sequence[torch.Tensor],
+    as_: Sequence[torch.Tensor],
+    weights: Sequence[float] | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked factors whose product is ``M = sum_i w_i B_i A_i``.
+
+    Parameters
+    ----------
+    bs : k tensors of shape (d_out, r)
+    as_ : k tensors of shape (r, d_in)
+    weights : (k,) sequence of float
+
+    Returns
+    -------
+    left : (d_out, k r) torch.Tensor, float64
+        ``[w_1 B_1, ..., w_k B_k]``.
+    right : (k r, d_in) torch.Tensor, float64
+        ``[A_1; ...; A_k]``.
+    """
+    _check_factors(bs, as_)
+    w = normalise_weights(weights, len(bs))
+    left = torch.cat(
+        [float(wi) * b.to(_COMPUTE_DTYPE) for wi, b in zip(w, bs, strict=True)], dim=1
+    )
+    right = torch.cat([a.to(_COMPUTE_DTYPE) for a in as_], dim=0)
+    return left, right
+
+
+def residual_factors(
+    bs: Sequence[torch.Tensor],
+    as_: Sequence[torch.Tensor],
+    weights: Sequence[float] | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked factors of the FedEx residual ``sum_i w_i B_i A_i - B_bar A_bar``.
+
+    ``B_bar = sum_i w_i B_i`` and ``A_bar = sum_i w_i A_i`` are the FedAvg factors.
+
+    Parameters
+    ----------
+    bs : k tensors of shape (d_out, r)
+    as_ : k tensors of shape (r, d_in)
+    weights : (k,) sequence of float
+
+    Returns
+    -------
+    left : (d_out, (k+1) r) torch.Tensor, float64
+        ``[w_1 B_1, ..., w_k B_k, -B_bar]``.
+    right : ((k+1) r, d_in) torch.Tensor, float64
+        ``[A_1; ...; A_k; A_bar]``.
+    """
+    left, right = mean_of_products_factors(bs, as_, weights)
+    w = normalise_weights(weights, len(bs))
+    b_bar = torch.tensordot(w, torch.stack([b.to(_COMPUTE_DTYPE) for b in bs]), dims=1)
+    a_bar = torch.tensordot(w, torch.stack([a.to(_COMPUTE_DTYPE) for a in as_]), dims=1)
+    return torch.cat([left, -b_bar], dim=1), torch.cat([right, a_bar], dim=0)
+
+
+def factored_frobenius_norm(left: torch.Tensor, right: torch.Tensor) -> float:
+    """Frobenius norm of ``left @ right`` without forming the product.
+
+    With thin QR factorisations ``left = Q_1 R_1`` and ``right^T = Q_2 R_2``,
+    ``||left @ right||_F = ||R_1 R_2^T||_F`` because ``Q_1`` and ``Q_2`` have
+    orthonormal columns. This is exact up to rounding, and stays accurate when
+    the product nearly cancels (unlike ``sqrt(trace(...))`` of Gram matrices).
+
+    Parameters
+    ----------
+    left : (m, p) torch.Tensor
+    right : (p, n) torch.Tensor
+
+    Returns
+    -------
+    float
+        ``||left @ right||_F``.
+    """
+    if left.ndim != 2 or right.ndim != 2 or left.shape[1] != right.shape[0]:
+        raise ShapeMismatchError(
+            f"cannot multiply left {tuple(left.shape)} by right {tuple(right.shape)}"
+        )
+    r1 = torch.linalg.qr(left.to(_COMPUTE_DTYPE), mode="r").R
+    r2 = torch.linalg.qr(right.to(_COMPUTE_DTYPE).T, mode="r").R
+    return float(torch.linalg.matrix_norm(r1 @ r2.T))
+
+
+def fold_residual(
+    base_weight: torch.Tensor,
+    bs: Sequence[torch.Tensor],
+    as_: Sequence[torch.Tensor],
+    weights: Sequence[float] | torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """FedEx-LoRA: fold ``scaling * (sum_i w_i B_i A_i - B_bar A_bar)`` into ``W0``.
+
+    After the fold, ``W0_new + scaling * B_bar A_bar`` equals
+    ``W0 + scaling * sum_i w_i B_i A_i`` exactly (up to rounding): the global
+    model is the weighted mean of the client models.
+
+    Parameters
+    ----------
+    base_weight : (d_out, d_in) torch.Tensor
+        The frozen base weight ``W0`` of the adapted ``nn.Linear``.
+    bs : k tensors of shape (d_out, r)
+    as_ : k tensors of shape (r, d_in)
+    weights : (k,) sequence of float
+    scaling : float
+        The LoRA scaling ``alpha / r``.
+
+    Returns
+    -------
+    (d_out, d_in) torch.Tensor
+        The new base weight, in ``base_weight``'s dtype and device. The input is
+        not modified.
+    """
+    d_out, _, d_in = _check_factors(bs, as_)
+    if tuple(base_weight.shape) != (d_out, d_in):
+        raise ShapeMismatchError(
+            f"base weight has shape {tuple(base_weight.shape)}, factors give "
+            f"({d_out}, {d_in})"
+        )
+    left, right = residual_factors(bs, as_, weights)
+    folded = torch.addmm(
+        base_weight.to(_COMPUTE_DTYPE), left, right, alpha=float(scaling)
+    )
+    return folded.to(base_weight.dtype)

@@ -1,0 +1,180 @@
+"""Local training and evaluation loops for text classifiers (plain torch).
+
+Nothing here knows about Flower: the client apps call :func:`train_steps` and
+:func:`evaluate`, the server app calls :func:`evaluate`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+__all__ = [
+    "EncodedText",
+    "TrainSettings",
+    "encode_text",
+    "evaluate",
+    "pick_device",
+    "train_steps",
+]
+
+
+def pick_device(preference: str = "auto") -> torch.device:
+    """``auto`` picks CUDA, then MPS, then CPU; otherwise the named device."""
+    if preference != "auto":
+        return torch.device(preference)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class EncodedText:
+    """Token ids of a text data set, unpadded, with labels.
+
+    Attributes
+    ----------
+    input_ids : list of list of int
+    labels : (N,) torch.Tensor of int64
+    """
+
+    input_ids: list[list[int]]
+    labels: torch.Tensor
+    pad_id: int
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
+        """Pad the selected examples to the longest among them."""
+        rows = [self.input_ids[i] for i in indices]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for j, row in enumerate(rows):
+            ids[j, : len(row)] = torch.tensor(row, dtype=torch.long)
+            mask[j, : len(row)] = 1
+        return {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "labels": self.labels[list(indices)],
+        }
+
+
+def encode_text(
+    texts: Sequence[str],
+    labels: Sequence[int],
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+) -> EncodedText:
+    """Tokenize ``texts`` (truncated to ``max_length`` tokens)."""
+    if len(texts) != len(labels):
+        raise ValueError(f"{len(texts)} texts but {len(labels)} labels")
+    enc = tokenizer(list(texts), truncation=True, max_length=max_length)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return EncodedText(
+        input_ids=[list(x) for x in enc["input_ids"]],
+        labels=torch.as_tensor(list(labels), dtype=torch.long),
+        pad_id=int(pad_id),
+    )
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """Local optimisation settings of one round.
+
+    Attributes
+    ----------
+    local_steps : int
+        Optimiser steps per round.
+    lr : float
+        AdamW learning rate.
+    batch_size : int
+    weight_decay : float
+    max_grad_norm : float
+        Gradient clipping threshold (0 disables).
+    """
+
+    local_steps: int
+    lr: float
+    batch_size: int
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+
+
+def _batches(
+    n: int, batch_size: int, generator: torch.Generator
+) -> Iterator[list[int]]:
+    while True:
+        order = torch.randperm(n, generator=generator).tolist()
+        for start in range(0, n, batch_size):
+            chunk = order[start : start + batch_size]
+            if chunk:
+                yield chunk
+
+
+def train_steps(
+    model: torch.nn.Module,
+    data: EncodedText,
+    settings: TrainSettings,
+    *,
+    seed: int,
+    device: torch.device,
+) -> float:
+    """Run ``settings.local_steps`` AdamW steps on the trainable parameters.
+
+    Returns
+    -------
+    float
+        Mean training loss over the steps.
+    """
+    if len(data) == 0:
+        raise ValueError("cannot train on an empty partition")
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        params, lr=settings.lr, weight_decay=settings.weight_decay
+    )
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)  # dropout
+    model.to(device).train()
+    total = 0.0
+    batches = _batches(len(data), settings.batch_size, generator)
+    for _ in range(settings.local_steps):
+        batch = {k: v.to(device) for k, v in data.batch(next(batches)).items()}
+        loss = model(**batch).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if settings.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
+        optimizer.step()
+        total += float(loss.detach())
+    return total / settings.local_steps
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    data: EncodedText,
+    *,
+    batch_size: int,
+    device: torch.device,
+) -> tuple[float, float]:
+    """Accuracy and mean cross-entropy of ``model`` on ``data``."""
+    if len(data) == 0:
+        return math.nan, math.nan
+    model.to(device).eval()
+    correct = 0
+    loss_sum = 0.0
+    for start in range(0, len(data), batch_size):
+        idx = list(range(start, min(start + batch_size, len(data))))
+        batch = {k: v.to(device) for k, v in data.batch(idx).items()}
+        out = model(**batch)
+        loss_sum += float(out.loss) * len(idx)
+        correct += int((out.logits.argmax(-1) == batch["labels"]).sum())
+    return correct / len(data), loss_sum / len(data)
