@@ -14,6 +14,7 @@ from flwr.clientapp import ClientApp
 
 import strategies  # noqa: F401  (registers every method)
 from client_apps import lora
+from fedlr.config import RunConfig
 from strategies.registry import get_method
 
 __all__ = ["CLIENT_KINDS", "app"]
@@ -28,7 +29,7 @@ app = ClientApp()
 
 
 def _handler(context: Context, action: str) -> Handler:
-    method = str(context.run_config.get("method", ""))
+    method = RunConfig.from_mapping(context.run_config).method
     kind = get_method(method).client_kind
     if kind not in CLIENT_KINDS:
         raise KeyError(f"method '{method}' needs client kind '{kind}', not installed")
