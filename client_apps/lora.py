@@ -18,7 +18,14 @@ from __future__ import annotations
 
 from logging import WARNING, getLogger
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MetricRecord,
+    RecordDict,
+)
 
 from fedlr.adapters import Role, adapter_state, load_adapter_state, parameters_by_key
 from fedlr.config import RunConfig
@@ -69,6 +76,7 @@ def _lora_model(config: RunConfig) -> LoraModel:
     """The process's model for this config (a Ray actor serves many clients)."""
     key = (
         config.model,
+        config.pooling,
         config.dataset,
         config.lora_rank,
         config.lora_alpha,
@@ -112,7 +120,9 @@ def _parse_roles(config: ConfigRecord) -> tuple[Role, ...]:
         return tuple(Role(name) for name in raw.split(",") if name)
     except ValueError as exc:
         known = ", ".join(r.value for r in Role)
-        raise ConfigError("train-roles", f"'{raw}' names an unknown role ({known})") from exc
+        raise ConfigError(
+            "train-roles", f"'{raw}' names an unknown role ({known})"
+        ) from exc
 
 
 def train_message(message: Message, context: Context) -> Message:

@@ -38,11 +38,15 @@ class RunConfig:
     method: str = field(
         default="fedex-lora", metadata={"help": "aggregation method (registry name)"}
     )
-    num_server_rounds: int = field(default=8, metadata={"help": "federated rounds"})
+    num_server_rounds: int = field(default=15, metadata={"help": "federated rounds"})
     local_steps: int = field(
-        default=25, metadata={"help": "optimiser steps per client per round"}
+        default=5, metadata={"help": "optimiser steps per client per round"}
     )
-    lr: float = field(default=1e-3, metadata={"help": "client AdamW learning rate"})
+    lr: float = field(default=3e-3, metadata={"help": "client AdamW learning rate"})
+    lr_decay: float = field(
+        default=0.85,
+        metadata={"help": "per-round factor on lr: round t uses lr * lr-decay^(t-1)"},
+    )
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     batch_size: int = field(default=16, metadata={"help": "client batch size"})
     eval_batch_size: int = field(
@@ -52,6 +56,10 @@ class RunConfig:
     model: str = field(
         default="minilm",
         metadata={"help": "minilm (offline), tiny-bert (tests) or a hub model id"},
+    )
+    pooling: str = field(
+        default="mean",
+        metadata={"help": "classifier head: mean (masked mean pooling) or cls"},
     )
     lora_rank: int = field(default=8, metadata={"help": "LoRA rank r"})
     lora_alpha: float = field(
@@ -147,11 +155,19 @@ class RunConfig:
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(_kebab(name), f"must be finite and > 0, got {value}")
         if not 8 <= self.max_length <= 4096:
-            raise ConfigError("max-length", f"must be in [8, 4096], got {self.max_length}")
+            raise ConfigError(
+                "max-length", f"must be in [8, 4096], got {self.max_length}"
+            )
+        if not 0.0 < self.lr_decay <= 1.0:
+            raise ConfigError("lr-decay", f"must be in (0, 1], got {self.lr_decay}")
         if not 0.0 <= self.lora_dropout < 1.0:
-            raise ConfigError("lora-dropout", f"must be in [0, 1), got {self.lora_dropout}")
+            raise ConfigError(
+                "lora-dropout", f"must be in [0, 1), got {self.lora_dropout}"
+            )
         if not 0.0 <= self.weight_decay < 1.0:
-            raise ConfigError("weight-decay", f"must be in [0, 1), got {self.weight_decay}")
+            raise ConfigError(
+                "weight-decay", f"must be in [0, 1), got {self.weight_decay}"
+            )
         if not 0.0 < self.eval_fraction < 1.0:
             raise ConfigError(
                 "eval-fraction", f"must be in (0, 1), got {self.eval_fraction}"
@@ -171,6 +187,8 @@ class RunConfig:
                 "partitioner",
                 f"'{self.partitioner}' is not one of {', '.join(PARTITIONERS)}",
             )
+        if self.pooling not in ("mean", "cls"):
+            raise ConfigError("pooling", f"'{self.pooling}' is not one of mean, cls")
         if self.device.split(":")[0] not in _DEVICES:
             raise ConfigError(
                 "device", f"'{self.device}' is not one of {', '.join(_DEVICES)}"

@@ -116,7 +116,9 @@ class TextTask:
     def build_lora_model(self) -> LoraModel:
         """The seeded classifier with LoRA on ``target-modules``."""
         c = self.config
-        base = build_text_classifier(c.model, self.num_labels, c.seed)
+        base = build_text_classifier(
+            c.model, self.num_labels, c.seed, pooling=c.pooling
+        )
         settings = LoraSettings(
             rank=c.lora_rank,
             alpha=c.lora_alpha,

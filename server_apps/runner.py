@@ -146,7 +146,7 @@ def run_server(grid: Grid, context: Context) -> Path:
     summary = {
         "status": "finished",
         "method": config.method,
-        "rounds": int(len(frame)),
+        "rounds": len(frame),
         "final-accuracy": float(frame["accuracy"].iloc[-1]),
         "final-loss": float(frame["loss"].iloc[-1]),
         "total-bytes-up": float(frame["bytes-up"].sum()),
@@ -154,6 +154,10 @@ def run_server(grid: Grid, context: Context) -> Path:
         "seconds": float(frame["seconds"].sum()),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    log(INFO, "fedlr: finished, final accuracy %.4f; results in %s",
-        summary["final-accuracy"], run_dir)
+    log(
+        INFO,
+        "fedlr: finished, final accuracy %.4f; results in %s",
+        summary["final-accuracy"],
+        run_dir,
+    )
     return run_dir

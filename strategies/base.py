@@ -14,7 +14,7 @@ from abc import abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
-from typing import Any
+from typing import Any, cast
 
 import torch
 from flwr.app import (
@@ -22,6 +22,7 @@ from flwr.app import (
     ConfigRecord,
     Message,
     MetricRecord,
+    MetricRecordValues,
     RecordDict,
 )
 from flwr.serverapp import Grid
@@ -95,15 +96,26 @@ class FedLRStrategy(FedAvg):
     fraction_evaluate : float, default 0.0
         Federated evaluation is off by default: fedlr evaluates the global
         model on the server's held-out split.
+    lr_decay : float, default 1.0
+        If the train config carries ``lr``, round ``t`` sends
+        ``lr * lr_decay ** (t - 1)`` (a server-side step-size schedule).
     **kwargs
         Other parameters: see ``flwr.serverapp.strategy.FedAvg``.
     """
 
     def __init__(
-        self, *, min_replies: int = 1, fraction_evaluate: float = 0.0, **kwargs: Any
+        self,
+        *,
+        min_replies: int = 1,
+        fraction_evaluate: float = 0.0,
+        lr_decay: float = 1.0,
+        **kwargs: Any,
     ) -> None:
         if min_replies < 1:
             raise ValueError(f"min_replies must be >= 1, got {min_replies}")
+        if not 0.0 < lr_decay <= 1.0:
+            raise ValueError(f"lr_decay must be in (0, 1], got {lr_decay}")
+        self.lr_decay = lr_decay
         kwargs.setdefault("min_train_nodes", 1)
         kwargs.setdefault("min_evaluate_nodes", 1)
         kwargs.setdefault("min_available_nodes", 1)
@@ -154,6 +166,9 @@ class FedLRStrategy(FedAvg):
         """Remember the global arrays, add per-round values, sample nodes."""
         self._current = arrays
         round_config = ConfigRecord(dict(config))
+        if "lr" in round_config:
+            lr = float(cast(float, round_config["lr"]))
+            round_config["lr"] = lr * self.lr_decay ** (server_round - 1)
         for key, value in self.round_config(server_round).items():
             round_config[key] = value
         messages = list(
@@ -191,7 +206,9 @@ class FedLRStrategy(FedAvg):
             "bytes-up": float(sum(u.nbytes for u in updates)),
             "bytes-down": float(self._bytes_down),
         }
-        losses = [(u.metrics.get("train-loss", math.nan), u.num_examples) for u in updates]
+        losses = [
+            (u.metrics.get("train-loss", math.nan), u.num_examples) for u in updates
+        ]
         metrics["train-loss"] = sum(loss * n for loss, n in losses) / total
         metrics.update(report.metrics)
         self.last_report = RoundReport(metrics=dict(metrics), layers=report.layers)
@@ -202,7 +219,8 @@ class FedLRStrategy(FedAvg):
             len(updates),
             len(dropped),
         )
-        return state_to_record(state), MetricRecord(metrics)
+        values: dict[str, MetricRecordValues] = dict(metrics)
+        return state_to_record(state), MetricRecord(values)
 
     # -------------------------------------------------------------- validation
     def validate_replies(

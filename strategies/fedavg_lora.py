@@ -39,6 +39,3 @@ class FedAvgLoRA(LoraStrategy):
         state = dict(current)
         state.update(self.weighted_means(updates, self.layout.keys(*self.train_roles)))
         return state, self.gap_report(updates)
-
-
-

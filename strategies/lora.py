@@ -49,12 +49,14 @@ class LoraStrategy(FedLRStrategy):
             layout=layout,
             min_replies=config.min_replies,
             fraction_train=config.fraction_train,
+            lr_decay=config.lr_decay,
         )
 
     def summary(self) -> None:
         """Log the settings, then FedAvg's."""
-        from flwr.supercore import log
         from logging import INFO
+
+        from flwr.supercore import log
 
         log(
             INFO,

@@ -43,9 +43,7 @@ class MethodSpec:
 _REGISTRY: dict[str, MethodSpec] = {}
 
 
-def register_method(
-    name: str, *, client_kind: str, summary: str
-) -> Callable[[T], T]:
+def register_method(name: str, *, client_kind: str, summary: str) -> Callable[[T], T]:
     """Class decorator adding a strategy to the registry.
 
     Raises

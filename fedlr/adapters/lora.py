@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
@@ -64,9 +65,21 @@ class LoraSettings:
 
 
 def apply_lora(
-    model: torch.nn.Module, settings: LoraSettings, *, task_type: str = "SEQ_CLS"
+    model: torch.nn.Module,
+    settings: LoraSettings,
+    *,
+    head_modules: tuple[str, ...] = ("classifier",),
 ) -> PeftModel:
-    """Wrap ``model`` with LoRA adapters; the task head stays trainable.
+    """Wrap ``model`` with LoRA adapters; the head modules stay trainable.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Any module with ``nn.Linear`` layers named as in the targets.
+    settings : LoraSettings
+    head_modules : tuple of str
+        Modules trained in full and saved with the adapter (peft's
+        ``modules_to_save``), e.g. the classification head.
 
     Raises
     ------
@@ -76,15 +89,15 @@ def apply_lora(
     """
     config = LoraConfig(
         r=settings.rank,
-        lora_alpha=settings.alpha,
+        lora_alpha=cast(Any, settings.alpha),  # peft accepts floats; typed int
         lora_dropout=settings.dropout,
         target_modules=list(settings.target_modules),
-        task_type=task_type,
+        modules_to_save=list(head_modules),
     )
     peft_model = get_peft_model(model, config)
     for module in peft_model.modules():
         if isinstance(module, LoraLayer):
-            base = module.get_base_layer()
+            base = cast(torch.nn.Linear, module.get_base_layer())
             narrow = min(base.in_features, base.out_features)
             if settings.rank > narrow:
                 raise ValueError(
@@ -126,9 +139,9 @@ def lora_layout(model: PeftModel) -> AdapterLayout:
     head_shapes: dict[str, tuple[int, ...]] = {}
     for name, module in model.named_modules():
         if isinstance(module, LoraLayer) and adapter in module.lora_A:
-            a = module.lora_A[adapter].weight
-            b = module.lora_B[adapter].weight
-            base = module.get_base_layer().weight
+            a = cast(torch.Tensor, module.lora_A[adapter].weight)
+            b = cast(torch.Tensor, module.lora_B[adapter].weight)
+            base = cast(torch.Tensor, module.get_base_layer().weight)
             modules.append(
                 LoraModule(
                     name=name,

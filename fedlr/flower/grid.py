@@ -147,7 +147,7 @@ class InProcessGrid(Grid):
         context = self.contexts[node_id]
         try:
             reply = self._client_app(message, context)
-        except Exception as exc:  # noqa: BLE001 - a real SuperLink does the same
+        except Exception as exc:
             _LOG.warning("node %d: ClientApp raised %r", node_id, exc)
             reply = Message(Error(code=0, reason=repr(exc)), reply_to=message)
         if self._reply_hook is not None:

@@ -133,8 +133,8 @@ def flwr_run(
     before = {str(r.get("run-id")) for r in _safe_list(env)}
     cmd = [_flwr_executable(), "run", str(app_dir), "--stream"]
     if run_config:
-        text = run_config if isinstance(run_config, str) else format_run_config(
-            run_config
+        text = (
+            run_config if isinstance(run_config, str) else format_run_config(run_config)
         )
         cmd += ["--run-config", text]
     if federation_config:

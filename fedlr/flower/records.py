@@ -18,9 +18,7 @@ def state_to_record(
     missing = [k for k in selected if k not in state]
     if missing:
         raise KeyError(f"state has no tensors for keys {missing[:5]}")
-    return ArrayRecord(
-        {k: state[k].detach().to("cpu").contiguous() for k in selected}
-    )
+    return ArrayRecord({k: state[k].detach().to("cpu").contiguous() for k in selected})
 
 
 def record_to_state(record: ArrayRecord) -> dict[str, torch.Tensor]:

@@ -29,8 +29,7 @@ LAYOUT = AdapterLayout(
 def _global(seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {
-        k: torch.randn(*shape, generator=g)
-        for k, shape in LAYOUT.shapes(*Role).items()
+        k: torch.randn(*shape, generator=g) for k, shape in LAYOUT.shapes(*Role).items()
     }
 
 
@@ -74,7 +73,9 @@ def test_fedavg_lora_weighted_means_and_positive_gap():
     assert arrays is not None and metrics is not None
     new = record_to_state(arrays)
     for key in LAYOUT.keys(Role.LORA_A, Role.LORA_B, Role.HEAD):
-        expected = sum(w * c[key].double() for w, c in zip([0.1, 0.3, 0.6], clients, strict=True))
+        expected = sum(
+            w * c[key].double() for w, c in zip([0.1, 0.3, 0.6], clients, strict=True)
+        )
         torch.testing.assert_close(new[key].double(), expected, rtol=1e-6, atol=1e-6)
     # Dense reference of the gap, per layer and total.
     total_sq = 0.0
@@ -138,11 +139,31 @@ def test_fedex_folds_exact_residual():
 
 
 BAD_CASES = {
-    "wrong keys": lambda c: ({**{k: v for k, v in c.items() if k != "l0.A"}, "x": torch.zeros(2)}, {"num-examples": 3}, "wrong keys"),
-    "wrong shape": lambda c: ({**c, "l1.B": torch.zeros(4, 3)}, {"num-examples": 3}, r"'l1.B' has shape \(4, 3\), expected \(4, 2\)"),
-    "nan": lambda c: ({**c, "head.b": torch.tensor([0.0, math.nan])}, {"num-examples": 3}, "NaN or Inf"),
-    "inf": lambda c: ({**c, "l0.B": torch.full((6, 2), math.inf)}, {"num-examples": 3}, "NaN or Inf"),
-    "int dtype": lambda c: ({**c, "head.b": torch.zeros(2, dtype=torch.int64)}, {"num-examples": 3}, "floating point"),
+    "wrong keys": lambda c: (
+        {**{k: v for k, v in c.items() if k != "l0.A"}, "x": torch.zeros(2)},
+        {"num-examples": 3},
+        "wrong keys",
+    ),
+    "wrong shape": lambda c: (
+        {**c, "l1.B": torch.zeros(4, 3)},
+        {"num-examples": 3},
+        r"'l1.B' has shape \(4, 3\), expected \(4, 2\)",
+    ),
+    "nan": lambda c: (
+        {**c, "head.b": torch.tensor([0.0, math.nan])},
+        {"num-examples": 3},
+        "NaN or Inf",
+    ),
+    "inf": lambda c: (
+        {**c, "l0.B": torch.full((6, 2), math.inf)},
+        {"num-examples": 3},
+        "NaN or Inf",
+    ),
+    "int dtype": lambda c: (
+        {**c, "head.b": torch.zeros(2, dtype=torch.int64)},
+        {"num-examples": 3},
+        "floating point",
+    ),
     "no num-examples": lambda c: (c, {"train-loss": 1.0}, "missing 'num-examples'"),
     "zero num-examples": lambda c: (c, {"num-examples": 0}, "positive number"),
     "no metrics": lambda c: (c, None, "expected one MetricRecord, got 0"),
@@ -181,7 +202,9 @@ def test_error_reply_is_dropped():
 
     strategy = FedAvgLoRA(layout=LAYOUT)
     _configured(strategy, _global())
-    failed = Message(Error(code=0, reason="ClientApp crashed"), reply_to=instruction(1005))
+    failed = Message(
+        Error(code=0, reason="ClientApp crashed"), reply_to=instruction(1005)
+    )
     _, metrics = strategy.aggregate_train(
         1, [failed, reply(1000, _client(0), {"num-examples": 2})]
     )
@@ -194,7 +217,9 @@ def test_all_bad_round_raises_named_error():
     _configured(strategy, _global())
     bad = {**_client(0), "l0.A": torch.full((2, 5), math.nan)}
     replies = [reply(1000 + i, bad, {"num-examples": 3}) for i in range(3)]
-    with pytest.raises(NoValidRepliesError, match="round 1: 0 valid replies, 1 required"):
+    with pytest.raises(
+        NoValidRepliesError, match="round 1: 0 valid replies, 1 required"
+    ):
         strategy.aggregate_train(1, replies)
 
 

@@ -1,0 +1,146 @@
+"""Whole rounds in process: real ClientApp, real tiny model, no Ray."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
+
+from client_apps.app import app as client_app
+from fedlr.adapters import Role, adapter_state
+from fedlr.config import RunConfig
+from fedlr.flower import InProcessGrid
+from fedlr.flower.records import record_to_state
+from fedlr.results import COLUMNS
+from fedlr.tasks import TextTask
+from server_apps.runner import run_server
+from strategies import FedExLoRA
+from tests.conftest import tiny_run_config
+
+
+def _run(tmp_path, **overrides):
+    config = tiny_run_config(tmp_path, **overrides)
+    grid = InProcessGrid(
+        client_app, num_nodes=config["num-partitions"], run_config=config
+    )
+    context = Context(
+        run_id=3, node_id=1, node_config={}, state=RecordDict(), run_config=config
+    )
+    return run_server(grid, context)
+
+
+@pytest.mark.parametrize("method", ["fedavg-lora", "fedex-lora"])
+def test_in_process_run_writes_one_row_per_round(tmp_path, assets, method):
+    run_dir = _run(tmp_path, method=method, **{"num-server-rounds": 3})
+    frame = pd.read_csv(run_dir / "results.csv")
+    assert list(frame.columns) == list(COLUMNS)
+    assert frame["round"].tolist() == [1, 2, 3]
+    assert (frame["method"] == method).all()
+    assert frame["accuracy"].between(0, 1).all()
+    assert (frame["loss"] > 0).all()
+    assert (frame["clients"] == 3).all() and (frame["dropped"] == 0).all()
+    assert (frame["frobenius-gap"] > 0).all()  # Dirichlet clients differ
+    assert (frame["rank"] == 4).all()
+    assert (frame["bytes-up"] > 0).all() and (frame["seconds"] > 0).all()
+    layers = pd.read_csv(run_dir / "layers.csv")
+    assert len(layers) == 3 * 4  # rounds x adapted layers
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["rounds"] == 3
+    final = torch.load(run_dir / "final_arrays.pt")
+    has_base = any(k.endswith("base_layer.weight") for k in final)
+    assert has_base == (method == "fedex-lora")
+
+
+def test_fedex_sends_base_weights_down(tmp_path, assets):
+    avg = pd.read_csv(_run(tmp_path / "a", method="fedavg-lora") / "results.csv")
+    fedex = pd.read_csv(_run(tmp_path / "b", method="fedex-lora") / "results.csv")
+    # 4 adapted 32x32 layers of float32 per client, 3 clients.
+    extra = fedex["bytes-down"] - avg["bytes-down"]
+    assert (extra >= 3 * 4 * 32 * 32 * 4).all()
+    assert (fedex["bytes-up"] == avg["bytes-up"]).all()
+
+
+def test_same_config_gives_bitwise_same_weights(tmp_path, assets):
+    a = torch.load(_run(tmp_path / "a") / "final_arrays.pt")
+    b = torch.load(_run(tmp_path / "b") / "final_arrays.pt")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    c = torch.load(_run(tmp_path / "c", seed=8) / "final_arrays.pt")
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_fedex_exactness_on_tiny_model(tmp_path, assets):
+    """W0_new + s B_bar A_bar == W0_old + s sum_i w_i B_i A_i per target module."""
+    config = tiny_run_config(tmp_path)
+    cfg = RunConfig.from_mapping(config)
+    lm = TextTask(cfg).build_lora_model()
+    strategy = FedExLoRA(layout=lm.layout)
+    initial = adapter_state(lm.model, lm.layout, strategy.send_roles)
+    grid = InProcessGrid(client_app, num_nodes=3, run_config=config)
+    messages = strategy.configure_train(
+        1, ArrayRecord(initial), ConfigRecord({"lr": 0.05, "local-steps": 4}), grid
+    )
+    replies = list(grid.send_and_receive(messages))
+    clients = [
+        (
+            record_to_state(r.content["arrays"]),
+            int(r.content["metrics"]["num-examples"]),
+        )
+        for r in replies
+    ]
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    new = record_to_state(arrays)
+    total = sum(n for _, n in clients)
+    for m in lm.layout.modules:
+        ideal = sum(
+            (n / total) * state[m.b_key] @ state[m.a_key] for state, n in clients
+        )
+        lhs = new[m.base_key] + m.scaling * new[m.b_key] @ new[m.a_key]
+        rhs = initial[m.base_key] + m.scaling * ideal
+        rel = torch.linalg.matrix_norm(lhs - rhs) / torch.linalg.matrix_norm(rhs)
+        assert rel < 1e-5, (m.name, float(rel))
+        # and the base weight really moved (clients differ)
+        assert not torch.equal(new[m.base_key], initial[m.base_key])
+    assert metrics["frobenius-gap"] > 0
+    assert new[lm.layout.modules[0].base_key].dtype == torch.float32
+
+
+def test_client_failure_is_dropped_and_run_continues(tmp_path, assets):
+    """A node whose ClientApp raises is dropped; the round aggregates the rest."""
+    from flwr.app import Error, Message
+
+    def break_node_1(pid, instruction, reply):
+        if pid == 1:
+            return Message(
+                Error(code=0, reason="simulated crash"), reply_to=instruction
+            )
+        return reply
+
+    config = tiny_run_config(tmp_path)
+    grid = InProcessGrid(
+        client_app, num_nodes=3, run_config=config, reply_hook=break_node_1
+    )
+    context = Context(
+        run_id=4, node_id=1, node_config={}, state=RecordDict(), run_config=config
+    )
+    frame = pd.read_csv(run_server(grid, context) / "results.csv")
+    assert frame["clients"].tolist() == [2, 2]
+    assert frame["dropped"].tolist() == [1, 1]
+
+
+def test_train_roles_are_what_the_client_sends(tmp_path, assets):
+    config = tiny_run_config(tmp_path)
+    cfg = RunConfig.from_mapping(config)
+    lm = TextTask(cfg).build_lora_model()
+    strategy = FedExLoRA(layout=lm.layout)
+    grid = InProcessGrid(client_app, num_nodes=1, run_config=config)
+    initial = adapter_state(lm.model, lm.layout, strategy.send_roles)
+    (reply,) = grid.send_and_receive(
+        strategy.configure_train(1, ArrayRecord(initial), ConfigRecord(), grid)
+    )
+    sent = set(reply.content["arrays"].keys())
+    assert sent == set(lm.layout.keys(Role.LORA_A, Role.LORA_B, Role.HEAD))
+    assert reply.content["metrics"]["partition-id"] == 0
