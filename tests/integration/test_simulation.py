@@ -1,0 +1,123 @@
+"""Slow integration tests: the Ray simulation engine and the real `flwr run` CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from tests.conftest import ROOT, tiny_run_config
+
+pytestmark = pytest.mark.slow
+
+
+def _run_dirs(output: Path) -> list[Path]:
+    return sorted(p.parent for p in output.glob("*/results.csv"))
+
+
+def test_ray_simulation_two_rounds_three_clients(tmp_path, assets):
+    """Flower's Ray engine runs our ServerApp and ClientApp code, 2 rounds x 3."""
+    from flwr.app import Context, Message
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import Grid, ServerApp
+    from flwr.simulation import run_simulation
+
+    config = tiny_run_config(tmp_path, **{"num-server-rounds": 2})
+
+    # run_simulation takes no run config: both apps inject the same one.
+    server = ServerApp()
+
+    @server.main()
+    def main(grid: Grid, context: Context) -> None:
+        from server_apps.runner import run_server
+
+        context.run_config.update(config)
+        run_server(grid, context)
+
+    client = ClientApp()
+
+    @client.train()
+    def train(message: Message, context: Context) -> Message:
+        from client_apps.app import train as dispatch
+
+        # A ClientApp's Context is read-only; hand on a copy with our config.
+        local = Context(
+            run_id=context.run_id,
+            node_id=context.node_id,
+            node_config=context.node_config,
+            state=context.state,
+            run_config=config,
+        )
+        return dispatch(message, local)
+
+    run_simulation(
+        server_app=server,
+        client_app=client,
+        num_supernodes=3,
+        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
+    )
+    (run_dir,) = _run_dirs(tmp_path)
+    frame = pd.read_csv(run_dir / "results.csv")
+    assert frame["round"].tolist() == [1, 2]
+    assert frame["clients"].tolist() == [3, 3]
+    assert (frame["dropped"] == 0).all()
+    assert (frame["frobenius-gap"] > 0).all()
+    assert frame["accuracy"].between(0, 1).all()
+
+
+@pytest.fixture()
+def flwr_home(tmp_path):
+    from fedlr.flower.launch import stop_local_superlinks
+
+    home = tmp_path / "flwr-home"
+    yield home
+    stop_local_superlinks(home)
+
+
+def test_flwr_run_smoke(tmp_path, assets, flwr_home):
+    """`flwr run` through the real CLI: completed status, one CSV row per round."""
+    import psutil
+
+    from fedlr.flower.launch import flwr_run, stop_local_superlinks
+
+    output = tmp_path / "out"
+    config = tiny_run_config(output, **{"num-server-rounds": 2})
+    config.pop("num-partitions")  # the node config says how many (3)
+    outcome = flwr_run(
+        ROOT,
+        flwr_home=flwr_home,
+        run_config=config,
+        federation_config={"num-supernodes": 3},
+        timeout=600,
+    )
+    assert outcome.status == "finished:completed"
+    (run_dir,) = _run_dirs(output)
+    frame = pd.read_csv(run_dir / "results.csv")
+    assert frame["round"].tolist() == [1, 2]
+    assert frame["clients"].tolist() == [3, 3]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished"
+    assert f"run{outcome.run_id}" in run_dir.name
+    # The detached SuperLink is ours to stop, by PID.
+    pids = stop_local_superlinks(flwr_home)
+    assert pids, "expected a local SuperLink started under our FLWR_HOME"
+    assert not any(
+        psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids
+    )
+
+
+def test_flwr_run_failure_is_reported_not_hidden(tmp_path, assets, flwr_home):
+    """A failing ServerApp makes `flwr run --stream` exit 0; we read the status."""
+    from fedlr.flower.launch import FlwrRunError, flwr_run
+
+    config = tiny_run_config(tmp_path, method="no-such-method")
+    with pytest.raises(FlwrRunError, match="finished:failed"):
+        flwr_run(
+            ROOT,
+            flwr_home=flwr_home,
+            run_config=config,
+            federation_config={"num-supernodes": 2},
+            timeout=600,
+        )
