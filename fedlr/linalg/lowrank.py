@@ -39,6 +39,13 @@ __all__ = [
 _COMPUTE_DTYPE = torch.float64
 
 
+def _work_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """float64 if any input is float64, else float32 (half types are promoted)."""
+    if any(t.dtype == torch.float64 for t in tensors):
+        return torch.float64
+    return torch.float32
+
+
 def normalise_weights(
     weights: Sequence[float] | torch.Tensor, count: int
 ) -> torch.Tensor:
@@ -240,7 +247,8 @@ def fold_residual(
     -------
     (d_out, d_in) torch.Tensor
         The new base weight, in ``base_weight``'s dtype and device. The input is
-        not modified.
+        not modified. The stacked factors are formed in float64; the single
+        GEMM runs in float64 if any input is float64, else in float32.
     """
     d_out, _, d_in = _check_factors(bs, as_)
     if tuple(base_weight.shape) != (d_out, d_in):
@@ -248,8 +256,9 @@ def fold_residual(
             f"base weight has shape {tuple(base_weight.shape)}, factors give "
             f"({d_out}, {d_in})"
         )
+    dtype = _work_dtype(base_weight, *bs, *as_)
     left, right = residual_factors(bs, as_, weights)
     folded = torch.addmm(
-        base_weight.to(_COMPUTE_DTYPE), left, right, alpha=float(scaling)
+        base_weight.to(dtype), left.to(dtype), right.to(dtype), alpha=float(scaling)
     )
     return folded.to(base_weight.dtype)

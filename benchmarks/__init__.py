@@ -1,0 +1,1 @@
+"""Benchmarks: each kernel against its dense reference, as ratios from one run."""

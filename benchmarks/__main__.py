@@ -1,0 +1,14 @@
+"""Run every benchmark: ``python -m benchmarks`` (``make bench``)."""
+
+from __future__ import annotations
+
+from benchmarks import bench_lowrank
+
+
+def main() -> None:
+    """Run all benchmarks and print their tables."""
+    bench_lowrank.main()
+
+
+if __name__ == "__main__":
+    main()

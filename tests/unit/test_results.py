@@ -1,0 +1,55 @@
+"""Results writer and the `flwr run` launcher's pure helpers."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from fedlr.flower.launch import format_run_config
+from fedlr.results import COLUMNS, ResultsWriter, read_results
+
+
+def test_writer_appends_rows_atomically(tmp_path):
+    writer = ResultsWriter(tmp_path / "run", method="fedex-lora", config={"lr": 0.1})
+    writer.append({"round": 1, "accuracy": 0.5, "frobenius-gap": 0.2})
+    writer.append(
+        {"round": 2, "accuracy": 0.6}, layers={"l0": (0.1, 0.01), "l1": (0.2, 0.02)}
+    )
+    frame = read_results(tmp_path / "run")
+    assert list(frame.columns) == list(COLUMNS)
+    assert frame["round"].tolist() == [1, 2]
+    assert frame["method"].tolist() == ["fedex-lora", "fedex-lora"]
+    assert frame["accuracy"].tolist() == [0.5, 0.6]
+    assert math.isnan(frame["frobenius-gap"].iloc[1])
+    layers = pd.read_csv(tmp_path / "run" / "layers.csv")
+    assert layers["layer"].tolist() == ["l0", "l1"] and (layers["round"] == 2).all()
+    assert (tmp_path / "run" / "config.json").read_text().strip().startswith("{")
+    assert not list((tmp_path / "run").glob("*.tmp"))
+
+
+def test_writer_rejects_unknown_columns_and_missing_round(tmp_path):
+    writer = ResultsWriter(tmp_path, method="m")
+    with pytest.raises(KeyError, match="unknown result columns"):
+        writer.append({"round": 1, "acc": 0.5})
+    with pytest.raises(KeyError, match="needs 'round'"):
+        writer.append({"accuracy": 0.5})
+    with pytest.raises(FileNotFoundError, match=r"no results\.csv"):
+        read_results(tmp_path / "nowhere")
+
+
+def test_run_config_is_rendered_as_toml_pairs():
+    text = format_run_config(
+        {"method": "fedex-lora", "lr": 0.001, "num-server-rounds": 3, "x": True}
+    )
+    assert text == 'method="fedex-lora" lr=0.001 num-server-rounds=3 x=true'
+    import tomllib
+
+    parsed = tomllib.loads(text.replace(" ", "\n"))
+    assert parsed == {
+        "method": "fedex-lora",
+        "lr": 0.001,
+        "num-server-rounds": 3,
+        "x": True,
+    }
