@@ -11,7 +11,7 @@ written to JSON, or written by hand for a plug-in user's own model.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -92,20 +92,18 @@ class AdapterLayout:
                 raise ValueError(f"key '{key}' is declared twice in the layout")
             seen.add(key)
 
+    def entries(self) -> Iterator[tuple[Role, str, tuple[int, ...]]]:
+        """``(role, key, shape)`` of every declared tensor, in model order."""
+        for module in self.modules:
+            yield Role.LORA_A, module.a_key, module.shape_of(Role.LORA_A)
+            yield Role.LORA_B, module.b_key, module.shape_of(Role.LORA_B)
+            yield Role.BASE, module.base_key, module.shape_of(Role.BASE)
+        for key, shape in self.head_shapes.items():
+            yield Role.HEAD, key, tuple(shape)
+
     def keys(self, *roles: Role) -> list[str]:
         """Keys holding any of ``roles``, in model order."""
-        out: list[str] = []
-        for module in self.modules:
-            for role, key in (
-                (Role.LORA_A, module.a_key),
-                (Role.LORA_B, module.b_key),
-                (Role.BASE, module.base_key),
-            ):
-                if role in roles:
-                    out.append(key)
-        if Role.HEAD in roles:
-            out.extend(self.head_shapes)
-        return out
+        return [key for role, key, _ in self.entries() if role in roles]
 
     def all_keys(self) -> list[str]:
         """Every declared key."""
@@ -113,18 +111,7 @@ class AdapterLayout:
 
     def shapes(self, *roles: Role) -> dict[str, tuple[int, ...]]:
         """Expected shape of every key with one of ``roles``."""
-        out: dict[str, tuple[int, ...]] = {}
-        for module in self.modules:
-            for role, key in (
-                (Role.LORA_A, module.a_key),
-                (Role.LORA_B, module.b_key),
-                (Role.BASE, module.base_key),
-            ):
-                if role in roles:
-                    out[key] = module.shape_of(role)
-        if Role.HEAD in roles:
-            out.update({k: tuple(v) for k, v in self.head_shapes.items()})
-        return out
+        return {key: shape for role, key, shape in self.entries() if role in roles}
 
     def check_shapes(self, shapes: Mapping[str, Iterable[int]]) -> None:
         """Raise :class:`ShapeMismatchError` if a known key has another shape."""
