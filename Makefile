@@ -8,12 +8,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.fedlr-stamps
 FLWR_HOME := $(CURDIR)/.flwr
 NUM_SUPERNODES ?= 4
+CLIENT_GPUS ?= 0
 RUN_CONFIG ?=
 PYTEST_ARGS ?=
 
 export FEDLR_CACHE ?= $(HOME)/.cache/fedlr
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
-export RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO := 0
 
 .PHONY: setup run test lint typecheck unit integration bench clean
 
@@ -37,7 +37,7 @@ setup: $(STAMP)/deps
 
 run: setup
 	$(PY) -m fedlr.flower.launch --flwr-home $(FLWR_HOME) \
-		--num-supernodes $(NUM_SUPERNODES) \
+		--num-supernodes $(NUM_SUPERNODES) --client-gpus $(CLIENT_GPUS) \
 		--run-config 'output-dir="$(CURDIR)/outputs" $(RUN_CONFIG)'
 
 lint: $(STAMP)/deps

@@ -180,8 +180,8 @@ class RunConfig:
             raise ConfigError(
                 "max-eval-examples", f"must be >= 0, got {self.max_eval_examples}"
             )
-        if self.seed < 0:
-            raise ConfigError("seed", f"must be >= 0, got {self.seed}")
+        if not 0 <= self.seed < 2**32:
+            raise ConfigError("seed", f"must be in [0, 2**32), got {self.seed}")
         if self.partitioner not in PARTITIONERS:
             raise ConfigError(
                 "partitioner",

@@ -16,8 +16,15 @@ from peft import PeftModel
 
 from fedlr.adapters import AdapterLayout, LoraSettings, apply_lora, lora_layout
 from fedlr.config import RunConfig
-from fedlr.data import PartitionConfig, dataset_info, load_dataset, split_dataset
+from fedlr.data import (
+    DATASETS,
+    PartitionConfig,
+    dataset_info,
+    load_dataset,
+    split_dataset,
+)
 from fedlr.data.partition import FederatedSplit
+from fedlr.errors import ConfigError
 from fedlr.models import build_text_classifier, load_tokenizer
 from fedlr.train import EncodedText, encode_text
 
@@ -40,6 +47,10 @@ class LoraModel:
     model: PeftModel
     layout: AdapterLayout
     pristine_base: dict[str, torch.Tensor]
+
+
+def _text_datasets() -> list[str]:
+    return sorted(name for name, spec in DATASETS.items() if spec.kind == "text")
 
 
 @functools.lru_cache(maxsize=8)
@@ -76,6 +87,15 @@ class TextTask:
     """
 
     config: RunConfig
+
+    def __post_init__(self) -> None:
+        spec = dataset_info(self.config.dataset)  # UnknownDatasetError lists names
+        if spec.kind != "text":
+            raise ConfigError(
+                "dataset",
+                f"'{spec.name}' is not a text data set (kind: {spec.kind}); the "
+                f"LoRA text classifier needs one of ({', '.join(_text_datasets())})",
+            )
 
     @property
     def num_labels(self) -> int:

@@ -68,6 +68,7 @@ def run_server(grid: Grid, context: Context) -> Path:
     log(INFO, "fedlr: %d held-out examples, device %s", len(heldout), device)
 
     clock = {"t": time.perf_counter()}
+    initial_metrics: dict[str, float] = {}
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         state = record_to_state(arrays)
@@ -79,6 +80,7 @@ def run_server(grid: Grid, context: Context) -> Path:
         lm.model.to("cpu")
         if server_round == 0:
             log(INFO, "fedlr: initial accuracy %.4f, loss %.4f", accuracy, loss)
+            initial_metrics.update({"accuracy": accuracy, "loss": loss})
             clock["t"] = time.perf_counter()
             return MetricRecord({"accuracy": accuracy, "loss": loss})
         seconds = time.perf_counter() - clock["t"]

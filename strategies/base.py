@@ -265,9 +265,14 @@ class FedLRStrategy(FedAvg):
         num = metrics.get(self.weighted_by_key)
         if num is None:
             raise ReplyValidationError(node, f"missing '{self.weighted_by_key}'")
-        if isinstance(num, list) or not math.isfinite(float(num)) or float(num) <= 0:
+        if (
+            isinstance(num, list)
+            or not math.isfinite(float(num))
+            or float(num) < 1
+            or float(num) != int(num)
+        ):
             raise ReplyValidationError(
-                node, f"'{self.weighted_by_key}' must be a positive number, got {num}"
+                node, f"'{self.weighted_by_key}' must be a positive integer, got {num}"
             )
         record = content.array_records[self.arrayrecord_key]
         keys = set(record.keys())

@@ -90,7 +90,6 @@ def flwr_env(flwr_home: Path) -> dict[str, str]:
     env = os.environ.copy()
     env["FLWR_HOME"] = str(Path(flwr_home).resolve())
     env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
-    env.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     bin_dir = str(Path(sys.executable).parent)
     env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
     return env

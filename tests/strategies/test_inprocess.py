@@ -49,6 +49,8 @@ def test_in_process_run_writes_one_row_per_round(tmp_path, assets, method):
     assert len(layers) == 3 * 4  # rounds x adapted layers
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["rounds"] == 3
+    assert 0 <= summary["initial-accuracy"] <= 1
+    assert summary["final-accuracy"] == frame["accuracy"].iloc[-1]
     final = torch.load(run_dir / "final_arrays.pt")
     has_base = any(k.endswith("base_layer.weight") for k in final)
     assert has_base == (method == "fedex-lora")

@@ -165,7 +165,12 @@ BAD_CASES = {
         "floating point",
     ),
     "no num-examples": lambda c: (c, {"train-loss": 1.0}, "missing 'num-examples'"),
-    "zero num-examples": lambda c: (c, {"num-examples": 0}, "positive number"),
+    "zero num-examples": lambda c: (c, {"num-examples": 0}, "positive integer"),
+    "fractional num-examples": lambda c: (
+        c,
+        {"num-examples": 0.5},
+        "must be a positive integer, got 0.5",
+    ),
     "no metrics": lambda c: (c, None, "expected one MetricRecord, got 0"),
 }
 

@@ -46,7 +46,8 @@ BAD = [
     ("pooling", "max", "not one of mean, cls"),
     ("device", "tpu", "not one of"),
     ("output-dir", "relative/path", "absolute path"),
-    ("seed", -1, "must be >= 0"),
+    ("seed", -1, r"must be in \[0, 2\*\*32\)"),
+    ("seed", 2**32, r"must be in \[0, 2\*\*32\)"),
     ("target-modules", " , ", "names no module"),
     ("method", 3, "expected a string"),
     ("no-such-key", 1, "unknown key"),
@@ -66,3 +67,16 @@ def test_unknown_method_lists_known_ones():
 
     with pytest.raises(UnknownMethodError, match=r"known methods: .*fedex-lora"):
         get_method("fedx-lora")
+
+
+def test_task_rejects_image_and_unknown_datasets_at_start(assets):
+    from fedlr.data import UnknownDatasetError
+    from fedlr.tasks import TextTask
+
+    with pytest.raises(
+        ConfigError, match=r"'digits' is not a text data set \(kind: image\)"
+    ) as info:
+        TextTask(RunConfig(dataset="digits"))
+    assert info.value.key == "dataset" and "polarity" in str(info.value)
+    with pytest.raises(UnknownDatasetError, match="polarity"):
+        TextTask(RunConfig(dataset="imdbb"))
