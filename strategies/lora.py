@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+from logging import INFO
 from typing import Any, ClassVar
 
 import torch
+from flwr.supercore import log
 
 from fedlr.adapters.roles import AdapterLayout, Role
 from fedlr.config import RunConfig
@@ -54,10 +56,6 @@ class LoraStrategy(FedLRStrategy):
 
     def summary(self) -> None:
         """Log the settings, then FedAvg's."""
-        from logging import INFO
-
-        from flwr.supercore import log
-
         log(
             INFO,
             "\t├──> %s: %d LoRA modules, rank %d, trains %s, sends %s",
