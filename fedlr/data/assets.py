@@ -592,10 +592,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         paths = ensure_assets(args.names or None, quiet=args.quiet)
     except (AssetFetchError, AssetMissingError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        sys.stderr.write(f"error: {err}\n")
         return 1
-    for name, path in paths.items():
-        print(f"{name}\t{path}")
+    sys.stdout.write("".join(f"{name}\t{path}\n" for name, path in paths.items()))
     return 0
 
 
