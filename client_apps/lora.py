@@ -19,7 +19,6 @@ from __future__ import annotations
 from logging import WARNING, getLogger
 
 from flwr.app import (
-    ArrayRecord,
     ConfigRecord,
     Context,
     Message,
@@ -27,7 +26,7 @@ from flwr.app import (
     RecordDict,
 )
 
-from fedlr.adapters import Role, adapter_state, load_adapter_state, parameters_by_key
+from fedlr.adapters import Role, adapter_state, parameters_by_key
 from fedlr.config import RunConfig
 from fedlr.errors import ConfigError
 from fedlr.flower.records import record_to_state, state_to_record
@@ -108,12 +107,6 @@ def _partition(config: RunConfig, pid: int, num: int) -> EncodedText:
     return _DATA[key]
 
 
-def _load_round_state(lm: LoraModel, arrays: ArrayRecord) -> None:
-    state = record_to_state(arrays)
-    restore = {k: v for k, v in lm.pristine_base.items() if k not in state}
-    load_adapter_state(lm.model, lm.layout, {**restore, **state})
-
-
 def _parse_roles(config: ConfigRecord) -> tuple[Role, ...]:
     raw = str(config.get("train-roles", "lora_A,lora_B,head"))
     try:
@@ -131,7 +124,7 @@ def train_message(message: Message, context: Context) -> Message:
     pid, num = partition_of(context, config)
     round_config = message.content["config"]
     lm = _lora_model(config)
-    _load_round_state(lm, message.content["arrays"])
+    lm.load(record_to_state(message.content["arrays"]))
     roles = _parse_roles(round_config)
     trainable = set(lm.layout.keys(*roles))
     for key, param in parameters_by_key(lm.model, lm.layout).items():
@@ -168,7 +161,7 @@ def evaluate_message(message: Message, context: Context) -> Message:
     config = RunConfig.from_mapping(context.run_config)
     pid, num = partition_of(context, config)
     lm = _lora_model(config)
-    _load_round_state(lm, message.content["arrays"])
+    lm.load(record_to_state(message.content["arrays"]))
     data = _partition(config, pid, num)
     accuracy, loss = evaluate(
         lm.model,

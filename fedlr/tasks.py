@@ -9,12 +9,19 @@ clients), keyed by the settings that determine them.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from peft import PeftModel
 
-from fedlr.adapters import AdapterLayout, LoraSettings, apply_lora, lora_layout
+from fedlr.adapters import (
+    AdapterLayout,
+    LoraSettings,
+    apply_lora,
+    load_adapter_state,
+    lora_layout,
+)
 from fedlr.config import RunConfig
 from fedlr.data import (
     DATASETS,
@@ -47,6 +54,11 @@ class LoraModel:
     model: PeftModel
     layout: AdapterLayout
     pristine_base: dict[str, torch.Tensor]
+
+    def load(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Load a round's global ``state``; absent base weights become pristine."""
+        restore = {k: v for k, v in self.pristine_base.items() if k not in state}
+        load_adapter_state(self.model, self.layout, {**restore, **state})
 
 
 def _text_datasets() -> list[str]:

@@ -25,7 +25,7 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 import strategies  # noqa: F401  (registers every method)
-from fedlr.adapters import adapter_state, load_adapter_state
+from fedlr.adapters import adapter_state
 from fedlr.config import RunConfig
 from fedlr.flower.records import record_to_state
 from fedlr.results import ResultsWriter
@@ -71,9 +71,7 @@ def run_server(grid: Grid, context: Context) -> Path:
     initial_metrics: dict[str, float] = {}
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        state = record_to_state(arrays)
-        restore = {k: v for k, v in lm.pristine_base.items() if k not in state}
-        load_adapter_state(lm.model, lm.layout, {**restore, **state})
+        lm.load(record_to_state(arrays))
         accuracy, loss = evaluate(
             lm.model, heldout, batch_size=config.eval_batch_size, device=device
         )
@@ -149,6 +147,7 @@ def run_server(grid: Grid, context: Context) -> Path:
         "status": "finished",
         "method": config.method,
         "rounds": len(frame),
+        "initial-accuracy": initial_metrics.get("accuracy", float("nan")),
         "final-accuracy": float(frame["accuracy"].iloc[-1]),
         "final-loss": float(frame["loss"].iloc[-1]),
         "total-bytes-up": float(frame["bytes-up"].sum()),
