@@ -69,8 +69,21 @@ def test_ray_simulation_two_rounds_three_clients(tmp_path, assets):
 
 @pytest.fixture()
 def flwr_home(tmp_path):
+    """A fresh FLWR_HOME; its local SuperLink is stopped afterwards, by PID."""
+    import psutil
+
     from fedlr.flower.launch import stop_local_superlinks
 
+    others = [
+        p.info["pid"]
+        for p in psutil.process_iter(["pid", "cmdline"])
+        if any("flower-superlink" in part for part in p.info.get("cmdline") or [])
+    ]
+    if others:
+        pytest.fail(
+            f"a flower-superlink is already running (PIDs {others}); `flwr run` "
+            "would use it instead of starting one for this test. Stop it first."
+        )
     home = tmp_path / "flwr-home"
     yield home
     stop_local_superlinks(home)
