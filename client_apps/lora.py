@@ -26,7 +26,7 @@ from flwr.app import (
     RecordDict,
 )
 
-from fedlr.adapters import Role, adapter_state, parameters_by_key
+from fedlr.adapters import Role, adapter_state
 from fedlr.config import RunConfig
 from fedlr.errors import ConfigError
 from fedlr.flower.records import record_to_state, state_to_record
@@ -113,8 +113,8 @@ def _parse_roles(config: ConfigRecord) -> tuple[Role, ...]:
         return tuple(Role(name) for name in raw.split(",") if name)
     except ValueError as exc:
         known = ", ".join(r.value for r in Role)
-        raise ConfigError(
-            "train-roles", f"'{raw}' names an unknown role ({known})"
+        raise ValueError(
+            f"ConfigRecord 'train-roles' = '{raw}' names an unknown role ({known})"
         ) from exc
 
 
@@ -126,9 +126,7 @@ def train_message(message: Message, context: Context) -> Message:
     lm = _lora_model(config)
     lm.load(record_to_state(message.content["arrays"]))
     roles = _parse_roles(round_config)
-    trainable = set(lm.layout.keys(*roles))
-    for key, param in parameters_by_key(lm.model, lm.layout).items():
-        param.requires_grad_(key in trainable)
+    lm.train_only(roles)
     data = _partition(config, pid, num)
     server_round = int(round_config.get("server-round", 0))
     settings = TrainSettings(

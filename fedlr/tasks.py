@@ -9,7 +9,7 @@ clients), keyed by the settings that determine them.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -18,9 +18,11 @@ from peft import PeftModel
 from fedlr.adapters import (
     AdapterLayout,
     LoraSettings,
+    Role,
     apply_lora,
     load_adapter_state,
     lora_layout,
+    parameters_by_key,
 )
 from fedlr.config import RunConfig
 from fedlr.data import (
@@ -54,6 +56,12 @@ class LoraModel:
     model: PeftModel
     layout: AdapterLayout
     pristine_base: dict[str, torch.Tensor]
+
+    def train_only(self, roles: Iterable[Role]) -> None:
+        """Make exactly the tensors with ``roles`` trainable (by declared role)."""
+        trainable = set(self.layout.keys(*roles))
+        for key, param in parameters_by_key(self.model, self.layout).items():
+            param.requires_grad_(key in trainable)
 
     def load(self, state: Mapping[str, torch.Tensor]) -> None:
         """Load a round's global ``state``; absent base weights become pristine."""

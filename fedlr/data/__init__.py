@@ -23,6 +23,7 @@ if TYPE_CHECKING:
         minilm_path,
         require_asset,
     )
+    from fedlr.data.hub import DatasetUnavailableError
     from fedlr.data.partition import (
         FederatedSplit,
         PartitionConfig,
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
     from fedlr.data.registry import (
         DATASETS,
         DatasetSpec,
-        DatasetUnavailableError,
         UnknownDatasetError,
         available_datasets,
         clear_dataset_cache,
@@ -55,7 +55,7 @@ _EXPORTS: dict[str, str] = {
     "split_dataset": "partition",
     "DATASETS": "registry",
     "DatasetSpec": "registry",
-    "DatasetUnavailableError": "registry",
+    "DatasetUnavailableError": "hub",
     "UnknownDatasetError": "registry",
     "available_datasets": "registry",
     "clear_dataset_cache": "registry",

