@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pandas as pd
 import pytest
@@ -33,8 +34,16 @@ def _run(tmp_path, **overrides):
 
 
 @pytest.mark.parametrize("method", ["fedavg-lora", "fedex-lora"])
-def test_in_process_run_writes_one_row_per_round(tmp_path, assets, method):
-    run_dir = _run(tmp_path, method=method, **{"num-server-rounds": 3})
+def test_in_process_run_writes_one_row_per_round(tmp_path, assets, method, caplog):
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        run_dir = _run(tmp_path, method=method, **{"num-server-rounds": 3})
+    progress = [m for m in caplog.messages if m.startswith("fedlr [round ")]
+    assert [m.split("]")[0] for m in progress] == [
+        "fedlr [round 1/3",
+        "fedlr [round 2/3",
+        "fedlr [round 3/3",
+    ]
+    assert all("accuracy" in m and "gap" in m for m in progress)
     frame = pd.read_csv(run_dir / "results.csv")
     assert list(frame.columns) == list(COLUMNS)
     assert frame["round"].tolist() == [1, 2, 3]
