@@ -2,7 +2,9 @@
 
 ``results.csv`` columns (always present, in this order):
 round, method, accuracy, loss, frobenius-gap, relative-gap, rank, bytes-up,
-bytes-down, seconds, clients, dropped, train-loss. ``layers.csv`` holds
+bytes-down, seconds, clients, dropped, train-loss; then the extra columns a
+method declares (e.g. ``tail-energy`` for FedSpec), in declared order.
+``layers.csv`` holds
 ``round, layer, frobenius-gap, relative-gap`` for methods that report gaps per
 layer. Files are rewritten atomically (write then rename) after every round so
 a crash never leaves a half-written CSV.
@@ -13,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,11 +58,25 @@ class ResultsWriter:
         Method name written in every row.
     config : mapping, optional
         Run configuration, saved once as ``config.json``.
+    extra_columns : sequence of str, optional
+        Method-specific columns written after :data:`COLUMNS`.
     """
 
     def __init__(
-        self, run_dir: Path, *, method: str, config: Mapping[str, Any] | None = None
+        self,
+        run_dir: Path,
+        *,
+        method: str,
+        config: Mapping[str, Any] | None = None,
+        extra_columns: Sequence[str] = (),
     ) -> None:
+        clash = sorted(set(extra_columns) & set(COLUMNS))
+        if clash or len(set(extra_columns)) != len(extra_columns):
+            raise ValueError(
+                f"extra columns {list(extra_columns)} repeat a column: "
+                f"{clash or 'duplicates'}"
+            )
+        self.columns: tuple[str, ...] = (*COLUMNS, *extra_columns)
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.method = method
@@ -84,16 +100,16 @@ class ResultsWriter:
         Parameters
         ----------
         row : mapping
-            Values keyed by :data:`COLUMNS` (``method`` is filled in). Missing
+            Values keyed by :attr:`columns` (``method`` is filled in). Missing
             numeric columns are written as NaN; unknown keys raise ``KeyError``.
         layers : mapping of layer name to (gap, relative gap), optional
         """
-        unknown = sorted(set(row) - set(COLUMNS))
+        unknown = sorted(set(row) - set(self.columns))
         if unknown:
-            raise KeyError(f"unknown result columns {unknown}; known: {COLUMNS}")
+            raise KeyError(f"unknown result columns {unknown}; known: {self.columns}")
         if "round" not in row:
             raise KeyError("a results row needs 'round'")
-        full = {c: row.get(c, math.nan) for c in COLUMNS}
+        full = {c: row.get(c, math.nan) for c in self.columns}
         full["method"] = self.method
         self._rows.append(full)
         _atomic_write_csv(self.frame, self.path)
@@ -115,7 +131,7 @@ class ResultsWriter:
     @property
     def frame(self) -> pd.DataFrame:
         """All rows so far."""
-        return pd.DataFrame(self._rows, columns=list(COLUMNS))
+        return pd.DataFrame(self._rows, columns=list(self.columns))
 
 
 def read_results(run_dir: Path | str) -> pd.DataFrame:

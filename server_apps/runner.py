@@ -1,9 +1,10 @@
 """What the ServerApp does, as a function of a Grid and a Context.
 
 1. Read the run config into :class:`~fedlr.config.RunConfig`.
-2. Build the model and the strategy from the registry entry of ``method``.
-3. Run the rounds with ``strategy.start``; after each, evaluate the global
-   model on the held-out split, append a CSV row and log a progress line.
+2. Build the method's :class:`~server_apps.plans.ServerPlan` (strategy, initial
+   arrays, evaluation) from the plan registered for its client kind.
+3. Run the rounds with ``strategy.start``; after each, evaluate, append a CSV
+   row and log a progress line.
 4. Save the final arrays and a ``summary.json``.
 
 Tests call :func:`run_server` with an :class:`~fedlr.flower.InProcessGrid`;
@@ -13,25 +14,25 @@ Tests call :func:`run_server` with an :class:`~fedlr.flower.InProcessGrid`;
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import time
 from logging import INFO
 from pathlib import Path
+from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
+import server_apps.kinds  # noqa: F401  (registers every server plan)
 import strategies  # noqa: F401  (registers every method)
-from fedlr.adapters import adapter_state
 from fedlr.config import RunConfig
 from fedlr.flower.records import record_to_state
 from fedlr.results import ResultsWriter
-from fedlr.tasks import TextTask
-from fedlr.train import evaluate, pick_device
-from strategies.lora import LoraStrategy
+from server_apps.plans import get_plan_builder
 from strategies.registry import get_method
 
 __all__ = ["run_server"]
@@ -54,62 +55,48 @@ def run_server(grid: Grid, context: Context) -> Path:
     random.seed(config.seed)  # Flower samples nodes with `random`
     torch.manual_seed(config.seed)
 
-    task = TextTask(config)
-    lm = task.build_lora_model()
-    if not issubclass(spec.strategy_cls, LoraStrategy):
-        raise TypeError(f"method '{spec.name}' is not a LoRA strategy")
-    strategy = spec.strategy_cls.from_run_config(config, lm.layout)
-    initial = adapter_state(lm.model, lm.layout, strategy.send_roles)
-    heldout = task.heldout()
-    device = pick_device(config.device)
+    plan = get_plan_builder(spec.client_kind)(config, spec)
+    strategy = plan.strategy
     run_dir = _run_dir(config, int(context.run_id))
-    writer = ResultsWriter(run_dir, method=config.method, config=config.to_mapping())
+    writer = ResultsWriter(
+        run_dir,
+        method=config.method,
+        config=config.to_mapping(),
+        extra_columns=plan.columns,
+    )
     log(INFO, "fedlr: method %s (%s), results in %s", spec.name, spec.summary, run_dir)
-    log(INFO, "fedlr: %d held-out examples, device %s", len(heldout), device)
+    if plan.description:
+        log(INFO, "fedlr: %s", plan.description)
 
     clock = {"t": time.perf_counter()}
     initial_metrics: dict[str, float] = {}
+    copied = tuple(c for c in writer.columns if c not in {"round", "method"})
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        lm.load(record_to_state(arrays))
-        accuracy, loss = evaluate(
-            lm.model, heldout, batch_size=config.eval_batch_size, device=device
-        )
-        lm.model.to("cpu")
+        result = plan.evaluate(server_round, record_to_state(arrays))
+        accuracy, loss = float(result["accuracy"]), float(result["loss"])
         if server_round == 0:
             log(INFO, "fedlr: initial accuracy %.4f, loss %.4f", accuracy, loss)
-            initial_metrics.update({"accuracy": accuracy, "loss": loss})
+            initial_metrics.update(result)
             clock["t"] = time.perf_counter()
             return MetricRecord({"accuracy": accuracy, "loss": loss})
         seconds = time.perf_counter() - clock["t"]
         clock["t"] = time.perf_counter()
         report = strategy.last_report
         m = report.metrics
-        row = {
-            "round": server_round,
-            "accuracy": accuracy,
-            "loss": loss,
-            "seconds": seconds,
-            **{
-                k: m[k]
-                for k in (
-                    "frobenius-gap",
-                    "relative-gap",
-                    "rank",
-                    "bytes-up",
-                    "bytes-down",
-                    "clients",
-                    "dropped",
-                    "train-loss",
-                )
-                if k in m
-            },
-        }
+        row: dict[str, Any] = {k: m[k] for k in copied if k in m}
+        row.update({k: v for k, v in result.items() if k in copied})
+        row.update({"round": server_round, "seconds": seconds})
         writer.append(row, layers=report.layers)
+        extras = " ".join(
+            f"{c} {row[c]:.4g}"
+            for c in plan.columns
+            if isinstance(row.get(c), (int, float)) and not math.isnan(row[c])
+        )
         log(
             INFO,
             "fedlr [round %d/%d] accuracy %.4f loss %.4f gap %.3e (rel %.3e) "
-            "up %s down %s clients %d dropped %d %.1fs",
+            "up %s down %s clients %d dropped %d %.1fs%s",
             server_round,
             config.num_server_rounds,
             accuracy,
@@ -121,21 +108,15 @@ def run_server(grid: Grid, context: Context) -> Path:
             int(m.get("clients", 0)),
             int(m.get("dropped", 0)),
             seconds,
+            f" {extras}" if extras else "",
         )
         return MetricRecord({"accuracy": accuracy, "loss": loss})
 
-    train_config = ConfigRecord(
-        {
-            "lr": config.lr,
-            "local-steps": config.local_steps,
-            "batch-size": config.batch_size,
-        }
-    )
     result = strategy.start(
         grid=grid,
-        initial_arrays=ArrayRecord(initial),
+        initial_arrays=ArrayRecord(plan.initial_arrays),
         num_rounds=config.num_server_rounds,
-        train_config=train_config,
+        train_config=ConfigRecord(plan.train_config),
         evaluate_fn=evaluate_fn,
     )
     final = record_to_state(result.arrays)
@@ -143,7 +124,7 @@ def run_server(grid: Grid, context: Context) -> Path:
     torch.save(final, tmp)
     os.replace(tmp, run_dir / "final_arrays.pt")
     frame = writer.frame
-    summary = {
+    summary: dict[str, Any] = {
         "status": "finished",
         "method": config.method,
         "rounds": len(frame),
@@ -154,6 +135,8 @@ def run_server(grid: Grid, context: Context) -> Path:
         "total-bytes-down": float(frame["bytes-down"].sum()),
         "seconds": float(frame["seconds"].sum()),
     }
+    if plan.finish is not None:
+        summary.update(plan.finish(run_dir))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     log(
         INFO,

@@ -53,3 +53,23 @@ def test_run_config_is_rendered_as_toml_pairs():
         "num-server-rounds": 3,
         "x": True,
     }
+
+
+def test_extra_columns_follow_the_core_columns_in_declared_order(tmp_path):
+    writer = ResultsWriter(
+        tmp_path, method="m", extra_columns=("tail-energy", "accuracy-std")
+    )
+    writer.append({"round": 1, "accuracy": 0.5, "tail-energy": 0.25})
+    frame = read_results(tmp_path)
+    assert list(frame.columns) == [*COLUMNS, "tail-energy", "accuracy-std"]
+    assert frame["tail-energy"].tolist() == [0.25]
+    assert frame["accuracy-std"].isna().all()
+    with pytest.raises(KeyError, match="unknown result columns"):
+        writer.append({"round": 2, "tail-energi": 0.1})
+
+
+def test_extra_columns_may_not_repeat_core_columns(tmp_path):
+    with pytest.raises(ValueError, match="repeat a column"):
+        ResultsWriter(tmp_path, method="m", extra_columns=("accuracy",))
+    with pytest.raises(ValueError, match="repeat a column"):
+        ResultsWriter(tmp_path, method="m", extra_columns=("x", "x"))

@@ -1,0 +1,7 @@
+"""Imports every server plan module so each registers its client kind."""
+
+from __future__ import annotations
+
+from server_apps import lora  # noqa: F401
+
+__all__: list[str] = []
