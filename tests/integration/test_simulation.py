@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 
 from tests.conftest import ROOT, tiny_run_config
+from tests.integration.simulate import simulate
 
 pytestmark = pytest.mark.slow
 
@@ -19,46 +20,8 @@ def _run_dirs(output: Path) -> list[Path]:
 
 def test_ray_simulation_two_rounds_three_clients(tmp_path, assets):
     """Flower's Ray engine runs our ServerApp and ClientApp code, 2 rounds x 3."""
-    from flwr.app import Context, Message
-    from flwr.clientapp import ClientApp
-    from flwr.serverapp import Grid, ServerApp
-    from flwr.simulation import run_simulation
-
     config = tiny_run_config(tmp_path, **{"num-server-rounds": 2})
-
-    # run_simulation takes no run config: both apps inject the same one.
-    server = ServerApp()
-
-    @server.main()
-    def main(grid: Grid, context: Context) -> None:
-        from server_apps.runner import run_server
-
-        context.run_config.update(config)
-        run_server(grid, context)
-
-    client = ClientApp()
-
-    @client.train()
-    def train(message: Message, context: Context) -> Message:
-        from client_apps.app import train as dispatch
-
-        # A ClientApp's Context is read-only; hand on a copy with our config.
-        local = Context(
-            run_id=context.run_id,
-            node_id=context.node_id,
-            node_config=context.node_config,
-            state=context.state,
-            run_config=config,
-        )
-        return dispatch(message, local)
-
-    run_simulation(
-        server_app=server,
-        client_app=client,
-        num_supernodes=3,
-        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
-    )
-    (run_dir,) = _run_dirs(tmp_path)
+    run_dir = simulate(config, num_supernodes=3)
     frame = pd.read_csv(run_dir / "results.csv")
     assert frame["round"].tolist() == [1, 2]
     assert frame["clients"].tolist() == [3, 3]
