@@ -5,7 +5,8 @@
    arrays, evaluation) from the plan registered for its client kind.
 3. Run the rounds with ``strategy.start``; after each, evaluate, append a CSV
    row and log a progress line.
-4. Save the final arrays and a ``summary.json``.
+4. Save the final arrays, a ``summary.json`` and the plots
+   (:mod:`fedlr.plots`).
 
 Tests call :func:`run_server` with an :class:`~fedlr.flower.InProcessGrid`;
 ``flwr run`` calls it through :mod:`server_apps.app`.
@@ -31,6 +32,7 @@ import server_apps.kinds  # noqa: F401  (registers every server plan)
 import strategies  # noqa: F401  (registers every method)
 from fedlr.config import RunConfig
 from fedlr.flower.records import record_to_state
+from fedlr.plots import write_run_plots
 from fedlr.results import ResultsWriter
 from server_apps.plans import get_plan_builder
 from strategies.registry import get_method
@@ -138,6 +140,8 @@ def run_server(grid: Grid, context: Context) -> Path:
     if plan.finish is not None:
         summary.update(plan.finish(run_dir))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    plots = write_run_plots(run_dir)
+    log(INFO, "fedlr: plots %s", ", ".join(p.name for p in plots))
     log(
         INFO,
         "fedlr: finished, final accuracy %.4f; results in %s",

@@ -1,0 +1,337 @@
+"""Plots of one or several runs, from their CSVs (matplotlib, PNG).
+
+Every run writes its plots at the end (:func:`write_run_plots`); the same
+figures can be regenerated, or drawn for several runs on shared axes, with::
+
+    python -m fedlr.plots RUN_DIR [RUN_DIR ...] [--out DIR]
+
+Figures (each written only when some run has the data):
+
+``accuracy_loss.png``
+    Accuracy and loss per round (two panels).
+``gap.png``
+    Frobenius gap ``||ΔW_ideal - ΔW_agg||_F`` per round, log scale.
+``rank.png``
+    Adapter rank per round (FedSpec grows it).
+``bytes.png``
+    Bytes up (solid) and down (dashed) per round.
+``accuracy_matrix.png``
+    Continual runs: accuracy on task ``j`` (columns) after training task ``t``
+    (rows), one heatmap panel per run, ACC and FGT in the title.
+
+A run is labelled by its method, plus the seed when several runs share a
+method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from fedlr.results import read_results
+
+__all__ = [
+    "RunData",
+    "accuracy_matrix_figure",
+    "continual_metrics",
+    "figures",
+    "load_run",
+    "main",
+    "plot_runs",
+    "write_run_plots",
+]
+
+MATRIX_FILE = "accuracy_matrix.csv"
+"""Continual runs' accuracy matrix: columns ``after-task, task-0, ..``."""
+
+
+@dataclass
+class RunData:
+    """What the plots read from one run directory.
+
+    Attributes
+    ----------
+    path : pathlib.Path
+    results : pandas.DataFrame
+        ``results.csv``.
+    config : dict
+        ``config.json`` (empty if absent).
+    matrix : numpy.ndarray or None
+        ``accuracy_matrix.csv`` of a continual run: (tasks, tasks), row ``t``
+        = accuracies after training task ``t``, NaN for tasks not yet seen.
+    label : str
+    """
+
+    path: Path
+    results: pd.DataFrame
+    config: dict[str, Any]
+    matrix: np.ndarray | None
+    label: str = ""
+
+
+def _read_matrix(path: Path) -> np.ndarray | None:
+    """Columns ``task-0 .. task-{T-1}`` (one row per finished task)."""
+    if not path.is_file():
+        return None
+    frame = pd.read_csv(path)
+    numbered = {
+        int(m.group(1)): c
+        for c in frame.columns
+        if (m := re.fullmatch(r"task[-_ ]?(\d+)", str(c).strip().lower()))
+    }
+    if not numbered:
+        raise ValueError(
+            f"{path} has no task-<j> columns; columns are {list(frame.columns)}"
+        )
+    columns = [numbered[j] for j in sorted(numbered)]
+    return frame[columns].to_numpy(dtype=float)
+
+
+def load_run(run_dir: Path | str) -> RunData:
+    """Read a run directory (``results.csv`` required).
+
+    Raises
+    ------
+    FileNotFoundError
+        If ``results.csv`` is missing.
+    """
+    path = Path(run_dir)
+    results = read_results(path)
+    config_path = path / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    method = str(results["method"].iloc[0]) if len(results) else path.name
+    return RunData(
+        path=path,
+        results=results,
+        config=config,
+        matrix=_read_matrix(path / MATRIX_FILE),
+        label=method,
+    )
+
+
+def _label_runs(runs: Sequence[RunData]) -> None:
+    methods = [
+        r.results["method"].iloc[0] if len(r.results) else r.path.name for r in runs
+    ]
+    for run, method in zip(runs, methods, strict=True):
+        label = str(method)
+        if methods.count(method) > 1:
+            seed = run.config.get("seed")
+            label = f"{method} seed {seed}" if seed is not None else run.path.name
+            if [m for m in runs if m.label == label and m is not run]:
+                label = run.path.name
+        run.label = label
+
+
+def continual_metrics(matrix: np.ndarray) -> tuple[float, float]:
+    """ACC and FGT of an accuracy matrix.
+
+    ACC is the mean accuracy over all tasks after the last one; FGT the mean,
+    over every task but the last, of its best accuracy after any earlier task
+    minus its final accuracy.
+
+    Parameters
+    ----------
+    matrix : (T, T) numpy.ndarray
+        Row ``t``: accuracies after training task ``t``.
+    """
+    final = matrix[-1]
+    acc = float(np.nanmean(final))
+    if matrix.shape[0] < 2:
+        return acc, 0.0
+    drops = [
+        float(np.nanmax(matrix[j:-1, j]) - final[j]) for j in range(matrix.shape[0] - 1)
+    ]
+    return acc, float(np.mean(drops))
+
+
+def _has(runs: Sequence[RunData], column: str, positive: bool = False) -> bool:
+    for run in runs:
+        if column in run.results:
+            values = pd.to_numeric(run.results[column], errors="coerce").dropna()
+            if positive:
+                values = values[values > 0]
+            if len(values):
+                return True
+    return False
+
+
+def _line(ax: Any, run: RunData, column: str, **kwargs: Any) -> None:
+    frame = run.results
+    if column not in frame:
+        return
+    values = pd.to_numeric(frame[column], errors="coerce")
+    mask = values.notna()
+    if mask.any():
+        ax.plot(frame["round"][mask], values[mask], marker="o", ms=3, **kwargs)
+
+
+def figures(runs: Sequence[RunData]) -> dict[str, Figure]:
+    """The figures for ``runs``, keyed by file name (not yet saved)."""
+    _label_runs(runs)
+    out: dict[str, Figure] = {}
+
+    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for run in runs:
+        _line(ax_acc, run, "accuracy", label=run.label)
+        _line(ax_loss, run, "loss", label=run.label)
+    ax_acc.set(title="accuracy per round", xlabel="round", ylabel="accuracy")
+    ax_loss.set(title="loss per round", xlabel="round", ylabel="loss")
+    ax_acc.legend(fontsize=8)
+    out["accuracy_loss.png"] = fig
+
+    if _has(runs, "frobenius-gap", positive=True):
+        fig, ax = plt.subplots(figsize=(5.5, 3.6))
+        for run in runs:
+            frame = run.results
+            gap = pd.to_numeric(frame["frobenius-gap"], errors="coerce")
+            mask = gap > 0
+            if mask.any():
+                ax.plot(
+                    frame["round"][mask], gap[mask], marker="o", ms=3, label=run.label
+                )
+        ax.set_yscale("log")
+        ax.set(
+            title="Frobenius gap ||ΔW_ideal - ΔW_agg||_F", xlabel="round", ylabel="gap"
+        )
+        ax.legend(fontsize=8)
+        out["gap.png"] = fig
+
+    if _has(runs, "rank"):
+        fig, ax = plt.subplots(figsize=(5.5, 3.6))
+        for run in runs:
+            _line(ax, run, "rank", label=run.label, drawstyle="steps-post")
+        ax.set(title="adapter rank per round", xlabel="round", ylabel="rank")
+        ax.legend(fontsize=8)
+        out["rank.png"] = fig
+
+    if _has(runs, "bytes-up") or _has(runs, "bytes-down"):
+        fig, ax = plt.subplots(figsize=(5.5, 3.6))
+        for i, run in enumerate(runs):
+            color = f"C{i % 10}"
+            frame = run.results
+            for column, style in (("bytes-up", "-"), ("bytes-down", "--")):
+                if column in frame:
+                    mb = pd.to_numeric(frame[column], errors="coerce") / 1e6
+                    ax.plot(
+                        frame["round"],
+                        mb,
+                        style,
+                        color=color,
+                        marker="o",
+                        ms=3,
+                        label=f"{run.label} ({column[6:]})",
+                    )
+        if ax.get_lines():
+            ax.set_yscale("log")
+        ax.set(
+            title="bytes per round (up solid, down dashed)", xlabel="round", ylabel="MB"
+        )
+        ax.legend(fontsize=7)
+        out["bytes.png"] = fig
+
+    continual = [run for run in runs if run.matrix is not None]
+    if continual:
+        out["accuracy_matrix.png"] = accuracy_matrix_figure(continual)
+    return out
+
+
+def accuracy_matrix_figure(runs: Sequence[RunData]) -> Figure:
+    """One heatmap panel per continual run, ACC and FGT in each title."""
+    fig, axes = plt.subplots(
+        1, len(runs), figsize=(4.2 * len(runs), 3.8), squeeze=False
+    )
+    for ax, run in zip(axes[0], runs, strict=True):
+        matrix = run.matrix
+        if matrix is None:
+            continue
+        acc, fgt = continual_metrics(matrix)
+        image = ax.imshow(matrix, vmin=0.0, vmax=1.0, cmap="viridis")
+        for (t, j), value in np.ndenumerate(matrix):
+            if not math.isnan(value):
+                ax.text(
+                    j,
+                    t,
+                    f"{value:.2f}",
+                    ha="center",
+                    va="center",
+                    color="white" if value < 0.6 else "black",
+                    fontsize=8,
+                )
+        ax.set(
+            title=f"{run.label}\nACC {acc:.3f}  FGT {fgt:.3f}",
+            xlabel="evaluated on task",
+            ylabel="after training task",
+            xticks=range(matrix.shape[1]),
+            yticks=range(matrix.shape[0]),
+        )
+        fig.colorbar(image, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    return fig
+
+
+def plot_runs(run_dirs: Sequence[Path | str], out_dir: Path | str) -> list[Path]:
+    """Write the figures of ``run_dirs`` (on shared axes) as PNGs in ``out_dir``.
+
+    Returns
+    -------
+    list of pathlib.Path
+        The files written.
+    """
+    if not run_dirs:
+        raise ValueError("no run directories given")
+    runs = [load_run(d) for d in run_dirs]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, fig in figures(runs).items():
+        fig.tight_layout()
+        path = out / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write_run_plots(run_dir: Path | str) -> list[Path]:
+    """Write one run's figures into its own directory."""
+    return plot_runs([run_dir], run_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m fedlr.plots RUN_DIR ... [--out DIR]``."""
+    parser = argparse.ArgumentParser(
+        description="Plot fedlr runs from their CSVs (several runs share axes)."
+    )
+    parser.add_argument("run_dirs", nargs="+", type=Path)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output directory (default: the run directory if one is given, "
+        "else ./plots)",
+    )
+    args = parser.parse_args(argv)
+    out = args.out or (args.run_dirs[0] if len(args.run_dirs) == 1 else Path("plots"))
+    for path in plot_runs(args.run_dirs, out):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,88 @@
+"""Plots from fixture CSVs: the files, their panels and the continual metrics."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from fedlr.plots import continual_metrics, figures, load_run, main, plot_runs
+from fedlr.results import ResultsWriter
+
+
+def _run(tmp_path, name, method, seed, rounds=4, rank=None, matrix=None):
+    run_dir = tmp_path / name
+    writer = ResultsWriter(run_dir, method=method, config={"seed": seed})
+    for t in range(1, rounds + 1):
+        writer.append(
+            {
+                "round": t,
+                "accuracy": 0.5 + 0.05 * t,
+                "loss": 1.0 / t,
+                "frobenius-gap": 0.1 / t,
+                "rank": float(rank + 2 * (t // 2)) if rank else float("nan"),
+                "bytes-up": 1e6,
+                "bytes-down": 2e6,
+            }
+        )
+    if matrix is not None:
+        frame = pd.DataFrame(matrix, columns=[f"task-{j}" for j in range(len(matrix))])
+        frame.insert(0, "after-task", range(len(matrix)))
+        frame.to_csv(run_dir / "accuracy_matrix.csv", index=False)
+    return run_dir
+
+
+MATRIX = np.array([[0.9, np.nan, np.nan], [0.7, 0.95, np.nan], [0.6, 0.8, 0.9]])
+
+
+def test_continual_metrics_follow_their_definitions():
+    acc, fgt = continual_metrics(MATRIX)
+    assert acc == pytest.approx((0.6 + 0.8 + 0.9) / 3)
+    assert fgt == pytest.approx(((0.9 - 0.6) + (0.95 - 0.8)) / 2)
+    assert continual_metrics(np.array([[0.8]])) == (pytest.approx(0.8), 0.0)
+
+
+def test_one_run_writes_every_figure_with_its_panels(tmp_path):
+    run_dir = _run(tmp_path, "a", "fedspec", 0, rank=4, matrix=MATRIX)
+    written = plot_runs([run_dir], run_dir)
+    names = sorted(p.name for p in written)
+    assert names == [
+        "accuracy_loss.png",
+        "accuracy_matrix.png",
+        "bytes.png",
+        "gap.png",
+        "rank.png",
+    ]
+    assert all(p.stat().st_size > 5000 for p in written)
+    figs = figures([load_run(run_dir)])
+    assert len(figs["accuracy_loss.png"].axes) == 2
+    assert figs["gap.png"].axes[0].get_yscale() == "log"
+    assert len(figs["accuracy_matrix.png"].axes) == 2  # heatmap + colour bar
+    assert "ACC 0.767" in figs["accuracy_matrix.png"].axes[0].get_title()
+
+
+def test_several_runs_share_axes_and_are_labelled(tmp_path):
+    dirs = [
+        _run(tmp_path, "a", "fedex-lora", 0),
+        _run(tmp_path, "b", "fedex-lora", 1),
+        _run(tmp_path, "c", "fedavg-lora", 0),
+    ]
+    figs = figures([load_run(d) for d in dirs])
+    ax = figs["accuracy_loss.png"].axes[0]
+    labels = [line.get_label() for line in ax.get_lines()]
+    assert labels == ["fedex-lora seed 0", "fedex-lora seed 1", "fedavg-lora"]
+    assert "rank.png" not in figs and "accuracy_matrix.png" not in figs
+    out = tmp_path / "plots"
+    assert main([*map(str, dirs), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [
+        "accuracy_loss.png",
+        "bytes.png",
+        "gap.png",
+    ]
+
+
+def test_missing_results_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"no results\.csv"):
+        plot_runs([tmp_path], tmp_path)
+    with pytest.raises(ValueError, match="no run directories"):
+        plot_runs([], tmp_path)
