@@ -11,11 +11,17 @@ NUM_SUPERNODES ?= 4
 CLIENT_GPUS ?= 0
 RUN_CONFIG ?=
 PYTEST_ARGS ?=
+CONF ?= benchmarks/conf/lora-family.toml
+METHODS ?= fedavg-lora,fedex-lora
+SEEDS ?= 0,1,2
+OUT ?= $(CURDIR)/outputs/compare
+SET ?=
+RUNS ?=
 
 export FEDLR_CACHE ?= $(HOME)/.cache/fedlr
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
 
-.PHONY: setup run test lint typecheck unit integration bench clean
+.PHONY: setup run test lint typecheck unit integration bench compare plots clean
 
 $(STAMP)/venv:
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,6 +62,15 @@ test: lint typecheck unit integration
 
 bench: setup
 	$(PY) -m benchmarks
+
+# Methods x seeds through `flwr run`, then table.md / table.csv / comparison.png in OUT.
+compare: setup
+	HF_HUB_OFFLINE=1 FLWR_HOME=$(FLWR_HOME) $(PY) -m fedlr.compare run --conf $(CONF) \
+		--methods $(METHODS) --seeds $(SEEDS) --out $(OUT) $(if $(SET),--set $(SET))
+
+# Regenerate plots of finished runs: make plots RUNS="outputs/a outputs/b" OUT=dir
+plots: setup
+	$(PY) -m fedlr.plots $(RUNS) --out $(OUT)
 
 clean:
 	rm -rf .flwr outputs .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,320 @@
+"""Method comparisons: run methods x seeds through ``flwr run``, tabulate, plot.
+
+Two sub-commands::
+
+    # run every (method, seed) of a config through `flwr run`, then tabulate
+    python -m fedlr.compare run --conf benchmarks/conf/lora-family.toml \\
+        --methods fedavg-lora,fedex-lora --seeds 0,1,2 --out docs/results/lora
+
+    # tabulate and plot finished runs
+    python -m fedlr.compare table RUN_DIR [RUN_DIR ...] --out DIR
+
+``run`` reads the TOML run config (the same file ``flwr run . --run-config
+FILE`` takes), sets ``method``, ``seed`` and ``output-dir`` per cell, runs it
+with :func:`fedlr.flower.launch.flwr_run` and keeps going when one cell fails
+(the failure is listed in the table). ``table`` writes:
+
+``table.md``
+    One row per method (and per setting, when the runs differ in ``--by``
+    keys): final accuracy mean ± std over seeds, mean Frobenius gap over rounds
+    and seeds, total bytes (up + down) per run, wall time per run, and ACC/FGT
+    for continual runs; the seeds counted.
+``table.csv``
+    The same numbers, unformatted.
+``comparison.png``
+    Accuracy and Frobenius gap per round: the mean over seeds with a ±1 std
+    band, one line per row of the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from fedlr.config import RunConfig
+from fedlr.plots import load_run
+
+__all__ = [
+    "collect",
+    "comparison_figure",
+    "main",
+    "read_conf",
+    "run_sweep",
+    "summarise",
+    "to_markdown",
+    "write_table",
+]
+
+_LOG = logging.getLogger("fedlr")
+
+
+def read_conf(path: Path | str) -> dict[str, Any]:
+    """Read a TOML run config and validate it as a :class:`RunConfig`.
+
+    Raises
+    ------
+    fedlr.errors.ConfigError
+        On an unknown key or a bad value (with the key named).
+    """
+    with open(path, "rb") as fh:
+        values = tomllib.load(fh)
+    RunConfig.from_mapping(values)
+    return values
+
+
+def collect(run_dirs: Sequence[Path | str], by: Sequence[str] = ()) -> pd.DataFrame:
+    """One row per run: method, seed, the ``by`` settings and its totals.
+
+    Columns: ``run``, ``method``, ``seed``, the ``by`` keys, ``final-accuracy``,
+    ``mean-gap`` (mean over rounds of ``frobenius-gap``), ``total-bytes``
+    (bytes up + down over all rounds), ``seconds`` (sum of round times),
+    ``rounds``, and ``acc``/``fgt`` when the run's summary has them.
+    """
+    rows = []
+    for run_dir in run_dirs:
+        run = load_run(run_dir)
+        frame = run.results
+        summary_path = Path(run_dir) / "summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+        gap = pd.to_numeric(frame["frobenius-gap"], errors="coerce")
+        row: dict[str, Any] = {
+            "run": Path(run_dir).name,
+            "method": str(frame["method"].iloc[0]) if len(frame) else "",
+            "seed": run.config.get("seed"),
+            **{key: run.config.get(key) for key in by},
+            "final-accuracy": float(frame["accuracy"].iloc[-1])
+            if len(frame)
+            else np.nan,
+            "mean-gap": float(gap.mean()) if gap.notna().any() else np.nan,
+            "total-bytes": float(frame["bytes-up"].sum() + frame["bytes-down"].sum()),
+            "seconds": float(frame["seconds"].sum()),
+            "rounds": len(frame),
+        }
+        for key in ("acc", "fgt"):
+            if key in summary:
+                row[key] = float(summary[key])
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def summarise(runs: pd.DataFrame, by: Sequence[str] = ()) -> pd.DataFrame:
+    """Mean and std over seeds per method (and ``by`` settings), in run order."""
+    keys = ["method", *by]
+    order = list(dict.fromkeys(tuple(r) for r in runs[keys].itertuples(index=False)))
+    out = []
+    for key in order:
+        mask = np.ones(len(runs), dtype=bool)
+        for name, value in zip(keys, key, strict=True):
+            mask &= (runs[name] == value).to_numpy()
+        group = runs[mask]
+        row: dict[str, Any] = dict(zip(keys, key, strict=True))
+        row["seeds"] = len(group)
+        acc = group["final-accuracy"]
+        row["accuracy-mean"] = float(acc.mean())
+        row["accuracy-std"] = float(acc.std(ddof=1)) if len(group) > 1 else 0.0
+        for column in ("mean-gap", "total-bytes", "seconds", "acc", "fgt"):
+            if column in group and group[column].notna().any():
+                row[column] = float(group[column].mean())
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+def _fmt_bytes(value: float) -> str:
+    return f"{value / 1e6:.1f} MB"
+
+
+def to_markdown(table: pd.DataFrame, by: Sequence[str] = ()) -> str:
+    """Render :func:`summarise`'s table as a markdown table."""
+    has_cl = "acc" in table and table["acc"].notna().any()
+    headers = ["method", *by, "seeds", "final accuracy", "mean Frobenius gap"]
+    headers += ["total bytes / run", "wall time / run"]
+    if has_cl:
+        headers += ["ACC", "FGT"]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    for row in table.to_dict("records"):
+        gap = row.get("mean-gap", np.nan)
+        cells = [str(row["method"]), *(str(row[k]) for k in by), str(row["seeds"])]
+        cells.append(f"{row['accuracy-mean']:.4f} ± {row['accuracy-std']:.4f}")
+        cells.append("—" if pd.isna(gap) else f"{gap:.3e}")
+        cells.append(_fmt_bytes(row["total-bytes"]))
+        cells.append(f"{row['seconds']:.0f} s")
+        if has_cl:
+            for key in ("acc", "fgt"):
+                value = row.get(key, np.nan)
+                cells.append("—" if pd.isna(value) else f"{value:.4f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def comparison_figure(run_dirs: Sequence[Path | str], by: Sequence[str] = ()) -> Figure:
+    """Accuracy and gap per round: mean over seeds ±1 std, one line per group."""
+    groups: dict[str, list[pd.DataFrame]] = {}
+    for run_dir in run_dirs:
+        run = load_run(run_dir)
+        label = " ".join([run.label, *(f"{k}={run.config.get(k)}" for k in by)])
+        groups.setdefault(label, []).append(run.results)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for i, (label, frames) in enumerate(groups.items()):
+        color = f"C{i % 10}"
+        for ax, column in zip(axes, ("accuracy", "frobenius-gap"), strict=True):
+            stacked = pd.concat(
+                [f.set_index("round")[column] for f in frames], axis=1
+            ).apply(pd.to_numeric, errors="coerce")
+            mean = stacked.mean(axis=1)
+            if mean.notna().sum() == 0:
+                continue
+            std = stacked.std(axis=1, ddof=1).fillna(0.0)
+            ax.plot(mean.index, mean, color=color, label=f"{label} (n={len(frames)})")
+            ax.fill_between(mean.index, mean - std, mean + std, color=color, alpha=0.2)
+    axes[0].set(
+        title="accuracy (mean ± std over seeds)", xlabel="round", ylabel="accuracy"
+    )
+    axes[1].set(title="Frobenius gap (mean ± std)", xlabel="round", ylabel="gap")
+    if axes[1].get_lines():
+        axes[1].set_yscale("log")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def write_table(
+    run_dirs: Sequence[Path | str],
+    out_dir: Path | str,
+    by: Sequence[str] = (),
+    failures: Mapping[str, str] | None = None,
+) -> pd.DataFrame:
+    """Write ``table.md``, ``table.csv`` and ``comparison.png``; return the table."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = collect(run_dirs, by)
+    table = summarise(runs, by)
+    text = to_markdown(table, by)
+    if failures:
+        text += "\nFailed runs:\n\n" + "".join(
+            f"- {cell}: {reason}\n" for cell, reason in failures.items()
+        )
+    (out / "table.md").write_text(text)
+    table.to_csv(out / "table.csv", index=False)
+    fig = comparison_figure(run_dirs, by)
+    fig.savefig(out / "comparison.png", dpi=100)
+    plt.close(fig)
+    return table
+
+
+def run_sweep(
+    conf: Path | str,
+    methods: Sequence[str],
+    seeds: Sequence[int],
+    out_dir: Path | str,
+    *,
+    overrides: Mapping[str, Any] | None = None,
+    num_supernodes: int | None = None,
+    flwr_home: Path | None = None,
+    app_dir: Path = Path("."),
+) -> tuple[list[Path], dict[str, str]]:
+    """Run every (method, seed) through ``flwr run``; return run dirs, failures."""
+    from fedlr.flower.launch import FlwrRunError, flwr_run, stop_local_superlinks
+
+    base = {**read_conf(conf), **(overrides or {})}
+    out = Path(out_dir).resolve()
+    home = (flwr_home or Path(".flwr")).resolve()
+    nodes = num_supernodes or int(base.get("num-partitions", 4))
+    run_dirs: list[Path] = []
+    failures: dict[str, str] = {}
+    total = len(methods) * len(seeds)
+    try:
+        for n, (method, seed) in enumerate(
+            ((m, s) for m in methods for s in seeds), start=1
+        ):
+            cell = f"{method}-seed{seed}"
+            cell_dir = out / "runs" / cell
+            config = {
+                **base,
+                "method": method,
+                "seed": seed,
+                "output-dir": str(cell_dir),
+            }
+            RunConfig.from_mapping(config)
+            print(f"[{n}/{total}] {cell}", flush=True)
+            try:
+                flwr_run(
+                    app_dir,
+                    flwr_home=home,
+                    run_config=config,
+                    federation_config={"num-supernodes": nodes},
+                )
+            except FlwrRunError as exc:
+                failures[cell] = str(exc).splitlines()[0]
+                _LOG.error("%s failed: %s", cell, exc)
+                continue
+            found = sorted(p.parent for p in cell_dir.glob("*/results.csv"))
+            run_dirs.append(max(found, key=lambda p: p.stat().st_mtime))
+    finally:
+        stop_local_superlinks(home)
+    return run_dirs, failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: ``run`` or ``table`` (see the module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run methods x seeds, then tabulate")
+    run.add_argument("--conf", required=True, type=Path, help="TOML run config")
+    run.add_argument("--methods", required=True, help="comma-separated")
+    run.add_argument("--seeds", default="0", help="comma-separated integers")
+    run.add_argument("--out", required=True, type=Path)
+    run.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="run-config overrides (TOML values)",
+    )
+    run.add_argument("--num-supernodes", type=int, default=None)
+    run.add_argument("--by", default="", help="config keys that split rows")
+    table = sub.add_parser("table", help="tabulate finished runs")
+    table.add_argument("run_dirs", nargs="+", type=Path)
+    table.add_argument("--out", required=True, type=Path)
+    table.add_argument("--by", default="", help="config keys that split rows")
+    args = parser.parse_args(argv)
+    by = [k for k in args.by.split(",") if k]
+    failures: dict[str, str] = {}
+    if args.command == "run":
+        overrides = tomllib.loads("\n".join(args.set)) if args.set else {}
+        run_dirs, failures = run_sweep(
+            args.conf,
+            [m.strip() for m in args.methods.split(",") if m.strip()],
+            [int(s) for s in args.seeds.split(",") if s.strip()],
+            args.out,
+            overrides=overrides,
+            num_supernodes=args.num_supernodes,
+        )
+    else:
+        run_dirs = list(args.run_dirs)
+    if not run_dirs:
+        print("no run finished", file=sys.stderr)
+        for cell, reason in failures.items():
+            print(f"  {cell}: {reason}", file=sys.stderr)
+        return 1
+    result = write_table(run_dirs, args.out, by, failures)
+    print(to_markdown(result, by))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,113 @@
+"""The sweep collector: fixture runs -> the table's means and stds."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from fedlr.compare import collect, main, read_conf, summarise, to_markdown
+from fedlr.errors import ConfigError
+from fedlr.results import ResultsWriter
+
+
+def _run(root, method, seed, accs, gaps, seconds=2.0, extra=None, **config):
+    run_dir = root / f"{method}-seed{seed}-{len(accs)}"
+    writer = ResultsWriter(run_dir, method=method, config={"seed": seed, **config})
+    for t, (acc, gap) in enumerate(zip(accs, gaps, strict=True), start=1):
+        writer.append(
+            {
+                "round": t,
+                "accuracy": acc,
+                "loss": 1.0,
+                "frobenius-gap": gap,
+                "bytes-up": 100.0,
+                "bytes-down": 300.0,
+                "seconds": seconds,
+            }
+        )
+    (run_dir / "summary.json").write_text(json.dumps(extra or {}))
+    return run_dir
+
+
+def test_table_has_mean_and_std_over_seeds(tmp_path):
+    dirs = [
+        _run(tmp_path, "fedex-lora", 0, [0.5, 0.70], [0.2, 0.1]),
+        _run(tmp_path, "fedex-lora", 1, [0.5, 0.80], [0.4, 0.3]),
+        _run(tmp_path, "fedex-lora", 2, [0.5, 0.75], [0.6, 0.5]),
+        _run(tmp_path, "fedavg-lora", 0, [0.5, 0.60, 0.65], [1.0, 1.0, 1.0], 4.0),
+    ]
+    runs = collect(dirs)
+    assert runs["final-accuracy"].tolist() == pytest.approx([0.70, 0.80, 0.75, 0.65])
+    table = summarise(runs)
+    assert table["method"].tolist() == ["fedex-lora", "fedavg-lora"]
+    fedex = table.iloc[0]
+    assert fedex["seeds"] == 3
+    assert fedex["accuracy-mean"] == pytest.approx(0.75)
+    assert fedex["accuracy-std"] == pytest.approx(0.05)  # sample std of .70 .80 .75
+    assert fedex["mean-gap"] == pytest.approx((0.15 + 0.35 + 0.55) / 3)
+    assert fedex["total-bytes"] == pytest.approx(2 * 400.0)
+    assert fedex["seconds"] == pytest.approx(4.0)
+    fedavg = table.iloc[1]
+    assert fedavg["accuracy-std"] == 0.0 and fedavg["seconds"] == pytest.approx(12.0)
+    text = to_markdown(table)
+    assert "| fedex-lora | 3 | 0.7500 ± 0.0500 | 3.500e-01 |" in text
+    assert text.count("\n") == 4
+
+
+def test_rows_split_by_a_setting_and_continual_columns(tmp_path):
+    dirs = [
+        _run(
+            tmp_path / "a",
+            "fot",
+            0,
+            [0.9],
+            [math.nan],
+            extra={"acc": 0.8, "fgt": 0.1},
+            partitioner="iid",
+        ),
+        _run(
+            tmp_path / "b",
+            "fot",
+            0,
+            [0.7],
+            [math.nan],
+            extra={"acc": 0.6, "fgt": 0.3},
+            partitioner="dirichlet",
+        ),
+    ]
+    table = summarise(collect(dirs, by=["partitioner"]), by=["partitioner"])
+    assert table["partitioner"].tolist() == ["iid", "dirichlet"]
+    assert table["acc"].tolist() == pytest.approx([0.8, 0.6])
+    text = to_markdown(table, by=["partitioner"])
+    assert "| fot | iid | 1 | 0.9000 ± 0.0000 | — |" in text
+    assert text.splitlines()[0].endswith("| ACC | FGT |")
+    out = tmp_path / "out"
+    assert (
+        main(["table", *map(str, dirs), "--out", str(out), "--by", "partitioner"]) == 0
+    )
+    assert {p.name for p in out.iterdir()} == {
+        "table.md",
+        "table.csv",
+        "comparison.png",
+    }
+
+
+def test_conf_files_are_validated(tmp_path):
+    good = tmp_path / "good.toml"
+    good.write_text('method = "fedex-lora"\nnum-server-rounds = 3\n')
+    assert read_conf(good) == {"method": "fedex-lora", "num-server-rounds": 3}
+    bad = tmp_path / "bad.toml"
+    bad.write_text("num-server-round = 3\n")
+    with pytest.raises(ConfigError, match="num-server-round"):
+        read_conf(bad)
+
+
+def test_shipped_experiment_configs_are_valid():
+    from tests.conftest import ROOT
+
+    confs = sorted((ROOT / "benchmarks" / "conf").glob("*.toml"))
+    assert confs, "no experiment configs found"
+    for conf in confs:
+        assert "method" in read_conf(conf), conf.name
