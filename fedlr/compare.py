@@ -135,7 +135,9 @@ def summarise(runs: pd.DataFrame, by: Sequence[str] = ()) -> pd.DataFrame:
 
 
 def _fmt_bytes(value: float) -> str:
-    return f"{value / 1e6:.1f} MB"
+    if value >= 1e6:
+        return f"{value / 1e6:.1f} MB"
+    return f"{value / 1e3:.1f} kB"
 
 
 def to_markdown(table: pd.DataFrame, by: Sequence[str] = ()) -> str:
