@@ -164,6 +164,22 @@ class FedLRStrategy(FedAvg):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Remember the global arrays, add per-round values, sample nodes."""
+        round_config = self.prepare_round(server_round, arrays, config)
+        messages = list(
+            super().configure_train(server_round, arrays, round_config, grid)
+        )
+        self.note_sent(arrays, len(messages))
+        return messages
+
+    def prepare_round(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord
+    ) -> ConfigRecord:
+        """Remember the round's global arrays; return the round's ConfigRecord.
+
+        The ConfigRecord is ``config`` with ``lr`` decayed for the round and
+        :meth:`round_config`'s values added. :meth:`configure_train` calls it;
+        so does the legacy-API adapter (:mod:`strategies.legacy`).
+        """
         self._current = arrays
         round_config = ConfigRecord(dict(config))
         if "lr" in round_config:
@@ -171,11 +187,11 @@ class FedLRStrategy(FedAvg):
             round_config["lr"] = lr * self.lr_decay ** (server_round - 1)
         for key, value in self.round_config(server_round).items():
             round_config[key] = value
-        messages = list(
-            super().configure_train(server_round, arrays, round_config, grid)
-        )
-        self._bytes_down = record_nbytes(arrays) * len(messages)
-        return messages
+        return round_config
+
+    def note_sent(self, arrays: ArrayRecord, count: int) -> None:
+        """Record that ``arrays`` went to ``count`` clients (``bytes-down``)."""
+        self._bytes_down = record_nbytes(arrays) * count
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
