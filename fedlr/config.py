@@ -102,6 +102,18 @@ class RunConfig:
         default="",
         metadata={"help": "absolute results directory ('' = ~/fedlr-outputs)"},
     )
+    resume_from: str = field(
+        default="",
+        metadata={
+            "help": "run directory whose checkpoint.pt to continue from ('' = new run)"
+        },
+    )
+    round_timeout: float = field(
+        default=3600.0,
+        metadata={
+            "help": "seconds to wait for replies per round; late clients are dropped"
+        },
+    )
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -149,7 +161,7 @@ class RunConfig:
                 raise ConfigError(
                     _kebab(name), f"must be >= 1, got {getattr(self, name)}"
                 )
-        positive_floats = ("lr", "lora_alpha", "dirichlet_alpha")
+        positive_floats = ("lr", "lora_alpha", "dirichlet_alpha", "round_timeout")
         for name in positive_floats:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):

@@ -128,6 +128,25 @@ class ResultsWriter:
                 self.layers_path,
             )
 
+    def rows(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Copies of the result rows and layer rows (for a checkpoint)."""
+        return [dict(r) for r in self._rows], [dict(r) for r in self._layer_rows]
+
+    def restore(
+        self, rows: list[dict[str, Any]], layer_rows: list[dict[str, Any]]
+    ) -> None:
+        """Replace the rows with a checkpoint's and rewrite both CSVs."""
+        self._rows = [{c: r.get(c, math.nan) for c in self.columns} for r in rows]
+        for r in self._rows:
+            r["method"] = self.method
+        self._layer_rows = [dict(r) for r in layer_rows]
+        _atomic_write_csv(self.frame, self.path)
+        if self._layer_rows:
+            _atomic_write_csv(
+                pd.DataFrame(self._layer_rows, columns=list(LAYER_COLUMNS)),
+                self.layers_path,
+            )
+
     @property
     def frame(self) -> pd.DataFrame:
         """All rows so far."""

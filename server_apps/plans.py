@@ -70,6 +70,9 @@ class ServerPlan:
         One line for the log (model, data, sizes).
     finish : callable, optional
         ``finish(run_dir) -> extra summary fields``, called once at the end.
+    save_state, load_state : callable, optional
+        The plan's own state for checkpoints (e.g. a continual run's accuracy
+        matrix): ``save_state() -> dict`` and ``load_state(dict)``.
     """
 
     strategy: FedLRStrategy
@@ -79,6 +82,8 @@ class ServerPlan:
     columns: tuple[str, ...] = ()
     description: str = ""
     finish: FinishFn | None = None
+    save_state: Callable[[], dict[str, Any]] | None = None
+    load_state: Callable[[dict[str, Any]], None] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -3,8 +3,10 @@
 1. Read the run config into :class:`~fedlr.config.RunConfig`.
 2. Build the method's :class:`~server_apps.plans.ServerPlan` (strategy, initial
    arrays, evaluation) from the plan registered for its client kind.
-3. Run the rounds with ``strategy.start``; after each, evaluate, append a CSV
-   row and log a progress line.
+3. Run the rounds (``strategy.run_round``: train, then federated evaluation
+   if the method asks for it); after each, evaluate, append a CSV row, log a
+   progress line and save ``checkpoint.pt`` (:mod:`fedlr.checkpoint`), from
+   which ``resume-from`` continues a crashed run.
 4. Save the final arrays, a ``summary.json`` and the plots
    (:mod:`fedlr.plots`).
 
@@ -24,12 +26,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
 import server_apps.kinds  # noqa: F401  (registers every server plan)
 import strategies  # noqa: F401  (registers every method)
+from fedlr.checkpoint import (
+    check_resumable,
+    get_rng_state,
+    load_checkpoint,
+    save_checkpoint,
+    set_rng_state,
+)
 from fedlr.config import RunConfig
 from fedlr.flower.records import record_to_state
 from fedlr.plots import write_run_plots
@@ -51,37 +60,49 @@ def _mb(nbytes: float) -> str:
 
 
 def run_server(grid: Grid, context: Context) -> Path:
-    """Run a whole federated training; return the run's results directory."""
+    """Run a whole federated training; return the run's results directory.
+
+    With ``resume-from`` set, continue the run saved in that directory from
+    its last checkpoint (same directory, same CSVs), up to
+    ``num-server-rounds``.
+    """
     config = RunConfig.from_mapping(context.run_config)
     spec = get_method(config.method)
+    resume = load_checkpoint(config.resume_from) if config.resume_from else None
+    if resume is not None:
+        check_resumable(resume["config"], config.to_mapping())
     random.seed(config.seed)  # Flower samples nodes with `random`
     torch.manual_seed(config.seed)
 
     plan = get_plan_builder(spec.client_kind)(config, spec)
     strategy = plan.strategy
-    run_dir = _run_dir(config, int(context.run_id))
+    if resume is not None:
+        run_dir = Path(config.resume_from)
+    else:
+        run_dir = _run_dir(config, int(context.run_id))
     writer = ResultsWriter(
         run_dir,
         method=config.method,
-        config=config.to_mapping(),
+        config=config.to_mapping() if resume is None else None,
         extra_columns=plan.columns,
     )
     log(INFO, "fedlr: method %s (%s), results in %s", spec.name, spec.summary, run_dir)
     if plan.description:
         log(INFO, "fedlr: %s", plan.description)
+    strategy.summary()
 
     clock = {"t": time.perf_counter()}
     initial_metrics: dict[str, float] = {}
     copied = tuple(c for c in writer.columns if c not in {"round", "method"})
 
-    def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+    def evaluate_round(server_round: int, arrays: ArrayRecord) -> None:
         result = plan.evaluate(server_round, record_to_state(arrays))
         accuracy, loss = float(result["accuracy"]), float(result["loss"])
         if server_round == 0:
             log(INFO, "fedlr: initial accuracy %.4f, loss %.4f", accuracy, loss)
             initial_metrics.update(result)
             clock["t"] = time.perf_counter()
-            return MetricRecord({"accuracy": accuracy, "loss": loss})
+            return
         seconds = time.perf_counter() - clock["t"]
         clock["t"] = time.perf_counter()
         report = strategy.last_report
@@ -112,16 +133,61 @@ def run_server(grid: Grid, context: Context) -> Path:
             seconds,
             f" {extras}" if extras else "",
         )
-        return MetricRecord({"accuracy": accuracy, "loss": loss})
 
-    result = strategy.start(
-        grid=grid,
-        initial_arrays=ArrayRecord(plan.initial_arrays),
-        num_rounds=config.num_server_rounds,
-        train_config=ConfigRecord(plan.train_config),
-        evaluate_fn=evaluate_fn,
-    )
-    final = record_to_state(result.arrays)
+    def checkpoint(server_round: int, arrays: ArrayRecord) -> None:
+        rows, layer_rows = writer.rows()
+        save_checkpoint(
+            run_dir,
+            {
+                "round": server_round,
+                "arrays": record_to_state(arrays),
+                "strategy": strategy.state_dict(),
+                "plan": plan.save_state() if plan.save_state else {},
+                "rng": get_rng_state(),
+                "results": rows,
+                "layers": layer_rows,
+                "extra": {"initial": dict(initial_metrics)},
+                "config": config.to_mapping(),
+            },
+        )
+
+    if resume is None:
+        arrays = ArrayRecord(plan.initial_arrays)
+        evaluate_round(0, arrays)
+        first = 1
+        checkpoint(0, arrays)
+    else:
+        arrays = ArrayRecord(resume["arrays"])
+        strategy.load_state_dict(resume["strategy"])
+        if plan.load_state is not None:
+            plan.load_state(resume.get("plan", {}))
+        writer.restore(resume["results"], resume.get("layers", []))
+        initial_metrics.update(resume.get("extra", {}).get("initial", {}))
+        set_rng_state(resume["rng"])
+        first = int(resume["round"]) + 1
+        log(
+            INFO,
+            "fedlr: resuming after round %d of %d",
+            first - 1,
+            config.num_server_rounds,
+        )
+        clock["t"] = time.perf_counter()
+
+    train_config = ConfigRecord(plan.train_config)
+    for server_round in range(first, config.num_server_rounds + 1):
+        log(INFO, "")
+        log(INFO, "[ROUND %d/%d]", server_round, config.num_server_rounds)
+        arrays = strategy.run_round(
+            grid,
+            server_round,
+            arrays,
+            train_config,
+            timeout=config.round_timeout,
+        )
+        evaluate_round(server_round, arrays)
+        checkpoint(server_round, arrays)
+
+    final = record_to_state(arrays)
     tmp = run_dir / "final_arrays.pt.tmp"
     torch.save(final, tmp)
     os.replace(tmp, run_dir / "final_arrays.pt")
@@ -137,6 +203,8 @@ def run_server(grid: Grid, context: Context) -> Path:
         "total-bytes-down": float(frame["bytes-down"].sum()),
         "seconds": float(frame["seconds"].sum()),
     }
+    if resume is not None:
+        summary["resumed-after-round"] = first - 1
     if plan.finish is not None:
         summary.update(plan.finish(run_dir))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

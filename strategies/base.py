@@ -123,6 +123,7 @@ class FedLRStrategy(FedAvg):
         self.min_replies = min_replies
         self._current: ArrayRecord | None = None
         self._bytes_down = 0
+        self._awaiting: list[int] | None = None
         self.last_report: RoundReport = RoundReport()
         self.last_dropped: list[str] = []
 
@@ -159,6 +160,66 @@ class FedLRStrategy(FedAvg):
         """Extra per-round values for the clients' ConfigRecord."""
         return {}
 
+    def state_dict(self) -> dict[str, Any]:
+        """Strategy state a resumed run needs besides the global arrays.
+
+        Tensors and JSON-like values (saved with ``torch.save``). Stateless
+        strategies return ``{}``; stateful ones (FedSpec's rank, FOT's bases...)
+        override this and :meth:`load_state_dict`.
+        """
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned.
+
+        Raises
+        ------
+        ValueError
+            If ``state`` has keys this strategy does not know.
+        """
+        if state:
+            raise ValueError(
+                f"{type(self).__name__} keeps no state, got keys {sorted(state)}"
+            )
+
+    # ---------------------------------------------------------- round driver
+    def run_round(
+        self,
+        grid: Grid,
+        server_round: int,
+        arrays: ArrayRecord,
+        train_config: ConfigRecord,
+        evaluate_config: ConfigRecord | None = None,
+        timeout: float | None = 3600.0,
+    ) -> ArrayRecord:
+        """One round as ``Strategy.start`` runs it: train, then federated eval.
+
+        The ServerApp drives rounds itself with this (so a run can start at
+        any round when it resumes from a checkpoint); Flower's ``start`` works
+        too.
+
+        Returns
+        -------
+        ArrayRecord
+            The next global arrays.
+        """
+        replies = grid.send_and_receive(
+            messages=self.configure_train(server_round, arrays, train_config, grid),
+            timeout=timeout,
+        )
+        new_arrays, _ = self.aggregate_train(server_round, replies)
+        if new_arrays is not None:
+            arrays = new_arrays
+        messages = list(
+            self.configure_evaluate(
+                server_round, arrays, evaluate_config or ConfigRecord(), grid
+            )
+        )
+        if messages:
+            replies = grid.send_and_receive(messages=messages, timeout=timeout)
+            self.aggregate_evaluate(server_round, replies)
+        return arrays
+
     # ------------------------------------------------------------ Flower hooks
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -169,6 +230,7 @@ class FedLRStrategy(FedAvg):
             super().configure_train(server_round, arrays, round_config, grid)
         )
         self.note_sent(arrays, len(messages))
+        self._awaiting = [int(m.metadata.dst_node_id) for m in messages]
         return messages
 
     def prepare_round(
@@ -204,6 +266,14 @@ class FedLRStrategy(FedAvg):
             )
         replies = list(replies)
         updates, dropped = self.validate_replies(replies)
+        if self._awaiting is not None:
+            answered = {int(m.metadata.src_node_id) for m in replies}
+            dropped += [
+                f"node {node}: no reply (timed out or lost)"
+                for node in sorted(self._awaiting)
+                if node not in answered
+            ]
+            self._awaiting = None
         self.last_dropped = dropped
         for reason in dropped:
             log(WARNING, "round %d: dropped a reply: %s", server_round, reason)

@@ -26,7 +26,7 @@ __all__ = ["InProcessGrid"]
 _LOG = getLogger("fedlr")
 _SERVER_NODE_ID = 1
 
-ReplyHook = Callable[[int, Message, Message], Message]
+ReplyHook = Callable[[int, Message, Message], Message | None]
 
 
 class InProcessGrid(Grid):
@@ -45,7 +45,8 @@ class InProcessGrid(Grid):
         Run id stamped on messages.
     reply_hook : callable, optional
         ``hook(partition_id, instruction, reply) -> reply``, applied to every
-        reply; tests use it to corrupt replies of chosen nodes.
+        reply; tests use it to corrupt replies of chosen nodes, or return
+        ``None`` to lose a reply (as if the node timed out).
     """
 
     def __init__(
@@ -126,7 +127,9 @@ class InProcessGrid(Grid):
         for message_id in message_ids:
             message = self._pending.pop(message_id, None)
             if message is not None:
-                replies.append(self._deliver(message))
+                reply = self._deliver(message)
+                if reply is not None:  # None: the reply is lost (a timeout)
+                    replies.append(reply)
         return replies
 
     def send_and_receive(
@@ -142,7 +145,7 @@ class InProcessGrid(Grid):
         return replies
 
     # -- delivery ------------------------------------------------------------
-    def _deliver(self, message: Message) -> Message:
+    def _deliver(self, message: Message) -> Message | None:
         node_id = message.metadata.dst_node_id
         context = self.contexts[node_id]
         try:
@@ -151,5 +154,5 @@ class InProcessGrid(Grid):
             _LOG.warning("node %d: ClientApp raised %r", node_id, exc)
             reply = Message(Error(code=0, reason=repr(exc)), reply_to=message)
         if self._reply_hook is not None:
-            reply = self._reply_hook(self._partition[node_id], message, reply)
+            return self._reply_hook(self._partition[node_id], message, reply)
         return reply

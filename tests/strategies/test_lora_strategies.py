@@ -208,13 +208,33 @@ def test_error_reply_is_dropped():
     strategy = FedAvgLoRA(layout=LAYOUT)
     _configured(strategy, _global())
     failed = Message(
-        Error(code=0, reason="ClientApp crashed"), reply_to=instruction(1005)
+        Error(code=0, reason="ClientApp crashed"), reply_to=instruction(1001)
     )
     _, metrics = strategy.aggregate_train(
-        1, [failed, reply(1000, _client(0), {"num-examples": 2})]
+        1,
+        [
+            failed,
+            reply(1000, _client(0), {"num-examples": 2}),
+            reply(1002, _client(2), {"num-examples": 2}),
+        ],
     )
-    assert metrics["dropped"] == 1
+    assert metrics["dropped"] == 1 and metrics["clients"] == 2
+    assert "node 1001" in strategy.last_dropped[0]
     assert "ClientApp crashed" in strategy.last_dropped[0]
+
+
+def test_a_node_that_never_replies_is_dropped_as_missing():
+    strategy = FedAvgLoRA(layout=LAYOUT)
+    _configured(strategy, _global())  # sent to nodes 1000, 1001, 1002
+    state, metrics = strategy.aggregate_train(
+        1, [reply(1000, _client(0), {"num-examples": 2})]
+    )
+    assert metrics["dropped"] == 2 and metrics["clients"] == 1
+    assert strategy.last_dropped == [
+        "node 1001: no reply (timed out or lost)",
+        "node 1002: no reply (timed out or lost)",
+    ]
+    assert torch.equal(record_to_state(state)["l0.A"], _client(0)["l0.A"])
 
 
 def test_all_bad_round_raises_named_error():
