@@ -93,7 +93,7 @@ def test_ffa_lora_never_sends_a_and_averages_b_exactly():
     initial = _tensors(0, LAYOUT.shapes(*Role))
     strategy.bind_initial(initial)
     messages = _configured(strategy, initial)
-    assert not any(k.endswith(".A") for k in messages[0].content["arrays"].keys())
+    assert not any(k.endswith(".A") for k in messages[0].content["arrays"])
     assert messages[0].content["config"]["train-roles"] == "lora_B,head"
     clients = [
         _tensors(10 + i, LAYOUT.shapes(Role.LORA_B, Role.HEAD)) for i in range(3)
@@ -194,7 +194,7 @@ def test_fedspec_pads_when_the_mean_has_fewer_singular_values():
     _configured(strategy, current, num_nodes=1)
     client = _tensors(5, layout.shapes(Role.LORA_A, Role.LORA_B))
     msg = reply(1000, client, {"num-examples": 4})
-    arrays, metrics = strategy.aggregate_train(1, [msg])
+    arrays, _metrics = strategy.aggregate_train(1, [msg])
     new = record_to_state(arrays)
     # one rank-1 client: rank 1 would be exact, the tail is 0 -> no growth
     assert strategy.rank == 1
@@ -261,7 +261,7 @@ def test_personal_methods_average_a_and_measure_the_personal_change(cls):
     assert config["train-roles"] == "lora_A,head" and config["keep-roles"] == "lora_B"
     assert config["personal-split"] is True
     assert ("client-svd" in config) == (cls is LocalSVD)
-    assert not any(k.endswith(".B") for k in messages[0].content["arrays"].keys())
+    assert not any(k.endswith(".B") for k in messages[0].content["arrays"])
     clients = [
         _tensors(10 + i, LAYOUT.shapes(Role.LORA_A, Role.LORA_B, Role.HEAD))
         for i in range(3)
@@ -446,9 +446,7 @@ def test_ffa_lora_a_is_identical_on_every_client(tmp_path, assets):
         strategy.configure_train(1, ArrayRecord(initial), ConfigRecord(), grid)
     )
     replies = list(grid.send_and_receive(messages))
-    assert all(
-        not any("lora_A" in k for k in r.content["arrays"].keys()) for r in replies
-    )
+    assert all(not any("lora_A" in k for k in r.content["arrays"]) for r in replies)
     # whatever the process's cached model last held, a client loads the seeded A
     for nid, context in grid.contexts.items():
         lm, _ = lora_client._lora_model(cfg)

@@ -87,7 +87,7 @@ def test_tail_fraction_and_truncate_match_dense(case):
 @settings(max_examples=40, deadline=None)
 @given(cases)
 def test_padding_keeps_the_product_and_adds_orthogonal_rows(case):
-    k, d_out, r, d_in, extra, seed = case
+    _k, d_out, r, d_in, extra, seed = case
     r = min(r, d_in)
     target = min(d_in, r + extra)
     bs, as_, _ = _clients(seed, 1, d_out, r, d_in)
