@@ -294,12 +294,19 @@ class PersonalLoraStrategy(SvdLoraStrategy):
                 log(INFO, "round %d: evaluate error: %s", server_round, message.error)
                 continue
             metrics = next(iter(message.content.metric_records.values()), None)
-            if metrics is None or "accuracy" not in metrics or "loss" not in metrics:
+            if metrics is None:
                 continue
-            acc, loss = float(str(metrics["accuracy"])), float(str(metrics["loss"]))
+            acc, loss = metrics.get("accuracy"), metrics.get("loss")
+            if not isinstance(acc, (int, float)) or not isinstance(loss, (int, float)):
+                log(
+                    INFO,
+                    "round %d: evaluate reply without scalar accuracy and loss",
+                    server_round,
+                )
+                continue
             if math.isfinite(acc) and math.isfinite(loss):
-                accuracies.append(acc)
-                losses.append(loss)
+                accuracies.append(float(acc))
+                losses.append(float(loss))
         if not accuracies:
             self.last_evaluation = {}
             return None
