@@ -177,7 +177,10 @@ def _prepare(
         context.state[_PERSONAL] = message.content.array_records[_PERSONAL]
     if _PERSONAL in context.state.array_records:
         personal = record_to_state(context.state.array_records[_PERSONAL])
-        if all(tuple(v.shape) == tuple(state[k].shape) for k, v in personal.items()):
+        if all(
+            k in state and tuple(v.shape) == tuple(state[k].shape)
+            for k, v in personal.items()
+        ):
             state.update(personal)
         else:  # the rank changed since it was stored
             _LOG.log(WARNING, "personal arrays have another rank; not loaded")
@@ -231,6 +234,7 @@ def train_message(message: Message, context: Context) -> Message:
     )
     if keep:
         context.state[_PERSONAL] = state_to_record(trained, lm.layout.keys(*keep))
+    if Role.LORA_B in keep:
         reply[_GRAM] = ArrayRecord(
             {
                 m.b_key: (trained[m.b_key].T @ trained[m.b_key]).contiguous()
