@@ -8,7 +8,8 @@ Protocol (see docs/architecture.md):
   ``train-roles`` (comma-separated role names);
 * reply: ArrayRecord ``arrays`` with exactly the tensors of ``train-roles``,
   MetricRecord ``metrics`` with ``num-examples``, ``train-loss``,
-  ``partition-id``.
+  ``partition-id`` and ``personal-loaded`` (1 if the client started from
+  personal arrays it kept or received, else 0).
 
 Optional ConfigRecord keys of the SVD family of methods:
 
@@ -164,8 +165,12 @@ def _parse_roles(
 
 def _prepare(
     message: Message, context: Context, config: RunConfig
-) -> tuple[LoraModel, ConfigRecord]:
-    """Model at this round's rank with initial, global, then personal arrays."""
+) -> tuple[LoraModel, ConfigRecord, bool]:
+    """Model at this round's rank with initial, global, then personal arrays.
+
+    Returns the model, the round's ConfigRecord and whether personal arrays
+    (from the instruction or the node's state) were loaded.
+    """
     round_config = message.content.config_records.get("config", ConfigRecord())
     rank = int(round_config.get("lora-rank", config.lora_rank))
     if rank != config.lora_rank:
@@ -175,6 +180,7 @@ def _prepare(
     state.update(record_to_state(message.content["arrays"]))
     if _PERSONAL in message.content.array_records:
         context.state[_PERSONAL] = message.content.array_records[_PERSONAL]
+    loaded = False
     if _PERSONAL in context.state.array_records:
         personal = record_to_state(context.state.array_records[_PERSONAL])
         if all(
@@ -182,10 +188,11 @@ def _prepare(
             for k, v in personal.items()
         ):
             state.update(personal)
+            loaded = True
         else:  # the rank changed since it was stored
             _LOG.log(WARNING, "personal arrays have another rank; not loaded")
     lm.load(state)
-    return lm, round_config
+    return lm, round_config, loaded
 
 
 def _local_svd(lm: LoraModel, arrays: dict[str, torch.Tensor]) -> None:
@@ -200,7 +207,7 @@ def train_message(message: Message, context: Context) -> Message:
     """Handle a ``train`` instruction for a LoRA method."""
     config = RunConfig.from_mapping(context.run_config)
     pid, num = partition_of(context, config)
-    lm, round_config = _prepare(message, context, config)
+    lm, round_config, loaded = _prepare(message, context, config)
     roles = _parse_roles(round_config)
     keep = _parse_roles(round_config, "keep-roles", "")
     lm.train_only(roles + keep)
@@ -228,7 +235,12 @@ def train_message(message: Message, context: Context) -> Message:
         {
             "arrays": state_to_record(trained, lm.layout.keys(*roles)),
             "metrics": MetricRecord(
-                {"num-examples": len(data), "train-loss": loss, "partition-id": pid}
+                {
+                    "num-examples": len(data),
+                    "train-loss": loss,
+                    "partition-id": pid,
+                    "personal-loaded": int(loaded),
+                }
             ),
         }
     )
@@ -248,7 +260,7 @@ def evaluate_message(message: Message, context: Context) -> Message:
     """Handle an ``evaluate`` instruction: the (personalised) model on local data."""
     config = RunConfig.from_mapping(context.run_config)
     pid, num = partition_of(context, config)
-    lm, round_config = _prepare(message, context, config)
+    lm, round_config, _ = _prepare(message, context, config)
     personal_split = bool(round_config.get("personal-split", False))
     data = _partition(config, pid, num, "eval" if personal_split else "all")
     accuracy, loss = evaluate(

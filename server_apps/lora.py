@@ -70,7 +70,7 @@ def lora_plan(config: RunConfig, spec: MethodSpec) -> ServerPlan:
             if not result:
                 nan = float("nan")
                 return {"accuracy": nan, "loss": nan}
-            return {k: result[k] for k in ("accuracy", "loss", *strategy.extra_columns)}
+            return {k: v for k, v in result.items() if k != "evaluated-clients"}
         rank = int(state[first_a].shape[0]) if first_a in state else config.lora_rank
         model = model_at(rank)
         model.load(state)

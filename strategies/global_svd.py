@@ -94,7 +94,7 @@ class GlobalSVD(PersonalLoraStrategy):
                 personal[u.node_id][m.b_key] = b.to(dtype)
             layers[m.name] = (math.sqrt(svd.tail_energy), math.sqrt(svd.total_energy))
         self.personal.update(personal)
-        return state, self._report(layers)
+        return state, self.with_personal_count(updates, self._report(layers))
 
 
 @register_method(

@@ -212,7 +212,9 @@ class PersonalLoraStrategy(SvdLoraStrategy):
     evaluates its own personalised model on its own held-out part; the round's
     ``accuracy`` and ``loss`` are the means over clients, ``accuracy-std``,
     ``accuracy-min`` and ``accuracy-max`` their spread (population standard
-    deviation, unweighted: each client counts once).
+    deviation, unweighted: each client counts once). ``personal-clients``
+    counts the round's clients that started from their own kept (or
+    received) personal factors.
 
     Parameters: see :class:`SvdLoraStrategy`.
     """
@@ -221,6 +223,7 @@ class PersonalLoraStrategy(SvdLoraStrategy):
         "accuracy-std",
         "accuracy-min",
         "accuracy-max",
+        "personal-clients",
     )
     keep_roles: ClassVar[tuple[Role, ...]] = (Role.LORA_B,)
 
@@ -229,6 +232,15 @@ class PersonalLoraStrategy(SvdLoraStrategy):
         super().__init__(layout=layout, **kwargs)
         self.last_evaluation: dict[str, float] = {}
         self.personal: dict[int, dict[str, torch.Tensor]] = {}
+
+    def with_personal_count(
+        self, updates: Sequence[ClientUpdate], report: RoundReport
+    ) -> RoundReport:
+        """Add ``personal-clients`` to a round's report."""
+        report.metrics["personal-clients"] = float(
+            sum(u.metrics.get("personal-loaded", 0.0) > 0 for u in updates)
+        )
+        return report
 
     def round_config(self, server_round: int) -> dict[str, Any]:
         config = super().round_config(server_round)
@@ -376,4 +388,4 @@ class PersonalLoraStrategy(SvdLoraStrategy):
                 change_sq += weight * change
                 own_sq += weight * own
             layers[module.name] = (math.sqrt(change_sq), math.sqrt(own_sq))
-        return self._report(layers)
+        return self.with_personal_count(updates, self._report(layers))

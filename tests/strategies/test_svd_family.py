@@ -395,6 +395,8 @@ def test_in_process_rounds_for_every_svd_method(tmp_path, assets, method):
     else:
         assert (gap > 0).all()
     if "accuracy-std" in extra:
+        # round 1 starts from the initial adapter, round 2 from kept factors
+        assert frame["personal-clients"].tolist() == [0, 3]
         assert (frame["accuracy-min"] <= frame["accuracy"]).all()
         assert (frame["accuracy"] <= frame["accuracy-max"]).all()
     layers = pd.read_csv(run_dir / "layers.csv")
@@ -458,7 +460,8 @@ def test_ffa_lora_a_is_identical_on_every_client(tmp_path, assets):
             dst_node_id=nid,
             message_type="train",
         )
-        lm, _ = lora_client._prepare(msg, context, cfg)
+        lm, _, loaded = lora_client._prepare(msg, context, cfg)
+        assert not loaded  # FFA keeps nothing personal
         client_a = adapter_state(lm.model, lm.layout, (Role.LORA_A,))
         assert all(torch.equal(client_a[k], server_a[k]) for k in server_a)
 
@@ -479,7 +482,8 @@ def test_fedsa_clients_share_a_and_keep_their_own_b(tmp_path, assets):
             dst_node_id=nid,
             message_type="evaluate",
         )
-        lm, _ = lora_client._prepare(msg, context, config)
+        lm, _, loaded = lora_client._prepare(msg, context, config)
+        assert loaded
         a = adapter_state(lm.model, lm.layout, (Role.LORA_A,))
         b = adapter_state(lm.model, lm.layout, (Role.LORA_B,))
         assert all(torch.equal(b[k], personal[k]) for k in b)
