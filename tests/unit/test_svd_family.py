@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedlr.errors import RankMismatchError
+from fedlr.config import RunConfig
+from fedlr.errors import ConfigError, RankMismatchError
 from fedlr.linalg import (
     adaptive_rank,
     local_svd_factors,
@@ -229,3 +230,24 @@ def test_fedspec_demo_three_synthetic_clients(capsys):
     # Eckart-Young: no rank-r factors do better than FedSpec's
     sigma = torch.linalg.svdvals(ideal)
     assert abs(fedspec_gap - float(sigma[r:].norm())) < 1e-9 * float(sigma[0])
+
+
+# ------------------------------------------------------------------- config
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("fedspec-threshold", 1.0, r"must be in \[0, 1\)"),
+        ("fedspec-threshold", -0.1, r"must be in \[0, 1\)"),
+        ("fedspec-max-rank", 0, "must be >= 1"),
+        ("fedspec-max-rank", 2.5, "expected an integer"),
+    ],
+)
+def test_svd_family_config_keys_are_validated(key, value, match):
+    with pytest.raises(ConfigError, match=match) as info:
+        RunConfig.from_mapping({key: value})
+    assert info.value.key == key
+
+
+def test_svd_family_config_defaults():
+    config = RunConfig()
+    assert (config.fedspec_threshold, config.fedspec_max_rank) == (0.05, 16)
