@@ -8,7 +8,27 @@ Protocol (see docs/architecture.md):
   ``train-roles`` (comma-separated role names);
 * reply: ArrayRecord ``arrays`` with exactly the tensors of ``train-roles``,
   MetricRecord ``metrics`` with ``num-examples``, ``train-loss``,
-  ``partition-id``.
+  ``partition-id`` and ``personal-loaded`` (1 if the client started from
+  personal arrays it kept or received, else 0).
+
+Optional ConfigRecord keys of the SVD family of methods:
+
+* ``lora-rank``: the adapter's rank this round (FedSpec grows it); the client
+  rebuilds its adapter at that rank when it differs from the run config's;
+* ``keep-roles``: roles trained but kept in the client's ``context.state``
+  (record ``personal``) instead of being sent (FedSA-LoRA's ``B``); the reply
+  then also carries an ArrayRecord ``personal-gram`` with ``B^T B`` (r x r) per
+  adapted layer, keyed by the layer's ``B`` key, from which the server measures
+  how much aggregation changed the client's update;
+* ``client-svd``: before replying, rewrite each layer's ``(B, A)`` as balanced
+  singular factors (Local SVD) so the sent ``A`` is the input-side factor;
+* ``personal-split``: train on the client's own train part and evaluate on its
+  own held-out part (personalised evaluation).
+
+An instruction may carry an ArrayRecord ``personal`` (Global SVD's
+client-specific factor); it is loaded over the global arrays and stored in
+``context.state``. Every load starts from the adapter's seeded initial values,
+so a process serving many clients never leaks one client's tensors to another.
 
 Base weights that a round does not send are restored to their pristine values,
 so a cached model never carries another run's FedEx updates.
@@ -18,7 +38,9 @@ from __future__ import annotations
 
 from logging import WARNING, getLogger
 
+import torch
 from flwr.app import (
+    ArrayRecord,
     ConfigRecord,
     Context,
     Message,
@@ -30,6 +52,7 @@ from fedlr.adapters import Role, adapter_state
 from fedlr.config import RunConfig
 from fedlr.errors import ConfigError
 from fedlr.flower.records import record_to_state, state_to_record
+from fedlr.linalg import local_svd_factors
 from fedlr.tasks import LoraModel, TextTask
 from fedlr.train import EncodedText, TrainSettings, evaluate, pick_device, train_steps
 
@@ -67,12 +90,19 @@ def partition_of(context: Context, config: RunConfig) -> tuple[int, int]:
     return pid, num
 
 
-_MODELS: dict[tuple[object, ...], LoraModel] = {}
+_MODELS: dict[tuple[object, ...], tuple[LoraModel, dict[str, torch.Tensor]]] = {}
 _DATA: dict[tuple[object, ...], EncodedText] = {}
+_PERSONAL = "personal"
+_GRAM = "personal-gram"
+_ADAPTER_ROLES = (Role.LORA_A, Role.LORA_B, Role.HEAD)
 
 
-def _lora_model(config: RunConfig) -> LoraModel:
-    """The process's model for this config (a Ray actor serves many clients)."""
+def _lora_model(config: RunConfig) -> tuple[LoraModel, dict[str, torch.Tensor]]:
+    """The process's model for this config and its initial adapter state.
+
+    A Ray actor serves many clients; the seeded initial A, B and head are kept
+    so every load starts from them.
+    """
     key = (
         config.model,
         config.pooling,
@@ -85,12 +115,15 @@ def _lora_model(config: RunConfig) -> LoraModel:
     )
     if key not in _MODELS:
         _MODELS.clear()  # one model per process at a time
-        _MODELS[key] = TextTask(config).build_lora_model()
+        lm = TextTask(config).build_lora_model()
+        _MODELS[key] = (lm, adapter_state(lm.model, lm.layout, _ADAPTER_ROLES))
     return _MODELS[key]
 
 
-def _partition(config: RunConfig, pid: int, num: int) -> EncodedText:
+def _partition(config: RunConfig, pid: int, num: int, part: str = "all") -> EncodedText:
+    """A client's data: its whole partition, or its own ``train``/``eval`` part."""
     key = (
+        part,
         config.model,
         config.dataset,
         config.seed,
@@ -99,35 +132,87 @@ def _partition(config: RunConfig, pid: int, num: int) -> EncodedText:
         config.classes_per_partition,
         config.eval_fraction,
         config.max_length,
+        config.max_eval_examples,
         pid,
         num,
     )
     if key not in _DATA:
-        _DATA[key] = TextTask(config).partition(pid, num)
+        task = TextTask(config)
+        if part == "all":
+            _DATA[key] = task.partition(pid, num)
+        else:
+            train, held = task.split(num).client_split(pid, config.eval_fraction)
+            data = train if part == "train" else held
+            cap = config.max_eval_examples
+            if part == "eval" and cap and len(data) > cap:
+                data = data.select(range(cap))
+            _DATA[key] = task.encode(list(data["text"]), list(data["label"]))
     return _DATA[key]
 
 
-def _parse_roles(config: ConfigRecord) -> tuple[Role, ...]:
-    raw = str(config.get("train-roles", "lora_A,lora_B,head"))
+def _parse_roles(
+    config: ConfigRecord, key: str = "train-roles", default: str = "lora_A,lora_B,head"
+) -> tuple[Role, ...]:
+    raw = str(config.get(key, default))
     try:
         return tuple(Role(name) for name in raw.split(",") if name)
     except ValueError as exc:
         known = ", ".join(r.value for r in Role)
         raise ValueError(
-            f"ConfigRecord 'train-roles' = '{raw}' names an unknown role ({known})"
+            f"ConfigRecord '{key}' = '{raw}' names an unknown role ({known})"
         ) from exc
+
+
+def _prepare(
+    message: Message, context: Context, config: RunConfig
+) -> tuple[LoraModel, ConfigRecord, bool]:
+    """Model at this round's rank with initial, global, then personal arrays.
+
+    Returns the model, the round's ConfigRecord and whether personal arrays
+    (from the instruction or the node's state) were loaded.
+    """
+    round_config = message.content.config_records.get("config", ConfigRecord())
+    rank = int(round_config.get("lora-rank", config.lora_rank))
+    if rank != config.lora_rank:
+        config = config.replace(lora_rank=rank)
+    lm, initial = _lora_model(config)
+    state = dict(initial)
+    state.update(record_to_state(message.content["arrays"]))
+    if _PERSONAL in message.content.array_records:
+        context.state[_PERSONAL] = message.content.array_records[_PERSONAL]
+    loaded = False
+    if _PERSONAL in context.state.array_records:
+        personal = record_to_state(context.state.array_records[_PERSONAL])
+        if all(
+            k in state and tuple(v.shape) == tuple(state[k].shape)
+            for k, v in personal.items()
+        ):
+            state.update(personal)
+            loaded = True
+        else:  # the rank changed since it was stored
+            _LOG.log(WARNING, "personal arrays have another rank; not loaded")
+    lm.load(state)
+    return lm, round_config, loaded
+
+
+def _local_svd(lm: LoraModel, arrays: dict[str, torch.Tensor]) -> None:
+    """Rewrite every layer's (B, A) in ``arrays`` as balanced singular factors."""
+    for module in lm.layout.modules:
+        arrays[module.b_key], arrays[module.a_key] = local_svd_factors(
+            arrays[module.b_key], arrays[module.a_key]
+        )
 
 
 def train_message(message: Message, context: Context) -> Message:
     """Handle a ``train`` instruction for a LoRA method."""
     config = RunConfig.from_mapping(context.run_config)
     pid, num = partition_of(context, config)
-    round_config = message.content["config"]
-    lm = _lora_model(config)
-    lm.load(record_to_state(message.content["arrays"]))
+    lm, round_config, loaded = _prepare(message, context, config)
     roles = _parse_roles(round_config)
-    lm.train_only(roles)
-    data = _partition(config, pid, num)
+    keep = _parse_roles(round_config, "keep-roles", "")
+    lm.train_only(roles + keep)
+    personal_split = bool(round_config.get("personal-split", False))
+    data = _partition(config, pid, num, "train" if personal_split else "all")
     server_round = int(round_config.get("server-round", 0))
     settings = TrainSettings(
         local_steps=int(round_config.get("local-steps", config.local_steps)),
@@ -143,24 +228,41 @@ def train_message(message: Message, context: Context) -> Message:
         device=pick_device(config.device),
     )
     lm.model.to("cpu")
+    trained = adapter_state(lm.model, lm.layout, roles + keep)
+    if bool(round_config.get("client-svd", False)):
+        _local_svd(lm, trained)
     reply = RecordDict(
         {
-            "arrays": state_to_record(adapter_state(lm.model, lm.layout, roles)),
+            "arrays": state_to_record(trained, lm.layout.keys(*roles)),
             "metrics": MetricRecord(
-                {"num-examples": len(data), "train-loss": loss, "partition-id": pid}
+                {
+                    "num-examples": len(data),
+                    "train-loss": loss,
+                    "partition-id": pid,
+                    "personal-loaded": int(loaded),
+                }
             ),
         }
     )
+    if keep:
+        context.state[_PERSONAL] = state_to_record(trained, lm.layout.keys(*keep))
+    if Role.LORA_B in keep:
+        reply[_GRAM] = ArrayRecord(
+            {
+                m.b_key: (trained[m.b_key].T @ trained[m.b_key]).contiguous()
+                for m in lm.layout.modules
+            }
+        )
     return Message(reply, reply_to=message)
 
 
 def evaluate_message(message: Message, context: Context) -> Message:
-    """Handle an ``evaluate`` instruction: the global model on local data."""
+    """Handle an ``evaluate`` instruction: the (personalised) model on local data."""
     config = RunConfig.from_mapping(context.run_config)
     pid, num = partition_of(context, config)
-    lm = _lora_model(config)
-    lm.load(record_to_state(message.content["arrays"]))
-    data = _partition(config, pid, num)
+    lm, round_config, _ = _prepare(message, context, config)
+    personal_split = bool(round_config.get("personal-split", False))
+    data = _partition(config, pid, num, "eval" if personal_split else "all")
     accuracy, loss = evaluate(
         lm.model,
         data,
@@ -171,7 +273,12 @@ def evaluate_message(message: Message, context: Context) -> Message:
     reply = RecordDict(
         {
             "metrics": MetricRecord(
-                {"num-examples": len(data), "accuracy": accuracy, "loss": loss}
+                {
+                    "num-examples": len(data),
+                    "accuracy": accuracy,
+                    "loss": loss,
+                    "partition-id": pid,
+                }
             )
         }
     )

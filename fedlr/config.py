@@ -114,6 +114,17 @@ class RunConfig:
             "help": "seconds to wait for replies per round; late clients are dropped"
         },
     )
+    # --- SVD family methods
+    fedspec_threshold: float = field(
+        default=0.05,
+        metadata={
+            "help": "fedspec: grow the rank by 2 while the tail energy fraction "
+            "beyond it exceeds this"
+        },
+    )
+    fedspec_max_rank: int = field(
+        default=16, metadata={"help": "fedspec: cap of the adaptive rank"}
+    )
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -215,6 +226,14 @@ class RunConfig:
             )
         if not self.method:
             raise ConfigError("method", "is empty")
+        if not 0.0 <= self.fedspec_threshold < 1.0:
+            raise ConfigError(
+                "fedspec-threshold", f"must be in [0, 1), got {self.fedspec_threshold}"
+            )
+        if self.fedspec_max_rank < 1:
+            raise ConfigError(
+                "fedspec-max-rank", f"must be >= 1, got {self.fedspec_max_rank}"
+            )
 
     # ---------------------------------------------------------------- derived
     @property

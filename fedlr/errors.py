@@ -88,3 +88,30 @@ class UnknownMethodError(FedLRError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its argument; keep the sentence.
         return str(self.args[0])
+
+
+class RankMismatchError(FedLRError, ValueError):
+    """Clients replied with LoRA factors of different ranks where one is required.
+
+    Parameters
+    ----------
+    layer : str
+        The adapted layer whose factors disagree.
+    shapes : mapping of str to (tuple of int, tuple of int)
+        Client name -> shapes of its ``B`` (d_out, r) and ``A`` (r, d_in).
+    """
+
+    def __init__(
+        self,
+        layer: str,
+        shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]],
+    ) -> None:
+        self.layer = layer
+        self.shapes = shapes
+        detail = ", ".join(
+            f"{client}: B {b} A {a}" for client, (b, a) in shapes.items()
+        )
+        super().__init__(
+            f"layer '{layer}': clients replied with different LoRA ranks ({detail}); "
+            "this method aggregates factors of one rank"
+        )

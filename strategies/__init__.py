@@ -6,7 +6,13 @@ Importing this package registers every method (see :mod:`strategies.registry`).
 from strategies.base import ClientUpdate, FedLRStrategy, RoundReport
 from strategies.fedavg_lora import FedAvgLoRA
 from strategies.fedex_lora import FedExLoRA
+from strategies.fedsa_lora import FedSALoRA
+from strategies.fedspec import FedSpec
+from strategies.fedsvd import FedSVD
+from strategies.ffa_lora import FFALoRA
+from strategies.global_svd import GlobalSVD, LocalSVD
 from strategies.lora import LoraStrategy
+from strategies.lora_svd import PersonalLoraStrategy, SvdLoraStrategy
 from strategies.registry import (
     MethodSpec,
     available_methods,
@@ -16,12 +22,20 @@ from strategies.registry import (
 
 __all__ = [
     "ClientUpdate",
+    "FFALoRA",
     "FedAvgLoRA",
     "FedExLoRA",
     "FedLRStrategy",
+    "FedSALoRA",
+    "FedSVD",
+    "FedSpec",
+    "GlobalSVD",
+    "LocalSVD",
     "LoraStrategy",
     "MethodSpec",
+    "PersonalLoraStrategy",
     "RoundReport",
+    "SvdLoraStrategy",
     "available_methods",
     "get_method",
     "register_method",

@@ -20,7 +20,7 @@ from peft.utils import ModulesToSaveWrapper, get_peft_model_state_dict
 from peft.utils import set_peft_model_state_dict as _set_peft_state
 
 from fedlr.adapters.roles import AdapterLayout, LoraModule, Role
-from fedlr.errors import ShapeMismatchError
+from fedlr.errors import ConfigError, ShapeMismatchError
 
 __all__ = [
     "LoraSettings",
@@ -84,8 +84,10 @@ def apply_lora(
     Raises
     ------
     ValueError
-        If no module of ``model`` matches ``settings.target_modules`` or a
-        target is narrower than the rank.
+        If no module of ``model`` matches ``settings.target_modules``.
+    ConfigError
+        (a ValueError) for key ``lora-rank`` if a target is narrower than the
+        rank.
     """
     config = LoraConfig(
         r=settings.rank,
@@ -100,9 +102,10 @@ def apply_lora(
             base = cast(torch.nn.Linear, module.get_base_layer())
             narrow = min(base.in_features, base.out_features)
             if settings.rank > narrow:
-                raise ValueError(
+                raise ConfigError(
+                    "lora-rank",
                     f"rank {settings.rank} exceeds the smaller side {narrow} of a "
-                    f"target layer ({base.out_features} x {base.in_features})"
+                    f"target layer ({base.out_features} x {base.in_features})",
                 )
     return peft_model
 

@@ -13,20 +13,36 @@ from fedlr.linalg.lowrank import (
 )
 from fedlr.linalg.svd import (
     TruncatedSVD,
+    adaptive_rank,
     factored_svd,
     fix_signs,
+    local_svd_factors,
+    pad_factors,
+    personal_change,
+    require_common_rank,
+    stacked_updates_svd,
+    tail_fraction,
+    truncate,
     truncated_svd_of_mean,
 )
 
 __all__ = [
     "TruncatedSVD",
+    "adaptive_rank",
     "factored_frobenius_norm",
     "factored_svd",
     "fix_signs",
     "fold_residual",
+    "local_svd_factors",
     "mean_of_products_factors",
     "normalise_weights",
+    "pad_factors",
+    "personal_change",
+    "require_common_rank",
     "residual_factors",
+    "stacked_updates_svd",
+    "tail_fraction",
+    "truncate",
     "truncated_svd_of_mean",
     "weighted_mean",
 ]

@@ -23,15 +23,28 @@ devices.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from fedlr.errors import ShapeMismatchError
-from fedlr.linalg.lowrank import mean_of_products_factors
+from fedlr.errors import RankMismatchError, ShapeMismatchError
+from fedlr.linalg.lowrank import mean_of_products_factors, normalise_weights
 
-__all__ = ["TruncatedSVD", "factored_svd", "fix_signs", "truncated_svd_of_mean"]
+__all__ = [
+    "TruncatedSVD",
+    "adaptive_rank",
+    "factored_svd",
+    "fix_signs",
+    "local_svd_factors",
+    "pad_factors",
+    "personal_change",
+    "require_common_rank",
+    "stacked_updates_svd",
+    "tail_fraction",
+    "truncate",
+    "truncated_svd_of_mean",
+]
 
 
 @dataclass(frozen=True)
@@ -181,3 +194,269 @@ def truncated_svd_of_mean(
         In float64 (the stacked factors are formed in float64).
     """
     return factored_svd(*mean_of_products_factors(bs, as_, weights), rank=rank)
+
+
+# --------------------------------------------------------------------------
+# Helpers of the SVD family of LoRA aggregation methods.
+# --------------------------------------------------------------------------
+
+
+def tail_fraction(singular_values: torch.Tensor, rank: int) -> float:
+    """Energy fraction beyond ``rank``: ``sum_{j>=rank} s_j^2 / sum_j s_j^2``.
+
+    Parameters
+    ----------
+    singular_values : (q,) torch.Tensor
+        Descending singular values.
+    rank : int
+        Number of leading values kept (``>= 0``).
+
+    Returns
+    -------
+    float
+        In [0, 1]; 0 for a zero matrix.
+    """
+    if rank < 0:
+        raise ValueError(f"rank must be >= 0, got {rank}")
+    energy = singular_values.double() ** 2
+    total = float(energy.sum())
+    return float(energy[rank:].sum()) / total if total > 0 else 0.0
+
+
+def truncate(svd: TruncatedSVD, rank: int) -> TruncatedSVD:
+    """Keep the leading ``min(rank, svd.rank)`` triplets of ``svd``."""
+    if rank < 1:
+        raise ValueError(f"rank must be >= 1, got {rank}")
+    keep = min(rank, svd.rank)
+    return TruncatedSVD(
+        u=svd.u[:, :keep],
+        s=svd.s[:keep].clone(),
+        vh=svd.vh[:keep],
+        singular_values=svd.singular_values,
+    )
+
+
+def adaptive_rank(rank: int, tail: float, threshold: float, max_rank: int) -> int:
+    """FedSpec's rank rule: grow by 2 while the tail energy is too large.
+
+    Parameters
+    ----------
+    rank : int
+        Current rank ``r``.
+    tail : float
+        ``sum_{j>r} sigma_j^2 / sum_j sigma_j^2`` at the current rank.
+    threshold : float
+        Growth is triggered when ``tail > threshold`` (strictly).
+    max_rank : int
+        Cap; the rank never exceeds ``max(rank, max_rank)`` and never decreases.
+
+    Returns
+    -------
+    int
+        ``min(rank + 2, max_rank)`` if ``tail > threshold``, else ``rank``
+        (and never below ``rank``).
+    """
+    if rank < 1:
+        raise ValueError(f"rank must be >= 1, got {rank}")
+    if not 0.0 <= tail <= 1.0 + 1e-12:
+        raise ValueError(f"tail fraction must be in [0, 1], got {tail}")
+    if tail > threshold:
+        return max(rank, min(rank + 2, max_rank))
+    return rank
+
+
+def pad_factors(
+    b: torch.Tensor, a: torch.Tensor, rank: int, *, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad LoRA factors to ``rank`` without changing their product.
+
+    New columns of ``B`` are zero (LoRA's own initialisation of ``B``); new
+    rows of ``A`` are orthonormal, orthogonal to the existing rows, scaled to
+    the mean norm of the existing rows (1 if they are all zero), from a seeded
+    Gaussian. ``B @ A`` is unchanged and the new directions can still train
+    (a zero row of ``A`` together with a zero column of ``B`` would have zero
+    gradient for ever).
+
+    Parameters
+    ----------
+    b : (d_out, r) torch.Tensor
+    a : (r, d_in) torch.Tensor
+    rank : int
+        Target rank ``r' >= r``, at most ``d_in``.
+    seed : int
+
+    Returns
+    -------
+    b : (d_out, r') torch.Tensor
+    a : (r', d_in) torch.Tensor
+        Same dtype as the inputs.
+    """
+    r, d_in = a.shape
+    if b.shape[1] != r:
+        raise ShapeMismatchError(f"B {tuple(b.shape)} and A {tuple(a.shape)} disagree")
+    if rank < r:
+        raise ValueError(f"cannot pad rank {r} down to {rank}")
+    if rank > d_in:
+        raise ValueError(f"rank {rank} exceeds the input dimension {d_in}")
+    extra = rank - r
+    if extra == 0:
+        return b, a
+    gen = torch.Generator().manual_seed(seed)
+    noise = torch.randn(d_in, extra, generator=gen, dtype=torch.float64)
+    rows = a.double()
+    if r > 0:  # project out span(rows^T), twice for numerical safety
+        q, _ = torch.linalg.qr(rows.T)
+        for _ in range(2):
+            noise = noise - q @ (q.T @ noise)
+    basis, _ = torch.linalg.qr(noise)
+    norms = rows.norm(dim=1)
+    scale = float(norms.mean()) if r > 0 and float(norms.max()) > 0 else 1.0
+    new_a = torch.cat([rows, scale * basis.T], dim=0).to(a.dtype)
+    new_b = torch.cat([b, b.new_zeros(b.shape[0], extra)], dim=1)
+    return new_b, new_a
+
+
+def require_common_rank(
+    factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]], layer: str
+) -> int:
+    """The common rank of every client's ``(B, A)``, or a named error.
+
+    Parameters
+    ----------
+    factors : mapping of client name to (B (d_out, r), A (r, d_in))
+    layer : str
+        Named in the error.
+
+    Raises
+    ------
+    RankMismatchError
+        If two clients' factors disagree in shape, naming every client's shapes.
+    """
+    shapes = {
+        name: (tuple(b.shape), tuple(a.shape)) for name, (b, a) in factors.items()
+    }
+    if len(set(shapes.values())) > 1:
+        raise RankMismatchError(layer, shapes)
+    if not shapes:
+        raise ValueError("no factors given")
+    (b_shape, _), *_ = shapes.values()
+    return int(b_shape[1])
+
+
+def stacked_updates_svd(
+    bs: Sequence[torch.Tensor],
+    as_: Sequence[torch.Tensor],
+    weights: Sequence[float] | torch.Tensor,
+    rank: int,
+) -> tuple[torch.Tensor, list[torch.Tensor], TruncatedSVD]:
+    """Global SVD: one shared input-side factor, one output-side factor per client.
+
+    With ``nn.Linear``'s (out, in) layout a client's update is
+    ``Delta_i = B_i A_i``. The input-major stack
+
+        X = [sqrt(w_1) Delta_1^T, ..., sqrt(w_k) Delta_k^T]      (d_in, k d_out)
+          = [A_1^T, ..., A_k^T] @ blockdiag(sqrt(w_i) B_i^T)
+
+    is a product of a (d_in, k r) and a (k r, k d_out) factor, so its rank-``rank``
+    truncated SVD ``U S V^T`` comes from :func:`factored_svd` without forming
+    any (d_out, d_in) matrix. The shared factor is ``A = sqrt(S) U^T``
+    (rank, d_in); client ``i`` gets ``B_i' = V_i sqrt(S) / sqrt(w_i)``
+    (d_out, rank), ``V_i`` its block of rows of ``V``. Then
+    ``sum_i w_i ||Delta_i - B_i' A||_F^2`` is the discarded energy of ``X``
+    (Eckart-Young: the best such pair of factors).
+
+    Parameters
+    ----------
+    bs : k tensors (d_out, r)
+    as_ : k tensors (r, d_in)
+    weights : (k,) sequence of float
+        Client weights, normalised internally; all must be positive.
+    rank : int
+
+    Returns
+    -------
+    a : (rank', d_in) torch.Tensor
+        Shared factor, ``rank' = min(rank, d_in, k d_out, k r)``, float64.
+    b_list : k tensors (d_out, rank')
+        Client factors, float64.
+    svd : TruncatedSVD
+        Of ``X``; ``svd.tail_energy`` is the weighted squared gap.
+    """
+    if len(bs) != len(as_) or not bs:
+        raise ShapeMismatchError(f"{len(bs)} B factors but {len(as_)} A factors")
+    w = normalise_weights(weights, len(bs))
+    if bool((w <= 0).any()):
+        raise ValueError(f"every client weight must be positive, got {w.tolist()}")
+    d_out = int(bs[0].shape[0])
+    left = torch.cat([a.double().T for a in as_], dim=1)
+    blocks = [w[i].sqrt() * b.double().T for i, b in enumerate(bs)]
+    right = torch.block_diag(*blocks)
+    svd = factored_svd(left, right, rank=rank)
+    root = svd.s.sqrt()
+    a_shared = root[:, None] * svd.u.T
+    b_list = [
+        (svd.vh[:, i * d_out : (i + 1) * d_out].T * root) / w[i].sqrt()
+        for i in range(len(bs))
+    ]
+    return a_shared, b_list, svd
+
+
+def local_svd_factors(
+    b: torch.Tensor, a: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Local SVD: rewrite one client's ``B A`` as balanced singular factors.
+
+    With ``Delta^T = A^T B^T = U S V^T`` (input x output, sign-fixed), returns
+    ``B' = V sqrt(S)`` and ``A' = sqrt(S) U^T`` so that ``B' A' = B A`` exactly;
+    ``A'`` (input side) is the factor the server averages.
+
+    Parameters
+    ----------
+    b : (d_out, r) torch.Tensor
+    a : (r, d_in) torch.Tensor
+
+    Returns
+    -------
+    b : (d_out, r) torch.Tensor
+    a : (r, d_in) torch.Tensor
+        Same dtype as the inputs; rank ``r`` kept (zero singular values pad).
+    """
+    r = int(a.shape[0])
+    svd = factored_svd(a.T, b.T, rank=r)
+    root = svd.s.sqrt()
+    new_b = svd.vh.T * root
+    new_a = root[:, None] * svd.u.T
+    if new_a.shape[0] < r:  # the product had fewer than r singular values
+        new_b, new_a = pad_factors(new_b, new_a, r, seed=0)
+    return new_b.to(b.dtype), new_a.to(a.dtype)
+
+
+def personal_change(
+    gram: torch.Tensor, a_own: torch.Tensor, a_new: torch.Tensor
+) -> tuple[float, float]:
+    """``||B (A_own - A_new)||_F^2`` and ``||B A_own||_F^2`` from ``G = B^T B``.
+
+    A personalised client keeps ``B`` and replaces its trained ``A_own`` by the
+    aggregate ``A_new``; the change to its update is
+    ``tr(G D D^T)`` with ``D = A_own - A_new`` (r x r work, no d_out x d_in).
+
+    Parameters
+    ----------
+    gram : (r, r) torch.Tensor
+        ``B^T B``.
+    a_own, a_new : (r, d_in) torch.Tensor
+
+    Returns
+    -------
+    change_sq, own_sq : float
+    """
+    if gram.shape != (a_own.shape[0], a_own.shape[0]) or a_own.shape != a_new.shape:
+        raise ShapeMismatchError(
+            f"gram {tuple(gram.shape)}, A {tuple(a_own.shape)}, A' "
+            f"{tuple(a_new.shape)} do not fit"
+        )
+    g = gram.double()
+    d = a_own.double() - a_new.double()
+    change = float(torch.einsum("ij,ij->", g, d @ d.T))
+    own = float(torch.einsum("ij,ij->", g, a_own.double() @ a_own.double().T))
+    return max(change, 0.0), max(own, 0.0)
