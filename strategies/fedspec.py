@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from logging import INFO
 from typing import Any, ClassVar
 
@@ -115,6 +116,23 @@ class FedSpec(SvdLoraStrategy):
         self.threshold = threshold
         self.max_rank = max_rank
         self.rank_history: list[int] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        """The current rank and its history (the layout follows the rank)."""
+        return {"rank": self.rank, "rank-history": list(self.rank_history)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        unknown = sorted(set(state) - {"rank", "rank-history"})
+        if unknown:
+            raise ValueError(f"FedSpec: unknown state keys {unknown}")
+        rank = int(state["rank"])
+        if not self.rank <= rank <= self.max_rank:
+            raise ValueError(
+                f"FedSpec: checkpointed rank {rank} is outside [{self.rank}, "
+                f"{self.max_rank}]"
+            )
+        self.layout = layout_at_rank(self.layout, rank)
+        self.rank_history = [int(r) for r in state.get("rank-history", [])]
 
     @classmethod
     def options(cls, config: RunConfig, layout: AdapterLayout) -> dict[str, Any]:

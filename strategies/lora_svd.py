@@ -233,6 +233,22 @@ class PersonalLoraStrategy(SvdLoraStrategy):
         self.last_evaluation: dict[str, float] = {}
         self.personal: dict[int, dict[str, torch.Tensor]] = {}
 
+    def state_dict(self) -> dict[str, Any]:
+        """The personal factors the server still has to deliver, by node."""
+        return {
+            "personal": {
+                node: {k: v.clone() for k, v in arrays.items()}
+                for node, arrays in self.personal.items()
+            }
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        unknown = sorted(set(state) - {"personal"})
+        if unknown:
+            raise ValueError(f"{type(self).__name__}: unknown state keys {unknown}")
+        saved = state.get("personal", {})
+        self.personal = {int(node): dict(arrays) for node, arrays in saved.items()}
+
     def with_personal_count(
         self, updates: Sequence[ClientUpdate], report: RoundReport
     ) -> RoundReport:

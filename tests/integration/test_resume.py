@@ -89,5 +89,8 @@ def test_killed_run_resumes_bit_identical(tmp_path, assets, method):
     assert b["round"].tolist() == list(range(1, ROUNDS + 1))
     cols = ["accuracy", "loss", "frobenius-gap", "clients", "dropped", "train-loss"]
     pd.testing.assert_frame_equal(a[cols], b[cols])
+    if method == "fedspec":  # the rank grew before and after the kill
+        ranks = b["rank"].tolist()
+        assert ranks == a["rank"].tolist() and ranks[0] < ranks[1] < ranks[3], ranks
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed-after-round"] == 2 and summary["rounds"] == ROUNDS
