@@ -52,7 +52,11 @@ def _wait_for_checkpoint(run_root, round_, proc, timeout=300):
     raise AssertionError(f"no checkpoint of round {round_} within {timeout} s")
 
 
-METHODS = {"fedex-lora": {}}
+METHODS = {
+    "fedex-lora": {},
+    # a low threshold makes the rank grow (2 -> 4 -> 6 ...) across the kill
+    "fedspec": {"lora-rank": 2, "fedspec-threshold": 1e-4, "fedspec-max-rank": 8},
+}
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
