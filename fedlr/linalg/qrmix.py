@@ -1,4 +1,4 @@
-"""QR-Mix kernels: FC-layer softmax cross-entropy Hessian, its top eigenpairs, the server solve.
+"""QR-Mix kernels: FC cross-entropy Hessian, its top eigenpairs, the server solve.
 
 The final fully connected layer maps features ``f`` (F,) to logits
 ``z = W f + b`` with ``W`` of shape (K, F) and ``b`` (K,). Its parameters are

@@ -199,10 +199,13 @@ def test_server_solve_matches_dense_formula(c, dim, k, tau, gamma, seed) -> None
         torch.rand(c, generator=torch.Generator().manual_seed(seed), dtype=F64) + 0.1
     )
     w = weights / weights.sum()
-    h = sum(wi * (cl.vectors * cl.values) @ cl.vectors.T for wi, cl in zip(w, clients))
+    h = sum(
+        wi * (cl.vectors * cl.values) @ cl.vectors.T
+        for wi, cl in zip(w, clients, strict=True)
+    )
     b = sum(
         wi * (cl.vectors * cl.values) @ (cl.vectors.T @ cl.delta)
-        for wi, cl in zip(w, clients)
+        for wi, cl in zip(w, clients, strict=True)
     )
     fisher_dense = gamma * torch.linalg.solve(h + tau * torch.eye(dim, dtype=F64), b)
     fisher = qrmix_update(clients, weights, tau=tau, gamma=gamma, form="fisher")
@@ -212,7 +215,7 @@ def test_server_solve_matches_dense_formula(c, dim, k, tau, gamma, seed) -> None
     torch.testing.assert_close(literal, tau * fisher_dense, rtol=0, atol=1e-9 * scale)
     # the source's expression, evaluated densely as written
     q, r = torch.linalg.qr(torch.cat([cl.vectors for cl in clients], dim=1))
-    sig = torch.cat([wi * cl.values for wi, cl in zip(w, clients)])
+    sig = torch.cat([wi * cl.values for wi, cl in zip(w, clients, strict=True)])
     kern = r @ torch.diag(sig) @ r.T
     z = torch.linalg.solve(kern + tau * torch.eye(kern.shape[0], dtype=F64), q.T @ b)
     written = gamma * (tau * q @ z + (b - q @ (q.T @ b)))
@@ -241,7 +244,9 @@ def test_isotropic_hessian_scales_fedavg(c, dim, lam, tau, gamma, seed) -> None:
             )
         )
     weights = torch.randint(1, 100, (c,), generator=g).to(F64)
-    fedavg = sum(wi * cl.delta for wi, cl in zip(weights / weights.sum(), clients))
+    fedavg = sum(
+        wi * cl.delta for wi, cl in zip(weights / weights.sum(), clients, strict=True)
+    )
     literal = qrmix_update(clients, weights, tau=tau, gamma=gamma, form="literal")
     fisher = qrmix_update(clients, weights, tau=tau, gamma=gamma, form="fisher")
     torch.testing.assert_close(
