@@ -7,6 +7,7 @@ from strategies.base import ClientUpdate, FedLRStrategy, RoundReport
 from strategies.fedavg_lora import FedAvgLoRA
 from strategies.fedex_lora import FedExLoRA
 from strategies.lora import LoraStrategy
+from strategies.qrmix import QRMix, VisionFedAvg
 from strategies.registry import (
     MethodSpec,
     available_methods,
@@ -21,7 +22,9 @@ __all__ = [
     "FedLRStrategy",
     "LoraStrategy",
     "MethodSpec",
+    "QRMix",
     "RoundReport",
+    "VisionFedAvg",
     "available_methods",
     "get_method",
     "register_method",

@@ -29,13 +29,13 @@ class declares its layers by name:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import ClassVar
 
 import torch
 from torch import nn
 
-from fedlr.errors import ConfigError
+from fedlr.errors import ConfigError, ShapeMismatchError
 
 __all__ = [
     "VISION_MODELS",
@@ -87,6 +87,40 @@ class VisionModel(nn.Module):
         if not isinstance(layer, nn.Linear):  # pragma: no cover - declaration bug
             raise TypeError(f"head '{self.head}' is {type(layer).__name__}")
         return layer
+
+    def parameter_state(self) -> dict[str, torch.Tensor]:
+        """A detached copy of every parameter, keyed as ``named_parameters``."""
+        return {k: p.detach().clone() for k, p in self.named_parameters()}
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shape of every parameter, keyed as ``named_parameters``."""
+        return {k: tuple(p.shape) for k, p in self.named_parameters()}
+
+    def load_parameters(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Copy ``state`` into the parameters (exactly the same keys and shapes).
+
+        Raises
+        ------
+        ShapeMismatchError
+            Naming missing or unexpected keys, or the first wrong shape.
+        """
+        params = dict(self.named_parameters())
+        if set(state) != set(params):
+            missing = sorted(set(params) - set(state))[:3]
+            extra = sorted(set(state) - set(params))[:3]
+            raise ShapeMismatchError(
+                f"state does not match {type(self).__name__}: missing {missing}, "
+                f"unexpected {extra}"
+            )
+        for key, param in params.items():
+            if tuple(state[key].shape) != tuple(param.shape):
+                raise ShapeMismatchError(
+                    f"'{key}' has shape {tuple(state[key].shape)}, the model "
+                    f"{tuple(param.shape)}"
+                )
+        with torch.no_grad():
+            for key, param in params.items():
+                param.copy_(state[key])
 
     def layer(self, name: str) -> nn.Conv2d | nn.Linear:
         """A declared conv/linear layer by name.
