@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from benchmarks import bench_lowrank
+from benchmarks import bench_lowrank, bench_qrmix
 
 
 def main() -> None:
     """Run all benchmarks and print their tables."""
     bench_lowrank.main()
+    print()
+    bench_qrmix.main()
 
 
 if __name__ == "__main__":
