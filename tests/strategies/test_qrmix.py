@@ -323,3 +323,22 @@ def test_bad_checkpoint_and_text_dataset_are_config_errors(tmp_path):
         _run(_config(tmp_path, **{"qrmix-warmup-checkpoint": str(tmp_path / "bad.pt")}))
     with pytest.raises(ConfigError, match="not an image data set"):
         _run(_config(tmp_path, dataset="polarity"))
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("qrmix-form", "dense", "not one of fisher, literal"),
+        ("qrmix-tau", 0.0, "must be finite and > 0"),
+        ("qrmix-gamma", -1.0, "must be finite and > 0"),
+        ("qrmix-k", 0, "must be >= 1"),
+        ("qrmix-power-iters", -1, "must be >= 0"),
+        ("warmup-rounds", -2, "must be >= 0"),
+        ("momentum", 1.0, "must be in [0, 1)"),
+        ("qrmix-warmup-checkpoint", "relative/w.pt", "absolute path"),
+    ],
+)
+def test_qrmix_config_keys_are_validated(key, value, message):
+    with pytest.raises(ConfigError, match=key) as info:
+        RunConfig.from_mapping({key: value})
+    assert message in str(info.value)
