@@ -114,7 +114,7 @@ class RunConfig:
         metadata={"help": "qrmix: FedAvg rounds before the QR-Mix head update"},
     )
     qrmix_tau: float = field(
-        default=0.01, metadata={"help": "qrmix: ridge tau of (H + tau I)"}
+        default=1.0, metadata={"help": "qrmix: ridge tau of (H + tau I)"}
     )
     qrmix_gamma: float = field(
         default=1.0, metadata={"help": "qrmix: step scale gamma of the head update"}
