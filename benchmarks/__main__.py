@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from benchmarks import bench_lowrank, bench_svd, bench_svd_family
+from benchmarks import bench_lowrank, bench_qrmix, bench_svd, bench_svd_family
 
 
 def main() -> None:
     """Run all benchmarks and print their tables."""
-    bench_lowrank.main()
-    print()
-    bench_svd.main()
-    print()
-    bench_svd_family.main()
+    for bench in (bench_lowrank, bench_svd, bench_svd_family, bench_qrmix):
+        bench.main()
+        print()
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ _LAZY = {
     "FedExLoRA": "strategies",
     "FedLRStrategy": "strategies",
     "LoraStrategy": "strategies",
+    "QRMix": "strategies",
+    "VisionFedAvg": "strategies",
     "available_methods": "strategies",
     "get_method": "strategies",
     "LegacyStrategy": "strategies.legacy",

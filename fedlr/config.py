@@ -55,7 +55,10 @@ class RunConfig:
     max_length: int = field(default=64, metadata={"help": "tokens per example"})
     model: str = field(
         default="minilm",
-        metadata={"help": "minilm (offline), tiny-bert (tests) or a hub model id"},
+        metadata={
+            "help": "text: minilm (offline), tiny-bert (tests) or a hub model id; "
+            "vision: cnn, mlp or alexnet"
+        },
     )
     pooling: str = field(
         default="mean",
@@ -124,6 +127,42 @@ class RunConfig:
     )
     fedspec_max_rank: int = field(
         default=16, metadata={"help": "fedspec: cap of the adaptive rank"}
+    )
+    # --- qrmix methods (vision models, local SGD)
+    momentum: float = field(
+        default=0.9, metadata={"help": "SGD momentum of vision clients"}
+    )
+    warmup_rounds: int = field(
+        default=5,
+        metadata={"help": "qrmix: FedAvg rounds before the QR-Mix head update"},
+    )
+    qrmix_tau: float = field(
+        default=1.0, metadata={"help": "qrmix: ridge tau of (H + tau I)"}
+    )
+    qrmix_gamma: float = field(
+        default=1.0, metadata={"help": "qrmix: step scale gamma of the head update"}
+    )
+    qrmix_k: int = field(
+        default=10, metadata={"help": "qrmix: Hessian eigenpairs per client"}
+    )
+    qrmix_oversample: int = field(
+        default=10, metadata={"help": "qrmix: oversampling s of subspace iteration"}
+    )
+    qrmix_power_iters: int = field(
+        default=2, metadata={"help": "qrmix: power iterations q"}
+    )
+    qrmix_form: str = field(
+        default="fisher",
+        metadata={
+            "help": "qrmix: fisher = gamma (H + tau I)^-1 b; literal = the "
+            "source's gamma (tau Q z + b - Q Q^T b)"
+        },
+    )
+    qrmix_warmup_checkpoint: str = field(
+        default="",
+        metadata={
+            "help": "qrmix: absolute path of a final_arrays.pt to start at stage 2"
+        },
     )
 
     # ------------------------------------------------------------------ parsing
@@ -233,6 +272,37 @@ class RunConfig:
         if self.fedspec_max_rank < 1:
             raise ConfigError(
                 "fedspec-max-rank", f"must be >= 1, got {self.fedspec_max_rank}"
+            )
+        self._validate_qrmix()
+
+    def _validate_qrmix(self) -> None:
+        if not 0.0 <= self.momentum < 1.0:
+            raise ConfigError("momentum", f"must be in [0, 1), got {self.momentum}")
+        if self.warmup_rounds < 0:
+            raise ConfigError(
+                "warmup-rounds", f"must be >= 0, got {self.warmup_rounds}"
+            )
+        for name in ("qrmix_tau", "qrmix_gamma"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(_kebab(name), f"must be finite and > 0, got {value}")
+        if self.qrmix_k < 1:
+            raise ConfigError("qrmix-k", f"must be >= 1, got {self.qrmix_k}")
+        for name in ("qrmix_oversample", "qrmix_power_iters"):
+            if getattr(self, name) < 0:
+                raise ConfigError(
+                    _kebab(name), f"must be >= 0, got {getattr(self, name)}"
+                )
+        if self.qrmix_form not in ("fisher", "literal"):
+            raise ConfigError(
+                "qrmix-form", f"'{self.qrmix_form}' is not one of fisher, literal"
+            )
+        checkpoint = self.qrmix_warmup_checkpoint
+        if checkpoint and not Path(checkpoint).expanduser().is_absolute():
+            raise ConfigError(
+                "qrmix-warmup-checkpoint",
+                f"must be an absolute path (apps run from a copied bundle), "
+                f"got '{checkpoint}'",
             )
 
     # ---------------------------------------------------------------- derived

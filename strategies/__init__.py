@@ -13,6 +13,7 @@ from strategies.ffa_lora import FFALoRA
 from strategies.global_svd import GlobalSVD, LocalSVD
 from strategies.lora import LoraStrategy
 from strategies.lora_svd import PersonalLoraStrategy, SvdLoraStrategy
+from strategies.qrmix import QRMix, VisionFedAvg
 from strategies.registry import (
     MethodSpec,
     available_methods,
@@ -34,8 +35,10 @@ __all__ = [
     "LoraStrategy",
     "MethodSpec",
     "PersonalLoraStrategy",
+    "QRMix",
     "RoundReport",
     "SvdLoraStrategy",
+    "VisionFedAvg",
     "available_methods",
     "get_method",
     "register_method",

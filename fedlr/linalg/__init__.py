@@ -27,10 +27,16 @@ from fedlr.linalg.svd import (
 )
 
 __all__ = [
+    "QRMIX_FORMS",
+    "ClientEigen",
     "TruncatedSVD",
     "adaptive_rank",
     "factored_frobenius_norm",
     "factored_svd",
+    "fc_flatten",
+    "fc_hessian_eigenpairs",
+    "fc_hessian_matvec",
+    "fc_unflatten",
     "fix_signs",
     "fold_residual",
     "local_svd_factors",
@@ -38,9 +44,11 @@ __all__ = [
     "normalise_weights",
     "pad_factors",
     "personal_change",
+    "qrmix_update",
     "require_common_rank",
     "residual_factors",
     "stacked_updates_svd",
+    "subspace_iteration",
     "tail_fraction",
     "truncate",
     "truncated_svd_of_mean",
