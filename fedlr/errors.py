@@ -88,3 +88,7 @@ class UnknownMethodError(FedLRError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its argument; keep the sentence.
         return str(self.args[0])
+
+
+class DeploymentError(FedLRError, ValueError):
+    """A deployment input (certificate host, key name, SuperLink address) is invalid."""
