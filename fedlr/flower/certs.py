@@ -12,14 +12,19 @@ registered with ``flwr supernode register``.
 :func:`generate_tls_certificates` and :func:`generate_supernode_keys` write
 these files with the ``cryptography`` package. They are what the deployment
 test uses; ``docs/deployment.md`` gives the equivalent ``openssl`` and
-``ssh-keygen`` commands.
+``ssh-keygen`` commands. Command line::
+
+    python -m fedlr.flower.certs tls --out certs --host 203.0.113.10 --host 127.0.0.1
+    python -m fedlr.flower.certs supernode-key --out keys supernode-0
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import ipaddress
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -263,3 +268,47 @@ def generate_supernode_keys(out_dir: Path, name: str) -> SupernodeKeys:
         + b"\n"
     )
     return keys
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: write TLS certificates or a SuperNode key pair.
+
+    Returns
+    -------
+    int
+        0 on success, 1 when an input is invalid.
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m fedlr.flower.certs",
+        description="Write TLS certificates or SuperNode keys for a deployment.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    tls = commands.add_parser("tls", help="CA + server certificate for the SuperLink")
+    tls.add_argument("--out", type=Path, required=True, help="output folder")
+    tls.add_argument(
+        "--host",
+        action="append",
+        required=True,
+        help="IP address or DNS name of the SuperLink (repeat; include 127.0.0.1)",
+    )
+    tls.add_argument("--days", type=int, default=365, help="validity in days")
+    key = commands.add_parser("supernode-key", help="P-384 key pair of a SuperNode")
+    key.add_argument("--out", type=Path, required=True, help="output folder")
+    key.add_argument("name", help="file stem, e.g. supernode-0")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "tls":
+            files = generate_tls_certificates(args.out, args.host, days=args.days)
+            paths = [files.ca_cert, files.server_cert, files.server_key]
+        else:
+            keys = generate_supernode_keys(args.out, args.name)
+            paths = [keys.private_key, keys.public_key]
+    except DeploymentError as err:
+        sys.stderr.write(f"error: {err}\n")
+        return 1
+    sys.stdout.write("".join(f"{path}\n" for path in paths))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

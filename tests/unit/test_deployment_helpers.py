@@ -21,7 +21,11 @@ from cryptography.hazmat.primitives.serialization import (
 )
 
 from fedlr.errors import DeploymentError
-from fedlr.flower.certs import generate_supernode_keys, generate_tls_certificates
+from fedlr.flower.certs import (
+    generate_supernode_keys,
+    generate_tls_certificates,
+    main,
+)
 from fedlr.flower.launch import write_superlink_connection
 
 
@@ -173,3 +177,20 @@ def test_superlink_connection_is_what_flower_reads(tmp_path, monkeypatch):
 def test_bad_superlink_connections_raise(tmp_path, name, address, kwargs, match):
     with pytest.raises(DeploymentError, match=match):
         write_superlink_connection(tmp_path, name, address, **kwargs)
+
+
+def test_command_line_writes_the_files(tmp_path, capsys):
+    assert main(["tls", "--out", str(tmp_path), "--host", "10.0.0.5"]) == 0
+    assert main(["supernode-key", "--out", str(tmp_path), "node-a"]) == 0
+    printed = capsys.readouterr().out.split()
+    names = {"ca.crt", "server.pem", "server.key", "node-a", "node-a.pub"}
+    assert {Path(p).name for p in printed} == names
+    assert all(Path(p).is_file() for p in printed)
+    san = _load(tmp_path / "server.pem").extensions.get_extension_for_class(
+        x509.SubjectAlternativeName
+    )
+    assert san.value.get_values_for_type(x509.IPAddress) == [
+        ipaddress.ip_address("10.0.0.5")
+    ]
+    assert main(["tls", "--out", str(tmp_path), "--host", "no good"]) == 1
+    assert "no good" in capsys.readouterr().err
