@@ -267,7 +267,9 @@ def test_tls_deployment_with_supernode_auth(tmp_path, assets, deployment):
         code = refused.wait(timeout=START_TIMEOUT)
     except subprocess.TimeoutExpired:
         pytest.fail(f"unregistered SuperNode was not refused\n{deployment.log_tails()}")
+    refusal = deployment.logs["unregistered-supernode"].read_text(errors="replace")
     assert code != 0, deployment.log_tails()
+    assert "Failed to initialize the connection to the SuperLink" in refusal, refusal
     assert _online_nodes(cli_home) == node_ids
 
     # 4. `flwr run` against the SuperLink connection, then the run's status.
