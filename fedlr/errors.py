@@ -115,3 +115,7 @@ class RankMismatchError(FedLRError, ValueError):
             f"layer '{layer}': clients replied with different LoRA ranks ({detail}); "
             "this method aggregates factors of one rank"
         )
+
+
+class DeploymentError(FedLRError, ValueError):
+    """A deployment input (certificate host, key name, SuperLink address) is invalid."""

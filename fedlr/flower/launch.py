@@ -7,9 +7,16 @@ run's final status and raises :class:`FlwrRunError` unless it is
 ``finished:completed``; :func:`stop_local_superlinks` stops the SuperLinks
 started under a given ``FLWR_HOME`` by PID.
 
+For a deployment (a SuperLink started with ``flower-superlink`` and SuperNodes
+started with ``flower-supernode``, see ``docs/deployment.md``),
+:func:`write_superlink_connection` names the SuperLink in ``FLWR_HOME``'s
+``config.toml``, :func:`register_supernode` registers a SuperNode's public key
+with it, and ``flwr_run(..., superlink=NAME)`` runs the app there.
+
 Command line (what ``make run`` calls)::
 
     python -m fedlr.flower.launch --num-supernodes 4 --run-config "lr=0.001"
+    python -m fedlr.flower.launch --superlink my-link --run-config "lr=0.001"
 """
 
 from __future__ import annotations
@@ -22,10 +29,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
+import threading
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 __all__ = [
     "FlwrRunError",
@@ -33,7 +42,9 @@ __all__ = [
     "flwr_env",
     "flwr_run",
     "format_run_config",
+    "register_supernode",
     "stop_local_superlinks",
+    "write_superlink_connection",
 ]
 
 _LOG = logging.getLogger("fedlr")
@@ -95,9 +106,15 @@ def flwr_env(flwr_home: Path) -> dict[str, str]:
     return env
 
 
-def _list_runs(env: Mapping[str, str]) -> list[dict[str, object]]:
+def _superlink_arg(superlink: str | None) -> list[str]:
+    return [] if superlink is None else [superlink]
+
+
+def _list_runs(
+    env: Mapping[str, str], superlink: str | None = None
+) -> list[dict[str, object]]:
     proc = subprocess.run(
-        [_flwr_executable(), "list", "--format", "json"],
+        [_flwr_executable(), "list", *_superlink_arg(superlink), "--format", "json"],
         env=dict(env),
         capture_output=True,
         text=True,
@@ -120,8 +137,29 @@ def flwr_run(
     federation_config: Mapping[str, bool | int | float | str] | None = None,
     timeout: float = 3600.0,
     echo: bool = False,
+    superlink: str | None = None,
 ) -> RunOutcome:
-    """Run ``flwr run APP_DIR --stream`` and return the run's final status.
+    """Run ``flwr run APP_DIR [SUPERLINK] --stream`` and return the final status.
+
+    Parameters
+    ----------
+    app_dir : Path
+        The Flower app (the folder with ``pyproject.toml``).
+    flwr_home : Path
+        ``FLWR_HOME`` of the CLI: its ``config.toml`` names the SuperLinks.
+    run_config : mapping or str, optional
+        ``--run-config`` overrides.
+    federation_config : mapping, optional
+        ``--federation-config`` overrides (simulation only, e.g.
+        ``num-supernodes``).
+    timeout : float
+        Seconds before the CLI is stopped and the run counts as failed.
+    echo : bool
+        Copy the CLI's output to stdout as it arrives.
+    superlink : str, optional
+        Name of a SuperLink connection in ``FLWR_HOME/config.toml`` (see
+        :func:`write_superlink_connection`); ``None`` uses the default one,
+        the local simulation SuperLink unless configured otherwise.
 
     Raises
     ------
@@ -129,8 +167,9 @@ def flwr_run(
         If the CLI fails, times out, or the run did not complete.
     """
     env = flwr_env(flwr_home)
-    before = {str(r.get("run-id")) for r in _safe_list(env)}
-    cmd = [_flwr_executable(), "run", str(app_dir), "--stream"]
+    before = {str(r.get("run-id")) for r in _safe_list(env, superlink)}
+    cmd = [_flwr_executable(), "run", str(app_dir), *_superlink_arg(superlink)]
+    cmd.append("--stream")
     if run_config:
         text = (
             run_config if isinstance(run_config, str) else format_run_config(run_config)
@@ -148,22 +187,31 @@ def flwr_run(
         text=True,
         start_new_session=True,
     ) as proc:
-        deadline = time.monotonic() + timeout
         if proc.stdout is None:  # pragma: no cover - PIPE was requested
             raise FlwrRunError("no output pipe from `flwr run`")
-        for line in proc.stdout:
-            lines.append(line)
-            if echo:
-                sys.stdout.write(line)
-                sys.stdout.flush()
-            if time.monotonic() > deadline:
-                os.killpg(proc.pid, signal.SIGTERM)
-                raise FlwrRunError(f"`flwr run` exceeded {timeout:.0f} s")
-        code = proc.wait()
+        # A reader thread keeps the deadline exact even when the CLI goes quiet.
+        reader = threading.Thread(
+            target=_collect_lines, args=(proc.stdout, lines, echo), daemon=True
+        )
+        reader.start()
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+            reader.join(timeout=5)
+            raise FlwrRunError(
+                f"`flwr run` exceeded {timeout:.0f} s:\n{''.join(lines)[-3000:]}"
+            ) from None
+        reader.join(timeout=15)
     output = "".join(lines)
     if code != 0:
         raise FlwrRunError(f"`flwr run` exited {code}:\n{output[-3000:]}")
-    new = [r for r in _list_runs(env) if str(r.get("run-id")) not in before]
+    runs = _list_runs(env, superlink)
+    new = [r for r in runs if str(r.get("run-id")) not in before]
     if not new:
         raise FlwrRunError(f"no new run appeared in `flwr list`:\n{output[-3000:]}")
     run = max(new, key=lambda r: str(r.get("pending-at", "")))
@@ -176,11 +224,138 @@ def flwr_run(
     return outcome
 
 
-def _safe_list(env: Mapping[str, str]) -> list[dict[str, object]]:
+def _collect_lines(stream: IO[str], lines: list[str], echo: bool) -> None:
+    for line in stream:
+        lines.append(line)
+        if echo:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+
+
+def _safe_list(
+    env: Mapping[str, str], superlink: str | None = None
+) -> list[dict[str, object]]:
     try:
-        return _list_runs(env)
+        return _list_runs(env, superlink)
     except (FlwrRunError, subprocess.TimeoutExpired):
         return []
+
+
+def write_superlink_connection(
+    flwr_home: Path,
+    name: str,
+    address: str,
+    *,
+    root_certificates: Path | None = None,
+    insecure: bool = False,
+) -> Path:
+    """Add (or replace) a SuperLink connection in ``FLWR_HOME/config.toml``.
+
+    The ``flwr`` CLI (``flwr run . NAME``, ``flwr list NAME``,
+    ``flwr supernode register KEY NAME``) reads the SuperLink's address and TLS
+    settings from this file. Other connections in the file are kept; a new
+    file also gets Flower's default ``local`` connection (the simulation
+    SuperLink), which stays the default.
+
+    Parameters
+    ----------
+    flwr_home : Path
+        The CLI's ``FLWR_HOME`` (created if missing).
+    name : str
+        Connection name, e.g. ``my-link``.
+    address : str
+        ``HOST:PORT`` of the SuperLink (the port of ``flower-superlink --port``).
+    root_certificates : Path, optional
+        CA certificate that signed the SuperLink's certificate. Without it and
+        without ``insecure``, the system trust store is used.
+    insecure : bool
+        Plain HTTP (a SuperLink started with ``--insecure``). Not for real
+        deployments.
+
+    Returns
+    -------
+    Path
+        The ``config.toml`` written.
+
+    Raises
+    ------
+    DeploymentError
+        If ``name`` or ``address`` is malformed, or both ``root_certificates``
+        and ``insecure`` are given.
+    """
+    import tomli_w
+
+    from fedlr.errors import DeploymentError
+
+    if not name or not all(c.isalnum() or c in "-_" for c in name):
+        raise DeploymentError(
+            f"connection name '{name}' must be letters, digits, '-' or '_'"
+        )
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise DeploymentError(f"SuperLink address '{address}' is not HOST:PORT")
+    if insecure and root_certificates is not None:
+        raise DeploymentError("root_certificates and insecure exclude each other")
+    home = Path(flwr_home).resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    path = home / "config.toml"
+    data: dict[str, object] = {}
+    if path.exists():
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    links = data.setdefault("superlink", {})
+    if not isinstance(links, dict):
+        raise DeploymentError(f"{path}: [superlink] is not a table")
+    links.setdefault("default", "local")
+    links.setdefault("local", {"address": ":local:"})
+    entry: dict[str, object] = {"address": address}
+    if root_certificates is not None:
+        entry["root-certificates"] = str(Path(root_certificates).resolve())
+    if insecure:
+        entry["insecure"] = True
+    links[name] = entry
+    path.write_text(tomli_w.dumps(data), encoding="utf-8")
+    return path
+
+
+def register_supernode(
+    public_key: Path, *, flwr_home: Path, superlink: str, timeout: float = 120.0
+) -> int:
+    """Register a SuperNode's public key with a SuperLink; return its node ID.
+
+    Runs ``flwr supernode register PUBLIC_KEY SUPERLINK --format json``. Needed
+    when the SuperLink runs with ``--enable-supernode-auth``: it then accepts
+    only SuperNodes whose ``--auth-supernode-private-key`` matches a registered
+    public key.
+
+    Raises
+    ------
+    FlwrRunError
+        If the CLI fails or prints no node ID.
+    """
+    env = flwr_env(flwr_home)
+    cmd = [
+        _flwr_executable(),
+        "supernode",
+        "register",
+        str(Path(public_key).resolve()),
+        superlink,
+        "--format",
+        "json",
+    ]
+    proc = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    try:
+        data = json.loads(proc.stdout)
+    except json.JSONDecodeError:
+        data = {}
+    node_id = data.get("node-id") if isinstance(data, dict) else None
+    if proc.returncode != 0 or not data.get("success") or node_id is None:
+        raise FlwrRunError(
+            f"`flwr supernode register` failed (exit {proc.returncode}):\n"
+            f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+        )
+    return int(node_id)
 
 
 def stop_local_superlinks(flwr_home: Path) -> list[int]:
@@ -218,6 +393,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flwr-home", default=".flwr", help="FLWR_HOME to use")
     parser.add_argument("--num-supernodes", type=int, default=4)
     parser.add_argument(
+        "--superlink",
+        default=None,
+        help="run on this SuperLink connection of FLWR_HOME/config.toml (a "
+        "deployment) instead of the local simulation; --num-supernodes and the "
+        "client resources are then ignored",
+    )
+    parser.add_argument(
         "--run-config", default="", help="extra `key=value ...` overrides (TOML)"
     )
     parser.add_argument("--client-cpus", type=float, default=0.0)
@@ -242,14 +424,15 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.app),
             flwr_home=home,
             run_config=args.run_config or None,
-            federation_config=federation,
+            federation_config=None if args.superlink else federation,
             echo=True,
+            superlink=args.superlink,
         )
     except FlwrRunError as exc:
         _LOG.error("%s", exc)
         return 1
     finally:
-        if not args.keep_superlink:
+        if not args.keep_superlink and not args.superlink:
             stop_local_superlinks(home)
     _LOG.info("run %s: %s", outcome.run_id, outcome.status)
     return 0
