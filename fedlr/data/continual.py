@@ -249,10 +249,7 @@ class ContinualStream:
     def _tensors(self, task: int, rows: NDArray[np.int64]) -> TaskTensors:
         images, labels = _base_arrays(self.spec.base)
         x = torch.from_numpy(images[rows]).to(torch.float32) / 255.0
-        if x.dim() == 3:
-            x = x.unsqueeze(1)
-        else:
-            x = x.permute(0, 3, 1, 2).contiguous()
+        x = x.unsqueeze(1) if x.dim() == 3 else x.permute(0, 3, 1, 2).contiguous()
         perm = self.permutation(task)
         if perm is not None:
             x = x.reshape(len(x), -1)[:, perm].reshape(len(x), *self.spec.in_shape)

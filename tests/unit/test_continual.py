@@ -33,7 +33,7 @@ def test_running_forgetting_uses_current_accuracies():
     rows = [[0.9], [0.7, 0.8]]
     assert math.isclose(forgetting(rows, current=[0.5, 0.4, 0.1]), (0.4 + 0.4) / 2)
     assert forgetting([], current=[0.3]) == 0.0
-    with pytest.raises(ValueError, match="tasks 0..2"):
+    with pytest.raises(ValueError, match=r"tasks 0\.\.2"):
         forgetting(rows, current=[0.1])
 
 
@@ -43,7 +43,7 @@ def test_single_task_has_no_forgetting_and_bad_rows_raise():
     with pytest.raises(ValueError, match="row 1"):
         average_accuracy([[0.5], [0.1]])
     m = AccuracyMatrix()
-    with pytest.raises(ValueError, match="tasks 0..0"):
+    with pytest.raises(ValueError, match=r"tasks 0\.\.0"):
         m.record([0.1, 0.2])
 
 
