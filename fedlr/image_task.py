@@ -1,0 +1,355 @@
+"""Image classification: data as tensors, a vision model, local SGD, evaluation.
+
+The image counterpart of :mod:`fedlr.tasks`: the server and every client build
+the same seeded model, the same held-out split and the same partitions
+(through :func:`fedlr.data.split_dataset`), cached per process. The training
+and evaluation functions take a plain tensor pair (:class:`ImageData`), so any
+source of ``(x, y)`` tensors (a continual task stream, a permuted copy) goes
+through the same loops.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from numpy.typing import NDArray
+
+from fedlr.config import RunConfig
+from fedlr.data import (
+    DATASETS,
+    PartitionConfig,
+    dataset_info,
+    load_dataset,
+    split_dataset,
+)
+from fedlr.data.partition import FederatedSplit
+from fedlr.errors import ConfigError, ShapeMismatchError
+from fedlr.models.vision import VISION_MODELS, VisionModel, build_vision_model
+
+__all__ = [
+    "NORMALISATION",
+    "ImageData",
+    "ImageTask",
+    "evaluate_images",
+    "image_pixels",
+    "train_sgd",
+]
+
+NORMALISATION: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
+    "mnist": ((0.1307,), (0.3081,)),
+    "digits": ((0.3053,), (0.3759,)),
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+    "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+}
+"""Per-channel (mean, std) of pixels scaled to [0, 1], by dataset name.
+
+Data sets without an entry are normalised with mean 0.5 and std 0.5.
+"""
+
+
+@dataclass(frozen=True)
+class ImageData:
+    """Images and labels as tensors.
+
+    Attributes
+    ----------
+    x : (N, C, H, W) torch.Tensor of float32
+    y : (N,) torch.Tensor of int64
+    """
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.x.dim() != 4:
+            raise ShapeMismatchError(
+                f"x must have shape (N, C, H, W), got {tuple(self.x.shape)}"
+            )
+        if self.y.dim() != 1 or self.y.shape[0] != self.x.shape[0]:
+            raise ShapeMismatchError(
+                f"y must have shape ({self.x.shape[0]},), got {tuple(self.y.shape)}"
+            )
+
+    def __len__(self) -> int:
+        return int(self.y.shape[0])
+
+    @property
+    def in_shape(self) -> tuple[int, int, int]:
+        """Shape (C, H, W) of one image."""
+        c, h, w = self.x.shape[1:]
+        return int(c), int(h), int(w)
+
+    def select(
+        self, idx: Sequence[int] | torch.Tensor | NDArray[np.int64]
+    ) -> ImageData:
+        """The rows ``idx`` (any integer index sequence)."""
+        index = torch.as_tensor(np.asarray(idx, dtype=np.int64))
+        return ImageData(self.x[index], self.y[index])
+
+
+# ------------------------------------------------------------------ loading
+
+
+@functools.lru_cache(maxsize=4)
+def image_pixels(
+    dataset: str, seed: int
+) -> tuple[NDArray[np.uint8], NDArray[np.int64]]:
+    """All images and labels of ``load_dataset(dataset, seed=seed)``, as arrays.
+
+    Row ``i`` is the dataset's row ``i`` (so the indices of a
+    :class:`FederatedSplit` built on the same dataset apply). Cached.
+
+    Returns
+    -------
+    images : (N, H, W) or (N, H, W, 3) uint8 array
+    labels : (N,) int64 array
+    """
+    ds = load_dataset(dataset, seed=seed)
+    table = ds.with_format("arrow")
+    column = table["image"].combine_chunks()
+    shape = tuple(int(s) for s in ds.features["image"].shape)
+    storage = column.storage
+    while hasattr(storage, "flatten"):
+        storage = storage.flatten()
+    flat = np.asarray(storage.to_numpy(zero_copy_only=False), dtype=np.uint8)
+    images = flat.reshape((len(ds), *shape))
+    labels = np.asarray(table["label"].to_numpy(), dtype=np.int64)
+    return images, labels
+
+
+def to_image_data(
+    images: NDArray[np.uint8], labels: NDArray[np.int64], dataset: str
+) -> ImageData:
+    """uint8 images (N, H, W[, C]) -> normalised float32 (N, C, H, W) tensors."""
+    x = torch.from_numpy(np.ascontiguousarray(images)).to(torch.float32) / 255.0
+    x = x.unsqueeze(1) if x.dim() == 3 else x.permute(0, 3, 1, 2).contiguous()
+    channels = x.shape[1]
+    mean, std = NORMALISATION.get(dataset, ((0.5,) * channels, (0.5,) * channels))
+    m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
+    s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+    return ImageData((x - m) / s, torch.from_numpy(np.array(labels, dtype=np.int64)))
+
+
+@functools.lru_cache(maxsize=8)
+def _split(
+    dataset: str,
+    seed: int,
+    partitioner: str,
+    num_partitions: int,
+    dirichlet_alpha: float,
+    classes_per_partition: int,
+    eval_fraction: float,
+) -> FederatedSplit:
+    return split_dataset(
+        load_dataset(dataset, seed=seed),
+        PartitionConfig(
+            partitioner=partitioner,
+            num_partitions=num_partitions,
+            seed=seed,
+            dirichlet_alpha=dirichlet_alpha,
+            classes_per_partition=classes_per_partition,
+            eval_fraction=eval_fraction,
+        ),
+    )
+
+
+def _image_datasets() -> list[str]:
+    return sorted(name for name, spec in DATASETS.items() if spec.kind == "image")
+
+
+@dataclass(frozen=True)
+class ImageTask:
+    """Image classification with a vision model from :mod:`fedlr.models.vision`.
+
+    Parameters
+    ----------
+    config : RunConfig
+        Uses ``dataset`` (an image data set), ``model`` (a vision model),
+        the partitioning keys, ``seed``, ``eval-fraction`` and
+        ``max-eval-examples``.
+
+    Raises
+    ------
+    ConfigError
+        If ``dataset`` is not an image data set or ``model`` not a vision model.
+    """
+
+    config: RunConfig
+
+    def __post_init__(self) -> None:
+        spec = dataset_info(self.config.dataset)  # UnknownDatasetError lists names
+        if spec.kind != "image":
+            raise ConfigError(
+                "dataset",
+                f"'{spec.name}' is not an image data set (kind: {spec.kind}); "
+                f"vision models need one of ({', '.join(_image_datasets())})",
+            )
+        if self.config.model not in VISION_MODELS:
+            raise ConfigError(
+                "model",
+                f"'{self.config.model}' is not a vision model; image data sets "
+                f"need one of ({', '.join(VISION_MODELS)})",
+            )
+
+    @property
+    def num_classes(self) -> int:
+        """Number of classes of the data set."""
+        return int(dataset_info(self.config.dataset).num_classes)
+
+    @property
+    def in_shape(self) -> tuple[int, int, int]:
+        """Shape (C, H, W) of one image."""
+        images, _ = self._pixels()
+        if images.ndim == 3:
+            return 1, int(images.shape[1]), int(images.shape[2])
+        return int(images.shape[3]), int(images.shape[1]), int(images.shape[2])
+
+    def _pixels(self) -> tuple[NDArray[np.uint8], NDArray[np.int64]]:
+        return image_pixels(self.config.dataset, self.config.seed)
+
+    def split(self, num_partitions: int | None = None) -> FederatedSplit:
+        """Held-out split and client partitions (cached)."""
+        c = self.config
+        return _split(
+            c.dataset,
+            c.seed,
+            c.partitioner,
+            num_partitions or c.num_partitions,
+            c.dirichlet_alpha,
+            c.classes_per_partition,
+            c.eval_fraction,
+        )
+
+    def _rows(self, rows: NDArray[np.int64]) -> ImageData:
+        images, labels = self._pixels()
+        return to_image_data(images[rows], labels[rows], self.config.dataset)
+
+    def heldout(self) -> ImageData:
+        """The server's evaluation set (first ``max-eval-examples`` if set)."""
+        rows = self.split().heldout_indices
+        cap = self.config.max_eval_examples
+        if cap and len(rows) > cap:
+            rows = rows[:cap]
+        return self._rows(rows)
+
+    def partition(self, partition_id: int, num_partitions: int) -> ImageData:
+        """A client's training partition."""
+        return self._rows(self.split(num_partitions).partition_indices(partition_id))
+
+    def build_model(self) -> VisionModel:
+        """The seeded vision model named by ``model``."""
+        return build_vision_model(
+            self.config.model, self.in_shape, self.num_classes, self.config.seed
+        )
+
+
+# ------------------------------------------------------------ train / eval
+
+
+def _batches(
+    n: int, batch_size: int, generator: torch.Generator
+) -> Iterator[torch.Tensor]:
+    while True:
+        order = torch.randperm(n, generator=generator)
+        for start in range(0, n, batch_size):
+            yield order[start : start + batch_size]
+
+
+def train_sgd(
+    model: torch.nn.Module,
+    data: ImageData,
+    *,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    device: torch.device | None = None,
+) -> float:
+    """Run ``steps`` SGD steps of cross-entropy on the trainable parameters.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Maps (B, C, H, W) to logits (B, K).
+    data : ImageData
+    steps : int
+        Optimiser steps (mini-batches drawn by a seeded permutation per epoch).
+    lr, momentum, weight_decay : float
+        ``torch.optim.SGD`` settings.
+    batch_size : int
+    seed : int
+        Seeds the batch order and dropout.
+    device : torch.device, optional
+        Defaults to CPU.
+
+    Returns
+    -------
+    float
+        Mean training loss over the steps.
+
+    Raises
+    ------
+    ValueError
+        On an empty ``data`` or ``steps < 1``.
+    """
+    if len(data) == 0:
+        raise ValueError("cannot train on an empty partition")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    device = device or torch.device("cpu")
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(
+        params, lr=lr, momentum=momentum, weight_decay=weight_decay
+    )
+    generator = torch.Generator().manual_seed(seed)
+    model.to(device).train()
+    total = 0.0
+    batches = _batches(len(data), batch_size, generator)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # dropout
+        for _ in range(steps):
+            idx = next(batches)
+            x, y = data.x[idx].to(device), data.y[idx].to(device)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            total += float(loss.detach())
+    return total / steps
+
+
+@torch.no_grad()
+def evaluate_images(
+    model: torch.nn.Module,
+    data: ImageData,
+    *,
+    batch_size: int,
+    device: torch.device | None = None,
+) -> tuple[float, float]:
+    """Accuracy and mean cross-entropy of ``model`` on ``data`` (eval mode).
+
+    Returns
+    -------
+    (accuracy, loss) : tuple of float
+        Both NaN when ``data`` is empty.
+    """
+    if len(data) == 0:
+        return math.nan, math.nan
+    device = device or torch.device("cpu")
+    model.to(device).eval()
+    correct = 0
+    loss_sum = 0.0
+    for start in range(0, len(data), batch_size):
+        x = data.x[start : start + batch_size].to(device)
+        y = data.y[start : start + batch_size].to(device)
+        logits = model(x)
+        loss_sum += float(torch.nn.functional.cross_entropy(logits, y, reduction="sum"))
+        correct += int((logits.argmax(-1) == y).sum())
+    return correct / len(data), loss_sum / len(data)
