@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from benchmarks import bench_lowrank
+from benchmarks import bench_fot, bench_lowrank
 
 
 def main() -> None:
     """Run all benchmarks and print their tables."""
     bench_lowrank.main()
+    bench_fot.main()
 
 
 if __name__ == "__main__":

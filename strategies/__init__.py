@@ -6,6 +6,7 @@ Importing this package registers every method (see :mod:`strategies.registry`).
 from strategies.base import ClientUpdate, FedLRStrategy, RoundReport
 from strategies.fedavg_lora import FedAvgLoRA
 from strategies.fedex_lora import FedExLoRA
+from strategies.fot import FOT, FedAvgContinual
 from strategies.lora import LoraStrategy
 from strategies.registry import (
     MethodSpec,
@@ -15,7 +16,9 @@ from strategies.registry import (
 )
 
 __all__ = [
+    "FOT",
     "ClientUpdate",
+    "FedAvgContinual",
     "FedAvgLoRA",
     "FedExLoRA",
     "FedLRStrategy",

@@ -17,8 +17,10 @@ capped), its own held-out split and its own client partitions, made by
 (Dirichlet by default) and seed ``seed + t``. Labels keep their global ids;
 :meth:`ContinualStream.task_classes` says which logits a task uses (split
 streams are task-incremental: a shared head whose logits are restricted to the
-task's classes; permuted MNIST uses all ten). Pixels are scaled to ``[0, 1]``
-and returned as float32 ``(N, C, H, W)``.
+task's classes; permuted MNIST uses all ten). Images are returned as
+:class:`~fedlr.image_task.ImageData`, normalised like the base set
+(:data:`~fedlr.image_task.NORMALISATION`); the permutation is applied after
+normalisation (one channel, so the two commute).
 """
 
 from __future__ import annotations
@@ -35,12 +37,12 @@ from numpy.typing import NDArray
 from fedlr.data.partition import FederatedSplit, PartitionConfig, split_dataset
 from fedlr.data.registry import load_dataset
 from fedlr.errors import FedLRError
+from fedlr.image_task import ImageData, to_image_data
 
 __all__ = [
     "STREAMS",
     "ContinualStream",
     "StreamSpec",
-    "TaskTensors",
     "UnknownStreamError",
 ]
 
@@ -98,23 +100,6 @@ STREAMS: dict[str, StreamSpec] = {
         StreamSpec("split-cifar100", "cifar100", 100, 10, 10, (3, 32, 32)),
     )
 }
-
-
-@dataclass(frozen=True)
-class TaskTensors:
-    """Images and labels of one task's split.
-
-    Attributes
-    ----------
-    x : (N, C, H, W) float32 tensor in [0, 1]
-    y : (N,) int64 tensor of global class ids
-    """
-
-    x: torch.Tensor
-    y: torch.Tensor
-
-    def __len__(self) -> int:
-        return int(self.y.shape[0])
 
 
 @functools.cache
@@ -246,21 +231,22 @@ class ContinualStream:
             self._splits[task] = (rows, split_dataset(table, cfg))
         return self._splits[task]
 
-    def _tensors(self, task: int, rows: NDArray[np.int64]) -> TaskTensors:
+    def _tensors(self, task: int, rows: NDArray[np.int64]) -> ImageData:
         images, labels = _base_arrays(self.spec.base)
-        x = torch.from_numpy(images[rows]).to(torch.float32) / 255.0
-        x = x.unsqueeze(1) if x.dim() == 3 else x.permute(0, 3, 1, 2).contiguous()
+        data = to_image_data(images[rows], labels[rows], self.spec.base)
         perm = self.permutation(task)
-        if perm is not None:
-            x = x.reshape(len(x), -1)[:, perm].reshape(len(x), *self.spec.in_shape)
-        return TaskTensors(x=x, y=torch.from_numpy(labels[rows].copy()))
+        if perm is None:
+            return data
+        n = len(data)
+        x = data.x.reshape(n, -1)[:, perm].reshape(n, *self.spec.in_shape)
+        return ImageData(x, data.y)
 
-    def heldout(self, task: int) -> TaskTensors:
+    def heldout(self, task: int) -> ImageData:
         """The task's held-out (server evaluation) split."""
         rows, split = self.split(task)
         return self._tensors(task, rows[split.heldout_indices])
 
-    def partition(self, task: int, partition_id: int) -> TaskTensors:
+    def partition(self, task: int, partition_id: int) -> ImageData:
         """One client's training data of task ``task``."""
         rows, split = self.split(task)
         return self._tensors(task, rows[split.partition_indices(partition_id)])

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from fedlr.continual import AccuracyMatrix, average_accuracy, forgetting
 from fedlr.data import PartitionConfig
 from fedlr.data.continual import STREAMS, ContinualStream, UnknownStreamError
+from fedlr.image_task import to_image_data
 
 
 # -------------------------------------------------------------------- metrics
@@ -96,7 +97,8 @@ def test_permuted_mnist_tasks(mnist_asset):
     from fedlr.data.continual import _base_arrays
 
     images, labels = _base_arrays("mnist")
-    raw = torch.from_numpy(images[rows_p]).float().reshape(len(rows_p), -1) / 255
+    raw = to_image_data(images[rows_p], labels[rows_p], "mnist").x
+    raw = raw.reshape(len(rows_p), -1)
     unpermuted = torch.empty_like(raw)
     unpermuted[:, p1] = x1.x.reshape(len(x1), -1)
     torch.testing.assert_close(unpermuted, raw)
