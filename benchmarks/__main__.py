@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-from benchmarks import bench_lowrank, bench_qrmix, bench_svd, bench_svd_family
+from benchmarks import (
+    bench_fot,
+    bench_lowrank,
+    bench_qrmix,
+    bench_svd,
+    bench_svd_family,
+)
 
 
 def main() -> None:
     """Run all benchmarks and print their tables."""
-    for bench in (bench_lowrank, bench_svd, bench_svd_family, bench_qrmix):
+    for bench in (bench_lowrank, bench_svd, bench_svd_family, bench_qrmix, bench_fot):
         bench.main()
         print()
 

@@ -13,7 +13,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 import strategies  # noqa: F401  (registers every method)
-from client_apps import lora, qrmix
+from client_apps import gpse, lora, qrmix
 from fedlr.config import RunConfig
 from strategies.registry import get_method
 
@@ -24,6 +24,7 @@ Handler = Callable[[Message, Context], Message]
 CLIENT_KINDS: dict[str, dict[str, Handler]] = {
     "lora": {"train": lora.train_message, "evaluate": lora.evaluate_message},
     "qrmix": {"train": qrmix.train_message, "evaluate": qrmix.evaluate_message},
+    "gpse": {"train": gpse.train_message, "evaluate": gpse.evaluate_message},
 }
 
 app = ClientApp()

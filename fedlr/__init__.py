@@ -18,6 +18,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "FedAvgLoRA": "strategies",
     "FedExLoRA": "strategies",
+    "FOT": "strategies",
+    "FedAvgContinual": "strategies",
     "FedLRStrategy": "strategies",
     "LoraStrategy": "strategies",
     "QRMix": "strategies",

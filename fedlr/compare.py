@@ -106,8 +106,9 @@ def collect(run_dirs: Sequence[Path | str], by: Sequence[str] = ()) -> pd.DataFr
             "rounds": len(frame),
         }
         for key in ("acc", "fgt"):
-            if key in summary:
-                row[key] = float(summary[key])
+            for name in (key, key.upper()):
+                if name in summary:
+                    row[key] = float(summary[name])
         rows.append(row)
     return pd.DataFrame(rows)
 

@@ -164,6 +164,33 @@ class RunConfig:
             "help": "qrmix: absolute path of a final_arrays.pt to start at stage 2"
         },
     )
+    # --- continual (FOT) methods
+    num_tasks: int = field(
+        default=3, metadata={"help": "tasks of a continual stream (dataset = stream)"}
+    )
+    rounds_per_task: int = field(
+        default=5,
+        metadata={"help": "rounds per task; num-server-rounds = num-tasks x this"},
+    )
+    task_examples: int = field(
+        default=0,
+        metadata={"help": "rows per continual task before the held-out split (0: all)"},
+    )
+    fot_eps: float = field(
+        default=0.95,
+        metadata={"help": "FOT energy threshold ε of the first task boundary"},
+    )
+    fot_eps_inc: float = field(
+        default=0.01, metadata={"help": "FOT: ε grows by this after each boundary"}
+    )
+    fot_sketch_dim: int = field(
+        default=0,
+        metadata={"help": "GPSE sketch columns m per layer (0: the layer's d)"},
+    )
+    fot_activation_examples: int = field(
+        default=125,
+        metadata={"help": "GPSE: local examples whose activations a client sketches"},
+    )
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -274,6 +301,7 @@ class RunConfig:
                 "fedspec-max-rank", f"must be >= 1, got {self.fedspec_max_rank}"
             )
         self._validate_qrmix()
+        self._validate_fot()
 
     def _validate_qrmix(self) -> None:
         if not 0.0 <= self.momentum < 1.0:
@@ -303,6 +331,24 @@ class RunConfig:
                 "qrmix-warmup-checkpoint",
                 f"must be an absolute path (apps run from a copied bundle), "
                 f"got '{checkpoint}'",
+            )
+
+    def _validate_fot(self) -> None:
+        for name in ("num_tasks", "rounds_per_task", "fot_activation_examples"):
+            if getattr(self, name) < 1:
+                raise ConfigError(
+                    _kebab(name), f"must be >= 1, got {getattr(self, name)}"
+                )
+        for name in ("task_examples", "fot_sketch_dim"):
+            if getattr(self, name) < 0:
+                raise ConfigError(
+                    _kebab(name), f"must be >= 0, got {getattr(self, name)}"
+                )
+        if not 0.0 <= self.fot_eps <= 1.0:
+            raise ConfigError("fot-eps", f"must be in [0, 1], got {self.fot_eps}")
+        if not (math.isfinite(self.fot_eps_inc) and 0.0 <= self.fot_eps_inc <= 1.0):
+            raise ConfigError(
+                "fot-eps-inc", f"must be in [0, 1], got {self.fot_eps_inc}"
             )
 
     # ---------------------------------------------------------------- derived

@@ -10,6 +10,7 @@ from strategies.fedsa_lora import FedSALoRA
 from strategies.fedspec import FedSpec
 from strategies.fedsvd import FedSVD
 from strategies.ffa_lora import FFALoRA
+from strategies.fot import FOT, FedAvgContinual
 from strategies.global_svd import GlobalSVD, LocalSVD
 from strategies.lora import LoraStrategy
 from strategies.lora_svd import PersonalLoraStrategy, SvdLoraStrategy
@@ -22,8 +23,10 @@ from strategies.registry import (
 )
 
 __all__ = [
+    "FOT",
     "ClientUpdate",
     "FFALoRA",
+    "FedAvgContinual",
     "FedAvgLoRA",
     "FedExLoRA",
     "FedLRStrategy",

@@ -123,7 +123,7 @@ class FedLRStrategy(FedAvg):
         self.min_replies = min_replies
         self._current: ArrayRecord | None = None
         self._bytes_down = 0
-        self._awaiting: list[int] | None = None
+        self._missing: list[int] = []
         self.last_report: RoundReport = RoundReport()
         self.last_dropped: list[str] = []
 
@@ -196,17 +196,19 @@ class FedLRStrategy(FedAvg):
 
         The ServerApp drives rounds itself with this (so a run can start at
         any round when it resumes from a checkpoint); Flower's ``start`` works
-        too.
+        too. Nodes that were sent an instruction but did not reply within
+        ``timeout`` are reported as dropped (``no reply``).
 
         Returns
         -------
         ArrayRecord
             The next global arrays.
         """
-        replies = grid.send_and_receive(
-            messages=self.configure_train(server_round, arrays, train_config, grid),
-            timeout=timeout,
-        )
+        sent = list(self.configure_train(server_round, arrays, train_config, grid))
+        replies = list(grid.send_and_receive(messages=sent, timeout=timeout))
+        answered = {int(m.metadata.src_node_id) for m in replies}
+        # Nodes that never answered count as dropped in aggregate_train.
+        self._missing = sorted({int(m.metadata.dst_node_id) for m in sent} - answered)
         new_arrays, _ = self.aggregate_train(server_round, replies)
         if new_arrays is not None:
             arrays = new_arrays
@@ -216,8 +218,8 @@ class FedLRStrategy(FedAvg):
             )
         )
         if messages:
-            replies = grid.send_and_receive(messages=messages, timeout=timeout)
-            self.aggregate_evaluate(server_round, replies)
+            evaluations = grid.send_and_receive(messages=messages, timeout=timeout)
+            self.aggregate_evaluate(server_round, evaluations)
         return arrays
 
     # ------------------------------------------------------------ Flower hooks
@@ -230,7 +232,6 @@ class FedLRStrategy(FedAvg):
             super().configure_train(server_round, arrays, round_config, grid)
         )
         self.note_sent(arrays, len(messages))
-        self._awaiting = [int(m.metadata.dst_node_id) for m in messages]
         return messages
 
     def prepare_round(
@@ -266,14 +267,10 @@ class FedLRStrategy(FedAvg):
             )
         replies = list(replies)
         updates, dropped = self.validate_replies(replies)
-        if self._awaiting is not None:
-            answered = {int(m.metadata.src_node_id) for m in replies}
-            dropped += [
-                f"node {node}: no reply (timed out or lost)"
-                for node in sorted(self._awaiting)
-                if node not in answered
-            ]
-            self._awaiting = None
+        dropped += [
+            f"node {node}: no reply (timed out or lost)" for node in self._missing
+        ]
+        self._missing = []
         self.last_dropped = dropped
         for reason in dropped:
             log(WARNING, "round %d: dropped a reply: %s", server_round, reason)

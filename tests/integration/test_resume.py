@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -56,6 +57,21 @@ METHODS = {
     "fedex-lora": {},
     # a low threshold makes the rank grow (2 -> 4 -> 6 ...) across the kill
     "fedspec": {"lora-rank": 2, "fedspec-threshold": 1e-4, "fedspec-max-rank": 8},
+    # 2 tasks x 2 rounds: the killed round 3 is the task boundary (GPSE sketches)
+    "fot": {
+        "model": "mlp",
+        "dataset": "permuted-mnist",
+        "num-tasks": 2,
+        "rounds-per-task": 2,
+        "task-examples": 1000,
+        "fot-activation-examples": 50,
+        "num-partitions": 2,
+        "local-steps": 10,
+        "batch-size": 32,
+        "lr": 0.1,
+        "momentum": 0.0,
+        "max-eval-examples": 200,
+    },
 }
 
 
@@ -92,6 +108,11 @@ def test_killed_run_resumes_bit_identical(tmp_path, assets, method):
     b = pd.read_csv(run_dir / "results.csv")
     assert b["round"].tolist() == list(range(1, ROUNDS + 1))
     cols = ["accuracy", "loss", "frobenius-gap", "clients", "dropped", "train-loss"]
+    if method == "fot":
+        cols += ["acc", "fgt", "basis-dims"]
+        assert (run_dir / "accuracy_matrix.csv").read_text() == (
+            Path(straight_dir) / "accuracy_matrix.csv"
+        ).read_text()
     pd.testing.assert_frame_equal(a[cols], b[cols])
     if method == "fedspec":  # the rank grew before and after the kill
         ranks = b["rank"].tolist()

@@ -224,11 +224,27 @@ def test_error_reply_is_dropped():
 
 
 def test_a_node_that_never_replies_is_dropped_as_missing():
+    from flwr.app import Message, MetricRecord, RecordDict
+
+    def client(message, context):  # every node replies with its own arrays
+        pid = int(context.node_config["partition-id"])
+        content = RecordDict(
+            {
+                "arrays": ArrayRecord(_client(pid)),
+                "metrics": MetricRecord({"num-examples": 2}),
+            }
+        )
+        return Message(content, reply_to=message)
+
+    def lose(partition, message, reply):  # partitions 1 and 2 time out
+        return None if partition in (1, 2) else reply
+
+    grid = InProcessGrid(client, num_nodes=3, run_config={}, reply_hook=lose)
     strategy = FedAvgLoRA(layout=LAYOUT)
-    _configured(strategy, _global())  # sent to nodes 1000, 1001, 1002
-    state, metrics = strategy.aggregate_train(
-        1, [reply(1000, _client(0), {"num-examples": 2})]
-    )
+    keys = strategy.send_keys()
+    initial = ArrayRecord({k: _global()[k] for k in keys})
+    state = strategy.run_round(grid, 1, initial, ConfigRecord(), timeout=5.0)
+    metrics = strategy.last_report.metrics
     assert metrics["dropped"] == 2 and metrics["clients"] == 1
     assert strategy.last_dropped == [
         "node 1001: no reply (timed out or lost)",
