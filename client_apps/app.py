@@ -13,7 +13,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 import strategies  # noqa: F401  (registers every method)
-from client_apps import lora
+from client_apps import lora, sorf_vera, vera
 from fedlr.config import RunConfig
 from strategies.registry import get_method
 
@@ -23,6 +23,11 @@ Handler = Callable[[Message, Context], Message]
 
 CLIENT_KINDS: dict[str, dict[str, Handler]] = {
     "lora": {"train": lora.train_message, "evaluate": lora.evaluate_message},
+    "vera": {"train": vera.train_message, "evaluate": vera.evaluate_message},
+    "sorf-vera": {
+        "train": sorf_vera.train_message,
+        "evaluate": sorf_vera.evaluate_message,
+    },
 }
 
 app = ClientApp()

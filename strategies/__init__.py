@@ -13,15 +13,21 @@ from strategies.registry import (
     get_method,
     register_method,
 )
+from strategies.sorf_vera import SorfVeRA
+from strategies.vera import FedAvgVeRA, VeraFedEx, VeraStrategy
 
 __all__ = [
     "ClientUpdate",
     "FedAvgLoRA",
+    "FedAvgVeRA",
     "FedExLoRA",
     "FedLRStrategy",
     "LoraStrategy",
     "MethodSpec",
     "RoundReport",
+    "SorfVeRA",
+    "VeraFedEx",
+    "VeraStrategy",
     "available_methods",
     "get_method",
     "register_method",

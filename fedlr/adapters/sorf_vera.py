@@ -112,6 +112,12 @@ class SorfVeraLinear(torch.nn.Module):
     d_scale_initial : float
     """
 
+    proj_a: torch.Tensor
+    proj_b: torch.Tensor
+    sign_1: torch.Tensor
+    sign_2: torch.Tensor
+    sign_3: torch.Tensor
+
     def __init__(
         self,
         base_layer: torch.nn.Linear,
@@ -182,7 +188,7 @@ class SorfVeraLinear(torch.nn.Module):
 
     def delta_weight(self) -> torch.Tensor:
         """Dense ``Delta W`` (d_out, d_in), for tests and merging only."""
-        eye = torch.eye(self.proj_a.shape[1], dtype=self.d_scale.dtype)
+        eye = torch.eye(int(self.proj_a.shape[1]), dtype=self.d_scale.dtype)
         return self.delta(eye).T
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
