@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks import bench_lowrank, bench_svd
+from benchmarks import bench_lowrank, bench_sorf, bench_svd
 
 
 def main() -> None:
@@ -10,6 +10,8 @@ def main() -> None:
     bench_lowrank.main()
     print()
     bench_svd.main()
+    print()
+    bench_sorf.main()
 
 
 if __name__ == "__main__":
