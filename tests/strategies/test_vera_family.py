@@ -208,8 +208,12 @@ def test_sorf_vera_averages_built_matrices_and_reports_dense_residuals():
             for wi, c in zip(w, clients, strict=True)
         )
         # Averaging angles would give another matrix: the strategy must not.
-        angle_mean = sum(wi * c[m.d_angles_key].double() for wi, c in zip(w, clients))
-        scale_mean = sum(wi * c[m.d_scale_key].double() for wi, c in zip(w, clients))
+        angle_mean = sum(
+            wi * c[m.d_angles_key].double() for wi, c in zip(w, clients, strict=True)
+        )
+        scale_mean = sum(
+            wi * c[m.d_scale_key].double() for wi, c in zip(w, clients, strict=True)
+        )
         assert not torch.allclose(
             lam_bar, build_lambda_d_rot(scale_mean, angle_mean, SR), atol=1e-3
         )
@@ -273,7 +277,7 @@ def test_sorf_vera_refit_is_exact_when_reachable():
     }
     _configure(strategy, state, train_roles="sorf_d_scale,sorf_d_angles,head")
     client = {"x.m": torch.tensor([0.7]), "x.t": torch.tensor([0.0])}
-    arrays, metrics = strategy.aggregate_train(
+    _, metrics = strategy.aggregate_train(
         1,
         [
             reply(

@@ -46,9 +46,11 @@ def test_vera_residual_factors_equal_dense(d_out, d_in, r, k, seed):
     lds = [torch.randn(r, generator=gen, dtype=F64) for _ in range(k)]
     w = torch.rand(k, generator=gen, dtype=F64) + 0.1
     wn = w / w.sum()
-    mean = sum(wi * dense_vera(lb, ld, a, b) for wi, lb, ld in zip(wn, lbs, lds))
-    lb_bar = sum(wi * lb for wi, lb in zip(wn, lbs))
-    ld_bar = sum(wi * ld for wi, ld in zip(wn, lds))
+    mean = sum(
+        wi * dense_vera(lb, ld, a, b) for wi, lb, ld in zip(wn, lbs, lds, strict=True)
+    )
+    lb_bar = sum(wi * lb for wi, lb in zip(wn, lbs, strict=True))
+    ld_bar = sum(wi * ld for wi, ld in zip(wn, lds, strict=True))
     expected = mean - dense_vera(lb_bar, ld_bar, a, b)
     left, right = vera_residual_factors(lbs, lds, a, b, w)
     assert left.shape == (d_out, (k + 1) * r) and right.shape == ((k + 1) * r, d_in)
@@ -71,9 +73,11 @@ def test_fold_vera_residual_is_exact(step):
     weights = [1.0, 2.0, 3.0, 4.0]
     new = fold_vera_residual(w0, lbs, lds, a, b, weights, scaling=2.0, step=step)
     wn = [x / 10 for x in weights]
-    lb_bar = sum(wi * lb for wi, lb in zip(wn, lbs))
-    ld_bar = sum(wi * ld for wi, ld in zip(wn, lds))
-    mean = sum(wi * dense_vera(lb, ld, a, b) for wi, lb, ld in zip(wn, lbs, lds))
+    lb_bar = sum(wi * lb for wi, lb in zip(wn, lbs, strict=True))
+    ld_bar = sum(wi * ld for wi, ld in zip(wn, lds, strict=True))
+    mean = sum(
+        wi * dense_vera(lb, ld, a, b) for wi, lb, ld in zip(wn, lbs, lds, strict=True)
+    )
     avg = dense_vera(lb_bar, ld_bar, a, b)
     expected = w0 + 2.0 * step * (mean - avg)
     assert torch.allclose(new, expected, atol=1e-12)
