@@ -4,11 +4,10 @@
    path (:func:`fedlr.linalg.sorf.sorf_apply`) against the dense reference
    (``S = D1 H D2 H D3`` built as a 4096 x 4096 matrix, then one GEMM). Time
    ratio (dense / FWHT, building S included, as a client without the FWHT
-   would have to) and also the GEMM alone with S prebuilt. Peak memory is the
-   growth of the peak resident set size (``resource.getrusage`` ``ru_maxrss``)
-   of a fresh Python process running one path after its input exists: torch's
-   CPU allocator is invisible to ``tracemalloc`` and has no allocation
-   statistics, so the whole process's high-water mark is what we measure.
+   would have to) and also the GEMM alone with S prebuilt. Peak memory comes
+   from torch's profiler memory events (``profile_memory=True``: allocations
+   and frees in time order, maximum of the running sum); torch's CPU allocator
+   is invisible to ``tracemalloc``.
 2. A forward (and a forward + backward) pass of MiniLM with SORF-VeRA layers
    against the same model with peft's VeRA at the same rank, batch 16 x 64
    tokens; the ratio SORF-VeRA / VeRA.
@@ -18,9 +17,6 @@ Run: ``python -m benchmarks.bench_sorf`` (or ``make bench``).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 
@@ -47,32 +43,26 @@ def dense_sorf(n: int, seed: int) -> torch.Tensor:
     return (signs.d1[:, None] * h) @ (signs.d2[:, None] * h) * signs.d3
 
 
-_CHILD = """
-import json, resource, sys, torch
-from fedlr.linalg.sorf import sorf_apply, sorf_signs
-from benchmarks.bench_sorf import dense_sorf
-torch.set_num_threads(1)
-path, n, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-x = torch.randn(batch, n)
-signs = sorf_signs(n, 0)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-if path == "dense":
-    y = x @ dense_sorf(n, 0).T
-else:
-    y = sorf_apply(signs, x)
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"peak_kib": after - before, "check": float(y.abs().sum())}))
-"""
+def peak_mib(fn: Callable[[], object]) -> float:
+    """Peak of allocated minus freed CPU memory while ``fn`` runs, in MiB.
 
+    From torch's profiler memory events (``profile_memory=True``): every op's
+    own allocations and every free, in time order; the running sum's maximum.
+    """
+    from torch.profiler import ProfilerActivity, profile
 
-def _peak_kib(path: str) -> float:
-    out = subprocess.run(
-        [sys.executable, "-c", _CHILD, path, str(N), str(BATCH)],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    return float(json.loads(out.strip().splitlines()[-1])["peak_kib"])
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = []
+    for e in prof.events():
+        usage = e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
+        events.append((e.time_range.start, usage))
+    events.sort()
+    current = peak = 0
+    for _, usage in events:
+        current += usage
+        peak = max(peak, current)
+    return peak / 2**20
 
 
 def sorf_apply_case() -> dict[str, float]:
@@ -91,8 +81,8 @@ def sorf_apply_case() -> dict[str, float]:
         "speedup_vs_build": t_dense_build / t_fwht,
         "speedup_vs_gemm": t_dense_gemm / t_fwht,
         "max_abs_err": err,
-        "fwht_peak_mib": _peak_kib("fwht") / 1024,
-        "dense_peak_mib": _peak_kib("dense") / 1024,
+        "fwht_peak_mib": peak_mib(lambda: sorf_apply(signs, x)),
+        "dense_peak_mib": peak_mib(lambda: x @ dense_sorf(N, 0).T),
     }
 
 
@@ -164,7 +154,7 @@ def main() -> None:
         f"(x{a['speedup_vs_gemm']:.1f}) | max |diff| {a['max_abs_err']:.1e}"
     )
     print(
-        f"  peak RSS growth (ru_maxrss, fresh process): FWHT "
+        f"  peak CPU memory (torch profiler memory events): FWHT "
         f"{a['fwht_peak_mib']:.1f} MiB, dense {a['dense_peak_mib']:.1f} MiB "
         f"(dense S alone: {N * N * 4 / 2**20:.0f} MiB)"
     )

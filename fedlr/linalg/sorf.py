@@ -10,7 +10,8 @@ with frozen random ``A`` (r, d_in) and ``B`` (d_out, r) shared by every client,
   the normalised Walsh-Hadamard matrix of size ``n`` (the next power of two
   ``>= d = d_out``) and ``D1, D2, D3`` diagonal sign matrices from a shared
   seed. ``S`` is applied with a fast Walsh-Hadamard transform (zero padding to
-  ``n``, truncation back to ``d``), ``O(n log n)`` per vector; no ``n x n``
+  ``n``, truncation back to ``d``), ``O(n log n)`` per vector (Hadamard blocks
+  of at most 64 applied as small GEMMs); no ``n x n``
   matrix is formed.
 * ``Gamma(b) = blkdiag(Phi(b_1), ..., Phi(b_{d/2}))`` with
   ``Phi(a + ic) = [[a, -c], [c, a]]``: a complex number as a 2x2
@@ -63,6 +64,34 @@ def next_power_of_two(d: int) -> int:
     return 1 << (d - 1).bit_length()
 
 
+_BLOCK = 64  # largest Hadamard block applied as a small dense GEMM
+_HADAMARD_BLOCKS: dict[tuple[int, torch.dtype, str], torch.Tensor] = {}
+
+
+def _hadamard_block(m: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Unnormalised Sylvester Hadamard matrix of size ``m <= 64`` (cached)."""
+    key = (m, dtype, str(device))
+    if key not in _HADAMARD_BLOCKS:
+        h = torch.ones(1, 1, dtype=dtype, device=device)
+        while h.shape[0] < m:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        _HADAMARD_BLOCKS[key] = h
+    return _HADAMARD_BLOCKS[key]
+
+
+def _fwht_rows(y: torch.Tensor) -> torch.Tensor:
+    """Unnormalised transform of each row of ``y`` (rows, n)."""
+    rows, n = y.shape
+    if n <= _BLOCK:
+        return y @ _hadamard_block(n, y.dtype, y.device)
+    # H_n = H_a (x) H_b: with Y the row reshaped to (a, b), H_n y = H_a Y H_b.
+    b = _BLOCK
+    a = n // b
+    z = y.reshape(rows, a, b) @ _hadamard_block(b, y.dtype, y.device)
+    z = _fwht_rows(z.transpose(1, 2).reshape(rows * b, a))
+    return z.reshape(rows, b, a).transpose(1, 2).reshape(rows, n)
+
+
 def fwht(x: torch.Tensor) -> torch.Tensor:
     """Normalised fast Walsh-Hadamard transform along the last dimension.
 
@@ -75,22 +104,17 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
     -------
     (..., n) torch.Tensor
         ``H x`` with ``H`` the Sylvester-ordered Hadamard matrix divided by
-        ``sqrt(n)`` (symmetric and orthogonal, ``H H^T = I``). ``log2 n``
-        butterfly passes, ``O(n log n)`` per vector; differentiable.
+        ``sqrt(n)`` (symmetric and orthogonal, ``H H^T = I``). The transform
+        uses the Kronecker structure ``H_n = H_a (x) H_b`` with blocks of at
+        most 64: ``O(n log n)`` work per vector in a few small GEMMs,
+        never an ``n x n`` matrix; differentiable.
     """
     n = x.shape[-1]
     if n < 1 or n & (n - 1):
         raise ShapeMismatchError(f"FWHT needs a power-of-two length, got {n}")
     batch = x.shape[:-1]
-    y = x.reshape(-1, n)
-    h = 1
-    while h < n:
-        # Pairs (i, i + h) inside blocks of 2h: view as (rows, blocks, 2, h).
-        y = y.reshape(-1, n // (2 * h), 2, h)
-        top, bottom = y[:, :, 0, :], y[:, :, 1, :]
-        y = torch.stack((top + bottom, top - bottom), dim=2)
-        h *= 2
-    return (y.reshape(*batch, n)) / math.sqrt(n)
+    y = _fwht_rows(x.reshape(-1, n))
+    return y.reshape(*batch, n) / math.sqrt(n)
 
 
 @dataclass(frozen=True)
