@@ -13,7 +13,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 import strategies  # noqa: F401  (registers every method)
-from client_apps import gpse, lora, qrmix
+from client_apps import gpse, lora, qrmix, sorf_vera, vera
 from fedlr.config import RunConfig
 from strategies.registry import get_method
 
@@ -25,6 +25,11 @@ CLIENT_KINDS: dict[str, dict[str, Handler]] = {
     "lora": {"train": lora.train_message, "evaluate": lora.evaluate_message},
     "qrmix": {"train": qrmix.train_message, "evaluate": qrmix.evaluate_message},
     "gpse": {"train": gpse.train_message, "evaluate": gpse.evaluate_message},
+    "vera": {"train": vera.train_message, "evaluate": vera.evaluate_message},
+    "sorf-vera": {
+        "train": sorf_vera.train_message,
+        "evaluate": sorf_vera.evaluate_message,
+    },
 }
 
 app = ClientApp()

@@ -191,6 +191,32 @@ class RunConfig:
         default=125,
         metadata={"help": "GPSE: local examples whose activations a client sketches"},
     )
+    # --- VeRA family methods (fedavg-vera, vera-fedex, sorf-vera)
+    vera_rank: int = field(
+        default=256, metadata={"help": "VeRA rank r of the shared projections"}
+    )
+    projection_seed: int = field(
+        default=0,
+        metadata={"help": "seed of the shared frozen VeRA / SORF-VeRA projections"},
+    )
+    vera_d_initial: float = field(
+        default=0.1, metadata={"help": "initial value of VeRA's lambda_d entries"}
+    )
+    vera_lr: float = field(
+        default=0.01,
+        metadata={"help": "client learning rate of the VeRA-family methods"},
+    )
+    fedex_lr: float = field(
+        default=1.0,
+        metadata={"help": "vera-fedex: fraction of the residual folded into W0"},
+    )
+    sorf_rank: int = field(
+        default=16,
+        metadata={"help": "SORF-VeRA rank r (r(r-1)/2 Givens angles per layer)"},
+    )
+    sorf_d_scale_initial: float = field(
+        default=0.0, metadata={"help": "SORF-VeRA initial scale m of Lambda_d"}
+    )
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -302,6 +328,7 @@ class RunConfig:
             )
         self._validate_qrmix()
         self._validate_fot()
+        self._validate_vera()
 
     def _validate_qrmix(self) -> None:
         if not 0.0 <= self.momentum < 1.0:
@@ -350,6 +377,31 @@ class RunConfig:
             raise ConfigError(
                 "fot-eps-inc", f"must be in [0, 1], got {self.fot_eps_inc}"
             )
+
+    def _validate_vera(self) -> None:
+        for name in ("vera_rank", "sorf_rank"):
+            if getattr(self, name) < 1:
+                raise ConfigError(
+                    _kebab(name), f"must be >= 1, got {getattr(self, name)}"
+                )
+        if self.sorf_rank > 64:
+            raise ConfigError(
+                "sorf-rank",
+                f"must be <= 64 (r(r-1)/2 Givens angles), got {self.sorf_rank}",
+            )
+        if not 0 <= self.projection_seed < 2**32:
+            raise ConfigError(
+                "projection-seed", f"must be in [0, 2**32), got {self.projection_seed}"
+            )
+        if not (math.isfinite(self.vera_lr) and self.vera_lr > 0):
+            raise ConfigError("vera-lr", f"must be finite and > 0, got {self.vera_lr}")
+        if not (math.isfinite(self.fedex_lr) and 0 < self.fedex_lr <= 1):
+            raise ConfigError("fedex-lr", f"must be in (0, 1], got {self.fedex_lr}")
+        for name in ("vera_d_initial", "sorf_d_scale_initial"):
+            if not math.isfinite(getattr(self, name)):
+                raise ConfigError(
+                    _kebab(name), f"must be finite, got {getattr(self, name)}"
+                )
 
     # ---------------------------------------------------------------- derived
     @property

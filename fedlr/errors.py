@@ -119,3 +119,27 @@ class RankMismatchError(FedLRError, ValueError):
 
 class DeploymentError(FedLRError, ValueError):
     """A deployment input (certificate host, key name, SuperLink address) is invalid."""
+
+
+class ProjectionMismatchError(FedLRError, ValueError):
+    """A node's shared random projections differ from the server's.
+
+    VeRA-family methods rely on every node building the same frozen ``A``,
+    ``B`` (and SORF signs) from the shared projection seed and rank.
+
+    Parameters
+    ----------
+    expected : (int, int)
+        ``(projection-seed, rank)`` the server uses.
+    got : (int, int)
+        ``(projection-seed, rank)`` the node built.
+    """
+
+    def __init__(self, expected: tuple[int, int], got: tuple[int, int]) -> None:
+        self.expected = expected
+        self.got = got
+        super().__init__(
+            f"projection mismatch: server uses projection-seed {expected[0]} and "
+            f"rank {expected[1]}, this node built projection-seed {got[0]} and "
+            f"rank {got[1]}"
+        )

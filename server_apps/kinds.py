@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from server_apps import gpse, lora, qrmix  # noqa: F401
+from server_apps import gpse, lora, qrmix, vera  # noqa: F401
 
 __all__: list[str] = []

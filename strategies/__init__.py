@@ -21,6 +21,8 @@ from strategies.registry import (
     get_method,
     register_method,
 )
+from strategies.sorf_vera import SorfVeRA
+from strategies.vera import FedAvgVeRA, VeraFedEx, VeraStrategy
 
 __all__ = [
     "FOT",
@@ -28,6 +30,7 @@ __all__ = [
     "FFALoRA",
     "FedAvgContinual",
     "FedAvgLoRA",
+    "FedAvgVeRA",
     "FedExLoRA",
     "FedLRStrategy",
     "FedSALoRA",
@@ -40,7 +43,10 @@ __all__ = [
     "PersonalLoraStrategy",
     "QRMix",
     "RoundReport",
+    "SorfVeRA",
     "SvdLoraStrategy",
+    "VeraFedEx",
+    "VeraStrategy",
     "VisionFedAvg",
     "available_methods",
     "get_method",

@@ -21,7 +21,7 @@ __all__ = ["AdapterLayout", "LoraModule", "Role"]
 
 
 class Role(enum.Enum):
-    """The role a tensor plays in a LoRA-adapted model."""
+    """The role a tensor plays in an adapted model (LoRA, VeRA, SORF-VeRA)."""
 
     LORA_A = "lora_A"
     """Down projection ``A`` of shape (r, d_in)."""
@@ -31,6 +31,18 @@ class Role(enum.Enum):
     """Trainable task head (classifier), averaged like FedAvg."""
     BASE = "base"
     """Frozen base weight ``W0`` (d_out, d_in) of an adapted layer."""
+    VERA_LAMBDA_B = "vera_lambda_b"
+    """VeRA output scaling vector ``b`` (d_out,)."""
+    VERA_LAMBDA_D = "vera_lambda_d"
+    """VeRA rank scaling vector ``d`` (r,)."""
+    SORF_B_REAL = "sorf_b_real"
+    """SORF-VeRA real parts ``a`` of the complex blocks of ``Gamma(b)`` (d_out/2,)."""
+    SORF_B_IMAG = "sorf_b_imag"
+    """SORF-VeRA imaginary parts ``c`` of the complex blocks (d_out/2,)."""
+    SORF_D_SCALE = "sorf_d_scale"
+    """SORF-VeRA magnitude ``m`` of ``Lambda_d = m G(theta)`` (1,)."""
+    SORF_D_ANGLES = "sorf_d_angles"
+    """SORF-VeRA Givens angles ``theta`` (r (r-1) / 2,)."""
 
 
 @dataclass(frozen=True)

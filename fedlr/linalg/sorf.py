@@ -1,0 +1,562 @@
+"""SORF-VeRA kernels: Walsh-Hadamard transforms, complex 2x2 blocks, Givens.
+
+SORF-VeRA writes a layer's update as
+
+    Delta_W = S Gamma(b) B Lambda_d A,
+
+with frozen random ``A`` (r, d_in) and ``B`` (d_out, r) shared by every client,
+
+* ``S = (D1 H D2 H D3)[:d, :d]``: structured orthogonal random features, ``H``
+  the normalised Walsh-Hadamard matrix of size ``n`` (the next power of two
+  ``>= d = d_out``) and ``D1, D2, D3`` diagonal sign matrices from a shared
+  seed. ``S`` is applied with a fast Walsh-Hadamard transform (zero padding to
+  ``n``, truncation back to ``d``), ``O(n log n)`` per vector (Hadamard blocks
+  of at most 64 applied as small GEMMs); no ``n x n``
+  matrix is formed.
+* ``Gamma(b) = blkdiag(Phi(b_1), ..., Phi(b_{d/2}))`` with
+  ``Phi(a + ic) = [[a, -c], [c, a]]``: a complex number as a 2x2
+  rotation-scaling block, applied by even/odd slicing.
+* ``Lambda_d = m G(theta)``: a scale times a product of ``r (r-1) / 2`` Givens
+  rotations, one per pair ``p < q`` in :func:`givens_pair_indices` order.
+
+The server refits ``b`` and ``(m, theta)`` from the truncated SVD of the
+aggregated update: :func:`fit_b` solves the least-squares problem
+``min_b ||S Gamma(b) B - T||_F`` directly (the truncated ``S`` is singular for
+most ``d`` that are not powers of two), :func:`fit_d` takes the polar factor of
+``V_r^T pinv(A)`` and decomposes it into Givens angles.
+
+Every function acts on the last dimension of its input as on column vectors:
+``sorf_apply(signs, v)`` returns ``S v`` for each row ``v`` of a batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fedlr.errors import ShapeMismatchError
+
+__all__ = [
+    "BFit",
+    "DFit",
+    "SorfSigns",
+    "build_lambda_d_rot",
+    "decompose_orthogonal",
+    "fit_b",
+    "fit_d",
+    "fwht",
+    "gamma_apply",
+    "gamma_apply_t",
+    "givens_pair_indices",
+    "next_power_of_two",
+    "sorf_apply",
+    "sorf_apply_t",
+    "sorf_signs",
+]
+
+
+def next_power_of_two(d: int) -> int:
+    """Smallest power of two ``n >= d`` (``d >= 1``)."""
+    if d < 1:
+        raise ValueError(f"dimension must be >= 1, got {d}")
+    return 1 << (d - 1).bit_length()
+
+
+_BLOCK = 64  # largest Hadamard block applied as a small dense GEMM
+_HADAMARD_BLOCKS: dict[tuple[int, torch.dtype, str], torch.Tensor] = {}
+
+
+def _hadamard_block(m: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Unnormalised Sylvester Hadamard matrix of size ``m <= 64`` (cached)."""
+    key = (m, dtype, str(device))
+    if key not in _HADAMARD_BLOCKS:
+        h = torch.ones(1, 1, dtype=dtype, device=device)
+        while h.shape[0] < m:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        _HADAMARD_BLOCKS[key] = h
+    return _HADAMARD_BLOCKS[key]
+
+
+def _fwht_rows(y: torch.Tensor) -> torch.Tensor:
+    """Unnormalised transform of each row of ``y`` (rows, n)."""
+    rows, n = y.shape
+    if n <= _BLOCK:
+        return y @ _hadamard_block(n, y.dtype, y.device)
+    # H_n = H_a (x) H_b: with Y the row reshaped to (a, b), H_n y = H_a Y H_b.
+    b = _BLOCK
+    a = n // b
+    z = y.reshape(rows, a, b) @ _hadamard_block(b, y.dtype, y.device)
+    z = _fwht_rows(z.transpose(1, 2).reshape(rows * b, a))
+    return z.reshape(rows, b, a).transpose(1, 2).reshape(rows, n)
+
+
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """Normalised fast Walsh-Hadamard transform along the last dimension.
+
+    Parameters
+    ----------
+    x : (..., n) torch.Tensor
+        ``n`` a power of two.
+
+    Returns
+    -------
+    (..., n) torch.Tensor
+        ``H x`` with ``H`` the Sylvester-ordered Hadamard matrix divided by
+        ``sqrt(n)`` (symmetric and orthogonal, ``H H^T = I``). The transform
+        uses the Kronecker structure ``H_n = H_a (x) H_b`` with blocks of at
+        most 64: ``O(n log n)`` work per vector in a few small GEMMs,
+        never an ``n x n`` matrix; differentiable.
+    """
+    n = x.shape[-1]
+    if n < 1 or n & (n - 1):
+        raise ShapeMismatchError(f"FWHT needs a power-of-two length, got {n}")
+    batch = x.shape[:-1]
+    y = _fwht_rows(x.reshape(-1, n))
+    return y.reshape(*batch, n) / math.sqrt(n)
+
+
+@dataclass(frozen=True)
+class SorfSigns:
+    """The diagonal sign vectors of ``S = (D1 H D2 H D3)[:d, :d]``.
+
+    Attributes
+    ----------
+    d1, d2, d3 : (n,) torch.Tensor
+        Entries in ``{-1, +1}``.
+    d : int
+        The truncated size (``d_out``).
+    """
+
+    d1: torch.Tensor
+    d2: torch.Tensor
+    d3: torch.Tensor
+    d: int
+
+    @property
+    def n(self) -> int:
+        """Padded size (a power of two)."""
+        return int(self.d1.numel())
+
+    def to(self, dtype: torch.dtype, device: torch.device | None = None) -> SorfSigns:
+        """The same signs in ``dtype`` on ``device``."""
+        return SorfSigns(
+            d1=self.d1.to(device=device, dtype=dtype),
+            d2=self.d2.to(device=device, dtype=dtype),
+            d3=self.d3.to(device=device, dtype=dtype),
+            d=self.d,
+        )
+
+    def dense(self) -> torch.Tensor:
+        """``S`` as a dense (d, d) matrix, for tests and references only."""
+        eye = torch.eye(self.d, dtype=self.d1.dtype, device=self.d1.device)
+        return sorf_apply(self, eye).T
+
+
+def sorf_signs(d: int, seed: int, *, dtype: torch.dtype = torch.float32) -> SorfSigns:
+    """Draw the three sign vectors of ``S`` from ``seed`` (same on every node).
+
+    Parameters
+    ----------
+    d : int
+        Output size ``d_out``; ``n = next_power_of_two(d)``.
+    seed : int
+    dtype : torch.dtype
+
+    Returns
+    -------
+    SorfSigns
+    """
+    n = next_power_of_two(d)
+    gen = torch.Generator().manual_seed(int(seed))
+    signs = [
+        (torch.randint(0, 2, (n,), generator=gen) * 2 - 1).to(dtype) for _ in range(3)
+    ]
+    return SorfSigns(d1=signs[0], d2=signs[1], d3=signs[2], d=d)
+
+
+def _check_last(x: torch.Tensor, d: int, what: str) -> None:
+    if x.shape[-1] != d:
+        raise ShapeMismatchError(
+            f"{what} expects last dimension {d}, got shape {tuple(x.shape)}"
+        )
+
+
+def _pad(x: torch.Tensor, n: int) -> torch.Tensor:
+    d = x.shape[-1]
+    return x if d == n else torch.nn.functional.pad(x, (0, n - d))
+
+
+def sorf_apply(signs: SorfSigns, x: torch.Tensor) -> torch.Tensor:
+    """``S x`` along the last dimension, ``S = (D1 H D2 H D3)[:d, :d]``.
+
+    Parameters
+    ----------
+    signs : SorfSigns
+    x : (..., d) torch.Tensor
+
+    Returns
+    -------
+    (..., d) torch.Tensor
+        Zero-pad to ``n``, ``D3``, FWHT, ``D2``, FWHT, ``D1``, keep the first
+        ``d`` entries.
+    """
+    _check_last(x, signs.d, "sorf_apply")
+    s = signs.to(x.dtype, x.device)
+    y = _pad(x, s.n) * s.d3
+    y = fwht(fwht(y) * s.d2) * s.d1
+    return y[..., : s.d]
+
+
+def sorf_apply_t(signs: SorfSigns, x: torch.Tensor) -> torch.Tensor:
+    """``S^T x`` along the last dimension (``S^T = (D3 H D2 H D1)[:d, :d]``).
+
+    Parameters
+    ----------
+    signs : SorfSigns
+    x : (..., d) torch.Tensor
+
+    Returns
+    -------
+    (..., d) torch.Tensor
+    """
+    _check_last(x, signs.d, "sorf_apply_t")
+    s = signs.to(x.dtype, x.device)
+    y = _pad(x, s.n) * s.d1
+    y = fwht(fwht(y) * s.d2) * s.d3
+    return y[..., : s.d]
+
+
+def _check_gamma(b_real: torch.Tensor, b_imag: torch.Tensor, x: torch.Tensor) -> None:
+    if b_real.ndim != 1 or b_real.shape != b_imag.shape:
+        raise ShapeMismatchError(
+            f"b_real {tuple(b_real.shape)} and b_imag {tuple(b_imag.shape)} must be "
+            "equal 1-D shapes"
+        )
+    _check_last(x, 2 * b_real.numel(), "Gamma(b)")
+
+
+def gamma_apply(
+    b_real: torch.Tensor, b_imag: torch.Tensor, x: torch.Tensor
+) -> torch.Tensor:
+    """``Gamma(b) x`` along the last dimension by even/odd slicing.
+
+    Parameters
+    ----------
+    b_real, b_imag : (m,) torch.Tensor
+        ``a_j`` and ``c_j`` of the complex entries ``b_j = a_j + i c_j``.
+    x : (..., 2m) torch.Tensor
+
+    Returns
+    -------
+    (..., 2m) torch.Tensor
+        ``w_{2j} = a_j x_{2j} - c_j x_{2j+1}``,
+        ``w_{2j+1} = c_j x_{2j} + a_j x_{2j+1}``.
+    """
+    _check_gamma(b_real, b_imag, x)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    w_even = b_real * even - b_imag * odd
+    w_odd = b_imag * even + b_real * odd
+    return torch.stack((w_even, w_odd), dim=-1).flatten(-2)
+
+
+def gamma_apply_t(
+    b_real: torch.Tensor, b_imag: torch.Tensor, x: torch.Tensor
+) -> torch.Tensor:
+    """``Gamma(b)^T x`` along the last dimension (the conjugate blocks).
+
+    Parameters
+    ----------
+    b_real, b_imag : (m,) torch.Tensor
+    x : (..., 2m) torch.Tensor
+
+    Returns
+    -------
+    (..., 2m) torch.Tensor
+    """
+    return gamma_apply(b_real, -b_imag, x)
+
+
+def givens_pair_indices(r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``r (r-1) / 2`` index pairs ``(p, q)``, ``p < q``, in build order.
+
+    Lexicographic: ``(0, 1), (0, 2), ..., (0, r-1), (1, 2), ...``.
+
+    Returns
+    -------
+    p, q : (r (r-1) / 2,) torch.Tensor of int64
+    """
+    if r < 1:
+        raise ValueError(f"rank must be >= 1, got {r}")
+    p, q = torch.triu_indices(r, r, offset=1)
+    return p, q
+
+
+def build_lambda_d_rot(
+    scale: torch.Tensor, angles: torch.Tensor, r: int
+) -> torch.Tensor:
+    """``Lambda_d = m G(theta)`` with ``G = R_1 R_2 ... R_N`` (Givens rotations).
+
+    ``R_k`` rotates the plane of the ``k``-th pair ``(p, q)`` of
+    :func:`givens_pair_indices` by ``theta_k``:
+    ``R[p, p] = R[q, q] = cos``, ``R[p, q] = -sin``, ``R[q, p] = sin``.
+
+    Parameters
+    ----------
+    scale : () or (1,) torch.Tensor
+        The uniform magnitude ``m``.
+    angles : (r (r-1) / 2,) torch.Tensor
+    r : int
+
+    Returns
+    -------
+    (r, r) torch.Tensor
+        Differentiable in ``scale`` and ``angles``.
+    """
+    n_pairs = r * (r - 1) // 2
+    if angles.shape != (n_pairs,):
+        raise ShapeMismatchError(
+            f"rank {r} needs {n_pairs} Givens angles, got shape {tuple(angles.shape)}"
+        )
+    if scale.numel() != 1:
+        raise ShapeMismatchError(f"scale must be a scalar, got {tuple(scale.shape)}")
+    eye = torch.eye(r, dtype=angles.dtype, device=angles.device)
+    cols = list(eye.unbind(1))
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    p_idx, q_idx = givens_pair_indices(r)
+    for k, (p, q) in enumerate(zip(p_idx.tolist(), q_idx.tolist(), strict=True)):
+        # G <- G R_k changes columns p and q.
+        cp, cq = cols[p], cols[q]
+        cols[p] = cos[k] * cp + sin[k] * cq
+        cols[q] = cos[k] * cq - sin[k] * cp
+    g = torch.stack(cols, dim=1) if cols else eye
+    return scale.reshape(()) * g
+
+
+def decompose_orthogonal(o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Givens angles and residual signs with ``O = G(theta) diag(signs)``.
+
+    QR-style elimination: for each column ``j`` and row ``i > j`` in
+    :func:`givens_pair_indices` order, ``R_k^T`` zeroes ``O[i, j]`` with a
+    non-negative diagonal; what remains is ``diag(1, ..., 1, det O)``.
+
+    Parameters
+    ----------
+    o : (r, r) torch.Tensor
+        Orthogonal (computed in float64).
+
+    Returns
+    -------
+    angles : (r (r-1) / 2,) torch.Tensor
+        In ``o``'s dtype.
+    signs : (r,) torch.Tensor
+        Entries ``+-1``; all ``+1`` except the last, which is ``det O``.
+    """
+    if o.ndim != 2 or o.shape[0] != o.shape[1]:
+        raise ShapeMismatchError(f"expected a square matrix, got {tuple(o.shape)}")
+    r = int(o.shape[0])
+    m = o.detach().to(torch.float64).clone()
+    p_idx, q_idx = givens_pair_indices(r)
+    angles = torch.empty(p_idx.numel(), dtype=torch.float64)
+    for k, (j, i) in enumerate(zip(p_idx.tolist(), q_idx.tolist(), strict=True)):
+        theta = math.atan2(float(m[i, j]), float(m[j, j]))
+        c, s = math.cos(theta), math.sin(theta)
+        row_j, row_i = m[j].clone(), m[i].clone()
+        m[j] = c * row_j + s * row_i
+        m[i] = c * row_i - s * row_j
+        angles[k] = theta
+    signs = torch.where(torch.diagonal(m) < 0, -1.0, 1.0).to(torch.float64)
+    return angles.to(o.dtype), signs.to(o.dtype)
+
+
+# ------------------------------------------------------------------ refit of b
+@dataclass(frozen=True)
+class BFit:
+    """Result of :func:`fit_b`.
+
+    Attributes
+    ----------
+    b_real, b_imag : (d/2,) torch.Tensor
+    residual : float
+        ``||S Gamma(b) B - T||_F / ||T||_F`` (0 for a zero target).
+    """
+
+    b_real: torch.Tensor
+    b_imag: torch.Tensor
+    residual: float
+
+
+def _pair_swap(x: torch.Tensor) -> torch.Tensor:
+    """Rows ``2j`` and ``2j+1`` exchanged: ``(x_1, x_0, x_3, x_2, ...)``."""
+    return x.reshape(-1, 2, *x.shape[1:]).flip(1).reshape(x.shape)
+
+
+def _tie(
+    g: torch.Tensor, rows: tuple[float, float], cols: tuple[float, float]
+) -> torch.Tensor:
+    """``P_r^T g P_c`` for ``P`` mapping ``x_j`` to entries ``2j, 2j+1`` with signs."""
+    out = torch.zeros_like(g[0::2, 0::2])
+    for e in (0, 1):
+        for f in (0, 1):
+            out = out + rows[e] * cols[f] * g[e::2, f::2]
+    return out
+
+
+def fit_b(signs: SorfSigns, b_matrix: torch.Tensor, target: torch.Tensor) -> BFit:
+    """Least-squares ``b`` of ``min_b ||S Gamma(b) B - T||_F``.
+
+    ``Gamma(b) B = diag(alpha) B + diag(gamma) B~`` with ``alpha_{2j} =
+    alpha_{2j+1} = a_j``, ``gamma_{2j} = -c_j``, ``gamma_{2j+1} = c_j`` and
+    ``B~`` the rows of ``B`` swapped in pairs, so the residual is linear in
+    the ``d`` unknowns ``(a, c)``. With ``K = S^T S`` (``d`` FWHT applications,
+    no ``n x n`` matrix) the normal equations of ``u = (alpha, gamma)`` are
+    ``[[K o BB^T, K o BB~^T], [K o B~B^T, K o B~B~^T]] u = (rowsum(S^T T o B),
+    rowsum(S^T T o B~))`` (``o`` the entrywise product), projected onto the
+    tied ``(a, c)`` coordinates: a ``d x d`` symmetric system, solved by an
+    eigendecomposition with cut-off ``eps * d * lambda_max`` (the
+    minimum-norm solution when it is singular). When ``d`` is a power of two
+    ``S`` is orthogonal and this equals the per-block 2x2 least squares on
+    ``S^{-1} T``.
+
+    Parameters
+    ----------
+    signs : SorfSigns
+        ``S`` of size ``d``.
+    b_matrix : (d, r) torch.Tensor
+        The frozen ``B``.
+    target : (d, r) torch.Tensor
+        ``T = U_r diag(Sigma_r)``.
+
+    Returns
+    -------
+    BFit
+        In ``target``'s dtype; computed in float64.
+    """
+    d = signs.d
+    if d % 2:
+        raise ShapeMismatchError(f"Gamma(b) needs an even d_out, got {d}")
+    if b_matrix.ndim != 2 or b_matrix.shape[0] != d or target.shape != b_matrix.shape:
+        raise ShapeMismatchError(
+            f"B {tuple(b_matrix.shape)} and T {tuple(target.shape)} must both be "
+            f"({d}, r)"
+        )
+    f64 = torch.float64
+    s = signs.to(f64, target.device)
+    bm = b_matrix.to(f64)
+    t = target.to(f64)
+    eye = torch.eye(d, dtype=f64, device=t.device)
+    s_dense_t = sorf_apply(s, eye)  # row k = (S e_k)^T, i.e. S^T as rows
+    k_mat = s_dense_t @ s_dense_t.T  # K = S^T S, (d, d)
+    b_sw = _pair_swap(bm)
+    stt = sorf_apply_t(s, t.T).T  # S^T T, (d, r)
+    # 1. Normal equations in u = (alpha, gamma), 2d unknowns.
+    g_aa = k_mat * (bm @ bm.T)
+    g_ag = k_mat * (bm @ b_sw.T)
+    g_gg = k_mat * (b_sw @ b_sw.T)
+    h_a = (stt * bm).sum(1)
+    h_g = (stt * b_sw).sum(1)
+    # 2. Tie alpha_{2j}=alpha_{2j+1}=a_j and gamma = (-c_j, c_j): u = P (a, c),
+    #    P^T G P by even/odd slicing.
+    tie_a, tie_c = (1.0, 1.0), (-1.0, 1.0)
+    gram = torch.cat(
+        [
+            torch.cat([_tie(g_aa, tie_a, tie_a), _tie(g_ag, tie_a, tie_c)], 1),
+            torch.cat([_tie(g_ag.T, tie_c, tie_a), _tie(g_gg, tie_c, tie_c)], 1),
+        ],
+        0,
+    )
+    rhs = torch.cat([h_a[0::2] + h_a[1::2], h_g[1::2] - h_g[0::2]])
+    # 3. Minimum-norm solve of the symmetric PSD system.
+    evals, evecs = torch.linalg.eigh(gram)
+    cutoff = float(evals.abs().max()) * d * torch.finfo(f64).eps
+    inv = torch.where(evals > cutoff, 1.0 / evals.clamp_min(cutoff), 0.0)
+    sol = evecs @ (inv * (evecs.T @ rhs))
+    a, c = sol[: d // 2], sol[d // 2 :]
+    fitted = sorf_apply(s, gamma_apply(a, c, bm.T)).T
+    t_norm = float(torch.linalg.matrix_norm(t))
+    err = float(torch.linalg.matrix_norm(fitted - t))
+    residual = err / t_norm if t_norm > 0 else 0.0
+    return BFit(b_real=a.to(target.dtype), b_imag=c.to(target.dtype), residual=residual)
+
+
+# ------------------------------------------------------------------ refit of d
+@dataclass(frozen=True)
+class DFit:
+    """Result of :func:`fit_d`.
+
+    Attributes
+    ----------
+    scale : () torch.Tensor
+        ``m``, the mean of the polar singular values.
+    angles : (r (r-1) / 2,) torch.Tensor
+    signs : (r,) torch.Tensor
+        Residual sign diagonal of the polar factor (``O = G(theta) diag(signs)``).
+    residual : float
+        ``||m G(theta) diag(signs) A - V_r^T||_F / ||V_r^T||_F``.
+    """
+
+    scale: torch.Tensor
+    angles: torch.Tensor
+    signs: torch.Tensor
+    residual: float
+
+
+def polar_target(a_matrix: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
+    """``Lambda_target = V_r^T pinv(A)``, the (r, r) matrix with ``Lambda A = V_r^T``.
+
+    Parameters
+    ----------
+    a_matrix : (r, d_in) torch.Tensor
+    vh : (r, d_in) torch.Tensor
+
+    Returns
+    -------
+    (r, r) torch.Tensor, float64
+    """
+    if a_matrix.shape != vh.shape or a_matrix.ndim != 2:
+        raise ShapeMismatchError(
+            f"A {tuple(a_matrix.shape)} and V_r^T {tuple(vh.shape)} must both be "
+            "(r, d_in)"
+        )
+    a64 = a_matrix.to(torch.float64)
+    return vh.to(torch.float64) @ torch.linalg.pinv(a64)
+
+
+def fit_d(a_matrix: torch.Tensor, vh: torch.Tensor) -> DFit:
+    """Scale and Givens angles of ``m G(theta) A ~ V_r^T``.
+
+    1. ``Lambda_target = V_r^T pinv(A)``.
+    2. Polar decomposition through the SVD ``P D Q^T = Lambda_target``: the
+       nearest orthogonal matrix is ``O = P Q^T``.
+    3. ``O = G(theta) diag(signs)`` by :func:`decompose_orthogonal`;
+       ``m = mean(D)``.
+
+    Parameters
+    ----------
+    a_matrix : (r, d_in) torch.Tensor
+        The frozen ``A``.
+    vh : (r, d_in) torch.Tensor
+        ``V_r^T`` of the truncated SVD.
+
+    Returns
+    -------
+    DFit
+        In ``vh``'s dtype; computed in float64.
+    """
+    lam = polar_target(a_matrix, vh)
+    p, dvals, qh = torch.linalg.svd(lam)
+    o = p @ qh
+    angles, signs = decompose_orthogonal(o)
+    scale = dvals.mean()
+    r = int(o.shape[0])
+    rebuilt = build_lambda_d_rot(scale, angles, r) * signs  # columns times signs
+    v64 = vh.to(torch.float64)
+    err = float(torch.linalg.matrix_norm(rebuilt @ a_matrix.to(torch.float64) - v64))
+    norm = float(torch.linalg.matrix_norm(v64))
+    return DFit(
+        scale=scale.to(vh.dtype),
+        angles=angles.to(vh.dtype),
+        signs=signs.to(vh.dtype),
+        residual=err / norm if norm > 0 else 0.0,
+    )
