@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -34,6 +35,8 @@ from transformers import (
 )
 from transformers.modeling_outputs import SequenceClassifierOutput
 from transformers.utils import logging as hf_logging
+
+from fedlr.errors import ConfigError
 
 __all__ = [
     "POOLINGS",
@@ -101,10 +104,22 @@ def _source(name: str) -> str:
     return name
 
 
+def _hub_load(loader: Any, name: str, **kwargs: Any) -> Any:
+    """``loader.from_pretrained`` with an error that names the ``model`` key."""
+    try:
+        return loader.from_pretrained(_source(name), **kwargs)
+    except OSError as exc:
+        raise ConfigError(
+            "model",
+            f"'{name}' is not an offline model ({', '.join(sorted(TEXT_MODELS))}) "
+            f"and could not be loaded as a Hugging Face hub id: {exc}",
+        ) from exc
+
+
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     """Tokenizer for model ``name`` (``tiny-bert`` shares MiniLM's)."""
-    tok: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(_source(name))
+    tok: PreTrainedTokenizerBase = _hub_load(AutoTokenizer, name)
     return tok
 
 
@@ -143,8 +158,8 @@ def build_text_classifier(
         config.num_labels = num_labels
         return BertForSequenceClassification(config)
     torch.manual_seed(seed)
-    model: PreTrainedModel = AutoModelForSequenceClassification.from_pretrained(
-        _source(name), num_labels=num_labels
+    model: PreTrainedModel = _hub_load(
+        AutoModelForSequenceClassification, name, num_labels=num_labels
     )
     return model
 
@@ -164,5 +179,5 @@ def _tiny_bert_config() -> BertConfig:
 def _build_encoder(name: str) -> PreTrainedModel:
     if name == "tiny-bert":
         return BertModel(_tiny_bert_config(), add_pooling_layer=False)
-    encoder: PreTrainedModel = AutoModel.from_pretrained(_source(name))
+    encoder: PreTrainedModel = _hub_load(AutoModel, name)
     return encoder

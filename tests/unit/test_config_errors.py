@@ -1,0 +1,117 @@
+"""Every run-config key: an invalid value is refused by name before training.
+
+``AT_PARSE`` holds, for every key that ``RunConfig`` validates itself, a bad
+value and the expected message; ``AT_START`` the keys whose validity depends on
+a registry or the model (checked when the ServerApp builds its plan, before
+round 1). A new key without an entry in either table fails
+``test_every_key_has_a_bad_value_case``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+from flwr.app import Context, RecordDict
+
+from fedlr.config import RunConfig
+from fedlr.errors import ConfigError, FedLRError
+from fedlr.flower import InProcessGrid
+from tests.conftest import tiny_run_config
+
+AT_PARSE: dict[str, tuple[object, str]] = {
+    "method": ("", "is empty"),
+    "num-server-rounds": (0, "must be >= 1"),
+    "local-steps": (0, "must be >= 1"),
+    "lr": (0.0, "finite and > 0"),
+    "lr-decay": (1.5, r"in \(0, 1\]"),
+    "weight-decay": (1.0, r"in \[0, 1\)"),
+    "batch-size": (0, "must be >= 1"),
+    "eval-batch-size": (0, "must be >= 1"),
+    "max-length": (4, r"in \[8, 4096\]"),
+    "pooling": ("max", "not one of mean, cls"),
+    "lora-rank": (0, "must be >= 1"),
+    "lora-alpha": (-1.0, "finite and > 0"),
+    "lora-dropout": (1.0, r"in \[0, 1\)"),
+    "target-modules": (",", "names no module"),
+    "partitioner": ("random", "not one of"),
+    "dirichlet-alpha": (0.0, "finite and > 0"),
+    "classes-per-partition": (0, "must be >= 1"),
+    "num-partitions": (0, "must be >= 1"),
+    "eval-fraction": (0.0, r"in \(0, 1\)"),
+    "max-eval-examples": (-1, "must be >= 0"),
+    "fraction-train": (1.5, r"in \(0, 1\]"),
+    "min-replies": (0, "must be >= 1"),
+    "seed": (-1, "must be in"),
+    "device": ("tpu", "not one of"),
+    "output-dir": ("relative", "absolute path"),
+    "round-timeout": (0.0, "finite and > 0"),
+    "fedspec-threshold": (1.0, r"in \[0, 1\)"),
+    "fedspec-max-rank": (0, "must be >= 1"),
+    "momentum": (1.0, r"in \[0, 1\)"),
+    "warmup-rounds": (-1, "must be >= 0"),
+    "qrmix-tau": (0.0, "finite and > 0"),
+    "qrmix-gamma": (float("nan"), "finite and > 0"),
+    "qrmix-k": (0, "must be >= 1"),
+    "qrmix-oversample": (-1, "must be >= 0"),
+    "qrmix-power-iters": (-1, "must be >= 0"),
+    "qrmix-form": ("exact", "not one of fisher, literal"),
+    "qrmix-warmup-checkpoint": ("warm.pt", "absolute path"),
+    "num-tasks": (0, "must be >= 1"),
+    "rounds-per-task": (0, "must be >= 1"),
+    "task-examples": (-1, "must be >= 0"),
+    "fot-eps": (1.5, r"in \[0, 1\]"),
+    "fot-eps-inc": (-0.1, r"in \[0, 1\]"),
+    "fot-sketch-dim": (-1, "must be >= 0"),
+    "fot-activation-examples": (0, "must be >= 1"),
+    "vera-rank": (0, "must be >= 1"),
+    "projection-seed": (-1, "must be in"),
+    "vera-d-initial": (float("inf"), "must be finite"),
+    "vera-lr": (0.0, "finite and > 0"),
+    "fedex-lr": (1.5, r"in \(0, 1\]"),
+    "sorf-rank": (65, "must be <= 64"),
+    "sorf-d-scale-initial": (float("nan"), "must be finite"),
+}
+
+# key -> (overrides making the value bad, expected error type, message)
+AT_START: dict[str, tuple[dict[str, object], type[Exception], str]] = {
+    "method": ({"method": "fedx-lora"}, FedLRError, "known methods: .*fedex-lora"),
+    "model": ({"model": "no-such-model"}, ConfigError, "no-such-model"),
+    "dataset": ({"dataset": "imdbb"}, FedLRError, "polarity"),
+    "lora-rank": ({"lora-rank": 64}, ConfigError, "lora-rank"),
+    "resume-from": ({"resume-from": "/nonexistent/run"}, ConfigError, "resume-from"),
+}
+
+
+def test_every_key_has_a_bad_value_case():
+    keys = {f.name.replace("_", "-") for f in fields(RunConfig)}
+    missing = sorted(keys - set(AT_PARSE) - set(AT_START))
+    assert not missing, f"keys without an invalid-value test: {missing}"
+
+
+@pytest.mark.parametrize("key", sorted(AT_PARSE))
+def test_invalid_value_is_refused_with_the_key_named(key):
+    value, message = AT_PARSE[key]
+    with pytest.raises(ConfigError, match=message) as info:
+        RunConfig.from_mapping({key: value})
+    assert info.value.key == key and f"'{key}'" in str(info.value)
+
+
+def _never_called(message, context):
+    raise AssertionError("a client was asked to train: the error came too late")
+
+
+@pytest.mark.parametrize("key", sorted(AT_START))
+def test_invalid_value_stops_the_server_before_training(tmp_path, assets, key):
+    from server_apps.runner import run_server
+
+    overrides, error, message = AT_START[key]
+    config = tiny_run_config(tmp_path, **overrides)
+    grid = InProcessGrid(_never_called, num_nodes=3, run_config=config)
+    context = Context(
+        run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=config
+    )
+    with pytest.raises(error, match=message):
+        run_server(grid, context)
+    assert grid.messages_sent == 0
+    assert not list(tmp_path.glob("*/results.csv"))
