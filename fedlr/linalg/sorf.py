@@ -88,6 +88,8 @@ def _fwht_rows(y: torch.Tensor) -> torch.Tensor:
     b = _BLOCK
     a = n // b
     z = y.reshape(rows, a, b) @ _hadamard_block(b, y.dtype, y.device)
+    if a <= _BLOCK:  # n <= 4096: two small GEMMs, no transposed copies
+        return (_hadamard_block(a, y.dtype, y.device) @ z).reshape(rows, n)
     z = _fwht_rows(z.transpose(1, 2).reshape(rows * b, a))
     return z.reshape(rows, b, a).transpose(1, 2).reshape(rows, n)
 
