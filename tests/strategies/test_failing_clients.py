@@ -76,7 +76,27 @@ def _run(tmp_path, hook, **overrides):
     return run_server(grid, context)
 
 
-@pytest.mark.parametrize("method", ["fedex-lora"])
+# fot: 5 tasks of one round each, so rounds 2-5 are task boundaries whose
+# replies also carry GPSE sketches.
+SETTINGS: dict[str, dict[str, object]] = {
+    "fedex-lora": {},
+    "fot": {
+        "model": "mlp",
+        "dataset": "permuted-mnist",
+        "num-tasks": 5,
+        "rounds-per-task": 1,
+        "task-examples": 400,
+        "fot-activation-examples": 20,
+        "local-steps": 5,
+        "batch-size": 32,
+        "lr": 0.05,
+        "momentum": 0.0,
+        "max-eval-examples": 100,
+    },
+}
+
+
+@pytest.mark.parametrize("method", sorted(SETTINGS))
 def test_half_the_clients_fail_every_round_and_the_run_completes(
     tmp_path, assets, method, caplog
 ):
@@ -87,6 +107,7 @@ def test_half_the_clients_fail_every_round_and_the_run_completes(
             hook,
             method=method,
             **{"num-partitions": 4, "num-server-rounds": 5, "min-replies": 2},
+            **SETTINGS[method],
         )
     frame = pd.read_csv(run_dir / "results.csv")
     assert frame["round"].tolist() == [1, 2, 3, 4, 5]
