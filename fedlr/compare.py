@@ -253,7 +253,7 @@ def run_sweep(
                 "output-dir": str(cell_dir),
             }
             RunConfig.from_mapping(config)
-            print(f"[{n}/{total}] {cell}", flush=True)
+            _LOG.info("[%d/%d] %s", n, total, cell)
             try:
                 flwr_run(
                     app_dir,
@@ -295,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     table.add_argument("--out", required=True, type=Path)
     table.add_argument("--by", default="", help="config keys that split rows")
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     by = [k for k in args.by.split(",") if k]
     failures: dict[str, str] = {}
     if args.command == "run":
