@@ -29,8 +29,10 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
+from fedlr.config import RunConfig
 from fedlr.errors import NoValidRepliesError, ReplyValidationError
 from fedlr.flower.records import record_nbytes, record_to_state, state_to_record
+from fedlr.linalg import weighted_mean
 
 __all__ = ["ClientUpdate", "FedLRStrategy", "RoundReport"]
 
@@ -159,6 +161,34 @@ class FedLRStrategy(FedAvg):
     def round_config(self, server_round: int) -> dict[str, Any]:
         """Extra per-round values for the clients' ConfigRecord."""
         return {}
+
+    @staticmethod
+    def base_options(config: RunConfig) -> dict[str, Any]:
+        """Constructor arguments every fedlr strategy reads from the run config."""
+        return {
+            "min_replies": config.min_replies,
+            "fraction_train": config.fraction_train,
+            "lr_decay": config.lr_decay,
+        }
+
+    @staticmethod
+    def weighted_means(
+        updates: list[ClientUpdate],
+        keys: Iterable[str],
+        like: Mapping[str, torch.Tensor] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Per-key weighted mean of the updates, weights = num-examples.
+
+        With ``like``, each mean is cast to ``like[key]``'s dtype.
+        """
+        weights = [u.num_examples for u in updates]
+        means = {
+            key: weighted_mean([u.arrays[key] for u in updates], weights)
+            for key in keys
+        }
+        if like is not None:
+            means = {k: v.to(like[k].dtype) for k, v in means.items()}
+        return means
 
     def state_dict(self) -> dict[str, Any]:
         """Strategy state a resumed run needs besides the global arrays.

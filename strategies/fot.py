@@ -56,7 +56,6 @@ from flwr.supercore import log
 from fedlr.config import RunConfig
 from fedlr.errors import ReplyValidationError
 from fedlr.flower.records import record_nbytes, record_to_state
-from fedlr.linalg import weighted_mean
 from fedlr.linalg.fot import (
     expand_basis,
     project_update,
@@ -134,9 +133,7 @@ class FedAvgContinual(FedLRStrategy):
             rounds_per_task=config.rounds_per_task,
             num_tasks=config.num_tasks,
             lr=config.lr,
-            min_replies=config.min_replies,
-            fraction_train=config.fraction_train,
-            lr_decay=config.lr_decay,
+            **cls.base_options(config),
         )
 
     # ----------------------------------------------------------------- stream
@@ -162,13 +159,7 @@ class FedAvgContinual(FedLRStrategy):
         updates: list[ClientUpdate],
         current: dict[str, torch.Tensor],
     ) -> tuple[dict[str, torch.Tensor], RoundReport]:
-        weights = [u.num_examples for u in updates]
-        state = {
-            key: weighted_mean([u.arrays[key] for u in updates], weights).to(
-                current[key].dtype
-            )
-            for key in self.shapes
-        }
+        state = self.weighted_means(updates, self.shapes, like=current)
         task, _ = self.task_of(server_round)
         return state, RoundReport(metrics={"task": float(task)})
 
@@ -268,9 +259,7 @@ class FOT(FedAvgContinual):
             rounds_per_task=config.rounds_per_task,
             num_tasks=config.num_tasks,
             lr=config.lr,
-            min_replies=config.min_replies,
-            fraction_train=config.fraction_train,
-            lr_decay=config.lr_decay,
+            **cls.base_options(config),
         )
 
     def summary(self) -> None:

@@ -6,7 +6,6 @@ import math
 from logging import INFO
 from typing import Any, ClassVar
 
-import torch
 from flwr.supercore import log
 
 from fedlr.adapters.roles import AdapterLayout, Role
@@ -15,7 +14,6 @@ from fedlr.linalg import (
     factored_frobenius_norm,
     mean_of_products_factors,
     residual_factors,
-    weighted_mean,
 )
 from strategies.base import ClientUpdate, FedLRStrategy, RoundReport
 
@@ -49,9 +47,7 @@ class LoraStrategy(FedLRStrategy):
         """Build from the typed run config."""
         return cls(
             layout=layout,
-            min_replies=config.min_replies,
-            fraction_train=config.fraction_train,
-            lr_decay=config.lr_decay,
+            **cls.base_options(config),
         )
 
     def summary(self) -> None:
@@ -83,17 +79,6 @@ class LoraStrategy(FedLRStrategy):
         return {"train-roles": ",".join(role.value for role in self.train_roles)}
 
     # ----------------------------------------------------------------- helpers
-    @staticmethod
-    def weighted_means(
-        updates: list[ClientUpdate], keys: list[str]
-    ) -> dict[str, torch.Tensor]:
-        """Per-key weighted mean of the updates, weights = num-examples."""
-        weights = [u.num_examples for u in updates]
-        return {
-            key: weighted_mean([u.arrays[key] for u in updates], weights)
-            for key in keys
-        }
-
     def gap_report(self, updates: list[ClientUpdate]) -> RoundReport:
         """Frobenius gap ``||sum_i w_i B_i A_i - B_bar A_bar||_F`` per layer and total.
 

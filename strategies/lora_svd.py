@@ -89,9 +89,7 @@ class SvdLoraStrategy(LoraStrategy):
         """Build from the typed run config (see :meth:`options`)."""
         return cls(
             layout=layout,
-            min_replies=config.min_replies,
-            fraction_train=config.fraction_train,
-            lr_decay=config.lr_decay,
+            **cls.base_options(config),
             seed=config.seed,
             **cls.options(config, layout),
         )

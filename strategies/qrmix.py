@@ -34,7 +34,6 @@ from flwr.supercore import log
 from fedlr.config import RunConfig
 from fedlr.errors import ReplyValidationError
 from fedlr.flower.records import record_nbytes, record_to_state
-from fedlr.linalg import weighted_mean
 from fedlr.linalg.qrmix import ClientEigen, fc_flatten, fc_unflatten, qrmix_update
 from strategies.base import ClientUpdate, FedLRStrategy, RoundReport
 from strategies.registry import register_method
@@ -93,9 +92,7 @@ class VisionFedAvg(FedLRStrategy):
         return cls(
             shapes=shapes,
             head=head,
-            min_replies=config.min_replies,
-            fraction_train=config.fraction_train,
-            lr_decay=config.lr_decay,
+            **cls.base_options(config),
         )
 
     @property
@@ -123,13 +120,7 @@ class VisionFedAvg(FedLRStrategy):
         updates: list[ClientUpdate],
         current: dict[str, torch.Tensor],
     ) -> tuple[dict[str, torch.Tensor], RoundReport]:
-        weights = [u.num_examples for u in updates]
-        state = {
-            key: weighted_mean([u.arrays[key] for u in updates], weights).to(
-                current[key].dtype
-            )
-            for key in self.shapes
-        }
+        state = self.weighted_means(updates, self.shapes, like=current)
         step = self.head_vector(state).double() - self.head_vector(current).double()
         norm = float(torch.linalg.vector_norm(step))
         report = RoundReport(
@@ -205,9 +196,7 @@ class QRMix(VisionFedAvg):
             gamma=config.qrmix_gamma,
             k=config.qrmix_k,
             form=config.qrmix_form,
-            min_replies=config.min_replies,
-            fraction_train=config.fraction_train,
-            lr_decay=config.lr_decay,
+            **cls.base_options(config),
         )
 
     def summary(self) -> None:

@@ -235,9 +235,7 @@ class SorfVeRA(ProjectionChecked):
             layout=vm.layout,
             projection_a=vm.projection_a,
             projection_b=vm.projection_b,
-            min_replies=config.min_replies,
-            fraction_train=config.fraction_train,
-            lr_decay=config.lr_decay,
+            **cls.base_options(config),
         )
 
     def summary(self) -> None:

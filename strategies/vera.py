@@ -162,9 +162,7 @@ class VeraStrategy(ProjectionChecked):
             projection_a=vm.projection_a,
             projection_b=vm.projection_b,
             fedex_lr=config.fedex_lr,
-            min_replies=config.min_replies,
-            fraction_train=config.fraction_train,
-            lr_decay=config.lr_decay,
+            **cls.base_options(config),
         )
 
     def summary(self) -> None:
