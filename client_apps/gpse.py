@@ -37,7 +37,7 @@ from fedlr.data.continual import ContinualStream
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.image_task import evaluate_images, train_sgd
 from fedlr.models.vision import VisionModel
-from fedlr.train import pick_device
+from fedlr.train import client_seed, pick_device
 from strategies.fot import BASES, GPSE_EXAMPLES, SKETCHES, fraction_key
 
 __all__ = ["evaluate_message", "train_message"]
@@ -126,7 +126,7 @@ def train_message(message: Message, context: Context) -> Message:
         steps=int(round_config.get("local-steps", config.local_steps)),
         lr=float(round_config.get("lr", config.lr)),
         batch_size=int(round_config.get("batch-size", config.batch_size)),
-        seed=config.seed * 1_000_003 + server_round * 1_009 + pid,
+        seed=client_seed(config.seed, server_round, pid),
         momentum=config.momentum,
         weight_decay=config.weight_decay,
         device=device,

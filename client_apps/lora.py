@@ -54,7 +54,14 @@ from fedlr.errors import ConfigError
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.linalg import local_svd_factors
 from fedlr.tasks import LoraModel, TextTask
-from fedlr.train import EncodedText, TrainSettings, evaluate, pick_device, train_steps
+from fedlr.train import (
+    EncodedText,
+    TrainSettings,
+    client_seed,
+    evaluate,
+    pick_device,
+    train_steps,
+)
 
 __all__ = ["evaluate_message", "partition_of", "train_message"]
 
@@ -203,6 +210,18 @@ def _local_svd(lm: LoraModel, arrays: dict[str, torch.Tensor]) -> None:
         )
 
 
+def train_settings(
+    round_config: ConfigRecord, config: RunConfig, *, default_lr: float
+) -> TrainSettings:
+    """Local AdamW settings of a round: the ConfigRecord's, else the run config's."""
+    return TrainSettings(
+        local_steps=int(round_config.get("local-steps", config.local_steps)),
+        lr=float(round_config.get("lr", default_lr)),
+        batch_size=int(round_config.get("batch-size", config.batch_size)),
+        weight_decay=config.weight_decay,
+    )
+
+
 def train_message(message: Message, context: Context) -> Message:
     """Handle a ``train`` instruction for a LoRA method."""
     config = RunConfig.from_mapping(context.run_config)
@@ -214,17 +233,12 @@ def train_message(message: Message, context: Context) -> Message:
     personal_split = bool(round_config.get("personal-split", False))
     data = _partition(config, pid, num, "train" if personal_split else "all")
     server_round = int(round_config.get("server-round", 0))
-    settings = TrainSettings(
-        local_steps=int(round_config.get("local-steps", config.local_steps)),
-        lr=float(round_config.get("lr", config.lr)),
-        batch_size=int(round_config.get("batch-size", config.batch_size)),
-        weight_decay=config.weight_decay,
-    )
+    settings = train_settings(round_config, config, default_lr=config.lr)
     loss = train_steps(
         lm.model,
         data,
         settings,
-        seed=config.seed * 1_000_003 + server_round * 1_009 + pid,
+        seed=client_seed(config.seed, server_round, pid),
         device=pick_device(config.device),
     )
     lm.model.to("cpu")

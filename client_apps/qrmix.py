@@ -30,7 +30,7 @@ from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.image_task import ImageData, ImageTask, evaluate_images, train_sgd
 from fedlr.linalg.qrmix import fc_flatten, fc_hessian_eigenpairs
 from fedlr.models.vision import VisionModel
-from fedlr.train import pick_device
+from fedlr.train import client_seed, pick_device
 
 __all__ = ["EIGEN_RECORD", "evaluate_message", "head_features", "train_message"]
 
@@ -89,7 +89,7 @@ def train_message(message: Message, context: Context) -> Message:
     model.load_parameters(global_state)
     data = _partition(config, pid, num)
     server_round = int(round_config.get("server-round", 0))
-    seed = config.seed * 1_000_003 + server_round * 1_009 + pid
+    seed = client_seed(config.seed, server_round, pid)
     device = pick_device(config.device)
     loss = train_sgd(
         model,

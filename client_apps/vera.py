@@ -21,13 +21,19 @@ from collections.abc import Callable
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
-from client_apps.lora import partition_of
+from client_apps.lora import partition_of, train_settings
 from fedlr.adapters import Role
 from fedlr.adapters.vera import VeraModel, check_projection
 from fedlr.config import RunConfig
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.tasks import TextTask
-from fedlr.train import EncodedText, TrainSettings, evaluate, pick_device, train_steps
+from fedlr.train import (
+    EncodedText,
+    client_seed,
+    evaluate,
+    pick_device,
+    train_steps,
+)
 from fedlr.vera_tasks import build_vera_text_model
 
 __all__ = [
@@ -116,17 +122,12 @@ class Handlers:
         vm.train_only(roles)
         data = _partition(config, pid, num)
         server_round = int(round_config.get("server-round", 0))
-        settings = TrainSettings(
-            local_steps=int(round_config.get("local-steps", config.local_steps)),
-            lr=float(round_config.get("lr", config.vera_lr)),
-            batch_size=int(round_config.get("batch-size", config.batch_size)),
-            weight_decay=config.weight_decay,
-        )
+        settings = train_settings(round_config, config, default_lr=config.vera_lr)
         loss = train_steps(
             vm.model,
             data,
             settings,
-            seed=config.seed * 1_000_003 + server_round * 1_009 + pid,
+            seed=client_seed(config.seed, server_round, pid),
             device=pick_device(config.device),
         )
         vm.model.to("cpu")
