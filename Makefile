@@ -66,7 +66,7 @@ bench: setup
 # Methods x seeds through `flwr run`, then table.md / table.csv / comparison.png in OUT.
 compare: setup
 	HF_HUB_OFFLINE=1 FLWR_HOME=$(FLWR_HOME) $(PY) -m fedlr.compare run --conf $(CONF) \
-		--methods $(METHODS) --seeds $(SEEDS) --out $(OUT) $(if $(SET),--set $(SET))
+		--methods $(METHODS) --seeds $(SEEDS) --out $(OUT) $(if $(SET),--set '$(SET)')
 
 # Regenerate plots of finished runs: make plots RUNS="outputs/a outputs/b" OUT=dir
 plots: setup

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -47,12 +48,14 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from fedlr.config import RunConfig
+from fedlr.errors import ConfigError
 from fedlr.plots import load_run
 
 __all__ = [
     "collect",
     "comparison_figure",
     "main",
+    "parse_overrides",
     "read_conf",
     "run_sweep",
     "summarise",
@@ -75,6 +78,42 @@ def read_conf(path: Path | str) -> dict[str, Any]:
         values = tomllib.load(fh)
     RunConfig.from_mapping(values)
     return values
+
+
+_PAIR = re.compile(r'([A-Za-z0-9_.-]+)=("(?:[^"\\]|\\.)*"|\S+)')
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """Run-config overrides from ``--set`` arguments, parsed as ``flwr run`` does.
+
+    Each item holds one or more ``key=value`` pairs separated by spaces, values in
+    TOML (``'lora-rank=4 partitioner="iid"'``).
+
+    Raises
+    ------
+    fedlr.errors.ConfigError
+        When an item is not ``key=value`` TOML.
+    """
+    out: dict[str, Any] = {}
+    for item in items:
+        rest = item.strip()
+        while rest:
+            match = _PAIR.match(rest)
+            if match is None:
+                raise ConfigError(
+                    "--set",
+                    f"{rest!r} is not key=value (e.g. 'lora-rank=4 "
+                    'partitioner="iid"\', strings in double quotes)',
+                )
+            key, raw = match.group(1), match.group(2)
+            try:
+                out[key] = tomllib.loads(f"v = {raw}")["v"]
+            except tomllib.TOMLDecodeError as exc:
+                raise ConfigError(
+                    key, f"{raw!r} is not a TOML value (strings need double quotes)"
+                ) from exc
+            rest = rest[match.end() :].lstrip()
+    return out
 
 
 def collect(run_dirs: Sequence[Path | str], by: Sequence[str] = ()) -> pd.DataFrame:
@@ -286,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         nargs="*",
         default=[],
         metavar="KEY=VALUE",
-        help="run-config overrides (TOML values)",
+        help="run-config overrides as for `flwr run --run-config`: "
+        "'key=value key2=\"text\"' (TOML values; one or several arguments)",
     )
     run.add_argument("--num-supernodes", type=int, default=None)
     run.add_argument("--by", default="", help="config keys that split rows")
@@ -299,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     by = [k for k in args.by.split(",") if k]
     failures: dict[str, str] = {}
     if args.command == "run":
-        overrides = tomllib.loads("\n".join(args.set)) if args.set else {}
+        overrides = parse_overrides(args.set)
         run_dirs, failures = run_sweep(
             args.conf,
             [m.strip() for m in args.methods.split(",") if m.strip()],

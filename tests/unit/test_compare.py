@@ -7,7 +7,14 @@ import math
 
 import pytest
 
-from fedlr.compare import collect, main, read_conf, summarise, to_markdown
+from fedlr.compare import (
+    collect,
+    main,
+    parse_overrides,
+    read_conf,
+    summarise,
+    to_markdown,
+)
 from fedlr.errors import ConfigError
 from fedlr.results import ResultsWriter
 
@@ -111,3 +118,23 @@ def test_shipped_experiment_configs_are_valid():
     assert confs, "no experiment configs found"
     for conf in confs:
         assert "method" in read_conf(conf), conf.name
+
+
+def test_overrides_parse_like_flwr_run_config():
+    assert parse_overrides(['partitioner="iid" lora-rank=3', "lr=0.5"]) == {
+        "partitioner": "iid",
+        "lora-rank": 3,
+        "lr": 0.5,
+    }
+    assert parse_overrides(['x="a b" flag=true']) == {"x": "a b", "flag": True}
+    assert parse_overrides([]) == {}
+
+
+@pytest.mark.parametrize(
+    ("item", "key"),
+    [("partitioner=iid", "partitioner"), ("lora-rank", "--set"), ("=3", "--set")],
+)
+def test_bad_override_names_the_problem(item, key):
+    with pytest.raises(ConfigError) as info:
+        parse_overrides([item])
+    assert info.value.key == key
