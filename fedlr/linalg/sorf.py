@@ -17,7 +17,8 @@ with frozen random ``A`` (r, d_in) and ``B`` (d_out, r) shared by every client,
   ``Phi(a + ic) = [[a, -c], [c, a]]``: a complex number as a 2x2
   rotation-scaling block, applied by even/odd slicing.
 * ``Lambda_d = m G(theta)``: a scale times a product of ``r (r-1) / 2`` Givens
-  rotations, one per pair ``p < q`` in :func:`givens_pair_indices` order.
+  rotations of adjacent planes in the stage order of :func:`givens_plan`
+  (a complete parametrisation of the rotations; ``2r - 3`` batched stages).
 
 The server refits ``b`` and ``(m, theta)`` from the truncated SVD of the
 aggregated update: :func:`fit_b` solves the least-squares problem
@@ -41,6 +42,7 @@ from fedlr.errors import ShapeMismatchError
 __all__ = [
     "BFit",
     "DFit",
+    "GivensPlan",
     "SorfSigns",
     "build_lambda_d_rot",
     "decompose_orthogonal",
@@ -50,6 +52,7 @@ __all__ = [
     "gamma_apply",
     "gamma_apply_t",
     "givens_pair_indices",
+    "givens_plan",
     "next_power_of_two",
     "sorf_apply",
     "sorf_apply_t",
@@ -64,12 +67,12 @@ def next_power_of_two(d: int) -> int:
     return 1 << (d - 1).bit_length()
 
 
-_BLOCK = 64  # largest Hadamard block applied as a small dense GEMM
+_MAX_BLOCK_BITS = 5  # Hadamard blocks of at most 32 applied as small GEMMs
 _HADAMARD_BLOCKS: dict[tuple[int, torch.dtype, str], torch.Tensor] = {}
 
 
 def _hadamard_block(m: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Unnormalised Sylvester Hadamard matrix of size ``m <= 64`` (cached)."""
+    """Unnormalised Sylvester Hadamard matrix of size ``m`` (cached)."""
     key = (m, dtype, str(device))
     if key not in _HADAMARD_BLOCKS:
         h = torch.ones(1, 1, dtype=dtype, device=device)
@@ -79,19 +82,36 @@ def _hadamard_block(m: int, dtype: torch.dtype, device: torch.device) -> torch.T
     return _HADAMARD_BLOCKS[key]
 
 
+def _block_sizes(n: int) -> list[int]:
+    """``n = m_1 m_2 ... m_q``: as few and as even blocks of at most 32 as can be.
+
+    Smaller blocks come first (outermost), so that the first GEMM, on the
+    innermost axis, has the widest inner dimension.
+    """
+    k = n.bit_length() - 1
+    q = max(1, -(-k // _MAX_BLOCK_BITS))
+    base, extra = divmod(k, q)
+    return [1 << (base + (1 if i >= q - extra else 0)) for i in range(q)]
+
+
 def _fwht_rows(y: torch.Tensor) -> torch.Tensor:
-    """Unnormalised transform of each row of ``y`` (rows, n)."""
+    """Unnormalised transform of each row of ``y`` (rows, n).
+
+    ``H_n = H_{m_1} (x) ... (x) H_{m_q}``: with the row reshaped to a
+    ``(m_1, ..., m_q)`` array, ``H_n y`` applies ``H_{m_i}`` along axis ``i``.
+    The innermost axis is one GEMM from the right; every other axis is a
+    batched ``H_m @ Z`` with ``Z`` viewed as ``(-1, m, after)``: no transposed
+    copies. ``O(n log n)`` work.
+    """
     rows, n = y.shape
-    if n <= _BLOCK:
-        return y @ _hadamard_block(n, y.dtype, y.device)
-    # H_n = H_a (x) H_b: with Y the row reshaped to (a, b), H_n y = H_a Y H_b.
-    b = _BLOCK
-    a = n // b
-    z = y.reshape(rows, a, b) @ _hadamard_block(b, y.dtype, y.device)
-    if a <= _BLOCK:  # n <= 4096: two small GEMMs, no transposed copies
-        return (_hadamard_block(a, y.dtype, y.device) @ z).reshape(rows, n)
-    z = _fwht_rows(z.transpose(1, 2).reshape(rows * b, a))
-    return z.reshape(rows, b, a).transpose(1, 2).reshape(rows, n)
+    sizes = _block_sizes(n)
+    last = sizes[-1]
+    z = y.reshape(-1, last) @ _hadamard_block(last, y.dtype, y.device)
+    after = last
+    for m in reversed(sizes[:-1]):
+        z = _hadamard_block(m, y.dtype, y.device) @ z.reshape(-1, m, after)
+        after *= m
+    return z.reshape(rows, n)
 
 
 def fwht(x: torch.Tensor) -> torch.Tensor:
@@ -107,8 +127,8 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
     (..., n) torch.Tensor
         ``H x`` with ``H`` the Sylvester-ordered Hadamard matrix divided by
         ``sqrt(n)`` (symmetric and orthogonal, ``H H^T = I``). The transform
-        uses the Kronecker structure ``H_n = H_a (x) H_b`` with blocks of at
-        most 64: ``O(n log n)`` work per vector in a few small GEMMs,
+        uses the Kronecker structure ``H_n = H_{m_1} (x) ... (x) H_{m_q}`` with
+        blocks of at most 32: ``O(n log n)`` work per vector in a few small GEMMs,
         never an ``n x n`` matrix; differentiable.
     """
     n = x.shape[-1]
@@ -190,6 +210,25 @@ def _pad(x: torch.Tensor, n: int) -> torch.Tensor:
     return x if d == n else torch.nn.functional.pad(x, (0, n - d))
 
 
+def _sign_hadamard_chain(
+    x: torch.Tensor,
+    first: torch.Tensor,
+    middle: torch.Tensor,
+    last: torch.Tensor,
+    d: int,
+) -> torch.Tensor:
+    """``(D_last H D_middle H D_first)[:d, :d] x`` along the last dimension.
+
+    Both normalisations ``1/sqrt(n)`` are folded into one scaling of
+    ``D_last``: one pass over the data fewer per transform.
+    """
+    n = first.numel()
+    batch = x.shape[:-1]
+    y = (_pad(x, n) * first).reshape(-1, n)
+    y = _fwht_rows(_fwht_rows(y) * middle) * (last / n)
+    return y.reshape(*batch, n)[..., :d]
+
+
 def sorf_apply(signs: SorfSigns, x: torch.Tensor) -> torch.Tensor:
     """``S x`` along the last dimension, ``S = (D1 H D2 H D3)[:d, :d]``.
 
@@ -206,9 +245,7 @@ def sorf_apply(signs: SorfSigns, x: torch.Tensor) -> torch.Tensor:
     """
     _check_last(x, signs.d, "sorf_apply")
     s = signs.to(x.dtype, x.device)
-    y = _pad(x, s.n) * s.d3
-    y = fwht(fwht(y) * s.d2) * s.d1
-    return y[..., : s.d]
+    return _sign_hadamard_chain(x, s.d3, s.d2, s.d1, s.d)
 
 
 def sorf_apply_t(signs: SorfSigns, x: torch.Tensor) -> torch.Tensor:
@@ -225,9 +262,7 @@ def sorf_apply_t(signs: SorfSigns, x: torch.Tensor) -> torch.Tensor:
     """
     _check_last(x, signs.d, "sorf_apply_t")
     s = signs.to(x.dtype, x.device)
-    y = _pad(x, s.n) * s.d1
-    y = fwht(fwht(y) * s.d2) * s.d3
-    return y[..., : s.d]
+    return _sign_hadamard_chain(x, s.d1, s.d2, s.d3, s.d)
 
 
 def _check_gamma(b_real: torch.Tensor, b_imag: torch.Tensor, x: torch.Tensor) -> None:
@@ -280,19 +315,64 @@ def gamma_apply_t(
     return gamma_apply(b_real, -b_imag, x)
 
 
-def givens_pair_indices(r: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``r (r-1) / 2`` index pairs ``(p, q)``, ``p < q``, in build order.
+@dataclass(frozen=True)
+class GivensPlan:
+    """The fixed sequence of planes of ``G(theta)`` for rank ``r``.
 
-    Lexicographic: ``(0, 1), (0, 2), ..., (0, r-1), (1, 2), ...``.
+    Rotation ``k`` acts on the adjacent coordinates ``(p_k, q_k) = (i - 1, i)``
+    and is the one that zeroes entry ``(i, col_k)`` in a Givens QR
+    elimination; ``stage_k = (r - 1 - i) + 2 col_k`` (Sameh-Kuck order). The
+    rotations of one stage act on disjoint planes, so they commute and are
+    applied together: ``2r - 3`` stages instead of ``r (r-1) / 2`` sequential
+    steps. Rotations are numbered stage by stage.
+
+    Attributes
+    ----------
+    p, q, col, stage : (r (r-1) / 2,) torch.Tensor of int64
+    stages : int
+    """
+
+    p: torch.Tensor
+    q: torch.Tensor
+    col: torch.Tensor
+    stage: torch.Tensor
+    stages: int
+
+
+_GIVENS_PLANS: dict[int, GivensPlan] = {}
+
+
+def givens_plan(r: int) -> GivensPlan:
+    """The :class:`GivensPlan` of rank ``r`` (cached)."""
+    if r < 1:
+        raise ValueError(f"rank must be >= 1, got {r}")
+    if r not in _GIVENS_PLANS:
+        rotations = sorted(
+            ((r - 1 - i) + 2 * j, j, i) for j in range(r - 1) for i in range(j + 1, r)
+        )
+        as_tensor = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+        _GIVENS_PLANS[r] = GivensPlan(
+            p=as_tensor([i - 1 for _, _, i in rotations]),
+            q=as_tensor([i for _, _, i in rotations]),
+            col=as_tensor([j for _, j, _ in rotations]),
+            stage=as_tensor([t for t, _, _ in rotations]),
+            stages=max(2 * r - 3, 0),
+        )
+    return _GIVENS_PLANS[r]
+
+
+def givens_pair_indices(r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The planes ``(p_k, q_k)`` of the ``r (r-1) / 2`` rotations, in order.
+
+    Adjacent pairs ``q_k = p_k + 1`` in Sameh-Kuck stage order (see
+    :class:`GivensPlan`); the plane ``(i - 1, i)`` occurs ``i`` times.
 
     Returns
     -------
     p, q : (r (r-1) / 2,) torch.Tensor of int64
     """
-    if r < 1:
-        raise ValueError(f"rank must be >= 1, got {r}")
-    p, q = torch.triu_indices(r, r, offset=1)
-    return p, q
+    plan = givens_plan(r)
+    return plan.p, plan.q
 
 
 def build_lambda_d_rot(
@@ -300,9 +380,14 @@ def build_lambda_d_rot(
 ) -> torch.Tensor:
     """``Lambda_d = m G(theta)`` with ``G = R_1 R_2 ... R_N`` (Givens rotations).
 
-    ``R_k`` rotates the plane of the ``k``-th pair ``(p, q)`` of
-    :func:`givens_pair_indices` by ``theta_k``:
+    ``R_k`` rotates the plane ``(p, q)`` of rotation ``k`` of
+    :func:`givens_plan` by ``theta_k``:
     ``R[p, p] = R[q, q] = cos``, ``R[p, q] = -sin``, ``R[q, p] = sin``.
+    The rotations of a stage commute, so each stage is one (r, r) matrix,
+    written by four scatters for all stages at once, and the ``2r - 3`` stage
+    matrices are multiplied as a balanced tree of batched products: a few
+    dozen tensor operations per call whatever ``r``, not ``r (r-1) / 2``
+    sequential ones (this matters for autograd in every training step).
 
     Parameters
     ----------
@@ -324,24 +409,29 @@ def build_lambda_d_rot(
     if scale.numel() != 1:
         raise ShapeMismatchError(f"scale must be a scalar, got {tuple(scale.shape)}")
     eye = torch.eye(r, dtype=angles.dtype, device=angles.device)
-    cols = list(eye.unbind(1))
+    if n_pairs == 0:
+        return scale.reshape(()) * eye
+    plan = givens_plan(r)
+    t, p, q = (x.to(angles.device) for x in (plan.stage, plan.p, plan.q))
     cos, sin = torch.cos(angles), torch.sin(angles)
-    p_idx, q_idx = givens_pair_indices(r)
-    for k, (p, q) in enumerate(zip(p_idx.tolist(), q_idx.tolist(), strict=True)):
-        # G <- G R_k changes columns p and q.
-        cp, cq = cols[p], cols[q]
-        cols[p] = cos[k] * cp + sin[k] * cq
-        cols[q] = cos[k] * cq - sin[k] * cp
-    g = torch.stack(cols, dim=1) if cols else eye
-    return scale.reshape(()) * g
+    # One identity per stage, its rotated 2x2 blocks written over it.
+    stages = eye.expand(plan.stages, r, r)
+    stages = stages.index_put((t, p, p), cos).index_put((t, q, q), cos)
+    stages = stages.index_put((t, p, q), -sin).index_put((t, q, p), sin)
+    while stages.shape[0] > 1:
+        if stages.shape[0] % 2:
+            stages = torch.cat([stages, eye[None]], 0)
+        stages = stages[0::2] @ stages[1::2]  # keeps the order R_1 R_2 ...
+    return scale.reshape(()) * stages[0]
 
 
 def decompose_orthogonal(o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Givens angles and residual signs with ``O = G(theta) diag(signs)``.
 
-    QR-style elimination: for each column ``j`` and row ``i > j`` in
-    :func:`givens_pair_indices` order, ``R_k^T`` zeroes ``O[i, j]`` with a
-    non-negative diagonal; what remains is ``diag(1, ..., 1, det O)``.
+    Givens QR elimination in the order of :func:`givens_plan`: rotation ``k``
+    (``R_k^T`` on rows ``p, q = i - 1, i``) zeroes ``O[i, col_k]`` and leaves
+    ``O[i - 1, col_k] >= 0``; a stage's rotations touch disjoint rows and are
+    applied together. What remains is ``diag(1, ..., 1, det O)``.
 
     Parameters
     ----------
@@ -358,18 +448,20 @@ def decompose_orthogonal(o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if o.ndim != 2 or o.shape[0] != o.shape[1]:
         raise ShapeMismatchError(f"expected a square matrix, got {tuple(o.shape)}")
     r = int(o.shape[0])
-    m = o.detach().to(torch.float64).clone()
-    p_idx, q_idx = givens_pair_indices(r)
-    angles = torch.empty(p_idx.numel(), dtype=torch.float64)
-    for k, (j, i) in enumerate(zip(p_idx.tolist(), q_idx.tolist(), strict=True)):
-        theta = math.atan2(float(m[i, j]), float(m[j, j]))
-        c, s = math.cos(theta), math.sin(theta)
-        row_j, row_i = m[j].clone(), m[i].clone()
-        m[j] = c * row_j + s * row_i
-        m[i] = c * row_i - s * row_j
+    m = o.detach().to(device="cpu", dtype=torch.float64).clone()
+    plan = givens_plan(r)
+    angles = torch.empty(plan.p.numel(), dtype=torch.float64)
+    for stage in range(plan.stages):
+        k = (plan.stage == stage).nonzero().flatten()
+        p, q, col = plan.p[k], plan.q[k], plan.col[k]
+        theta = torch.atan2(m[q, col], m[p, col])
+        c, s = torch.cos(theta)[:, None], torch.sin(theta)[:, None]
+        row_p, row_q = m[p].clone(), m[q].clone()
+        m[p] = c * row_p + s * row_q
+        m[q] = c * row_q - s * row_p
         angles[k] = theta
     signs = torch.where(torch.diagonal(m) < 0, -1.0, 1.0).to(torch.float64)
-    return angles.to(o.dtype), signs.to(o.dtype)
+    return angles.to(device=o.device, dtype=o.dtype), signs.to(o)
 
 
 # ------------------------------------------------------------------ refit of b

@@ -19,6 +19,7 @@ from fedlr.linalg.sorf import (
     gamma_apply,
     gamma_apply_t,
     givens_pair_indices,
+    givens_plan,
     next_power_of_two,
     sorf_apply,
     sorf_apply_t,
@@ -138,12 +139,48 @@ def test_gamma_block_is_rotation_scaling():
         gamma_apply(a, c, torch.zeros(3))
 
 
-@pytest.mark.parametrize("r", [1, 2, 5, 12])
-def test_givens_pairs_count(r):
+@pytest.mark.parametrize("r", [1, 2, 3, 5, 12, 16])
+def test_givens_plan_planes_and_stages(r):
+    plan = givens_plan(r)
     p, q = givens_pair_indices(r)
     assert p.numel() == r * (r - 1) // 2
-    assert bool((p < q).all())
-    assert len(set(zip(p.tolist(), q.tolist(), strict=True))) == p.numel()
+    assert bool((q == p + 1).all())
+    assert plan.stages == max(2 * r - 3, 0)
+    # numbered stage by stage; one stage touches each coordinate at most once
+    assert bool((plan.stage[1:] >= plan.stage[:-1]).all())
+    for t in range(plan.stages):
+        k = plan.stage == t
+        touched = torch.cat([p[k], q[k]])
+        assert touched.numel() == touched.unique().numel() > 0
+    # every entry below the diagonal is eliminated exactly once
+    eliminated = set(zip(q.tolist(), plan.col.tolist(), strict=True))
+    assert eliminated == {(i, j) for j in range(r) for i in range(j + 1, r)}
+
+
+def sequential_givens(scale, angles, r):
+    """``m R_1 R_2 ... R_N`` one dense rotation at a time (the reference)."""
+    g = torch.eye(r, dtype=angles.dtype)
+    p, q = givens_pair_indices(r)
+    for k, (i, j) in enumerate(zip(p.tolist(), q.tolist(), strict=True)):
+        rot = torch.eye(r, dtype=angles.dtype)
+        c, s = torch.cos(angles[k]), torch.sin(angles[k])
+        rot[i, i] = rot[j, j] = c
+        rot[i, j], rot[j, i] = -s, s
+        g = g @ rot
+    return scale * g
+
+
+@given(r=st.integers(1, 12), seed=st.integers(0, 999))
+@settings(max_examples=30, deadline=None)
+def test_batched_build_equals_sequential_product(r, seed):
+    gen = torch.Generator().manual_seed(seed)
+    angles = torch.randn(r * (r - 1) // 2, generator=gen, dtype=F64) * 3
+    scale = torch.tensor(1.3, dtype=F64)
+    assert torch.allclose(
+        build_lambda_d_rot(scale, angles, r),
+        sequential_givens(scale, angles, r),
+        atol=1e-12,
+    )
 
 
 @given(r=st.integers(1, 14), seed=st.integers(0, 999), det=st.sampled_from([1.0, -1.0]))
