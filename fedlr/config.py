@@ -57,7 +57,7 @@ class RunConfig:
         default="minilm",
         metadata={
             "help": "text: minilm (offline), tiny-bert (tests) or a hub model id; "
-            "vision: cnn, mlp or alexnet"
+            "vision: cnn, mlp, alexnet or resnet"
         },
     )
     pooling: str = field(

@@ -1,4 +1,4 @@
-"""Image classifiers in plain torch: a small CNN, a four-layer MLP, an AlexNet-like CNN.
+"""Image classifiers in plain torch: small CNN, MLP, AlexNet-like CNN, CIFAR ResNet.
 
 Every model is a :class:`VisionModel`: ``forward(x)`` maps images of shape
 (N, C, H, W) to logits (N, num_classes) through ``head(features(x))``, and the
@@ -25,6 +25,13 @@ class declares its layers by name:
     ``classifier``; no batch norm (its running statistics would have to be
     federated too). Widths are halved for CPU. Projected: ``conv1, conv2,
     conv3, fc1, fc2``.
+``resnet``
+    A CIFAR ResNet-20 (He et al., 2016): a 3x3 stem, three stages of three
+    basic blocks (widths 16, 32, 64; stages 2 and 3 start with stride 2 and a
+    1x1 projection shortcut), global average pooling, ``classifier``. Group
+    normalisation (8 groups) instead of batch norm, as usual in federated
+    training: no running statistics to federate, every state entry is a
+    parameter. Projected: every convolution, in forward order.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from fedlr.errors import ConfigError, ShapeMismatchError
 __all__ = [
     "VISION_MODELS",
     "AlexNetLike",
+    "CifarResNet",
     "SmallCNN",
     "VisionMLP",
     "VisionModel",
@@ -76,10 +84,9 @@ class VisionModel(nn.Module):
         """Logits of shape (N, num_classes) for images ``x`` of shape (N, C, H, W)."""
         return self.head_layer()(self.features(x))  # type: ignore[no-any-return]
 
-    @classmethod
-    def projected_layers(cls) -> tuple[str, ...]:
+    def projected_layers(self) -> tuple[str, ...]:
         """Names of the ``nn.Conv2d`` / ``nn.Linear`` layers FOT projects, in order."""
-        return cls.projected
+        return self.projected
 
     def head_layer(self) -> nn.Linear:
         """The final fully connected layer (``nn.Linear``) named by :attr:`head`."""
@@ -273,10 +280,92 @@ class AlexNetLike(VisionModel):
         return self.drop_fc(torch.relu(self.fc2(x)))
 
 
+class _BasicBlock(nn.Module):
+    """``relu(x' + F(x))`` with ``F`` = conv3x3-GN-ReLU-conv3x3-GN."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int, groups: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
+        self.norm1 = nn.GroupNorm(groups, c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=False)
+        self.norm2 = nn.GroupNorm(groups, c_out)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or c_in != c_out:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False),
+                nn.GroupNorm(groups, c_out),
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.norm1(self.conv1(x)))
+        out = self.norm2(self.conv2(out))
+        return torch.relu(out + self.shortcut(x))
+
+
+class CifarResNet(VisionModel):
+    """ResNet for 32x32 images (ResNet-20 by default) with group norm.
+
+    Parameters
+    ----------
+    in_shape : (C, H, W)
+        H and W of at least 4 (two stride-2 stages).
+    num_classes : int
+    widths : (int, int, int)
+        Channels of the three stages (multiples of ``groups``).
+    blocks : int
+        Basic blocks per stage (3: ResNet-20; 5: ResNet-32; 9: ResNet-56).
+    groups : int
+        Groups of every ``nn.GroupNorm``.
+    """
+
+    def __init__(
+        self,
+        in_shape: tuple[int, int, int],
+        num_classes: int,
+        *,
+        widths: tuple[int, int, int] = (16, 32, 64),
+        blocks: int = 3,
+        groups: int = 8,
+    ) -> None:
+        super().__init__()
+        c, h, w = in_shape
+        if min(h, w) < 4:
+            raise ConfigError(
+                "model", f"resnet needs images of at least 4x4, got {h}x{w}"
+            )
+        self.conv1 = nn.Conv2d(c, widths[0], 3, padding=1, bias=False)
+        self.norm1 = nn.GroupNorm(groups, widths[0])
+        stages = []
+        c_in = widths[0]
+        for i, width in enumerate(widths):
+            for b in range(blocks):
+                stride = 2 if i > 0 and b == 0 else 1
+                stages.append(_BasicBlock(c_in, width, stride, groups))
+                c_in = width
+        self.blocks = nn.Sequential(*stages)
+        self.classifier = nn.Linear(widths[-1], num_classes)
+        # forward order: the stem, then per block conv1, conv2, shortcut conv
+        self._convs = tuple(
+            name
+            for name, module in self.named_modules()
+            if isinstance(module, nn.Conv2d)
+        )
+
+    def projected_layers(self) -> tuple[str, ...]:
+        """Every convolution, in forward order (depends on ``blocks``)."""
+        return self._convs
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, C, H, W) -> (N, widths[-1]), after global average pooling."""
+        x = torch.relu(self.norm1(self.conv1(x)))
+        return self.blocks(x).mean(dim=(2, 3))
+
+
 _BUILDERS: dict[str, Callable[[tuple[int, int, int], int], VisionModel]] = {
     "cnn": SmallCNN,
     "mlp": VisionMLP,
     "alexnet": AlexNetLike,
+    "resnet": CifarResNet,
 }
 
 VISION_MODELS: tuple[str, ...] = tuple(_BUILDERS)
@@ -290,7 +379,7 @@ def build_vision_model(
 
     Parameters
     ----------
-    name : {"cnn", "mlp", "alexnet"}
+    name : {"cnn", "mlp", "alexnet", "resnet"}
     in_shape : (C, H, W)
         Shape of one image.
     num_classes : int

@@ -12,7 +12,12 @@ from fedlr.errors import ConfigError, ShapeMismatchError
 from fedlr.image_task import ImageData, ImageTask, evaluate_images, train_sgd
 from fedlr.models import VISION_MODELS, build_vision_model
 
-SHAPES = {"cnn": (1, 28, 28), "mlp": (1, 28, 28), "alexnet": (3, 32, 32)}
+SHAPES = {
+    "cnn": (1, 28, 28),
+    "mlp": (1, 28, 28),
+    "alexnet": (3, 32, 32),
+    "resnet": (3, 32, 32),
+}
 
 
 @pytest.mark.parametrize("name", VISION_MODELS)
@@ -63,8 +68,27 @@ def test_small_images_and_unknown_names() -> None:
     build_vision_model("cnn", (1, 8, 8), 10, seed=0)  # digits size works
     with pytest.raises(ConfigError, match="at least 16x16"):
         build_vision_model("alexnet", (1, 8, 8), 10, seed=0)
-    with pytest.raises(ConfigError, match="cnn, mlp, alexnet"):
-        build_vision_model("resnet", (1, 8, 8), 10, seed=0)
+    with pytest.raises(ConfigError, match="at least 4x4"):
+        build_vision_model("resnet", (1, 3, 8), 10, seed=0)
+    with pytest.raises(ConfigError, match="cnn, mlp, alexnet, resnet"):
+        build_vision_model("resnet18", (1, 8, 8), 10, seed=0)
+
+
+def test_resnet20_structure_and_no_running_statistics() -> None:
+    model = build_vision_model("resnet", (3, 32, 32), 10, seed=0)
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    # stem + 9 blocks x 2 convs + 2 projection shortcuts; with the head: 20 weight
+    # layers on the main path (the shortcuts are not counted in "ResNet-20")
+    assert len(convs) == 1 + 18 + 2
+    assert len(model.projected_layers()) == 21
+    assert sum(isinstance(m, nn.Linear) for m in model.modules()) == 1
+    assert not list(model.buffers()), "group norm keeps no running statistics"
+    assert 0.25e6 < sum(p.numel() for p in model.parameters()) < 0.3e6
+    # a 16x16 input also works (two stride-2 stages: 16 -> 8 -> 4)
+    out = build_vision_model("resnet", (1, 16, 16), 3, seed=0)(
+        torch.randn(2, 1, 16, 16)
+    )
+    assert out.shape == (2, 3)
 
 
 def _toy_data(n: int = 64, seed: int = 0) -> ImageData:
