@@ -22,7 +22,7 @@ and the task, and never leaves the client.
 
 from __future__ import annotations
 
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.app import MetricRecordValues as Values
 
 from client_apps.lora import partition_of
@@ -34,7 +34,14 @@ from fedlr.continual import (
     task_view,
 )
 from fedlr.data.continual import ContinualStream
-from fedlr.flower.records import record_to_state, state_to_record
+from fedlr.flower.records import (
+    array_record,
+    config_float,
+    config_int,
+    config_record,
+    record_to_state,
+    state_to_record,
+)
 from fedlr.image_task import evaluate_images, train_sgd
 from fedlr.models.vision import VisionModel
 from fedlr.train import client_seed, pick_device
@@ -77,12 +84,12 @@ def train_message(message: Message, context: Context) -> Message:
     """Handle a ``train`` instruction of a continual method."""
     config = RunConfig.from_mapping(context.run_config)
     pid, num = partition_of(context, config)
-    round_config = message.content["config"]
+    round_config = config_record(message.content)
     stream = _stream(config, num)
     model = _model(config)
-    model.load_state_dict(record_to_state(message.content["arrays"]))
-    task = int(round_config.get("task", 0))
-    gpse_task = int(round_config.get("gpse-task", -1))
+    model.load_state_dict(record_to_state(array_record(message.content)))
+    task = config_int(round_config, "task", 0)
+    gpse_task = config_int(round_config, "gpse-task", -1)
     device = pick_device(config.device)
     metrics: dict[str, Values] = {"partition-id": pid}
     content = RecordDict()
@@ -90,7 +97,7 @@ def train_message(message: Message, context: Context) -> Message:
     # 1. GPSE on the finished task, with the received global model
     if gpse_task >= 0:
         bases = (
-            record_to_state(message.content[BASES])
+            record_to_state(array_record(message.content, BASES))
             if BASES in message.content.array_records
             else {}
         )
@@ -101,7 +108,7 @@ def train_message(message: Message, context: Context) -> Message:
             model.projected_layers(),
             data,
             bases,
-            sketch_dim=int(round_config.get("sketch-dim", config.fot_sketch_dim)),
+            sketch_dim=config_int(round_config, "sketch-dim", config.fot_sketch_dim),
             seed=(config.seed * 1_000_003 + pid) * 1_009 + gpse_task,
             batch_size=config.eval_batch_size,
         )
@@ -117,15 +124,15 @@ def train_message(message: Message, context: Context) -> Message:
         content[SKETCHES] = state_to_record(sketch_arrays)
 
     # 2. local SGD on the current task
-    server_round = int(round_config.get("server-round", 0))
+    server_round = config_int(round_config, "server-round", 0)
     data = stream.partition(task, pid)
     module, view = task_view(model, data, stream.task_classes(task), stream.num_classes)
     loss = train_sgd(
         module,
         view,
-        steps=int(round_config.get("local-steps", config.local_steps)),
-        lr=float(round_config.get("lr", config.lr)),
-        batch_size=int(round_config.get("batch-size", config.batch_size)),
+        steps=config_int(round_config, "local-steps", config.local_steps),
+        lr=config_float(round_config, "lr", config.lr),
+        batch_size=config_int(round_config, "batch-size", config.batch_size),
         seed=client_seed(config.seed, server_round, pid),
         momentum=config.momentum,
         weight_decay=config.weight_decay,
@@ -144,10 +151,9 @@ def evaluate_message(message: Message, context: Context) -> Message:
     pid, num = partition_of(context, config)
     stream = _stream(config, num)
     model = _model(config)
-    arrays: ArrayRecord = message.content["arrays"]
-    model.load_state_dict(record_to_state(arrays))
+    model.load_state_dict(record_to_state(array_record(message.content)))
     task = (
-        int(message.content["config"].get("task", 0))
+        config_int(config_record(message.content), "task", 0)
         if ("config" in message.content.config_records)
         else 0
     )

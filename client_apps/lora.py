@@ -51,7 +51,14 @@ from flwr.app import (
 from fedlr.adapters import Role, adapter_state
 from fedlr.config import RunConfig
 from fedlr.errors import ConfigError
-from fedlr.flower.records import record_to_state, state_to_record
+from fedlr.flower.records import (
+    array_record,
+    config_float,
+    config_int,
+    config_str,
+    record_to_state,
+    state_to_record,
+)
 from fedlr.linalg import local_svd_factors
 from fedlr.tasks import LoraModel, TextTask
 from fedlr.train import (
@@ -160,7 +167,7 @@ def _partition(config: RunConfig, pid: int, num: int, part: str = "all") -> Enco
 def _parse_roles(
     config: ConfigRecord, key: str = "train-roles", default: str = "lora_A,lora_B,head"
 ) -> tuple[Role, ...]:
-    raw = str(config.get(key, default))
+    raw = config_str(config, key, default)
     try:
         return tuple(Role(name) for name in raw.split(",") if name)
     except ValueError as exc:
@@ -179,12 +186,12 @@ def _prepare(
     (from the instruction or the node's state) were loaded.
     """
     round_config = message.content.config_records.get("config", ConfigRecord())
-    rank = int(round_config.get("lora-rank", config.lora_rank))
+    rank = config_int(round_config, "lora-rank", config.lora_rank)
     if rank != config.lora_rank:
         config = config.replace(lora_rank=rank)
     lm, initial = _lora_model(config)
     state = dict(initial)
-    state.update(record_to_state(message.content["arrays"]))
+    state.update(record_to_state(array_record(message.content)))
     if _PERSONAL in message.content.array_records:
         context.state[_PERSONAL] = message.content.array_records[_PERSONAL]
     loaded = False
@@ -215,9 +222,9 @@ def train_settings(
 ) -> TrainSettings:
     """Local AdamW settings of a round: the ConfigRecord's, else the run config's."""
     return TrainSettings(
-        local_steps=int(round_config.get("local-steps", config.local_steps)),
-        lr=float(round_config.get("lr", default_lr)),
-        batch_size=int(round_config.get("batch-size", config.batch_size)),
+        local_steps=config_int(round_config, "local-steps", config.local_steps),
+        lr=config_float(round_config, "lr", default_lr),
+        batch_size=config_int(round_config, "batch-size", config.batch_size),
         weight_decay=config.weight_decay,
     )
 
@@ -232,7 +239,7 @@ def train_message(message: Message, context: Context) -> Message:
     lm.train_only(roles + keep)
     personal_split = bool(round_config.get("personal-split", False))
     data = _partition(config, pid, num, "train" if personal_split else "all")
-    server_round = int(round_config.get("server-round", 0))
+    server_round = config_int(round_config, "server-round", 0)
     settings = train_settings(round_config, config, default_lr=config.lr)
     loss = train_steps(
         lm.model,

@@ -23,10 +23,18 @@ import time
 
 import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.app import MetricRecordValues as Values
 
 from client_apps.lora import partition_of
 from fedlr.config import RunConfig
-from fedlr.flower.records import record_to_state, state_to_record
+from fedlr.flower.records import (
+    array_record,
+    config_float,
+    config_int,
+    config_record,
+    record_to_state,
+    state_to_record,
+)
 from fedlr.image_task import ImageData, ImageTask, evaluate_images, train_sgd
 from fedlr.linalg.qrmix import fc_flatten, fc_hessian_eigenpairs
 from fedlr.models.vision import VisionModel
@@ -83,20 +91,20 @@ def train_message(message: Message, context: Context) -> Message:
     """Handle a ``train`` instruction for ``fedavg`` / ``qrmix``."""
     config = RunConfig.from_mapping(context.run_config)
     pid, num = partition_of(context, config)
-    round_config = message.content["config"]
+    round_config = config_record(message.content)
     model = _model(config)
-    global_state = record_to_state(message.content["arrays"])
+    global_state = record_to_state(array_record(message.content))
     model.load_parameters(global_state)
     data = _partition(config, pid, num)
-    server_round = int(round_config.get("server-round", 0))
+    server_round = config_int(round_config, "server-round", 0)
     seed = client_seed(config.seed, server_round, pid)
     device = pick_device(config.device)
     loss = train_sgd(
         model,
         data,
-        steps=int(round_config.get("local-steps", config.local_steps)),
-        lr=float(round_config.get("lr", config.lr)),
-        batch_size=int(round_config.get("batch-size", config.batch_size)),
+        steps=config_int(round_config, "local-steps", config.local_steps),
+        lr=config_float(round_config, "lr", config.lr),
+        batch_size=config_int(round_config, "batch-size", config.batch_size),
         seed=seed,
         momentum=config.momentum,
         weight_decay=config.weight_decay,
@@ -104,13 +112,13 @@ def train_message(message: Message, context: Context) -> Message:
     )
     model.to("cpu")
     state = model.parameter_state()
-    metrics: dict[str, float | int] = {
+    metrics: dict[str, Values] = {
         "num-examples": len(data),
         "train-loss": loss,
         "partition-id": pid,
     }
     reply = RecordDict({"arrays": state_to_record(state)})
-    if int(round_config.get("qrmix-stage", 1)) == 2:
+    if config_int(round_config, "qrmix-stage", 1) == 2:
         start = time.perf_counter()
         head = model.head_layer()
         values, vectors = fc_hessian_eigenpairs(
@@ -143,7 +151,7 @@ def evaluate_message(message: Message, context: Context) -> Message:
     config = RunConfig.from_mapping(context.run_config)
     pid, num = partition_of(context, config)
     model = _model(config)
-    model.load_parameters(record_to_state(message.content["arrays"]))
+    model.load_parameters(record_to_state(array_record(message.content)))
     data = _partition(config, pid, num)
     accuracy, loss = evaluate_images(
         model,

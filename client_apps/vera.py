@@ -23,9 +23,17 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from client_apps.lora import partition_of, train_settings
 from fedlr.adapters import Role
-from fedlr.adapters.vera import VeraModel, check_projection
+from fedlr.adapters.sorf_vera import SorfVeraLayout
+from fedlr.adapters.vera import RoleLayout, VeraLayout, VeraModel, check_projection
 from fedlr.config import RunConfig
-from fedlr.flower.records import record_to_state, state_to_record
+from fedlr.flower.records import (
+    array_record,
+    config_int,
+    config_record,
+    config_str,
+    record_to_state,
+    state_to_record,
+)
 from fedlr.tasks import TextTask
 from fedlr.train import (
     EncodedText,
@@ -68,8 +76,18 @@ def _partition(config: RunConfig, pid: int, num: int) -> EncodedText:
     return _DATA[key]
 
 
+def _projection(layout: RoleLayout) -> tuple[int, int]:
+    """``(projection-seed, rank)`` the node's VeRA-family layout was built from."""
+    if not isinstance(layout, (VeraLayout, SorfVeraLayout)):
+        raise TypeError(
+            f"VeRA client needs a VeraLayout or SorfVeraLayout, "
+            f"got {type(layout).__name__}"
+        )
+    return int(layout.projection_seed), int(layout.rank)
+
+
 def _parse_roles(config: ConfigRecord, default: str) -> tuple[Role, ...]:
-    raw = str(config.get("train-roles", default))
+    raw = config_str(config, "train-roles", default)
     try:
         return tuple(Role(name) for name in raw.split(",") if name)
     except ValueError as exc:
@@ -107,21 +125,20 @@ class Handlers:
         """Handle a ``train`` instruction."""
         config = RunConfig.from_mapping(context.run_config)
         pid, num = partition_of(context, config)
-        round_config = message.content["config"]
+        round_config = config_record(message.content)
         vm = self.model(config)
-        seed = int(vm.layout.projection_seed)
-        rank = int(vm.layout.rank)
+        seed, rank = _projection(vm.layout)
         check_projection(
             seed,
             rank,
-            int(round_config.get("projection-seed", seed)),
-            int(round_config.get("projection-rank", rank)),
+            config_int(round_config, "projection-seed", seed),
+            config_int(round_config, "projection-rank", rank),
         )
-        vm.load(record_to_state(message.content["arrays"]))
+        vm.load(record_to_state(array_record(message.content)))
         roles = _parse_roles(round_config, self.default_roles)
         vm.train_only(roles)
         data = _partition(config, pid, num)
-        server_round = int(round_config.get("server-round", 0))
+        server_round = config_int(round_config, "server-round", 0)
         settings = train_settings(round_config, config, default_lr=config.vera_lr)
         loss = train_steps(
             vm.model,
@@ -152,7 +169,7 @@ class Handlers:
         config = RunConfig.from_mapping(context.run_config)
         pid, num = partition_of(context, config)
         vm = self.model(config)
-        vm.load(record_to_state(message.content["arrays"]))
+        vm.load(record_to_state(array_record(message.content)))
         data = _partition(config, pid, num)
         accuracy, loss = evaluate(
             vm.model,

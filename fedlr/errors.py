@@ -143,3 +143,33 @@ class ProjectionMismatchError(FedLRError, ValueError):
             f"rank {expected[1]}, this node built projection-seed {got[0]} and "
             f"rank {got[1]}"
         )
+
+
+class RecordError(FedLRError):
+    """A message record, or a value in a ConfigRecord, is missing or mistyped.
+
+    Raised as :class:`RecordMissingError` or :class:`RecordTypeError`.
+
+    Parameters
+    ----------
+    name : str
+        The record name (in a message's ``RecordDict``) or ConfigRecord key.
+    reason : str
+        What is wrong, naming the record or key and what was found.
+    """
+
+    def __init__(self, name: str, reason: str) -> None:
+        self.name = name
+        self.reason = reason
+        super().__init__(reason)
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the sentence.
+        return self.reason
+
+
+class RecordMissingError(RecordError, KeyError):
+    """A message has no record of that name, or a ConfigRecord no such key."""
+
+
+class RecordTypeError(RecordError, TypeError):
+    """A record is of another kind, or a ConfigRecord value of another type."""

@@ -1,13 +1,34 @@
-"""Adapter state <-> ``ArrayRecord``, keyed by the layout's declared keys."""
+"""Adapter state <-> ``ArrayRecord``, and typed access to a message's records.
+
+The typed accessors (:func:`array_record`, :func:`config_record`,
+:func:`config_int`, :func:`config_float`, :func:`config_str`) narrow Flower's
+union-typed values and raise :class:`~fedlr.errors.RecordMissingError` or
+:class:`~fedlr.errors.RecordTypeError`, naming the record or key and what was
+found, when the message does not follow the protocol.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import TypeVar
 
 import torch
-from flwr.app import ArrayRecord
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-__all__ = ["record_nbytes", "record_to_state", "state_to_record"]
+from fedlr.errors import RecordMissingError, RecordTypeError
+
+__all__ = [
+    "array_record",
+    "config_float",
+    "config_int",
+    "config_record",
+    "config_str",
+    "record_nbytes",
+    "record_to_state",
+    "state_to_record",
+]
+
+_Record = TypeVar("_Record", ArrayRecord, ConfigRecord, MetricRecord)
 
 
 def state_to_record(
@@ -29,3 +50,200 @@ def record_to_state(record: ArrayRecord) -> dict[str, torch.Tensor]:
 def record_nbytes(record: ArrayRecord) -> int:
     """Payload bytes of the arrays in ``record`` (what travels on the wire)."""
     return sum(len(array.data) for array in record.values())
+
+
+def _a(noun: str) -> str:
+    return f"an {noun}" if noun[:1].lower() in "aeiou" else f"a {noun}"
+
+
+def _names(keys: Iterable[str], limit: int = 8) -> str:
+    names = [f"'{k}'" for k in keys]
+    if not names:
+        return "none"
+    more = f", ... ({len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _record(content: RecordDict, name: str, kind: type[_Record]) -> _Record:
+    if name not in content:
+        raise RecordMissingError(
+            name,
+            f"message has no {kind.__name__} '{name}' (records: {_names(content)})",
+        )
+    record = content[name]
+    if not isinstance(record, kind):
+        raise RecordTypeError(
+            name,
+            f"record '{name}' is {_a(type(record).__name__)}, "
+            f"expected {_a(kind.__name__)}",
+        )
+    return record
+
+
+def array_record(content: RecordDict, name: str = "arrays") -> ArrayRecord:
+    """The ``ArrayRecord`` called ``name`` in a message's content.
+
+    Parameters
+    ----------
+    content : RecordDict
+        The message's content.
+    name : str, default "arrays"
+        The record's name.
+
+    Returns
+    -------
+    ArrayRecord
+
+    Raises
+    ------
+    RecordMissingError
+        ``content`` has no record called ``name``.
+    RecordTypeError
+        The record called ``name`` is not an ``ArrayRecord``.
+    """
+    return _record(content, name, ArrayRecord)
+
+
+def config_record(content: RecordDict, name: str = "config") -> ConfigRecord:
+    """The ``ConfigRecord`` called ``name`` in a message's content.
+
+    Parameters
+    ----------
+    content : RecordDict
+        The message's content.
+    name : str, default "config"
+        The record's name.
+
+    Returns
+    -------
+    ConfigRecord
+
+    Raises
+    ------
+    RecordMissingError
+        ``content`` has no record called ``name``.
+    RecordTypeError
+        The record called ``name`` is not a ``ConfigRecord``.
+    """
+    return _record(content, name, ConfigRecord)
+
+
+def _missing(config: ConfigRecord, key: str) -> RecordMissingError:
+    return RecordMissingError(
+        key, f"config key '{key}' is missing (keys: {_names(config)})"
+    )
+
+
+def _wrong_type(key: str, value: object, expected: str) -> RecordTypeError:
+    shown = repr(value)
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    return RecordTypeError(
+        key,
+        f"config key '{key}' is {type(value).__name__} ({shown}), expected {expected}",
+    )
+
+
+def config_int(config: ConfigRecord, key: str, default: int | None = None) -> int:
+    """The integer ``config[key]``, or ``default`` when the key is absent.
+
+    ``bool`` values are refused (``True`` is not a step count or a seed), and
+    so are floats, even integral ones: the server sends Python ints.
+
+    Parameters
+    ----------
+    config : ConfigRecord
+        The round's ConfigRecord.
+    key : str
+        The key.
+    default : int, optional
+        Returned when ``key`` is absent; without it the key is required.
+
+    Returns
+    -------
+    int
+
+    Raises
+    ------
+    RecordMissingError
+        ``key`` is absent and there is no default.
+    RecordTypeError
+        The value is not an ``int`` (or is a ``bool``).
+    """
+    if key not in config:
+        if default is None:
+            raise _missing(config, key)
+        return default
+    value = config[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _wrong_type(key, value, "an integer")
+    return value
+
+
+def config_float(config: ConfigRecord, key: str, default: float | None = None) -> float:
+    """The number ``config[key]`` as a float, or ``default`` when the key is absent.
+
+    Ints are accepted (and converted); ``bool`` values are refused.
+
+    Parameters
+    ----------
+    config : ConfigRecord
+        The round's ConfigRecord.
+    key : str
+        The key.
+    default : float, optional
+        Returned (as a float) when ``key`` is absent; without it the key is
+        required.
+
+    Returns
+    -------
+    float
+
+    Raises
+    ------
+    RecordMissingError
+        ``key`` is absent and there is no default.
+    RecordTypeError
+        The value is neither an ``int`` nor a ``float`` (or is a ``bool``).
+    """
+    if key not in config:
+        if default is None:
+            raise _missing(config, key)
+        return float(default)
+    value = config[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _wrong_type(key, value, "a number")
+    return float(value)
+
+
+def config_str(config: ConfigRecord, key: str, default: str | None = None) -> str:
+    """The string ``config[key]``, or ``default`` when the key is absent.
+
+    Parameters
+    ----------
+    config : ConfigRecord
+        The round's ConfigRecord.
+    key : str
+        The key.
+    default : str, optional
+        Returned when ``key`` is absent; without it the key is required.
+
+    Returns
+    -------
+    str
+
+    Raises
+    ------
+    RecordMissingError
+        ``key`` is absent and there is no default.
+    RecordTypeError
+        The value is not a ``str``.
+    """
+    if key not in config:
+        if default is None:
+            raise _missing(config, key)
+        return default
+    value = config[key]
+    if not isinstance(value, str):
+        raise _wrong_type(key, value, "a string")
+    return value
