@@ -17,11 +17,12 @@ SEEDS ?= 0,1,2
 OUT ?= $(CURDIR)/outputs/compare
 SET ?=
 RUNS ?=
+ENGINE ?= flwr
 
 export FEDLR_CACHE ?= $(HOME)/.cache/fedlr
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
 
-.PHONY: setup run test lint typecheck unit integration bench compare plots clean
+.PHONY: setup run test lint typecheck unit integration bench compare results plots clean
 
 $(STAMP)/venv:
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,7 +51,7 @@ lint: $(STAMP)/deps
 	$(PY) -m ruff check .
 
 typecheck: $(STAMP)/deps
-	$(PY) -m mypy fedlr strategies server_apps
+	$(PY) -m mypy fedlr strategies server_apps client_apps
 
 unit: setup
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
@@ -63,10 +64,16 @@ test: lint typecheck unit integration
 bench: setup
 	$(PY) -m benchmarks
 
-# Methods x seeds through `flwr run`, then table.md / table.csv / comparison.png in OUT.
+# Methods x seeds through `flwr run` (ENGINE=inprocess: same apps in one process),
+# then table.md / table.csv / comparison.png in OUT.
 compare: setup
 	HF_HUB_OFFLINE=1 FLWR_HOME=$(FLWR_HOME) $(PY) -m fedlr.compare run --conf $(CONF) \
-		--methods $(METHODS) --seeds $(SEEDS) --out $(OUT) $(if $(SET),--set '$(SET)')
+		--methods $(METHODS) --seeds $(SEEDS) --out $(OUT) --engine $(ENGINE) \
+		--client-gpus $(CLIENT_GPUS) $(if $(SET),--set '$(SET)')
+
+# Every comparison of docs/results/ (about 1.5 h on 2 cores): make results [SWEEPS=...]
+results: setup
+	PY=$(PY) bash benchmarks/results.sh $(SWEEPS)
 
 # Regenerate plots of finished runs: make plots RUNS="outputs/a outputs/b" OUT=dir
 plots: setup

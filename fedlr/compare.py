@@ -33,6 +33,7 @@ import json
 import logging
 import re
 import sys
+import time
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -48,10 +49,11 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from fedlr.config import RunConfig
-from fedlr.errors import ConfigError
+from fedlr.errors import ConfigError, FedLRError
 from fedlr.plots import load_run
 
 __all__ = [
+    "ENGINES",
     "collect",
     "comparison_figure",
     "main",
@@ -64,6 +66,9 @@ __all__ = [
 ]
 
 _LOG = logging.getLogger("fedlr")
+
+#: How :func:`run_sweep` runs a cell: the real ``flwr run`` or in this process.
+ENGINES = ("flwr", "inprocess")
 
 
 def read_conf(path: Path | str) -> dict[str, Any]:
@@ -268,14 +273,37 @@ def run_sweep(
     num_supernodes: int | None = None,
     flwr_home: Path | None = None,
     app_dir: Path = Path("."),
+    engine: str = "flwr",
+    client_gpus: float = 0.0,
 ) -> tuple[list[Path], dict[str, str]]:
-    """Run every (method, seed) through ``flwr run``; return run dirs, failures."""
+    """Run every (method, seed); return the run directories and the failures.
+
+    Parameters
+    ----------
+    engine : {"flwr", "inprocess"}
+        ``flwr``: each cell through the real ``flwr run`` (local SuperLink, Ray
+        simulation engine, ``num_supernodes`` nodes, ``client_gpus`` of a GPU
+        per client). ``inprocess``: each cell through
+        :func:`server_apps.local.run_in_process` (same ServerApp and ClientApp,
+        same numbers, no SuperLink or Ray start-up per cell).
+    client_gpus : float
+        ``backend.client-resources.num-gpus`` for the ``flwr`` engine, e.g.
+        0.25 for four clients per GPU; the ``device`` key (``auto``) then picks
+        CUDA, MPS or the CPU on each client.
+    """
+    if engine not in ENGINES:
+        raise ConfigError("--engine", f"'{engine}' is not one of {', '.join(ENGINES)}")
+    if client_gpus < 0:
+        raise ConfigError("--client-gpus", f"must be >= 0, got {client_gpus}")
     from fedlr.flower.launch import FlwrRunError, flwr_run, stop_local_superlinks
 
     base = {**read_conf(conf), **(overrides or {})}
     out = Path(out_dir).resolve()
     home = (flwr_home or Path(".flwr")).resolve()
     nodes = num_supernodes or int(base.get("num-partitions", 4))
+    federation: dict[str, Any] = {"num-supernodes": nodes}
+    if client_gpus:
+        federation["backend.client-resources.num-gpus"] = client_gpus
     run_dirs: list[Path] = []
     failures: dict[str, str] = {}
     total = len(methods) * len(seeds)
@@ -292,22 +320,30 @@ def run_sweep(
                 "output-dir": str(cell_dir),
             }
             RunConfig.from_mapping(config)
-            _LOG.info("[%d/%d] %s", n, total, cell)
+            _LOG.info("[%d/%d] %s (%s engine)", n, total, cell, engine)
+            started = time.perf_counter()
             try:
-                flwr_run(
-                    app_dir,
-                    flwr_home=home,
-                    run_config=config,
-                    federation_config={"num-supernodes": nodes},
-                )
-            except FlwrRunError as exc:
+                if engine == "flwr":
+                    flwr_run(
+                        app_dir,
+                        flwr_home=home,
+                        run_config=config,
+                        federation_config=federation,
+                    )
+                else:
+                    from server_apps.local import run_in_process
+
+                    run_in_process(config, num_nodes=nodes)
+            except (FlwrRunError, FedLRError) as exc:
                 failures[cell] = str(exc).splitlines()[0]
                 _LOG.error("%s failed: %s", cell, exc)
                 continue
+            _LOG.info("%s done in %.0f s", cell, time.perf_counter() - started)
             found = sorted(p.parent for p in cell_dir.glob("*/results.csv"))
             run_dirs.append(max(found, key=lambda p: p.stat().st_mtime))
     finally:
-        stop_local_superlinks(home)
+        if engine == "flwr":
+            stop_local_superlinks(home)
     return run_dirs, failures
 
 
@@ -329,6 +365,19 @@ def main(argv: list[str] | None = None) -> int:
         "'key=value key2=\"text\"' (TOML values; one or several arguments)",
     )
     run.add_argument("--num-supernodes", type=int, default=None)
+    run.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="flwr",
+        help="flwr: each cell through `flwr run` (default); inprocess: the same "
+        "ServerApp and ClientApp in this process, same numbers, no Ray start-up",
+    )
+    run.add_argument(
+        "--client-gpus",
+        type=float,
+        default=0.0,
+        help="GPU share per simulated client with the flwr engine (e.g. 0.25)",
+    )
     run.add_argument("--by", default="", help="config keys that split rows")
     table = sub.add_parser("table", help="tabulate finished runs")
     table.add_argument("run_dirs", nargs="+", type=Path)
@@ -347,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
             args.out,
             overrides=overrides,
             num_supernodes=args.num_supernodes,
+            engine=args.engine,
+            client_gpus=args.client_gpus,
         )
     else:
         run_dirs = list(args.run_dirs)

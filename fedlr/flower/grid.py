@@ -21,7 +21,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
-__all__ = ["InProcessGrid"]
+__all__ = ["InProcessGrid", "ReplyHook"]
 
 _LOG = getLogger("fedlr")
 _SERVER_NODE_ID = 1

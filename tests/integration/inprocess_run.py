@@ -14,11 +14,9 @@ import json
 import time
 from pathlib import Path
 
-from flwr.app import Context, Message, RecordDict
+from flwr.app import Message
 
-from client_apps.app import app as client_app
-from fedlr.flower import InProcessGrid
-from server_apps.runner import run_server
+from server_apps.local import run_in_process
 
 
 def main() -> None:
@@ -35,16 +33,7 @@ def main() -> None:
                 time.sleep(1)
         return reply
 
-    grid = InProcessGrid(
-        client_app,
-        num_nodes=int(config["num-partitions"]),
-        run_config=config,
-        reply_hook=hook,
-    )
-    context = Context(
-        run_id=5, node_id=1, node_config={}, state=RecordDict(), run_config=config
-    )
-    print(run_server(grid, context), flush=True)
+    print(run_in_process(config, run_id=5, reply_hook=hook), flush=True)
 
 
 if __name__ == "__main__":

@@ -138,3 +138,58 @@ def test_bad_override_names_the_problem(item, key):
     with pytest.raises(ConfigError) as info:
         parse_overrides([item])
     assert info.value.key == key
+
+
+def test_inprocess_sweep_runs_every_cell_and_tabulates(tmp_path, assets):
+    """`run --engine inprocess`: two seeds of a 1-round tiny run, one table row."""
+    from tests.conftest import tiny_run_config
+
+    conf = tmp_path / "tiny.toml"
+    values = tiny_run_config(tmp_path, **{"num-server-rounds": 1, "local-steps": 2})
+    del values["output-dir"], values["seed"]
+    conf.write_text(
+        "".join(
+            f"{k} = {json.dumps(v) if isinstance(v, str) else v}\n"
+            for k, v in values.items()
+        )
+    )
+    out = tmp_path / "sweep"
+    code = main(
+        [
+            "run",
+            "--conf",
+            str(conf),
+            "--methods",
+            "fedavg-lora",
+            "--seeds",
+            "0,1",
+            "--out",
+            str(out),
+            "--engine",
+            "inprocess",
+        ]
+    )
+    assert code == 0
+    runs = collect(sorted(p.parent for p in out.glob("runs/*/*/results.csv")))
+    assert sorted(runs["seed"]) == [0, 1]
+    assert (runs["rounds"] == 1).all()
+    assert runs["final-accuracy"].between(0, 1).all()
+    table = (out / "table.md").read_text()
+    assert "| fedavg-lora | 2 |" in table
+    # different seeds give different clients and heads: not one run twice
+    assert runs["mean-gap"].nunique() == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [({"engine": "ray"}, "--engine"), ({"client_gpus": -1.0}, "--client-gpus")],
+)
+def test_bad_sweep_options_are_refused_before_any_run(tmp_path, kwargs, key):
+    from fedlr.compare import run_sweep
+
+    conf = tmp_path / "c.toml"
+    conf.write_text('method = "fedex-lora"\n')
+    with pytest.raises(ConfigError) as info:
+        run_sweep(conf, ["fedex-lora"], [0], tmp_path / "out", **kwargs)
+    assert info.value.key == key
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Reproduce every comparison table in docs/results/ (offline, CPU, about 1.5 h on
+# 2 cores). Each sweep runs methods x seeds with `python -m fedlr.compare run`;
+# the runs land in outputs/results/NAME/runs/, and table.md, table.csv and
+# comparison.png are copied to docs/results/NAME/.
+#
+#   bash benchmarks/results.sh [NAME ...]     # default: every sweep
+#   ENGINE=flwr bash benchmarks/results.sh    # through `flwr run` instead
+#
+# ENGINE=inprocess (the default here) runs the same ServerApp and ClientApp in
+# one process: the same numbers as `flwr run`, without a Ray start-up per run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+ENGINE=${ENGINE:-inprocess}
+OUT=${OUT:-outputs/results}
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 FLWR_HOME=${FLWR_HOME:-$PWD/.flwr}
+export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION=1
+
+sweep() {  # NAME CONF METHODS SEEDS [SET]
+    local name=$1 conf=$2 methods=$3 seeds=$4 set=${5:-}
+    local args=(run --conf "$conf" --methods "$methods" --seeds "$seeds"
+                --out "$OUT/$name" --engine "$ENGINE")
+    [[ -n $set ]] && args+=(--set "$set")
+    echo "== $name: $methods x seeds $seeds ${set:+($set)}"
+    "$PY" -m fedlr.compare "${args[@]}" || echo "== $name: some runs failed (see table.md)"
+    mkdir -p "docs/results/$name"
+    cp "$OUT/$name"/{table.md,table.csv,comparison.png} "docs/results/$name/"
+}
+
+LORA=fedavg-lora,fedex-lora,ffa-lora,fedsvd,fedspec,fedsa-lora
+run_one() {
+    case $1 in
+    lora-dirichlet) sweep lora-dirichlet benchmarks/conf/lora-family.toml $LORA 0,1,2 ;;
+    lora-iid) sweep lora-iid benchmarks/conf/lora-family.toml $LORA 0,1,2 'partitioner="iid"' ;;
+    vera) sweep vera benchmarks/conf/vera-family.toml fedavg-vera,vera-fedex,sorf-vera 0,1,2 ;;
+    qrmix) sweep qrmix benchmarks/conf/qrmix-mnist.toml fedavg,qrmix 0,1,2 ;;
+    fot) sweep fot benchmarks/conf/fot-permuted-mnist.toml fot,fedavg-continual 0,1,2 ;;
+    svd)
+        for r in 3 4 5 6; do
+            sweep "svd-rank$r" benchmarks/conf/global-local-svd.toml \
+                global-svd,local-svd 0 "lora-rank=$r lora-alpha=$((2 * r)).0"
+        done
+        mkdir -p docs/results/svd
+        "$PY" -m fedlr.compare table "$OUT"/svd-rank*/runs/*/*/ \
+            --by lora-rank --out "$OUT/svd" >/dev/null
+        cp "$OUT/svd"/{table.md,table.csv,comparison.png} docs/results/svd/
+        rm -rf docs/results/svd-rank* ;;
+    *) echo "unknown sweep '$1' (lora-dirichlet lora-iid vera qrmix fot svd)" >&2; exit 2 ;;
+    esac
+}
+
+if (($# == 0)); then
+    set -- lora-dirichlet vera qrmix fot svd lora-iid
+fi
+for name in "$@"; do run_one "$name"; done
