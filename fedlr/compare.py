@@ -209,16 +209,26 @@ def to_markdown(table: pd.DataFrame, by: Sequence[str] = ()) -> str:
 
 
 def comparison_figure(run_dirs: Sequence[Path | str], by: Sequence[str] = ()) -> Figure:
-    """Accuracy and gap per round: mean over seeds ±1 std, one line per group."""
+    """Accuracy and gap per round: mean over seeds ±1 std, one line per group.
+
+    When no run logs a Frobenius gap (vision methods), the second panel shows
+    the evaluation loss instead.
+    """
     groups: dict[str, list[pd.DataFrame]] = {}
     for run_dir in run_dirs:
         run = load_run(run_dir)
         label = " ".join([run.label, *(f"{k}={run.config.get(k)}" for k in by)])
         groups.setdefault(label, []).append(run.results)
+    has_gap = any(
+        pd.to_numeric(frame["frobenius-gap"], errors="coerce").notna().any()
+        for frames in groups.values()
+        for frame in frames
+    )
+    second = "frobenius-gap" if has_gap else "loss"
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     for i, (label, frames) in enumerate(groups.items()):
         color = f"C{i % 10}"
-        for ax, column in zip(axes, ("accuracy", "frobenius-gap"), strict=True):
+        for ax, column in zip(axes, ("accuracy", second), strict=True):
             stacked = pd.concat(
                 [f.set_index("round")[column] for f in frames], axis=1
             ).apply(pd.to_numeric, errors="coerce")
@@ -231,9 +241,12 @@ def comparison_figure(run_dirs: Sequence[Path | str], by: Sequence[str] = ()) ->
     axes[0].set(
         title="accuracy (mean ± std over seeds)", xlabel="round", ylabel="accuracy"
     )
-    axes[1].set(title="Frobenius gap (mean ± std)", xlabel="round", ylabel="gap")
-    if axes[1].get_lines():
-        axes[1].set_yscale("log")
+    if has_gap:
+        axes[1].set(title="Frobenius gap (mean ± std)", xlabel="round", ylabel="gap")
+        if axes[1].get_lines():
+            axes[1].set_yscale("log")
+    else:
+        axes[1].set(title="evaluation loss (mean ± std)", xlabel="round", ylabel="loss")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     return fig

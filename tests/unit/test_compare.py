@@ -193,3 +193,18 @@ def test_bad_sweep_options_are_refused_before_any_run(tmp_path, kwargs, key):
         run_sweep(conf, ["fedex-lora"], [0], tmp_path / "out", **kwargs)
     assert info.value.key == key
     assert not (tmp_path / "out").exists()
+
+
+def test_comparison_figure_shows_loss_when_no_run_has_a_gap(tmp_path):
+    from fedlr.compare import comparison_figure
+
+    nan = float("nan")
+    vision = [_run(tmp_path / "v", "fedavg", s, [0.5, 0.6], [nan, nan]) for s in (0, 1)]
+    fig = comparison_figure(vision)
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles[1].startswith("evaluation loss")
+    assert len(fig.axes[1].get_lines()) == 1  # one group, two seeds
+    lora = [_run(tmp_path / "l", "fedavg-lora", 0, [0.5, 0.6], [0.2, 0.1])]
+    fig = comparison_figure(lora)
+    assert fig.axes[1].get_title().startswith("Frobenius gap")
+    assert fig.axes[1].get_yscale() == "log"
