@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Reproduce every comparison table in docs/results/ (offline, CPU, about 1.5 h on
 # 2 cores). Each sweep runs methods x seeds with `python -m fedlr.compare run`;
-# the runs land in outputs/results/NAME/runs/, and table.md, table.csv and
-# comparison.png are copied to docs/results/NAME/.
+# the runs land in outputs/results/NAME/runs/, and table.md, table.csv,
+# comparison.png (and FOT's seed-0 accuracy matrices) are copied to
+# docs/results/NAME/.
 #
 #   bash benchmarks/results.sh [NAME ...]     # default: every sweep
 #   ENGINE=flwr bash benchmarks/results.sh    # through `flwr run` instead
@@ -24,8 +25,11 @@ sweep() {  # NAME CONF METHODS SEEDS [SET]
     [[ -n $set ]] && args+=(--set "$set")
     echo "== $name: $methods x seeds $seeds ${set:+($set)}"
     "$PY" -m fedlr.compare "${args[@]}" || echo "== $name: some runs failed (see table.md)"
-    mkdir -p "docs/results/$name"
-    cp "$OUT/$name"/{table.md,table.csv,comparison.png} "docs/results/$name/"
+}
+
+publish() {  # NAME: copy the sweep's table and plots into docs/results/NAME/
+    mkdir -p "docs/results/$1"
+    cp "$OUT/$1"/{table.md,table.csv} "$OUT/$1"/*.png "docs/results/$1/"
 }
 
 LORA=fedavg-lora,fedex-lora,ffa-lora,fedsvd,fedspec,fedsa-lora
@@ -35,17 +39,19 @@ run_one() {
     lora-iid) sweep lora-iid benchmarks/conf/lora-family.toml $LORA 0,1,2 'partitioner="iid"' ;;
     vera) sweep vera benchmarks/conf/vera-family.toml fedavg-vera,vera-fedex,sorf-vera 0,1,2 ;;
     qrmix) sweep qrmix benchmarks/conf/qrmix-mnist.toml fedavg,qrmix 0,1,2 ;;
-    fot) sweep fot benchmarks/conf/fot-permuted-mnist.toml fot,fedavg-continual 0,1,2 ;;
-    svd)
+    fot)
+        sweep fot benchmarks/conf/fot-permuted-mnist.toml fot,fedavg-continual 0,1,2
+        for m in fot fedavg-continual; do  # seed 0's accuracy matrix of each
+            cp "$OUT"/fot/runs/$m-seed0/*/accuracy_matrix.png \
+                "$OUT/fot/accuracy_matrix-$m-seed0.png"
+        done ;;
+    svd)  # one sweep per rank, then one table over all of them
         for r in 3 4 5 6; do
             sweep "svd-rank$r" benchmarks/conf/global-local-svd.toml \
                 global-svd,local-svd 0 "lora-rank=$r lora-alpha=$((2 * r)).0"
         done
-        mkdir -p docs/results/svd
         "$PY" -m fedlr.compare table "$OUT"/svd-rank*/runs/*/*/ \
-            --by lora-rank --out "$OUT/svd" >/dev/null
-        cp "$OUT/svd"/{table.md,table.csv,comparison.png} docs/results/svd/
-        rm -rf docs/results/svd-rank* ;;
+            --by lora-rank --out "$OUT/svd" >/dev/null ;;
     *) echo "unknown sweep '$1' (lora-dirichlet lora-iid vera qrmix fot svd)" >&2; exit 2 ;;
     esac
 }
@@ -53,4 +59,4 @@ run_one() {
 if (($# == 0)); then
     set -- lora-dirichlet vera qrmix fot svd lora-iid
 fi
-for name in "$@"; do run_one "$name"; done
+for name in "$@"; do run_one "$name" && publish "$name"; done

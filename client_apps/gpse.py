@@ -25,7 +25,7 @@ from __future__ import annotations
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.app import MetricRecordValues as Values
 
-from client_apps.lora import partition_of
+from client_apps.lora import partition_of, train_settings
 from fedlr.config import RunConfig
 from fedlr.continual import (
     build_continual_model,
@@ -36,7 +36,6 @@ from fedlr.continual import (
 from fedlr.data.continual import ContinualStream
 from fedlr.flower.records import (
     array_record,
-    config_float,
     config_int,
     config_record,
     record_to_state,
@@ -127,15 +126,16 @@ def train_message(message: Message, context: Context) -> Message:
     server_round = config_int(round_config, "server-round", 0)
     data = stream.partition(task, pid)
     module, view = task_view(model, data, stream.task_classes(task), stream.num_classes)
+    settings = train_settings(round_config, config, default_lr=config.lr)
     loss = train_sgd(
         module,
         view,
-        steps=config_int(round_config, "local-steps", config.local_steps),
-        lr=config_float(round_config, "lr", config.lr),
-        batch_size=config_int(round_config, "batch-size", config.batch_size),
+        steps=settings.local_steps,
+        lr=settings.lr,
+        batch_size=settings.batch_size,
         seed=client_seed(config.seed, server_round, pid),
         momentum=config.momentum,
-        weight_decay=config.weight_decay,
+        weight_decay=settings.weight_decay,
         device=device,
     )
     model.to("cpu")

@@ -220,7 +220,7 @@ def _local_svd(lm: LoraModel, arrays: dict[str, torch.Tensor]) -> None:
 def train_settings(
     round_config: ConfigRecord, config: RunConfig, *, default_lr: float
 ) -> TrainSettings:
-    """Local AdamW settings of a round: the ConfigRecord's, else the run config's."""
+    """Local training settings of a round: the ConfigRecord's, else the run config's."""
     return TrainSettings(
         local_steps=config_int(round_config, "local-steps", config.local_steps),
         lr=config_float(round_config, "lr", default_lr),

@@ -415,12 +415,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         run_dirs = list(args.run_dirs)
     if not run_dirs:
-        print("no run finished", file=sys.stderr)
+        _LOG.error("no run finished")
         for cell, reason in failures.items():
-            print(f"  {cell}: {reason}", file=sys.stderr)
+            _LOG.error("  %s: %s", cell, reason)
         return 1
     result = write_table(run_dirs, args.out, by, failures)
-    print(to_markdown(result, by))
+    sys.stdout.write(to_markdown(result, by))  # the command's output
     return 1 if failures else 0
 
 

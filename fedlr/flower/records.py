@@ -10,7 +10,7 @@ found, when the message does not follow the protocol.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
@@ -128,20 +128,37 @@ def config_record(content: RecordDict, name: str = "config") -> ConfigRecord:
     return _record(content, name, ConfigRecord)
 
 
-def _missing(config: ConfigRecord, key: str) -> RecordMissingError:
-    return RecordMissingError(
-        key, f"config key '{key}' is missing (keys: {_names(config)})"
-    )
+def _config_value(
+    config: ConfigRecord,
+    key: str,
+    default: object,
+    accepted: tuple[type, ...],
+    expected: str,
+) -> object:
+    """``config[key]`` if it is of an ``accepted`` type (never ``bool``), else raise.
 
+    The one lookup behind :func:`config_int`, :func:`config_float` and
+    :func:`config_str`.
 
-def _wrong_type(key: str, value: object, expected: str) -> RecordTypeError:
-    shown = repr(value)
-    if len(shown) > 60:
-        shown = shown[:57] + "..."
-    return RecordTypeError(
-        key,
-        f"config key '{key}' is {type(value).__name__} ({shown}), expected {expected}",
-    )
+    Returns ``default`` when the key is absent and ``default`` is not None.
+    """
+    if key not in config:
+        if default is None:
+            raise RecordMissingError(
+                key, f"config key '{key}' is missing (keys: {_names(config)})"
+            )
+        return default
+    value = config[key]
+    if isinstance(value, bool) or not isinstance(value, accepted):
+        shown = repr(value)
+        if len(shown) > 60:
+            shown = shown[:57] + "..."
+        raise RecordTypeError(
+            key,
+            f"config key '{key}' is {type(value).__name__} ({shown}), "
+            f"expected {expected}",
+        )
+    return value
 
 
 def config_int(config: ConfigRecord, key: str, default: int | None = None) -> int:
@@ -170,14 +187,7 @@ def config_int(config: ConfigRecord, key: str, default: int | None = None) -> in
     RecordTypeError
         The value is not an ``int`` (or is a ``bool``).
     """
-    if key not in config:
-        if default is None:
-            raise _missing(config, key)
-        return default
-    value = config[key]
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _wrong_type(key, value, "an integer")
-    return value
+    return cast(int, _config_value(config, key, default, (int,), "an integer"))
 
 
 def config_float(config: ConfigRecord, key: str, default: float | None = None) -> float:
@@ -206,14 +216,8 @@ def config_float(config: ConfigRecord, key: str, default: float | None = None) -
     RecordTypeError
         The value is neither an ``int`` nor a ``float`` (or is a ``bool``).
     """
-    if key not in config:
-        if default is None:
-            raise _missing(config, key)
-        return float(default)
-    value = config[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _wrong_type(key, value, "a number")
-    return float(value)
+    number = _config_value(config, key, default, (int, float), "a number")
+    return float(cast(float, number))
 
 
 def config_str(config: ConfigRecord, key: str, default: str | None = None) -> str:
@@ -239,11 +243,4 @@ def config_str(config: ConfigRecord, key: str, default: str | None = None) -> st
     RecordTypeError
         The value is not a ``str``.
     """
-    if key not in config:
-        if default is None:
-            raise _missing(config, key)
-        return default
-    value = config[key]
-    if not isinstance(value, str):
-        raise _wrong_type(key, value, "a string")
-    return value
+    return cast(str, _config_value(config, key, default, (str,), "a string"))
