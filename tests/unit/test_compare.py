@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -208,3 +209,36 @@ def test_comparison_figure_shows_loss_when_no_run_has_a_gap(tmp_path):
     fig = comparison_figure(lora)
     assert fig.axes[1].get_title().startswith("Frobenius gap")
     assert fig.axes[1].get_yscale() == "log"
+
+
+def test_flwr_engine_passes_the_gpu_share_and_nodes_to_flwr_run(tmp_path, monkeypatch):
+    """`--client-gpus 0.25` reaches `flwr run` as the clients' num-gpus."""
+    import fedlr.flower.launch as launch
+    from fedlr.compare import run_sweep
+
+    calls = []
+
+    def fake_flwr_run(app_dir, *, flwr_home, run_config, federation_config):
+        calls.append((run_config, federation_config))
+        run_dir = _run(
+            tmp_path / "made", run_config["method"], run_config["seed"], [0.5], [0.1]
+        )
+        out = Path(run_config["output-dir"]) / run_dir.name
+        out.parent.mkdir(parents=True, exist_ok=True)
+        run_dir.rename(out)
+
+    monkeypatch.setattr(launch, "flwr_run", fake_flwr_run)
+    monkeypatch.setattr(launch, "stop_local_superlinks", lambda home: [])
+    conf = tmp_path / "c.toml"
+    conf.write_text('method = "fedex-lora"\nnum-partitions = 3\n')
+    run_dirs, failures = run_sweep(
+        conf, ["fedavg-lora"], [0, 1], tmp_path / "out", client_gpus=0.25
+    )
+    assert failures == {}
+    assert len(run_dirs) == 2
+    assert [c[0]["seed"] for c in calls] == [0, 1]
+    for _, federation in calls:
+        assert federation == {
+            "num-supernodes": 3,
+            "backend.client-resources.num-gpus": 0.25,
+        }
