@@ -51,7 +51,7 @@ lint: $(STAMP)/deps
 	$(PY) -m ruff check .
 
 typecheck: $(STAMP)/deps
-	$(PY) -m mypy fedlr strategies server_apps client_apps
+	$(PY) -m mypy fedlr client_apps server_apps
 
 unit: setup
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)

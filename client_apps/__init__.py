@@ -1,1 +1,1 @@
-"""ClientApps, one module per payload kind, and the dispatching app."""
+"""This repository's Flower app: the ClientApp component of ``flwr run``."""

@@ -7,7 +7,7 @@ After every round the ServerApp saves ``checkpoint.pt`` in the run directory:
 ``arrays``
     The global arrays after that round (dict of str to tensor).
 ``strategy``
-    :meth:`~strategies.base.FedLRStrategy.state_dict` (FedSpec's rank, FOT's
+    :meth:`~fedlr.strategies.base.FedLRStrategy.state_dict` (FedSpec's rank, FOT's
     bases and threshold, QR-Mix's stage, SORF-VeRA's b and d, ...).
 ``plan``
     The server plan's own state (e.g. a continual run's accuracy matrix).

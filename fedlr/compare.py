@@ -297,7 +297,7 @@ def run_sweep(
         ``flwr``: each cell through the real ``flwr run`` (local SuperLink, Ray
         simulation engine, ``num_supernodes`` nodes, ``client_gpus`` of a GPU
         per client). ``inprocess``: each cell through
-        :func:`server_apps.local.run_in_process` (same ServerApp and ClientApp,
+        :func:`fedlr.server_apps.local.run_in_process` (same ServerApp and ClientApp,
         same numbers, no SuperLink or Ray start-up per cell).
     client_gpus : float
         ``backend.client-resources.num-gpus`` for the ``flwr`` engine, e.g.
@@ -344,7 +344,7 @@ def run_sweep(
                         federation_config=federation,
                     )
                 else:
-                    from server_apps.local import run_in_process
+                    from fedlr.server_apps.local import run_in_process
 
                     run_in_process(config, num_nodes=nodes)
             except (FlwrRunError, FedLRError) as exc:

@@ -1,1 +1,1 @@
-"""ServerApps: read the run config, build model and strategy, run, write results."""
+"""This repository's Flower app: the ServerApp component of ``flwr run``."""

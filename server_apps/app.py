@@ -1,18 +1,13 @@
-"""The ServerApp of ``flwr run`` (``server_apps.app:app``)."""
+"""The ServerApp of this repository's ``flwr run`` (``server_apps.app:app``).
+
+The app object and everything it runs are in the installed package
+(:mod:`fedlr.server_apps`); this module only names it for
+``[tool.flwr.app.components]``, so the app bundle needs nothing outside
+``fedlr``.
+"""
 
 from __future__ import annotations
 
-from flwr.app import Context
-from flwr.serverapp import Grid, ServerApp
-
-from server_apps.runner import run_server
+from fedlr.server_apps.app import app
 
 __all__ = ["app"]
-
-app = ServerApp()
-
-
-@app.main()
-def main(grid: Grid, context: Context) -> None:
-    """Build the method from the run config and run every round."""
-    run_server(grid, context)

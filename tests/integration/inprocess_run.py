@@ -16,7 +16,7 @@ from pathlib import Path
 
 from flwr.app import Message
 
-from server_apps.local import run_in_process
+from fedlr.server_apps.local import run_in_process
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ def simulate(config: dict[str, Any], num_supernodes: int) -> Path:
 
     @server.main()
     def main(grid: Grid, context: Context) -> None:
-        from server_apps.runner import run_server
+        from fedlr.server_apps.runner import run_server
 
         context.run_config.update(config)
         run_server(grid, context)
@@ -47,13 +47,13 @@ def simulate(config: dict[str, Any], num_supernodes: int) -> Path:
 
     @client.train()
     def train(message: Message, context: Context) -> Message:
-        from client_apps.app import train as dispatch
+        from fedlr.client_apps.app import train as dispatch
 
         return dispatch(message, _local(context))
 
     @client.evaluate()
     def evaluate(message: Message, context: Context) -> Message:
-        from client_apps.app import evaluate as dispatch
+        from fedlr.client_apps.app import evaluate as dispatch
 
         return dispatch(message, _local(context))
 

@@ -30,7 +30,7 @@ def test_ray_simulation_two_rounds_three_clients(tmp_path, assets):
     assert frame["accuracy"].between(0, 1).all()
     # The in-process engine (fedlr.compare --engine inprocess) runs the same
     # ServerApp and ClientApp: the same numbers as the Ray engine.
-    from server_apps.local import run_in_process
+    from fedlr.server_apps.local import run_in_process
 
     local = pd.read_csv(run_in_process(config, num_nodes=3) / "results.csv")
     for column in ("accuracy", "loss", "frobenius-gap", "train-loss", "bytes-up"):

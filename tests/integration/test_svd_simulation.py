@@ -7,7 +7,7 @@ import json
 import pandas as pd
 import pytest
 
-from strategies import get_method
+from fedlr.strategies import get_method
 from tests.conftest import tiny_run_config
 from tests.integration.simulate import simulate
 

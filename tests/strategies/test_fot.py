@@ -13,13 +13,13 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 from flwr.clientapp import ClientApp
 
-from client_apps.app import app as client_app
+from fedlr.client_apps.app import app as client_app
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.linalg.fot import expand_basis, residualise, sketch_residual
-from server_apps.runner import run_server
-from strategies import FOT, FedAvgContinual, get_method
-from strategies.fot import GPSE_EXAMPLES, SKETCHES, fraction_key
+from fedlr.server_apps.runner import run_server
+from fedlr.strategies import FOT, FedAvgContinual, get_method
+from fedlr.strategies.fot import GPSE_EXAMPLES, SKETCHES, fraction_key
 from tests.strategies.conftest import reply
 
 F64 = torch.float64

@@ -10,15 +10,15 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 
-from client_apps.app import app as client_app
 from fedlr.adapters import Role, adapter_state
+from fedlr.client_apps.app import app as client_app
 from fedlr.config import RunConfig
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state
 from fedlr.results import COLUMNS
+from fedlr.server_apps.runner import run_server
+from fedlr.strategies import FedExLoRA
 from fedlr.tasks import TextTask
-from server_apps.runner import run_server
-from strategies import FedExLoRA
 from tests.conftest import tiny_run_config
 
 

@@ -14,7 +14,7 @@ from fedlr.adapters import AdapterLayout, LoraModule, Role
 from fedlr.errors import NoValidRepliesError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state
-from strategies import FedAvgLoRA, FedExLoRA, available_methods, get_method
+from fedlr.strategies import FedAvgLoRA, FedExLoRA, available_methods, get_method
 from tests.strategies.conftest import reply
 
 LAYOUT = AdapterLayout(

@@ -17,7 +17,7 @@ from flwr.common import (
 from fedlr import FedExLoRA, LegacyStrategy, adapter_state, lora_layout
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state
-from strategies import FedAvgLoRA
+from fedlr.strategies import FedAvgLoRA
 from tests.plugin_app.client_app import app as plugin_client
 from tests.plugin_app.server_app import main
 from tests.plugin_app.task import build_model

@@ -11,14 +11,14 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 from flwr.clientapp import ClientApp
 
-from client_apps.app import app as client_app
+from fedlr.client_apps.app import app as client_app
 from fedlr.config import RunConfig
 from fedlr.errors import ConfigError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.linalg.qrmix import ClientEigen, fc_flatten, fc_unflatten, qrmix_update
-from server_apps.runner import run_server
-from strategies import QRMix, VisionFedAvg, get_method
+from fedlr.server_apps.runner import run_server
+from fedlr.strategies import QRMix, VisionFedAvg, get_method
 from tests.strategies.conftest import reply
 
 SHAPES = {"body.weight": (5, 4), "classifier.weight": (3, 4), "classifier.bias": (3,)}

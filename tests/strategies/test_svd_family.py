@@ -12,18 +12,17 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
-from client_apps import lora as lora_client
-from client_apps.app import app as client_app
 from fedlr.adapters import AdapterLayout, LoraModule, Role, adapter_state
+from fedlr.client_apps import lora as lora_client
+from fedlr.client_apps.app import app as client_app
 from fedlr.config import RunConfig
 from fedlr.errors import ConfigError, RankMismatchError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.results import COLUMNS
-from fedlr.tasks import TextTask
-from server_apps.lora import lora_plan
-from server_apps.runner import run_server
-from strategies import (
+from fedlr.server_apps.lora import lora_plan
+from fedlr.server_apps.runner import run_server
+from fedlr.strategies import (
     FedSALoRA,
     FedSpec,
     FedSVD,
@@ -32,7 +31,8 @@ from strategies import (
     LocalSVD,
     get_method,
 )
-from strategies.base import ClientUpdate
+from fedlr.strategies.base import ClientUpdate
+from fedlr.tasks import TextTask
 from tests.conftest import tiny_run_config
 from tests.strategies.conftest import reply
 

@@ -11,18 +11,18 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 from flwr.clientapp import ClientApp
 
-from client_apps.app import app as client_app
 from fedlr.adapters import Role
 from fedlr.adapters.sorf_vera import SorfVeraLayout, SorfVeraModule, layer_signs
 from fedlr.adapters.vera import VeraLayout, VeraModule
+from fedlr.client_apps.app import app as client_app
 from fedlr.config import RunConfig
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state
 from fedlr.linalg.sorf import build_lambda_d_rot
 from fedlr.results import COLUMNS
+from fedlr.server_apps.runner import run_server
+from fedlr.strategies import FedAvgVeRA, SorfVeRA, VeraFedEx, get_method
 from fedlr.vera_tasks import build_vera_text_model
-from server_apps.runner import run_server
-from strategies import FedAvgVeRA, SorfVeRA, VeraFedEx, get_method
 from tests.conftest import tiny_run_config
 from tests.strategies.conftest import reply
 

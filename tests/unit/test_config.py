@@ -63,7 +63,7 @@ def test_bad_value_names_the_key(key, value, message):
 
 
 def test_unknown_method_lists_known_ones():
-    from strategies import get_method
+    from fedlr.strategies import get_method
 
     with pytest.raises(UnknownMethodError, match=r"known methods: .*fedex-lora"):
         get_method("fedx-lora")

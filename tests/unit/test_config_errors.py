@@ -103,7 +103,7 @@ def _never_called(message, context):
 
 @pytest.mark.parametrize("key", sorted(AT_START))
 def test_invalid_value_stops_the_server_before_training(tmp_path, assets, key):
-    from server_apps.runner import run_server
+    from fedlr.server_apps.runner import run_server
 
     overrides, error, message = AT_START[key]
     config = tiny_run_config(tmp_path, **overrides)

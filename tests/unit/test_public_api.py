@@ -12,7 +12,7 @@ from tests.conftest import ROOT
 
 def test_strategies_are_reexported_from_fedlr():
     import fedlr
-    import strategies
+    from fedlr import strategies
 
     assert fedlr.FedExLoRA is strategies.FedExLoRA
     assert fedlr.FedAvgLoRA is strategies.FedAvgLoRA

@@ -1,0 +1,1 @@
+"""ClientApps, one module per payload kind, and the dispatching app."""

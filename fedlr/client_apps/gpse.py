@@ -1,0 +1,180 @@
+"""GPSE ClientApp payload: local SGD on the current task, sketches at boundaries.
+
+Protocol (see docs/methods/fot.md):
+
+* instruction: ArrayRecord ``arrays`` with every weight of the vision model;
+  ConfigRecord ``config`` with ``server-round``, ``task``, ``task-round``,
+  ``lr``, ``local-steps``, ``batch-size``, and for ``fot`` ``gpse-task``
+  (the finished task to sketch, -1 for none) and ``sketch-dim``; at a
+  boundary also ArrayRecord ``bases`` (layer name -> ``(d, k)`` basis; a layer
+  without an entry has none yet).
+* reply: ArrayRecord ``arrays`` with every weight after local training;
+  MetricRecord ``metrics`` with ``num-examples``, ``train-loss``,
+  ``partition-id``; at a boundary also ArrayRecord ``sketches`` (layer name
+  -> ``Y_l = R_l G_l`` of shape ``(d, m)``), and metrics
+  ``gpse-fraction.<layer>`` (``r_l``) and ``gpse-examples`` (``b_l``).
+
+The sketch is computed before local training, with the received global model
+(the final model of the finished task) on the client's data of that task;
+``G_l`` is drawn from a generator seeded by the run seed, the partition id
+and the task, and never leaves the client.
+"""
+
+from __future__ import annotations
+
+from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.app import MetricRecordValues as Values
+
+from fedlr.client_apps.lora import partition_of, train_settings
+from fedlr.config import RunConfig
+from fedlr.continual import (
+    build_continual_model,
+    sketch_layer_inputs,
+    stream_from_config,
+    task_view,
+)
+from fedlr.data.continual import ContinualStream
+from fedlr.flower.records import (
+    array_record,
+    config_int,
+    config_record,
+    record_to_state,
+    state_to_record,
+)
+from fedlr.image_task import evaluate_images, train_sgd
+from fedlr.models.vision import VisionModel
+from fedlr.strategies.fot import BASES, GPSE_EXAMPLES, SKETCHES, fraction_key
+from fedlr.train import client_seed, pick_device
+
+__all__ = ["evaluate_message", "train_message"]
+
+_MODELS: dict[tuple[object, ...], VisionModel] = {}
+_STREAMS: dict[tuple[object, ...], ContinualStream] = {}
+
+
+def _model(config: RunConfig) -> VisionModel:
+    """The process's model for this config (a Ray actor serves many clients)."""
+    key = (config.model, config.dataset, config.seed)
+    if key not in _MODELS:
+        _MODELS.clear()
+        _MODELS[key] = build_continual_model(config)
+    return _MODELS[key]
+
+
+def _stream(config: RunConfig, num: int) -> ContinualStream:
+    key = (
+        config.dataset,
+        config.num_tasks,
+        config.task_examples,
+        config.partitioner,
+        config.dirichlet_alpha,
+        config.classes_per_partition,
+        config.eval_fraction,
+        config.seed,
+        num,
+    )
+    if key not in _STREAMS:
+        _STREAMS.clear()
+        _STREAMS[key] = stream_from_config(config, num)
+    return _STREAMS[key]
+
+
+def train_message(message: Message, context: Context) -> Message:
+    """Handle a ``train`` instruction of a continual method."""
+    config = RunConfig.from_mapping(context.run_config)
+    pid, num = partition_of(context, config)
+    round_config = config_record(message.content)
+    stream = _stream(config, num)
+    model = _model(config)
+    model.load_state_dict(record_to_state(array_record(message.content)))
+    task = config_int(round_config, "task", 0)
+    gpse_task = config_int(round_config, "gpse-task", -1)
+    device = pick_device(config.device)
+    metrics: dict[str, Values] = {"partition-id": pid}
+    content = RecordDict()
+
+    # 1. GPSE on the finished task, with the received global model
+    if gpse_task >= 0:
+        bases = (
+            record_to_state(array_record(message.content, BASES))
+            if BASES in message.content.array_records
+            else {}
+        )
+        data = stream.partition(gpse_task, pid)
+        data = data.select(range(min(len(data), config.fot_activation_examples)))
+        sketches = sketch_layer_inputs(
+            model,
+            model.projected_layers(),
+            data,
+            bases,
+            sketch_dim=config_int(round_config, "sketch-dim", config.fot_sketch_dim),
+            seed=(config.seed * 1_000_003 + pid) * 1_009 + gpse_task,
+            batch_size=config.eval_batch_size,
+        )
+        sketch_arrays = {}
+        for layer, sketch in sketches.items():
+            if sketch.sketch is None:
+                raise ValueError(f"layer '{layer}' saw no activations")
+            sketch_arrays[layer] = sketch.sketch.to(
+                model.get_parameter(f"{layer}.weight").dtype
+            )
+            metrics[fraction_key(layer)] = sketch.fraction
+        metrics[GPSE_EXAMPLES] = len(data)
+        content[SKETCHES] = state_to_record(sketch_arrays)
+
+    # 2. local SGD on the current task
+    server_round = config_int(round_config, "server-round", 0)
+    data = stream.partition(task, pid)
+    module, view = task_view(model, data, stream.task_classes(task), stream.num_classes)
+    settings = train_settings(round_config, config, default_lr=config.lr)
+    loss = train_sgd(
+        module,
+        view,
+        steps=settings.local_steps,
+        lr=settings.lr,
+        batch_size=settings.batch_size,
+        seed=client_seed(config.seed, server_round, pid),
+        momentum=config.momentum,
+        weight_decay=settings.weight_decay,
+        device=device,
+    )
+    model.to("cpu")
+    metrics.update({"num-examples": len(data), "train-loss": loss})
+    content["arrays"] = state_to_record(model.state_dict())
+    content["metrics"] = MetricRecord(metrics)
+    return Message(content, reply_to=message)
+
+
+def evaluate_message(message: Message, context: Context) -> Message:
+    """Handle an ``evaluate`` instruction: the global model on the local task data."""
+    config = RunConfig.from_mapping(context.run_config)
+    pid, num = partition_of(context, config)
+    stream = _stream(config, num)
+    model = _model(config)
+    model.load_state_dict(record_to_state(array_record(message.content)))
+    task = (
+        config_int(config_record(message.content), "task", 0)
+        if ("config" in message.content.config_records)
+        else 0
+    )
+    module, view = task_view(
+        model,
+        stream.partition(task, pid),
+        stream.task_classes(task),
+        stream.num_classes,
+    )
+    accuracy, loss = evaluate_images(
+        module,
+        view,
+        batch_size=config.eval_batch_size,
+        device=pick_device(config.device),
+    )
+    model.to("cpu")
+    reply = RecordDict(
+        {
+            "metrics": MetricRecord(
+                {"num-examples": len(view), "accuracy": accuracy, "loss": loss}
+            )
+        }
+    )
+    return Message(reply, reply_to=message)

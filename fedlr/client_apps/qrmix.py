@@ -1,0 +1,170 @@
+"""QR-Mix ClientApp payload: local SGD on a vision model, plus FC eigenpairs in stage 2.
+
+Protocol (methods ``fedavg`` and ``qrmix``):
+
+* instruction: ArrayRecord ``arrays`` with every parameter of the vision model
+  (``model.named_parameters()`` keys), ConfigRecord ``config`` with
+  ``server-round``, ``lr``, ``local-steps``, ``batch-size`` and
+  ``qrmix-stage`` (1: train only; 2: also eigenpairs);
+* reply: ArrayRecord ``arrays`` with every parameter after local SGD,
+  MetricRecord ``metrics`` with ``num-examples``, ``train-loss``,
+  ``partition-id`` (and ``eigen-seconds`` in stage 2); in stage 2 also
+  ArrayRecord ``eigen`` with ``vectors`` (P, k) orthonormal eigenvectors and
+  ``values`` (k,) eigenvalues of the FC layer's cross-entropy Hessian on the
+  local data (at the locally trained weights), and ``delta`` (P,) the FC
+  update (local minus global), all in the bias-first order of
+  :func:`fedlr.linalg.fc_flatten`. ``k``, ``s`` and ``q`` come from the run
+  config (``qrmix-k``, ``qrmix-oversample``, ``qrmix-power-iters``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.app import MetricRecordValues as Values
+
+from fedlr.client_apps.lora import partition_of, train_settings
+from fedlr.config import RunConfig
+from fedlr.flower.records import (
+    array_record,
+    config_int,
+    config_record,
+    record_to_state,
+    state_to_record,
+)
+from fedlr.image_task import ImageData, ImageTask, evaluate_images, train_sgd
+from fedlr.linalg.qrmix import fc_flatten, fc_hessian_eigenpairs
+from fedlr.models.vision import VisionModel
+from fedlr.train import client_seed, pick_device
+
+__all__ = ["EIGEN_RECORD", "evaluate_message", "head_features", "train_message"]
+
+EIGEN_RECORD = "eigen"
+"""Name of the reply's extra ArrayRecord in stage 2."""
+
+_MODELS: dict[tuple[object, ...], VisionModel] = {}
+_DATA: dict[tuple[object, ...], ImageData] = {}
+
+
+def _model(config: RunConfig) -> VisionModel:
+    """The process's model for this config (a Ray actor serves many clients)."""
+    key = (config.model, config.dataset, config.seed)
+    if key not in _MODELS:
+        _MODELS.clear()  # one model per process at a time
+        _MODELS[key] = ImageTask(config).build_model()
+    return _MODELS[key]
+
+
+def _partition(config: RunConfig, pid: int, num: int) -> ImageData:
+    key = (
+        config.dataset,
+        config.seed,
+        config.partitioner,
+        config.dirichlet_alpha,
+        config.classes_per_partition,
+        config.eval_fraction,
+        pid,
+        num,
+    )
+    if key not in _DATA:
+        _DATA[key] = ImageTask(config).partition(pid, num)
+    return _DATA[key]
+
+
+@torch.no_grad()
+def head_features(
+    model: VisionModel, data: ImageData, batch_size: int = 512
+) -> torch.Tensor:
+    """Inputs of the head layer for every sample, (N, F), in eval mode."""
+    model.eval()
+    parts = [
+        model.features(data.x[start : start + batch_size])
+        for start in range(0, len(data), batch_size)
+    ]
+    return torch.cat(parts)
+
+
+def train_message(message: Message, context: Context) -> Message:
+    """Handle a ``train`` instruction for ``fedavg`` / ``qrmix``."""
+    config = RunConfig.from_mapping(context.run_config)
+    pid, num = partition_of(context, config)
+    round_config = config_record(message.content)
+    model = _model(config)
+    global_state = record_to_state(array_record(message.content))
+    model.load_parameters(global_state)
+    data = _partition(config, pid, num)
+    server_round = config_int(round_config, "server-round", 0)
+    seed = client_seed(config.seed, server_round, pid)
+    device = pick_device(config.device)
+    settings = train_settings(round_config, config, default_lr=config.lr)
+    loss = train_sgd(
+        model,
+        data,
+        steps=settings.local_steps,
+        lr=settings.lr,
+        batch_size=settings.batch_size,
+        seed=seed,
+        momentum=config.momentum,
+        weight_decay=settings.weight_decay,
+        device=device,
+    )
+    model.to("cpu")
+    state = model.parameter_state()
+    metrics: dict[str, Values] = {
+        "num-examples": len(data),
+        "train-loss": loss,
+        "partition-id": pid,
+    }
+    reply = RecordDict({"arrays": state_to_record(state)})
+    if config_int(round_config, "qrmix-stage", 1) == 2:
+        start = time.perf_counter()
+        head = model.head_layer()
+        values, vectors = fc_hessian_eigenpairs(
+            head_features(model, data),
+            head.weight.detach(),
+            head.bias.detach(),
+            config.qrmix_k,
+            oversample=config.qrmix_oversample,
+            power_iters=config.qrmix_power_iters,
+            seed=seed,
+        )
+        w_key, b_key = f"{model.head}.weight", f"{model.head}.bias"
+        delta = fc_flatten(
+            state[w_key] - global_state[w_key], state[b_key] - global_state[b_key]
+        )
+        reply[EIGEN_RECORD] = state_to_record(
+            {
+                "vectors": vectors.to(torch.float32),
+                "values": values.to(torch.float32),
+                "delta": delta.to(torch.float32),
+            }
+        )
+        metrics["eigen-seconds"] = time.perf_counter() - start
+    reply["metrics"] = MetricRecord(metrics)
+    return Message(reply, reply_to=message)
+
+
+def evaluate_message(message: Message, context: Context) -> Message:
+    """Handle an ``evaluate`` instruction: the global model on local data."""
+    config = RunConfig.from_mapping(context.run_config)
+    pid, num = partition_of(context, config)
+    model = _model(config)
+    model.load_parameters(record_to_state(array_record(message.content)))
+    data = _partition(config, pid, num)
+    accuracy, loss = evaluate_images(
+        model,
+        data,
+        batch_size=config.eval_batch_size,
+        device=pick_device(config.device),
+    )
+    model.to("cpu")
+    reply = RecordDict(
+        {
+            "metrics": MetricRecord(
+                {"num-examples": len(data), "accuracy": accuracy, "loss": loss}
+            )
+        }
+    )
+    return Message(reply, reply_to=message)

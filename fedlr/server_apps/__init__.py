@@ -1,0 +1,1 @@
+"""ServerApps: read the run config, build model and strategy, run, write results."""

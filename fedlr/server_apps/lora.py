@@ -1,0 +1,103 @@
+"""Server plan of the ``lora`` client kind: text classifier with LoRA.
+
+The global model is evaluated on the server's held-out split after every round.
+For a personalised method (a
+:class:`~fedlr.strategies.lora_svd.PersonalLoraStrategy`) there is no single global
+model: each client evaluates its own model on its own held-out part in the
+round's federated evaluation (which Flower runs before this plan's evaluate),
+and the round reports the strategy's mean and spread of those accuracies.
+When the strategy changes the LoRA rank (FedSpec), the evaluation model is
+rebuilt at the rank of the arrays it receives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from fedlr.adapters import Role, adapter_state
+from fedlr.config import RunConfig
+from fedlr.server_apps.plans import ServerPlan, register_plan
+from fedlr.strategies.lora import LoraStrategy
+from fedlr.strategies.lora_svd import PersonalLoraStrategy, SvdLoraStrategy
+from fedlr.strategies.registry import MethodSpec
+from fedlr.tasks import LoraModel, TextTask
+from fedlr.train import evaluate, pick_device
+
+__all__ = ["lora_plan"]
+
+
+@register_plan("lora")
+def lora_plan(config: RunConfig, spec: MethodSpec) -> ServerPlan:
+    """Seeded LoRA classifier, its strategy and held-out evaluation.
+
+    Raises
+    ------
+    ConfigError
+        For ``lora-rank`` larger than a target layer's smaller side (from the
+        model build, before any training).
+    """
+    if not issubclass(spec.strategy_cls, LoraStrategy):
+        raise TypeError(
+            f"method '{spec.name}' has client kind 'lora' but its strategy "
+            f"{spec.strategy_cls.__qualname__} is not a LoraStrategy"
+        )
+    task = TextTask(config)
+    models: dict[int, LoraModel] = {config.lora_rank: task.build_lora_model()}
+    lm = models[config.lora_rank]
+    strategy = spec.strategy_cls.from_run_config(config, lm.layout)
+    initial = adapter_state(lm.model, lm.layout, strategy.send_roles)
+    if isinstance(strategy, SvdLoraStrategy):
+        strategy.bind_initial(
+            adapter_state(lm.model, lm.layout, (Role.LORA_A, Role.LORA_B, Role.HEAD))
+        )
+    heldout = task.heldout()
+    device = pick_device(config.device)
+    first_a = lm.layout.modules[0].a_key
+
+    def model_at(rank: int) -> LoraModel:
+        if rank not in models:
+            models.clear()  # keep one model (and the initial one's rank) in memory
+            models[rank] = TextTask(config.replace(lora_rank=rank)).build_lora_model()
+        return models[rank]
+
+    def evaluate_global(
+        server_round: int, state: Mapping[str, torch.Tensor]
+    ) -> dict[str, float]:
+        if server_round > 0 and isinstance(strategy, PersonalLoraStrategy):
+            result = dict(strategy.last_evaluation)
+            if not result:
+                nan = float("nan")
+                return {"accuracy": nan, "loss": nan}
+            return {k: v for k, v in result.items() if k != "evaluated-clients"}
+        rank = int(state[first_a].shape[0]) if first_a in state else config.lora_rank
+        model = model_at(rank)
+        model.load(state)
+        accuracy, loss = evaluate(
+            model.model, heldout, batch_size=config.eval_batch_size, device=device
+        )
+        model.model.to("cpu")
+        return {"accuracy": accuracy, "loss": loss}
+
+    extra = getattr(strategy, "extra_columns", ())
+    return ServerPlan(
+        strategy=strategy,
+        initial_arrays=initial,
+        evaluate=evaluate_global,
+        train_config={
+            "lr": config.lr,
+            "local-steps": config.local_steps,
+            "batch-size": config.batch_size,
+        },
+        columns=tuple(extra),
+        description=(
+            f"{config.model} on {config.dataset}, {len(heldout)} held-out "
+            f"examples, device {device}"
+            + (
+                "; personalised: each client evaluates on its own held-out part"
+                if isinstance(strategy, PersonalLoraStrategy)
+                else ""
+            )
+        ),
+    )

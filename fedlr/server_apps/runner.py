@@ -1,0 +1,219 @@
+"""What the ServerApp does, as a function of a Grid and a Context.
+
+1. Read the run config into :class:`~fedlr.config.RunConfig`.
+2. Build the method's :class:`~fedlr.server_apps.plans.ServerPlan` (strategy, initial
+   arrays, evaluation) from the plan registered for its client kind.
+3. Run the rounds (``strategy.run_round``: train, then federated evaluation
+   if the method asks for it); after each, evaluate, append a CSV row, log a
+   progress line and save ``checkpoint.pt`` (:mod:`fedlr.checkpoint`), from
+   which ``resume-from`` continues a crashed run.
+4. Save the final arrays, a ``summary.json`` and the plots
+   (:mod:`fedlr.plots`).
+
+Tests call :func:`run_server` with an :class:`~fedlr.flower.InProcessGrid`;
+``flwr run`` calls it through :mod:`fedlr.server_apps.app`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from logging import INFO
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context
+from flwr.serverapp import Grid
+from flwr.supercore import log
+
+import fedlr.server_apps.kinds
+import fedlr.strategies  # noqa: F401  (registers every method)
+from fedlr.checkpoint import (
+    check_resumable,
+    get_rng_state,
+    load_checkpoint,
+    save_checkpoint,
+    set_rng_state,
+)
+from fedlr.config import RunConfig
+from fedlr.flower.records import record_to_state
+from fedlr.plots import write_run_plots
+from fedlr.results import ResultsWriter
+from fedlr.server_apps.plans import get_plan_builder
+from fedlr.strategies.registry import get_method
+
+__all__ = ["run_server"]
+
+
+def _run_dir(config: RunConfig, run_id: int) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    name = f"{config.method}-{config.dataset}-seed{config.seed}-{stamp}-run{run_id}"
+    return config.output_path / name
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:.2f} MB"
+
+
+def run_server(grid: Grid, context: Context) -> Path:
+    """Run a whole federated training; return the run's results directory.
+
+    With ``resume-from`` set, continue the run saved in that directory from
+    its last checkpoint (same directory, same CSVs), up to
+    ``num-server-rounds``.
+    """
+    config = RunConfig.from_mapping(context.run_config)
+    spec = get_method(config.method)
+    resume = load_checkpoint(config.resume_from) if config.resume_from else None
+    if resume is not None:
+        check_resumable(resume["config"], config.to_mapping())
+    random.seed(config.seed)  # Flower samples nodes with `random`
+    torch.manual_seed(config.seed)
+
+    plan = get_plan_builder(spec.client_kind)(config, spec)
+    strategy = plan.strategy
+    if resume is not None:
+        run_dir = Path(config.resume_from)
+    else:
+        run_dir = _run_dir(config, int(context.run_id))
+    writer = ResultsWriter(
+        run_dir,
+        method=config.method,
+        config=config.to_mapping() if resume is None else None,
+        extra_columns=plan.columns,
+    )
+    log(INFO, "fedlr: method %s (%s), results in %s", spec.name, spec.summary, run_dir)
+    if plan.description:
+        log(INFO, "fedlr: %s", plan.description)
+    strategy.summary()
+
+    clock = {"t": time.perf_counter()}
+    initial_metrics: dict[str, float] = {}
+    copied = tuple(c for c in writer.columns if c not in {"round", "method"})
+
+    def evaluate_round(server_round: int, arrays: ArrayRecord) -> None:
+        result = plan.evaluate(server_round, record_to_state(arrays))
+        accuracy, loss = float(result["accuracy"]), float(result["loss"])
+        if server_round == 0:
+            log(INFO, "fedlr: initial accuracy %.4f, loss %.4f", accuracy, loss)
+            initial_metrics.update(result)
+            clock["t"] = time.perf_counter()
+            return
+        seconds = time.perf_counter() - clock["t"]
+        clock["t"] = time.perf_counter()
+        report = strategy.last_report
+        m = report.metrics
+        row: dict[str, Any] = {k: m[k] for k in copied if k in m}
+        row.update({k: v for k, v in result.items() if k in copied})
+        row.update({"round": server_round, "seconds": seconds})
+        writer.append(row, layers=report.layers)
+        extras = " ".join(
+            f"{c} {row[c]:.4g}"
+            for c in plan.columns
+            if isinstance(row.get(c), (int, float)) and not math.isnan(row[c])
+        )
+        log(
+            INFO,
+            "fedlr [round %d/%d] accuracy %.4f loss %.4f gap %.3e (rel %.3e) "
+            "up %s down %s clients %d dropped %d %.1fs%s",
+            server_round,
+            config.num_server_rounds,
+            accuracy,
+            loss,
+            m.get("frobenius-gap", float("nan")),
+            m.get("relative-gap", float("nan")),
+            _mb(m.get("bytes-up", 0.0)),
+            _mb(m.get("bytes-down", 0.0)),
+            int(m.get("clients", 0)),
+            int(m.get("dropped", 0)),
+            seconds,
+            f" {extras}" if extras else "",
+        )
+
+    def checkpoint(server_round: int, arrays: ArrayRecord) -> None:
+        rows, layer_rows = writer.rows()
+        save_checkpoint(
+            run_dir,
+            {
+                "round": server_round,
+                "arrays": record_to_state(arrays),
+                "strategy": strategy.state_dict(),
+                "plan": plan.save_state() if plan.save_state else {},
+                "rng": get_rng_state(),
+                "results": rows,
+                "layers": layer_rows,
+                "extra": {"initial": dict(initial_metrics)},
+                "config": config.to_mapping(),
+            },
+        )
+
+    if resume is None:
+        arrays = ArrayRecord(plan.initial_arrays)
+        evaluate_round(0, arrays)
+        first = 1
+        checkpoint(0, arrays)
+    else:
+        arrays = ArrayRecord(resume["arrays"])
+        strategy.load_state_dict(resume["strategy"])
+        if plan.load_state is not None:
+            plan.load_state(resume.get("plan", {}))
+        writer.restore(resume["results"], resume.get("layers", []))
+        initial_metrics.update(resume.get("extra", {}).get("initial", {}))
+        set_rng_state(resume["rng"])
+        first = int(resume["round"]) + 1
+        log(
+            INFO,
+            "fedlr: resuming after round %d of %d",
+            first - 1,
+            config.num_server_rounds,
+        )
+        clock["t"] = time.perf_counter()
+
+    train_config = ConfigRecord(plan.train_config)
+    for server_round in range(first, config.num_server_rounds + 1):
+        log(INFO, "")
+        log(INFO, "[ROUND %d/%d]", server_round, config.num_server_rounds)
+        arrays = strategy.run_round(
+            grid,
+            server_round,
+            arrays,
+            train_config,
+            timeout=config.round_timeout,
+        )
+        evaluate_round(server_round, arrays)
+        checkpoint(server_round, arrays)
+
+    final = record_to_state(arrays)
+    tmp = run_dir / "final_arrays.pt.tmp"
+    torch.save(final, tmp)
+    os.replace(tmp, run_dir / "final_arrays.pt")
+    frame = writer.frame
+    summary: dict[str, Any] = {
+        "status": "finished",
+        "method": config.method,
+        "rounds": len(frame),
+        "initial-accuracy": initial_metrics.get("accuracy", float("nan")),
+        "final-accuracy": float(frame["accuracy"].iloc[-1]),
+        "final-loss": float(frame["loss"].iloc[-1]),
+        "total-bytes-up": float(frame["bytes-up"].sum()),
+        "total-bytes-down": float(frame["bytes-down"].sum()),
+        "seconds": float(frame["seconds"].sum()),
+    }
+    if resume is not None:
+        summary["resumed-after-round"] = first - 1
+    if plan.finish is not None:
+        summary.update(plan.finish(run_dir))
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    plots = write_run_plots(run_dir)
+    log(INFO, "fedlr: plots %s", ", ".join(p.name for p in plots))
+    log(
+        INFO,
+        "fedlr: finished, final accuracy %.4f; results in %s",
+        summary["final-accuracy"],
+        run_dir,
+    )
+    return run_dir

@@ -1,0 +1,78 @@
+"""FedEx-LoRA: FedAvg of A and B plus the exact residual folded into ``W0``.
+
+With client weights ``w_i`` (num-examples, normalised), FedAvg gives
+``B_bar = sum_i w_i B_i`` and ``A_bar = sum_i w_i A_i``. The residual
+
+    Delta_res = sum_i w_i B_i A_i - B_bar A_bar
+
+has rank at most ``(k+1) r`` and is not trainable, so it is added, times the
+LoRA scaling ``s = alpha / r``, to the frozen base weight of each adapted
+layer: ``W0 <- W0 + s Delta_res``. Then ``W0 + s B_bar A_bar`` equals
+``W0 + s sum_i w_i B_i A_i``: the aggregation is exact. peft's ``B @ A`` already
+has ``nn.Linear``'s (out, in) shape, so no transpose is applied. The residual
+is a product of stacked factors applied as one GEMM
+(:func:`fedlr.linalg.fold_residual`); the new base weights are sent to the
+clients next round.
+
+References
+----------
+.. [1] Singhal, Ponkshe, Vepakomma, "FedEx-LoRA: Exact Aggregation for
+   Federated and Efficient Fine-Tuning of Foundation Models", ACL 2025.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from fedlr.adapters.roles import Role
+from fedlr.linalg import fold_residual
+from fedlr.strategies.base import ClientUpdate, RoundReport
+from fedlr.strategies.fedavg_lora import FedAvgLoRA
+from fedlr.strategies.registry import register_method
+
+__all__ = ["FedExLoRA"]
+
+
+@register_method(
+    "fedex-lora",
+    client_kind="lora",
+    summary="FedAvg of A, B plus the exact residual folded into W0",
+)
+class FedExLoRA(FedAvgLoRA):
+    """FedAvg-LoRA whose residual is folded into the base weights.
+
+    Parameters: see :class:`~fedlr.strategies.lora.LoraStrategy`. The global arrays
+    must include the base weights (role ``base``) of every adapted layer.
+    """
+
+    send_roles: ClassVar[tuple[Role, ...]] = (
+        Role.LORA_A,
+        Role.LORA_B,
+        Role.HEAD,
+        Role.BASE,
+    )
+
+    def aggregate_updates(
+        self,
+        server_round: int,
+        updates: list[ClientUpdate],
+        current: dict[str, torch.Tensor],
+    ) -> tuple[dict[str, torch.Tensor], RoundReport]:
+        state, report = super().aggregate_updates(server_round, updates, current)
+        weights = [u.num_examples for u in updates]
+        for module in self.layout.modules:
+            if module.base_key not in current:
+                raise KeyError(
+                    f"global arrays lack the base weight '{module.base_key}' that "
+                    "FedEx-LoRA folds the residual into"
+                )
+            state[module.base_key] = fold_residual(
+                current[module.base_key],
+                [u.arrays[module.b_key] for u in updates],
+                [u.arrays[module.a_key] for u in updates],
+                weights,
+                module.scaling,
+            )
+        return state, report

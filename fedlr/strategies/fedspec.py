@@ -1,0 +1,199 @@
+"""FedSpec: the best rank-r factors of the mean of products, with adaptive rank.
+
+With client weights ``w_i`` the ideal aggregate is
+``M = sum_i w_i B_i A_i``. Its truncated SVD ``M ~ U_r S_r V_r^T`` (from the
+stacked factors, :func:`fedlr.linalg.truncated_svd_of_mean`) gives the
+balanced factors
+
+    B = U_r sqrt(S_r),    A = sqrt(S_r) V_r^T,
+
+the best rank-``r`` approximation of ``M`` in Frobenius norm (Eckart-Young);
+the gap ``||M - B A||_F`` is ``sqrt(sum_{j>r} sigma_j^2)``.
+
+Adaptive rank: with the tail fraction ``tau = sum_{j>r} sigma_j^2 /
+sum_j sigma_j^2`` at the current rank (the largest over the adapted layers),
+``tau > threshold`` grows the rank to ``min(r + 2, max_rank)``; it never
+decreases (:func:`fedlr.linalg.adaptive_rank`). When it grows, this round's
+factors are already cut at the new rank ``r'``. If ``M`` has fewer than
+``r'`` singular values (``k r < r'``), the factors are padded
+(:func:`fedlr.linalg.pad_factors`: zero columns of ``B``, orthonormal rows of
+``A``), which leaves ``B A`` unchanged. The new rank travels to the clients as
+``lora-rank`` in the ConfigRecord; they rebuild their adapter at that rank.
+peft scales ``B A`` by ``alpha / r``; so that the model's update
+``(alpha / r') B A`` equals ``(alpha / r) M_{r'}``, both factors are multiplied
+by ``sqrt(r' / r)``.
+
+References
+----------
+.. [1] "FedSpec: Spectrally Optimal Aggregation for Federated LoRA" (2024).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from logging import INFO
+from typing import Any, ClassVar
+
+import torch
+from flwr.supercore import log
+
+from fedlr.adapters.roles import AdapterLayout, Role
+from fedlr.config import RunConfig
+from fedlr.errors import ConfigError
+from fedlr.linalg import (
+    adaptive_rank,
+    pad_factors,
+    tail_fraction,
+    truncate,
+    truncated_svd_of_mean,
+)
+from fedlr.strategies.base import ClientUpdate, RoundReport
+from fedlr.strategies.lora_svd import SvdLoraStrategy
+from fedlr.strategies.registry import register_method
+
+__all__ = ["FedSpec", "layout_at_rank"]
+
+
+def layout_at_rank(layout: AdapterLayout, rank: int) -> AdapterLayout:
+    """``layout`` with every module at ``rank`` and its ``alpha / r`` scaling."""
+    return dataclasses.replace(
+        layout,
+        modules=tuple(
+            dataclasses.replace(m, rank=rank, scaling=m.scaling * m.rank / rank)
+            for m in layout.modules
+        ),
+    )
+
+
+@register_method(
+    "fedspec",
+    client_kind="lora",
+    summary="truncated SVD of the mean of products, B=U sqrt(S), A=sqrt(S) V^T; "
+    "rank grows by 2 while the tail energy exceeds a threshold",
+)
+class FedSpec(SvdLoraStrategy):
+    """Spectrally optimal aggregation with a monotone adaptive rank.
+
+    Parameters
+    ----------
+    layout : AdapterLayout
+        At the initial rank.
+    threshold : float, default 0.05
+        Tail energy fraction above which the rank grows.
+    max_rank : int, default 16
+        Cap of the rank; at most the smallest side of an adapted layer.
+    **kwargs
+        Other parameters: see :class:`~fedlr.strategies.lora_svd.SvdLoraStrategy`.
+    """
+
+    extra_columns: ClassVar[tuple[str, ...]] = ("tail-energy",)
+
+    def __init__(
+        self,
+        *,
+        layout: AdapterLayout,
+        threshold: float = 0.05,
+        max_rank: int = 16,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(layout=layout, **kwargs)
+        narrow = min(min(m.d_in, m.d_out) for m in layout.modules)
+        if max_rank < self.rank:
+            raise ConfigError(
+                "fedspec-max-rank",
+                f"{max_rank} is below the initial rank {self.rank}; the rank "
+                "never decreases",
+            )
+        if max_rank > narrow:
+            raise ConfigError(
+                "fedspec-max-rank",
+                f"{max_rank} exceeds the smaller side {narrow} of an adapted layer",
+            )
+        if len({m.rank for m in layout.modules}) != 1:
+            raise ValueError("FedSpec needs one LoRA rank for every layer")
+        self.threshold = threshold
+        self.max_rank = max_rank
+        self.rank_history: list[int] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        """The current rank and its history (the layout follows the rank)."""
+        return {"rank": self.rank, "rank-history": list(self.rank_history)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        unknown = sorted(set(state) - {"rank", "rank-history"})
+        if unknown:
+            raise ValueError(f"FedSpec: unknown state keys {unknown}")
+        rank = int(state["rank"])
+        if not self.rank <= rank <= self.max_rank:
+            raise ValueError(
+                f"FedSpec: checkpointed rank {rank} is outside [{self.rank}, "
+                f"{self.max_rank}]"
+            )
+        self.layout = layout_at_rank(self.layout, rank)
+        self.rank_history = [int(r) for r in state.get("rank-history", [])]
+
+    @classmethod
+    def options(cls, config: RunConfig, layout: AdapterLayout) -> dict[str, Any]:
+        return {
+            "threshold": config.fedspec_threshold,
+            "max_rank": config.fedspec_max_rank,
+        }
+
+    def round_config(self, server_round: int) -> dict[str, Any]:
+        config = super().round_config(server_round)
+        config["lora-rank"] = self.rank
+        return config
+
+    def aggregate_updates(
+        self,
+        server_round: int,
+        updates: list[ClientUpdate],
+        current: dict[str, torch.Tensor],
+    ) -> tuple[dict[str, torch.Tensor], RoundReport]:
+        self.check_ranks(updates)
+        state = dict(current)
+        state.update(self.weighted_means(updates, self.layout.keys(Role.HEAD)))
+        weights = [u.num_examples for u in updates]
+        rank = self.rank
+        # 1. Factored SVD of every layer's mean of products (all kr triplets).
+        svds = {
+            m.name: truncated_svd_of_mean(
+                [u.arrays[m.b_key] for u in updates],
+                [u.arrays[m.a_key] for u in updates],
+                weights,
+            )
+            for m in self.layout.modules
+        }
+        # 2. Rank rule on the largest tail fraction at the current rank.
+        tail = max(tail_fraction(s.singular_values, rank) for s in svds.values())
+        new_rank = adaptive_rank(rank, min(tail, 1.0), self.threshold, self.max_rank)
+        new_layout = layout_at_rank(self.layout, new_rank)
+        gain = math.sqrt(new_rank / rank)  # (alpha / r') B A == (alpha / r) M_r'
+        # 3. Balanced factors of the rank-r' truncation, padded if needed.
+        layers: dict[str, tuple[float, float]] = {}
+        for m, new_m in zip(self.layout.modules, new_layout.modules, strict=True):
+            cut = truncate(svds[m.name], new_rank)
+            b, a = cut.split_sqrt()
+            b, a = pad_factors(b, a, new_rank, seed=self.seed + server_round)
+            dtype = current[m.b_key].dtype
+            del state[m.b_key], state[m.a_key]
+            state[new_m.b_key] = (gain * b).to(dtype)
+            state[new_m.a_key] = (gain * a).to(dtype)
+            layers[m.name] = (math.sqrt(cut.tail_energy), math.sqrt(cut.total_energy))
+        if new_rank != rank:
+            log(INFO, "fedspec round %d: rank %d -> %d", server_round, rank, new_rank)
+        self.layout = new_layout
+        self.rank_history.append(new_rank)
+        report = self._report(layers)
+        report.metrics["tail-energy"] = tail
+        log(
+            INFO,
+            "fedspec round %d: rank %d, tail energy fraction %.4f at rank %d",
+            server_round,
+            new_rank,
+            tail,
+            rank,
+        )
+        return state, report

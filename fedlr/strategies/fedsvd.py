@@ -1,0 +1,71 @@
+"""FedSVD: clients train ``B`` with ``A`` fixed; the server re-factorises by SVD.
+
+Each round the clients receive ``(A, B)``, train only ``B`` (and the head)
+with ``A`` fixed, and send ``B_i``. Since ``A`` is common,
+``sum_i w_i B_i A = B_bar A`` exactly. The server takes the (factored) SVD
+``B_bar A = U S V^T`` at rank ``r`` and sends
+
+    A <- V^T        (orthonormal rows),
+    B <- U S,
+
+so the product is unchanged while ``A`` is re-orthonormalised along the
+directions the clients' updates actually use. The SVD comes from thin QRs of
+``B_bar`` (d_out, r) and ``A^T`` (d_in, r) and an (r, r) core; nothing of size
+d_out x d_in is formed.
+
+References
+----------
+.. [1] Lee et al., "FedSVD: Adaptive Orthogonalization for Private Federated
+   Learning with LoRA", 2025.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from fedlr.adapters.roles import Role
+from fedlr.linalg import factored_svd, pad_factors
+from fedlr.strategies.base import ClientUpdate, RoundReport
+from fedlr.strategies.lora_svd import SvdLoraStrategy
+from fedlr.strategies.registry import register_method
+
+__all__ = ["FedSVD"]
+
+
+@register_method(
+    "fedsvd",
+    client_kind="lora",
+    summary="clients train B with A fixed; server SVD of B_bar A -> A=V^T, B=US",
+)
+class FedSVD(SvdLoraStrategy):
+    """Average ``B``; re-factorise ``B_bar A`` as ``(U S, V^T)``.
+
+    Parameters: see :class:`~fedlr.strategies.lora_svd.SvdLoraStrategy`.
+    """
+
+    send_roles: ClassVar[tuple[Role, ...]] = (Role.LORA_A, Role.LORA_B, Role.HEAD)
+    train_roles: ClassVar[tuple[Role, ...]] = (Role.LORA_B, Role.HEAD)
+
+    def aggregate_updates(
+        self,
+        server_round: int,
+        updates: list[ClientUpdate],
+        current: dict[str, torch.Tensor],
+    ) -> tuple[dict[str, torch.Tensor], RoundReport]:
+        state = self.averaged(updates, current)
+        factors: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        aggregate: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for m in self.layout.modules:
+            a = current[m.a_key]
+            b_bar = state[m.b_key]
+            svd = factored_svd(b_bar.double(), a.double(), rank=m.rank)
+            new_b, new_a = pad_factors(
+                svd.u * svd.s, svd.vh, m.rank, seed=self.seed + server_round
+            )
+            state[m.b_key] = new_b.to(b_bar.dtype)
+            state[m.a_key] = new_a.to(a.dtype)
+            factors[m.name] = ([u.arrays[m.b_key] for u in updates], [a] * len(updates))
+            aggregate[m.name] = (state[m.b_key], state[m.a_key])
+        return state, self.factored_gap_report(updates, factors, aggregate)

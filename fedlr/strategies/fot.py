@@ -1,0 +1,409 @@
+"""FOT: federated orthogonal training for continual FL, and its FedAvg baseline.
+
+A run is a stream of ``T`` tasks with ``rounds_per_task`` rounds each. Both
+strategies tell the clients the current task (ConfigRecord ``task``,
+``task-round``) and restart the learning-rate schedule at every task
+(``lr * lr_decay ** task_round``).
+
+``fedavg-continual`` is plain FedAvg of every weight on the stream.
+
+``fot`` [1]_ adds:
+
+* **FedProject** (every round): FedAvg gives ``w̄``; for each projected layer
+  ``l`` the aggregated update ``g = w̄_l - w_l`` is replaced by
+  ``g - (g_2 U_l) U_lᵀ`` (``g_2 = g.reshape(out, -1)``), so the global model
+  does not move along input directions that earlier tasks use. Biases and
+  other layers are averaged as usual.
+* **GPSE** (at each task boundary): the first round of task ``t > 0`` carries
+  ``gpse-task = t - 1`` and the current bases (ArrayRecord ``bases``). Before
+  training on task ``t`` each client feeds its task ``t - 1`` data through
+  the received global model (the final model of task ``t - 1``), residualises
+  each projected layer's input activations against ``U_l`` and replies, beside
+  its trained weights, with ``Y_l = R_l G_l`` (ArrayRecord ``sketches``,
+  ``G_l`` client-local), ``r_l = ||R_l||² / ||A_l||²``
+  (metric ``gpse-fraction.<layer>``) and ``b_l`` (``gpse-examples``). The
+  server sums the sketches (sums only, compatible with secure aggregation),
+  computes ``r̄_l = Σ b r / Σ b``, ``ε' = (r̄ - (1 - ε)) / r̄``, extends ``U_l``
+  by the smallest ``k`` left singular vectors of ``Σ Y_l`` whose energy share
+  reaches ``ε'``, re-orthonormalises by QR, then raises ``ε`` by
+  ``eps_inc``. Only after that does it aggregate and project the round's
+  updates, so the first update of task ``t`` already spares task ``t - 1``.
+
+Replies of a boundary round without valid sketches (missing, wrong layer set
+or shape, NaN, a fraction outside [0, 1]) are dropped through the base
+strategy's validation path with the reason logged.
+
+References
+----------
+.. [1] Bakman, Yaldiz, Ezzeldin, Avestimehr, "Federated Orthogonal Training:
+   Mitigating Global Catastrophic Forgetting in Continual Federated Learning",
+   ICLR 2024.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from logging import INFO
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.serverapp import Grid
+from flwr.supercore import log
+
+from fedlr.config import RunConfig
+from fedlr.errors import ReplyValidationError
+from fedlr.flower.records import record_nbytes, record_to_state
+from fedlr.linalg.fot import (
+    expand_basis,
+    project_update,
+    weighted_residual_fraction,
+)
+from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
+from fedlr.strategies.registry import register_method
+
+__all__ = ["FOT", "FedAvgContinual", "fraction_key"]
+
+SKETCHES = "sketches"
+"""Name of the reply's ArrayRecord of GPSE sketches."""
+BASES = "bases"
+"""Name of the instruction's ArrayRecord of current bases."""
+GPSE_EXAMPLES = "gpse-examples"
+"""Reply metric: examples behind the sketches (``b``)."""
+
+
+def fraction_key(layer: str) -> str:
+    """Reply metric holding ``r_l`` of ``layer``."""
+    return f"gpse-fraction.{layer}"
+
+
+@register_method(
+    "fedavg-continual",
+    client_kind="gpse",
+    summary="FedAvg on a continual task stream (baseline of fot)",
+)
+class FedAvgContinual(FedLRStrategy):
+    """FedAvg of every weight on a task stream.
+
+    Parameters
+    ----------
+    shapes : mapping of str to tuple of int
+        Keys and shapes of the global model's arrays (what clients return).
+    rounds_per_task : int
+    num_tasks : int
+    lr : float
+        Base client learning rate; round ``j`` of a task sends
+        ``lr * lr_decay ** j``.
+    **kwargs
+        Other parameters: see :class:`~fedlr.strategies.base.FedLRStrategy`.
+    """
+
+    def __init__(
+        self,
+        *,
+        shapes: Mapping[str, tuple[int, ...]],
+        rounds_per_task: int,
+        num_tasks: int,
+        lr: float,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if rounds_per_task < 1 or num_tasks < 1:
+            raise ValueError(
+                f"rounds_per_task and num_tasks must be >= 1, got "
+                f"{rounds_per_task}, {num_tasks}"
+            )
+        self.shapes = {k: tuple(v) for k, v in shapes.items()}
+        self.rounds_per_task = rounds_per_task
+        self.num_tasks = num_tasks
+        self.base_lr = lr
+
+    @classmethod
+    def from_run_config(
+        cls,
+        config: RunConfig,
+        shapes: Mapping[str, tuple[int, ...]],
+        projected: Sequence[str],
+    ) -> FedAvgContinual:
+        """Build from the typed run config (``projected`` unused here)."""
+        return cls(
+            shapes=shapes,
+            rounds_per_task=config.rounds_per_task,
+            num_tasks=config.num_tasks,
+            lr=config.lr,
+            **cls.base_options(config),
+        )
+
+    # ----------------------------------------------------------------- stream
+    def task_of(self, server_round: int) -> tuple[int, int]:
+        """``(task, round within the task)`` of a 1-based server round."""
+        index = max(server_round - 1, 0)
+        return index // self.rounds_per_task, index % self.rounds_per_task
+
+    def round_config(self, server_round: int) -> dict[str, Any]:
+        task, position = self.task_of(server_round)
+        return {
+            "task": task,
+            "task-round": position,
+            "lr": self.base_lr * self.lr_decay**position,
+        }
+
+    def reply_shapes(self) -> dict[str, tuple[int, ...]]:
+        return dict(self.shapes)
+
+    def aggregate_updates(
+        self,
+        server_round: int,
+        updates: list[ClientUpdate],
+        current: dict[str, torch.Tensor],
+    ) -> tuple[dict[str, torch.Tensor], RoundReport]:
+        state = self.weighted_means(updates, self.shapes, like=current)
+        task, _ = self.task_of(server_round)
+        return state, RoundReport(metrics={"task": float(task)})
+
+
+@register_method(
+    "fot",
+    client_kind="gpse",
+    summary="FedAvg with updates projected off GPSE bases of earlier tasks",
+)
+class FOT(FedAvgContinual):
+    """Federated orthogonal training (FedProject + GPSE).
+
+    Parameters
+    ----------
+    projected : sequence of str
+        Names of the projected layers; their weights are ``<name>.weight``
+        in ``shapes``, of shape ``(out, *rest)``, ``d = prod(rest)``.
+    eps : float
+        Energy threshold ``ε`` in [0, 1] at the first boundary.
+    eps_inc : float
+        Added to ``ε`` after each boundary (capped at 1).
+    sketch_dim : int
+        Sketch columns ``m`` (0: each layer's ``d``).
+    **kwargs
+        Other parameters: see :class:`FedAvgContinual`.
+    """
+
+    def __init__(
+        self,
+        *,
+        projected: Sequence[str],
+        eps: float,
+        eps_inc: float,
+        sketch_dim: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if not 0.0 <= eps <= 1.0 or eps_inc < 0:
+            raise ValueError(
+                f"need eps in [0, 1] and eps_inc >= 0, got {eps}, {eps_inc}"
+            )
+        if sketch_dim < 0:
+            raise ValueError(f"sketch_dim must be >= 0, got {sketch_dim}")
+        self.dims: dict[str, int] = {}
+        for name in projected:
+            shape = self.shapes.get(f"{name}.weight")
+            if shape is None or len(shape) < 2:
+                raise ValueError(
+                    f"projected layer '{name}' has no 2-D+ weight '{name}.weight' "
+                    "in the global arrays"
+                )
+            self.dims[name] = math.prod(shape[1:])
+        self.eps = eps
+        self.eps_inc = eps_inc
+        self.sketch_dim = sketch_dim
+        self.bases: dict[str, torch.Tensor] = {}
+        self._round = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Bases per layer, the current threshold and the last round seen."""
+        return {
+            "bases": {k: v.clone() for k, v in self.bases.items()},
+            "eps": self.eps,
+            "round": self._round,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        unknown = sorted(set(state) - {"bases", "eps", "round"})
+        if unknown:
+            raise ValueError(f"FOT: unknown state keys {unknown}")
+        bases = dict(state.get("bases", {}))
+        for name, basis in bases.items():
+            if name not in self.dims or basis.shape[0] != self.dims[name]:
+                raise ValueError(
+                    f"FOT: checkpointed basis '{name}' of shape "
+                    f"{tuple(basis.shape)} does not fit the projected layers "
+                    f"{self.dims}"
+                )
+        self.bases = bases
+        self.eps = float(state.get("eps", self.eps))
+        self._round = int(state.get("round", 0))
+
+    @classmethod
+    def from_run_config(
+        cls,
+        config: RunConfig,
+        shapes: Mapping[str, tuple[int, ...]],
+        projected: Sequence[str],
+    ) -> FOT:
+        """Build from the typed run config."""
+        return cls(
+            shapes=shapes,
+            projected=projected,
+            eps=config.fot_eps,
+            eps_inc=config.fot_eps_inc,
+            sketch_dim=config.fot_sketch_dim,
+            rounds_per_task=config.rounds_per_task,
+            num_tasks=config.num_tasks,
+            lr=config.lr,
+            **cls.base_options(config),
+        )
+
+    def summary(self) -> None:
+        """Log the settings, then FedAvg's."""
+        log(
+            INFO,
+            "\t├──> FOT: %d projected layers %s, eps %.3f (+%.3f per task), "
+            "sketch width %s",
+            len(self.dims),
+            list(self.dims),
+            self.eps,
+            self.eps_inc,
+            self.sketch_dim or "d",
+        )
+        super().summary()
+
+    # ----------------------------------------------------------------- stream
+    def boundary_task(self, server_round: int) -> int:
+        """The finished task whose sketches round ``server_round`` collects, or -1."""
+        task, position = self.task_of(server_round)
+        return task - 1 if task > 0 and position == 0 else -1
+
+    def sketch_shape(self, layer: str) -> tuple[int, int]:
+        """``(d, m)`` of a layer's sketch."""
+        d = self.dims[layer]
+        return d, self.sketch_dim or d
+
+    def round_config(self, server_round: int) -> dict[str, Any]:
+        config = super().round_config(server_round)
+        config["gpse-task"] = self.boundary_task(server_round)
+        config["sketch-dim"] = self.sketch_dim
+        return config
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Sample nodes; at a boundary also send the current bases."""
+        self._round = server_round
+        messages = list(super().configure_train(server_round, arrays, config, grid))
+        if self.boundary_task(server_round) >= 0:
+            bases = ArrayRecord({k: v.contiguous() for k, v in self.bases.items()})
+            for message in messages:
+                message.content[BASES] = bases
+            self._bytes_down += record_nbytes(bases) * len(messages)
+        return messages
+
+    # -------------------------------------------------------------- validation
+    def validate_reply(
+        self, message: Message, expected: Mapping[str, tuple[int, ...]]
+    ) -> ClientUpdate:
+        """The base checks, then (boundary rounds) the sketches and fractions.
+
+        Raises
+        ------
+        ReplyValidationError
+            Missing sketches, wrong layer set, shape, dtype, NaN/Inf, or a
+            residual fraction outside [0, 1] or a bad ``gpse-examples``.
+        """
+        update = super().validate_reply(message, expected)
+        if self.boundary_task(self._round) < 0:
+            return update
+        node = update.node_id
+        if SKETCHES not in update.content.array_records:
+            raise ReplyValidationError(
+                node, f"boundary round without an ArrayRecord '{SKETCHES}'"
+            )
+        record = update.content.array_records[SKETCHES]
+        if set(record.keys()) != set(self.dims):
+            raise ReplyValidationError(
+                node,
+                f"sketches for layers {sorted(record.keys())}, "
+                f"expected {sorted(self.dims)}",
+            )
+        sketches = record_to_state(record)
+        for layer, y in sketches.items():
+            if tuple(y.shape) != self.sketch_shape(layer):
+                raise ReplyValidationError(
+                    node,
+                    f"sketch '{layer}' has shape {tuple(y.shape)}, "
+                    f"expected {self.sketch_shape(layer)}",
+                )
+            if not y.is_floating_point() or not bool(torch.isfinite(y).all()):
+                raise ReplyValidationError(
+                    node, f"sketch '{layer}' is not finite floating point"
+                )
+            r = update.metrics.get(fraction_key(layer))
+            if r is None or not 0.0 <= r <= 1.0:
+                raise ReplyValidationError(
+                    node, f"'{fraction_key(layer)}' must be in [0, 1], got {r}"
+                )
+        b = update.metrics.get(GPSE_EXAMPLES)
+        if b is None or not math.isfinite(b) or b < 1:
+            raise ReplyValidationError(node, f"'{GPSE_EXAMPLES}' must be >= 1, got {b}")
+        return dataclasses.replace(update, nbytes=update.nbytes + record_nbytes(record))
+
+    # ------------------------------------------------------------- aggregation
+    def expand_bases(self, updates: list[ClientUpdate]) -> dict[str, int]:
+        """GPSE on the server: extend every layer's basis; return the k added."""
+        counts = [u.metrics[GPSE_EXAMPLES] for u in updates]
+        sketches = [record_to_state(u.content.array_records[SKETCHES]) for u in updates]
+        added: dict[str, int] = {}
+        for layer in self.dims:
+            total = torch.stack([s[layer].to(torch.float64) for s in sketches]).sum(0)
+            r_bar = weighted_residual_fraction(
+                [u.metrics[fraction_key(layer)] for u in updates], counts
+            )
+            basis, k = expand_basis(self.bases.get(layer), total, r_bar, self.eps)
+            if basis is not None:
+                self.bases[layer] = basis
+            added[layer] = k
+        log(
+            INFO,
+            "FOT: eps %.4f, bases extended by %s -> widths %s",
+            self.eps,
+            added,
+            {k: int(v.shape[1]) for k, v in self.bases.items()},
+        )
+        self.eps = min(1.0, self.eps + self.eps_inc)
+        return added
+
+    def aggregate_updates(
+        self,
+        server_round: int,
+        updates: list[ClientUpdate],
+        current: dict[str, torch.Tensor],
+    ) -> tuple[dict[str, torch.Tensor], RoundReport]:
+        added = (
+            self.expand_bases(updates) if self.boundary_task(server_round) >= 0 else {}
+        )
+        state, report = super().aggregate_updates(server_round, updates, current)
+        removed_sq = 0.0
+        update_sq = 0.0
+        for layer in self.dims:
+            key = f"{layer}.weight"
+            g = state[key] - current[key]
+            projected = project_update(g, self.bases.get(layer))
+            state[key] = current[key] + projected
+            update_sq += float(g.double().square().sum())
+            removed_sq += float((g - projected).double().square().sum())
+        report.metrics["basis-dims"] = float(
+            sum(int(b.shape[1]) for b in self.bases.values())
+        )
+        report.metrics["basis-added"] = float(sum(added.values()))
+        report.metrics["projected-share"] = (
+            math.sqrt(removed_sq / update_sq) if update_sq > 0 else 0.0
+        )
+        return state, report

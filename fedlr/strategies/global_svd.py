@@ -1,0 +1,127 @@
+"""Global SVD and Local SVD: a shared input-side factor, client-specific outputs.
+
+Orientation. The method is stated for weights ``W in R^{d x p}`` (input x
+output): ``A = U_k sqrt(S_k)`` (d x k) is shared and
+``B_i^T = sqrt(S_k) V_k^T[:, block i]`` (k x p) is client ``i``'s, the update
+``A B_i^T``. fedlr's layers are ``nn.Linear`` with (out, in) weights and
+peft's ``Delta = B A`` with ``lora_A`` (r, in) and ``lora_B`` (out, r), so the
+shared factor is on the *input* side, ``lora_A = sqrt(S_k) U_k^T``, and each
+client's ``lora_B = V_k[block i] sqrt(S_k)``.
+
+``global-svd``: clients train ``lora_A`` and ``lora_B`` and send both. The
+server stacks the transposed updates side by side,
+``X = [sqrt(w_1) Delta_1^T, ..., sqrt(w_k) Delta_k^T]`` (d_in x k d_out), takes
+the rank-``r`` truncated SVD from the stacked factors
+(:func:`fedlr.linalg.stacked_updates_svd`), broadcasts the shared ``lora_A``
+and sends each client its own block of ``lora_B`` (an ArrayRecord
+``personal``, stored in the client's ``context.state``). Then
+``sum_i w_i ||Delta_i - B_i' A'||_F^2`` is the discarded energy of ``X``: the
+Frobenius gap reported per layer.
+
+``local-svd``: each client takes the SVD of its own update,
+``Delta_i^T = U_i S_i V_i^T``, keeps ``lora_B = V_i sqrt(S_i)`` in its state and
+sends ``lora_A = sqrt(S_i) U_i^T``; the server averages ``lora_A``. The gap is
+``sum_i w_i ||B_i (A_i - A_bar)||_F^2`` from the clients' ``B_i^T B_i``.
+
+Both are personalised: evaluated per client on its own held-out part.
+
+References
+----------
+.. [1] Zhou, Feng, "Low-Rank Selective Aggregation in Federated Learning
+   (Global SVD)", The University of Hong Kong (report), inspired by FedSA-LoRA.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import torch
+
+from fedlr.adapters.roles import Role
+from fedlr.linalg import pad_factors, stacked_updates_svd
+from fedlr.strategies.base import ClientUpdate, RoundReport
+from fedlr.strategies.lora_svd import PersonalLoraStrategy
+from fedlr.strategies.registry import register_method
+
+__all__ = ["GlobalSVD", "LocalSVD"]
+
+
+@register_method(
+    "global-svd",
+    client_kind="lora",
+    summary="server SVD of the client updates side by side: shared lora_A, "
+    "client-specific lora_B",
+)
+class GlobalSVD(PersonalLoraStrategy):
+    """Server-side SVD of the stacked client updates.
+
+    The server keeps each node's latest ``lora_B`` block only to deliver it
+    (with the next train and evaluate instructions).
+
+    Parameters: see :class:`~fedlr.strategies.lora_svd.PersonalLoraStrategy`.
+    """
+
+    send_roles: ClassVar[tuple[Role, ...]] = (Role.LORA_A, Role.HEAD)
+    train_roles: ClassVar[tuple[Role, ...]] = (Role.LORA_A, Role.LORA_B, Role.HEAD)
+    keep_roles: ClassVar[tuple[Role, ...]] = ()
+
+    def aggregate_updates(
+        self,
+        server_round: int,
+        updates: list[ClientUpdate],
+        current: dict[str, torch.Tensor],
+    ) -> tuple[dict[str, torch.Tensor], RoundReport]:
+        self.check_ranks(updates)
+        state = dict(current)
+        state.update(self.weighted_means(updates, self.layout.keys(Role.HEAD)))
+        weights = [u.num_examples for u in updates]
+        personal: dict[int, dict[str, torch.Tensor]] = {u.node_id: {} for u in updates}
+        layers: dict[str, tuple[float, float]] = {}
+        for m in self.layout.modules:
+            a, bs, svd = stacked_updates_svd(
+                [u.arrays[m.b_key] for u in updates],
+                [u.arrays[m.a_key] for u in updates],
+                weights,
+                m.rank,
+            )
+            dtype = current[m.a_key].dtype
+            padded = [
+                pad_factors(b, a, m.rank, seed=self.seed + server_round) for b in bs
+            ]
+            state[m.a_key] = padded[0][1].to(dtype)
+            for u, (b, _) in zip(updates, padded, strict=True):
+                personal[u.node_id][m.b_key] = b.to(dtype)
+            layers[m.name] = (math.sqrt(svd.tail_energy), math.sqrt(svd.total_energy))
+        self.personal.update(personal)
+        return state, self.with_personal_count(updates, self._report(layers))
+
+
+@register_method(
+    "local-svd",
+    client_kind="lora",
+    summary="each client SVDs its own update; server averages the shared lora_A",
+)
+class LocalSVD(PersonalLoraStrategy):
+    """Client-side SVD; the server averages the input-side factor.
+
+    Parameters: see :class:`~fedlr.strategies.lora_svd.PersonalLoraStrategy`.
+    """
+
+    send_roles: ClassVar[tuple[Role, ...]] = (Role.LORA_A, Role.HEAD)
+    train_roles: ClassVar[tuple[Role, ...]] = (Role.LORA_A, Role.HEAD)
+    keep_roles: ClassVar[tuple[Role, ...]] = (Role.LORA_B,)
+
+    def round_config(self, server_round: int) -> dict[str, Any]:
+        config = super().round_config(server_round)
+        config["client-svd"] = True
+        return config
+
+    def aggregate_updates(
+        self,
+        server_round: int,
+        updates: list[ClientUpdate],
+        current: dict[str, torch.Tensor],
+    ) -> tuple[dict[str, torch.Tensor], RoundReport]:
+        state = self.averaged(updates, current)
+        return state, self.personal_gap_report(updates, state)

@@ -1,0 +1,405 @@
+"""Shared base of the SVD family of LoRA strategies.
+
+:class:`SvdLoraStrategy` adds to :class:`~fedlr.strategies.lora.LoraStrategy`:
+
+* a rank check: a reply whose ``A`` or ``B`` has another rank than this
+  round's is dropped with a ``rank mismatch`` reason, and
+  :meth:`SvdLoraStrategy.check_ranks` raises
+  :class:`~fedlr.errors.RankMismatchError` naming every client's shapes when
+  updates of different ranks reach the aggregation directly;
+* the adapter's seeded initial state (:meth:`SvdLoraStrategy.bind_initial`),
+  for methods whose frozen factors are not sent;
+* the Frobenius gap of an aggregate given as factors,
+  ``||sum_i w_i B_i A_i - B_agg A_agg||_F``, without a dense product.
+
+:class:`PersonalLoraStrategy` is the base of personalised methods (FedSA-LoRA,
+Global SVD, Local SVD): some factors stay with each client (``keep-roles`` in
+the ConfigRecord, or a per-node ArrayRecord ``personal`` the server sends), the
+client trains and evaluates on its own train and held-out parts, and the
+round's accuracy is the mean (and spread) of the clients' federated
+evaluations.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from logging import INFO
+from typing import Any, ClassVar
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.supercore import log
+
+from fedlr.adapters.roles import AdapterLayout, Role
+from fedlr.config import RunConfig
+from fedlr.errors import ReplyValidationError
+from fedlr.flower.records import record_nbytes, record_to_state
+from fedlr.linalg import (
+    factored_frobenius_norm,
+    mean_of_products_factors,
+    normalise_weights,
+    personal_change,
+    require_common_rank,
+)
+from fedlr.strategies.base import ClientUpdate, RoundReport
+from fedlr.strategies.lora import LoraStrategy
+
+__all__ = ["PersonalLoraStrategy", "SvdLoraStrategy"]
+
+PERSONAL_RECORD = "personal"
+GRAM_RECORD = "personal-gram"
+
+
+class SvdLoraStrategy(LoraStrategy):
+    """A LoRA strategy of the SVD family.
+
+    Class attributes: ``extra_columns`` are the ``results.csv`` columns the
+    method adds (declared to the server plan); ``keep_roles`` are roles the
+    clients train but keep (never sent).
+
+    Parameters
+    ----------
+    layout : AdapterLayout
+    seed : int, default 0
+        Seed of any server-side randomness (padding of grown ranks).
+    **kwargs
+        Other parameters: see :class:`~fedlr.strategies.lora.LoraStrategy`.
+    """
+
+    extra_columns: ClassVar[tuple[str, ...]] = ()
+    keep_roles: ClassVar[tuple[Role, ...]] = ()
+
+    def __init__(self, *, layout: AdapterLayout, seed: int = 0, **kwargs: Any) -> None:
+        super().__init__(layout=layout, **kwargs)
+        self.seed = seed
+        self.initial_state: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def options(cls, config: RunConfig, layout: AdapterLayout) -> dict[str, Any]:
+        """Method-specific constructor arguments read from the run config."""
+        return {}
+
+    @classmethod
+    def from_run_config(
+        cls, config: RunConfig, layout: AdapterLayout
+    ) -> SvdLoraStrategy:
+        """Build from the typed run config (see :meth:`options`)."""
+        return cls(
+            layout=layout,
+            **cls.base_options(config),
+            seed=config.seed,
+            **cls.options(config, layout),
+        )
+
+    def bind_initial(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Remember the adapter's seeded initial A, B and head (same on clients)."""
+        self.initial_state = {k: v.detach().clone() for k, v in state.items()}
+
+    # -------------------------------------------------------------- validation
+    def validate_reply(
+        self, message: Message, expected: Mapping[str, tuple[int, ...]]
+    ) -> ClientUpdate:
+        """Drop a reply whose factors have another rank, then the base checks."""
+        if not message.has_error():
+            records = message.content.array_records
+            if self.arrayrecord_key in records:
+                record = records[self.arrayrecord_key]
+                node = int(message.metadata.src_node_id)
+                for module in self.layout.modules:
+                    for key, axis in ((module.a_key, 0), (module.b_key, 1)):
+                        if key not in record:
+                            continue
+                        shape = tuple(record[key].shape)
+                        if len(shape) == 2 and shape[axis] != module.rank:
+                            raise ReplyValidationError(
+                                node,
+                                f"rank mismatch in layer '{module.name}': '{key}' "
+                                f"has shape {shape} (rank {shape[axis]}), this "
+                                f"round's rank is {module.rank}",
+                            )
+        return super().validate_reply(message, expected)
+
+    def check_ranks(self, updates: Sequence[ClientUpdate]) -> None:
+        """Every update carrying both factors of a layer has one rank.
+
+        Raises
+        ------
+        RankMismatchError
+            Naming every client (node id) and its ``B`` and ``A`` shapes.
+        """
+        for module in self.layout.modules:
+            factors = {
+                f"node {u.node_id}": (u.arrays[module.b_key], u.arrays[module.a_key])
+                for u in updates
+                if module.b_key in u.arrays and module.a_key in u.arrays
+            }
+            if factors:
+                require_common_rank(factors, module.name)
+
+    # --------------------------------------------------------------------- gap
+    def factored_gap_report(
+        self,
+        updates: Sequence[ClientUpdate],
+        client_factors: Mapping[str, tuple[list[torch.Tensor], list[torch.Tensor]]],
+        aggregate: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+    ) -> RoundReport:
+        """``||sum_i w_i B_i A_i - B_agg A_agg||_F`` per layer and in total.
+
+        Parameters
+        ----------
+        updates : sequence of ClientUpdate
+            For the weights (num-examples).
+        client_factors : mapping of layer name to (k B_i (d_out, r), k A_i (r, d_in))
+        aggregate : mapping of layer name to (B_agg (d_out, r'), A_agg (r', d_in))
+            The aggregate's update in the same units as ``B_i A_i``.
+
+        Returns
+        -------
+        RoundReport
+            ``frobenius-gap``, ``relative-gap`` (over ``||sum_i w_i B_i A_i||``)
+            and ``rank``; per-layer gaps. The difference is the product of the
+            stacked factors ``[w_1 B_1, ..., w_k B_k, -B_agg]`` and
+            ``[A_1; ...; A_k; A_agg]`` (two thin QRs, no dense product).
+        """
+        weights = [u.num_examples for u in updates]
+        layers: dict[str, tuple[float, float]] = {}
+        for name, (bs, as_) in client_factors.items():
+            left, right = mean_of_products_factors(bs, as_, weights)
+            b_agg, a_agg = aggregate[name]
+            ideal = factored_frobenius_norm(left, right)
+            gap = factored_frobenius_norm(
+                torch.cat([left, -b_agg.to(left.dtype)], dim=1),
+                torch.cat([right, a_agg.to(right.dtype)], dim=0),
+            )
+            layers[name] = (gap, ideal)
+        return self._report(layers)
+
+    def _report(self, layers: Mapping[str, tuple[float, float]]) -> RoundReport:
+        """Totals from per-layer (gap, reference norm) pairs."""
+        gap_sq = sum(g * g for g, _ in layers.values())
+        ref_sq = sum(n * n for _, n in layers.values())
+        total = math.sqrt(gap_sq)
+        return RoundReport(
+            metrics={
+                "frobenius-gap": total,
+                "relative-gap": total / math.sqrt(ref_sq) if ref_sq > 0 else 0.0,
+                "rank": float(self.rank),
+            },
+            layers={
+                name: (g, g / n if n > 0 else 0.0) for name, (g, n) in layers.items()
+            },
+        )
+
+    def averaged(
+        self, updates: Sequence[ClientUpdate], current: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """``current`` with every sent-and-trained key replaced by its weighted mean."""
+        state = dict(current)
+        keys = [k for k in self.layout.keys(*self.train_roles) if k in current]
+        state.update(self.weighted_means(list(updates), keys))
+        return state
+
+
+class PersonalLoraStrategy(SvdLoraStrategy):
+    """Base of personalised LoRA methods: personal factors stay with clients.
+
+    Federated evaluation is on (``fraction_evaluate`` 1): every client
+    evaluates its own personalised model on its own held-out part; the round's
+    ``accuracy`` and ``loss`` are the means over clients, ``accuracy-std``,
+    ``accuracy-min`` and ``accuracy-max`` their spread (population standard
+    deviation, unweighted: each client counts once). ``personal-clients``
+    counts the round's clients that started from their own kept (or
+    received) personal factors.
+
+    Parameters: see :class:`SvdLoraStrategy`.
+    """
+
+    extra_columns: ClassVar[tuple[str, ...]] = (
+        "accuracy-std",
+        "accuracy-min",
+        "accuracy-max",
+        "personal-clients",
+    )
+    keep_roles: ClassVar[tuple[Role, ...]] = (Role.LORA_B,)
+
+    def __init__(self, *, layout: AdapterLayout, **kwargs: Any) -> None:
+        kwargs.setdefault("fraction_evaluate", 1.0)
+        super().__init__(layout=layout, **kwargs)
+        self.last_evaluation: dict[str, float] = {}
+        self.personal: dict[int, dict[str, torch.Tensor]] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The personal factors the server still has to deliver, by node."""
+        return {
+            "personal": {
+                node: {k: v.clone() for k, v in arrays.items()}
+                for node, arrays in self.personal.items()
+            }
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        unknown = sorted(set(state) - {"personal"})
+        if unknown:
+            raise ValueError(f"{type(self).__name__}: unknown state keys {unknown}")
+        saved = state.get("personal", {})
+        self.personal = {int(node): dict(arrays) for node, arrays in saved.items()}
+
+    def with_personal_count(
+        self, updates: Sequence[ClientUpdate], report: RoundReport
+    ) -> RoundReport:
+        """Add ``personal-clients`` to a round's report."""
+        report.metrics["personal-clients"] = float(
+            sum(u.metrics.get("personal-loaded", 0.0) > 0 for u in updates)
+        )
+        return report
+
+    def round_config(self, server_round: int) -> dict[str, Any]:
+        config = super().round_config(server_round)
+        config["keep-roles"] = ",".join(role.value for role in self.keep_roles)
+        config["personal-split"] = True
+        return config
+
+    # ------------------------------------------------------------ Flower hooks
+    def _with_personal(
+        self, messages: Iterable[Message], *, count: bool
+    ) -> list[Message]:
+        """Add each node's ``personal`` ArrayRecord where the server holds one.
+
+        ``count`` adds the extra bytes to the round's ``bytes-down``.
+        """
+        out: list[Message] = []
+        for message in messages:
+            node = int(message.metadata.dst_node_id)
+            arrays = self.personal.get(node)
+            if arrays is None:
+                out.append(message)
+                continue
+            content = RecordDict(dict(message.content.items()))
+            record = ArrayRecord(arrays)
+            content[PERSONAL_RECORD] = record
+            if count:
+                self._bytes_down += record_nbytes(record)
+            out.append(
+                Message(
+                    content=content,
+                    message_type=message.metadata.message_type,
+                    dst_node_id=node,
+                )
+            )
+        return out
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Base messages plus each node's personal factors (if the server has any)."""
+        return self._with_personal(
+            super().configure_train(server_round, arrays, config, grid), count=True
+        )
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Every client evaluates its personalised model on its held-out part."""
+        eval_config = ConfigRecord(dict(config))
+        for key, value in self.round_config(server_round).items():
+            eval_config[key] = value
+        messages = super().configure_evaluate(server_round, arrays, eval_config, grid)
+        return self._with_personal(messages, count=False)
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """Mean and spread of the clients' accuracies; kept in ``last_evaluation``."""
+        accuracies: list[float] = []
+        losses: list[float] = []
+        for message in replies:
+            if message.has_error():
+                log(INFO, "round %d: evaluate error: %s", server_round, message.error)
+                continue
+            metrics = next(iter(message.content.metric_records.values()), None)
+            if metrics is None:
+                continue
+            acc, loss = metrics.get("accuracy"), metrics.get("loss")
+            if not isinstance(acc, (int, float)) or not isinstance(loss, (int, float)):
+                log(
+                    INFO,
+                    "round %d: evaluate reply without scalar accuracy and loss",
+                    server_round,
+                )
+                continue
+            if math.isfinite(acc) and math.isfinite(loss):
+                accuracies.append(float(acc))
+                losses.append(float(loss))
+        if not accuracies:
+            self.last_evaluation = {}
+            return None
+        self.last_evaluation = {
+            "accuracy": statistics.fmean(accuracies),
+            "loss": statistics.fmean(losses),
+            "accuracy-std": statistics.pstdev(accuracies),
+            "accuracy-min": min(accuracies),
+            "accuracy-max": max(accuracies),
+            "evaluated-clients": float(len(accuracies)),
+        }
+        return MetricRecord(dict(self.last_evaluation))
+
+    # -------------------------------------------------------------- validation
+    def validate_reply(
+        self, message: Message, expected: Mapping[str, tuple[int, ...]]
+    ) -> ClientUpdate:
+        """Base checks, plus the ``personal-gram`` record when B is kept."""
+        update = super().validate_reply(message, expected)
+        if Role.LORA_B not in self.keep_roles:
+            return update
+        records = update.content.array_records
+        if GRAM_RECORD not in records:
+            raise ReplyValidationError(
+                update.node_id, f"no ArrayRecord '{GRAM_RECORD}'"
+            )
+        grams = record_to_state(records[GRAM_RECORD])
+        wanted = {m.b_key: (m.rank, m.rank) for m in self.layout.modules}
+        if set(grams) != set(wanted):
+            raise ReplyValidationError(
+                update.node_id, f"'{GRAM_RECORD}' keys differ from the B keys"
+            )
+        for key, gram in grams.items():
+            if tuple(gram.shape) != wanted[key]:
+                raise ReplyValidationError(
+                    update.node_id,
+                    f"'{GRAM_RECORD}' '{key}' has shape {tuple(gram.shape)}, "
+                    f"expected {wanted[key]}",
+                )
+            if not bool(torch.isfinite(gram).all()):
+                raise ReplyValidationError(
+                    update.node_id, f"'{GRAM_RECORD}' '{key}' contains NaN or Inf"
+                )
+        return update
+
+    # --------------------------------------------------------------------- gap
+    def personal_gap_report(
+        self, updates: Sequence[ClientUpdate], new_state: Mapping[str, torch.Tensor]
+    ) -> RoundReport:
+        """Gap of a personalised method whose clients keep ``B`` and share ``A``.
+
+        Client ``i`` trained ``B_i A_i`` and continues with ``B_i A_bar``, so per
+        layer ``gap^2 = sum_i w_i ||B_i (A_i - A_bar)||_F^2`` and the relative
+        gap divides by ``sqrt(sum_i w_i ||B_i A_i||_F^2)``; both come from the
+        clients' ``B_i^T B_i`` (r x r), the server never sees ``B_i``.
+        """
+        w = normalise_weights([u.num_examples for u in updates], len(updates))
+        layers: dict[str, tuple[float, float]] = {}
+        for module in self.layout.modules:
+            change_sq = 0.0
+            own_sq = 0.0
+            for weight, u in zip(w.tolist(), updates, strict=True):
+                gram = record_to_state(u.content.array_records[GRAM_RECORD])
+                change, own = personal_change(
+                    gram[module.b_key], u.arrays[module.a_key], new_state[module.a_key]
+                )
+                change_sq += weight * change
+                own_sq += weight * own
+            layers[module.name] = (math.sqrt(change_sq), math.sqrt(own_sq))
+        return self.with_personal_count(updates, self._report(layers))

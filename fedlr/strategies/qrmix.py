@@ -1,0 +1,326 @@
+"""FedAvg on vision models, and QR-Mix: Hessian-eigenpair aggregation of the FC layer.
+
+``fedavg``
+    The example-weighted mean of every parameter (McMahan et al., 2017).
+``qrmix``
+    Stage 1 (rounds ``1 .. warmup-rounds``): FedAvg. Stage 2: FedAvg for every
+    layer but the head; the head (the final FC layer) moves by the QR-Mix
+    step computed from each client's top-``k`` Hessian eigenpairs ``(V_i,
+    Λ_i)`` and FC delta ``Δ_i`` (:func:`fedlr.linalg.qrmix_update`):
+    ``fisher`` form ``γ (H̄ + τI)⁻¹ b`` (default) or the source's ``literal``
+    form ``γ (τ Q z + b − Q Qᵀ b) = γ τ (H̄ + τI)⁻¹ b``. With a warm-up
+    checkpoint every round is stage 2.
+
+Both serve the ``qrmix`` client kind (:mod:`fedlr.client_apps.qrmix`); the round's
+stage travels as ``qrmix-stage`` in the ConfigRecord and stage-2 replies carry
+an extra ArrayRecord ``eigen`` (``vectors``, ``values``, ``delta``), validated
+here before any arithmetic: shapes, finiteness, eigenvalues >= 0, orthonormal
+vectors, and a delta that matches the reply's head weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from logging import INFO
+from typing import Any, ClassVar
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.serverapp import Grid
+from flwr.supercore import log
+
+from fedlr.config import RunConfig
+from fedlr.errors import ReplyValidationError
+from fedlr.flower.records import record_nbytes, record_to_state
+from fedlr.linalg.qrmix import ClientEigen, fc_flatten, fc_unflatten, qrmix_update
+from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
+from fedlr.strategies.registry import register_method
+
+__all__ = ["EIGEN_KEYS", "EIGEN_RECORD", "QRMix", "VisionFedAvg"]
+
+EIGEN_RECORD = "eigen"
+EIGEN_KEYS = ("vectors", "values", "delta")
+_ORTHONORMAL_TOL = 1e-3  # eigenvectors travel as float32
+
+
+@register_method(
+    "fedavg",
+    client_kind="qrmix",
+    summary="FedAvg of every weight of a vision model (local SGD)",
+)
+class VisionFedAvg(FedLRStrategy):
+    """Example-weighted FedAvg of every parameter of a vision model.
+
+    Parameters
+    ----------
+    shapes : mapping of str to tuple of int
+        Every parameter of the model (``named_parameters`` keys) and its shape.
+    head : str
+        Module name of the final FC layer (its ``.weight`` and ``.bias`` are
+        parameters).
+    **kwargs
+        Other parameters: see :class:`~fedlr.strategies.base.FedLRStrategy`.
+    """
+
+    columns: ClassVar[tuple[str, ...]] = (
+        "stage",
+        "head-step",
+        "fedavg-head-step",
+        "top-eigenvalue",
+    )
+    """Extra ``results.csv`` columns this family reports."""
+
+    def __init__(
+        self, *, shapes: Mapping[str, tuple[int, ...]], head: str, **kwargs: Any
+    ) -> None:
+        super().__init__(**kwargs)
+        self.shapes = {k: tuple(v) for k, v in shapes.items()}
+        self.weight_key, self.bias_key = f"{head}.weight", f"{head}.bias"
+        for key in (self.weight_key, self.bias_key):
+            if key not in self.shapes:
+                raise KeyError(f"head parameter '{key}' is not among the shapes")
+        num_classes, num_features = self.shapes[self.weight_key]
+        self.num_classes, self.num_features = int(num_classes), int(num_features)
+
+    @classmethod
+    def from_run_config(
+        cls, config: RunConfig, *, shapes: Mapping[str, tuple[int, ...]], head: str
+    ) -> VisionFedAvg:
+        """Build from the typed run config."""
+        return cls(
+            shapes=shapes,
+            head=head,
+            **cls.base_options(config),
+        )
+
+    @property
+    def head_dim(self) -> int:
+        """``P = K (F + 1)``, the flattened head's length."""
+        return self.num_classes * (self.num_features + 1)
+
+    def stage(self, server_round: int) -> int:
+        """1 (FedAvg) for every round."""
+        return 1
+
+    def reply_shapes(self) -> dict[str, tuple[int, ...]]:
+        return dict(self.shapes)
+
+    def round_config(self, server_round: int) -> dict[str, Any]:
+        return {"qrmix-stage": self.stage(server_round)}
+
+    def head_vector(self, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The head of ``state`` flattened bias first, (P,)."""
+        return fc_flatten(state[self.weight_key], state[self.bias_key])
+
+    def aggregate_updates(
+        self,
+        server_round: int,
+        updates: list[ClientUpdate],
+        current: dict[str, torch.Tensor],
+    ) -> tuple[dict[str, torch.Tensor], RoundReport]:
+        state = self.weighted_means(updates, self.shapes, like=current)
+        step = self.head_vector(state).double() - self.head_vector(current).double()
+        norm = float(torch.linalg.vector_norm(step))
+        report = RoundReport(
+            metrics={
+                "stage": float(self.stage(server_round)),
+                "head-step": norm,
+                "fedavg-head-step": norm,
+                "top-eigenvalue": math.nan,
+            }
+        )
+        return state, report
+
+
+@register_method(
+    "qrmix",
+    client_kind="qrmix",
+    summary="FedAvg warm-up, then the FC layer from clients' Hessian eigenpairs",
+)
+class QRMix(VisionFedAvg):
+    """FedAvg, then the QR-Mix update of the FC head.
+
+    Parameters
+    ----------
+    warmup_rounds : int
+        Stage-1 (FedAvg) rounds; stage 2 from round ``warmup_rounds + 1``.
+    tau : float
+        Ridge ``τ > 0`` (the source's ``beta``).
+    gamma : float
+        Step scale ``γ``.
+    k : int
+        Eigenpairs per client (capped at the head's ``P``).
+    form : {"fisher", "literal"}
+        See :func:`fedlr.linalg.qrmix_update`.
+    **kwargs
+        Other parameters: see :class:`VisionFedAvg`.
+    """
+
+    def __init__(
+        self,
+        *,
+        warmup_rounds: int,
+        tau: float,
+        gamma: float = 1.0,
+        k: int = 10,
+        form: str = "fisher",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if warmup_rounds < 0:
+            raise ValueError(f"warmup_rounds must be >= 0, got {warmup_rounds}")
+        if not tau > 0 or not gamma > 0 or k < 1:
+            raise ValueError(
+                f"need tau > 0, gamma > 0, k >= 1; got {tau}, {gamma}, {k}"
+            )
+        if form not in ("fisher", "literal"):
+            raise ValueError(f"form must be fisher or literal, got {form!r}")
+        self.warmup_rounds = warmup_rounds
+        self.tau, self.gamma, self.form = float(tau), float(gamma), form
+        self.k = min(int(k), self.head_dim)
+        self._stage = 1
+        self._current_head: torch.Tensor | None = None
+
+    @classmethod
+    def from_run_config(
+        cls, config: RunConfig, *, shapes: Mapping[str, tuple[int, ...]], head: str
+    ) -> QRMix:
+        """Build from the typed run config (a warm-up checkpoint skips stage 1)."""
+        return cls(
+            shapes=shapes,
+            head=head,
+            warmup_rounds=0 if config.qrmix_warmup_checkpoint else config.warmup_rounds,
+            tau=config.qrmix_tau,
+            gamma=config.qrmix_gamma,
+            k=config.qrmix_k,
+            form=config.qrmix_form,
+            **cls.base_options(config),
+        )
+
+    def summary(self) -> None:
+        """Log the settings, then FedAvg's."""
+        log(
+            INFO,
+            "\t├──> QRMix: %d warm-up rounds, form %s, tau %g, gamma %g, k %d, "
+            "head %s (P = %d)",
+            self.warmup_rounds,
+            self.form,
+            self.tau,
+            self.gamma,
+            self.k,
+            self.weight_key.rsplit(".", 1)[0],
+            self.head_dim,
+        )
+        super().summary()
+
+    def stage(self, server_round: int) -> int:
+        """1 for the warm-up rounds, then 2."""
+        return 1 if server_round <= self.warmup_rounds else 2
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> list[Message]:
+        """Remember the round's stage and global head, then configure as usual."""
+        self._stage = self.stage(server_round)
+        self._current_head = self.head_vector(record_to_state(arrays)).double()
+        return list(super().configure_train(server_round, arrays, config, grid))
+
+    # -------------------------------------------------------------- validation
+    def validate_reply(
+        self, message: Message, expected: Mapping[str, tuple[int, ...]]
+    ) -> ClientUpdate:
+        """The base checks, then in stage 2 the ``eigen`` record.
+
+        Raises
+        ------
+        ReplyValidationError
+            On a missing or malformed ``eigen`` record: wrong keys or shapes,
+            NaN/Inf, a negative eigenvalue, non-orthonormal vectors, or a
+            ``delta`` that does not match the reply's head weights.
+        """
+        update = super().validate_reply(message, expected)
+        if self._stage == 2:
+            self.parse_eigen(update)
+            eigen_bytes = record_nbytes(update.content.array_records[EIGEN_RECORD])
+            update = dataclasses.replace(update, nbytes=update.nbytes + eigen_bytes)
+        return update
+
+    def parse_eigen(self, update: ClientUpdate) -> ClientEigen:
+        """Check and unpack a stage-2 reply's ``eigen`` record."""
+        node = update.node_id
+        records = update.content.array_records
+        if EIGEN_RECORD not in records:
+            raise ReplyValidationError(node, f"stage 2 reply has no '{EIGEN_RECORD}'")
+        eigen = record_to_state(records[EIGEN_RECORD])
+        if set(eigen) != set(EIGEN_KEYS):
+            raise ReplyValidationError(
+                node,
+                f"'{EIGEN_RECORD}' has keys {sorted(eigen)}, expected {EIGEN_KEYS}",
+            )
+        p, k = self.head_dim, self.k
+        wanted = {"vectors": (p, k), "values": (k,), "delta": (p,)}
+        for key, shape in wanted.items():
+            tensor = eigen[key]
+            if tuple(tensor.shape) != shape:
+                raise ReplyValidationError(
+                    node,
+                    f"eigen '{key}' has shape {tuple(tensor.shape)}, expected {shape}",
+                )
+            if not tensor.is_floating_point():
+                raise ReplyValidationError(node, f"eigen '{key}' is {tensor.dtype}")
+            if not bool(torch.isfinite(tensor).all()):
+                raise ReplyValidationError(node, f"eigen '{key}' contains NaN or Inf")
+        values = eigen["values"].double()
+        if bool((values < 0).any()):
+            raise ReplyValidationError(
+                node, f"negative eigenvalue {float(values.min()):.3g} (Hessian is PSD)"
+            )
+        vectors = eigen["vectors"].double()
+        gram_error = float(
+            (vectors.T @ vectors - torch.eye(k, dtype=torch.float64)).abs().max()
+        )
+        if gram_error > _ORTHONORMAL_TOL:
+            raise ReplyValidationError(
+                node,
+                f"eigenvectors are not orthonormal (max |VᵀV - I| {gram_error:.3g})",
+            )
+        delta = eigen["delta"].double()
+        if self._current_head is not None:
+            local = self.head_vector(update.arrays).double()
+            expected_delta = local - self._current_head
+            mismatch = float((delta - expected_delta).abs().max())
+            scale = 1.0 + float(expected_delta.abs().max())
+            if mismatch > 1e-4 * scale:
+                raise ReplyValidationError(
+                    node,
+                    f"eigen 'delta' differs from the reply's head minus the global "
+                    f"head by {mismatch:.3g}",
+                )
+        return ClientEigen(vectors=vectors, values=values, delta=delta)
+
+    # ------------------------------------------------------------- aggregation
+    def aggregate_updates(
+        self,
+        server_round: int,
+        updates: list[ClientUpdate],
+        current: dict[str, torch.Tensor],
+    ) -> tuple[dict[str, torch.Tensor], RoundReport]:
+        state, report = super().aggregate_updates(server_round, updates, current)
+        if self.stage(server_round) == 1:
+            return state, report
+        payloads = [self.parse_eigen(u) for u in updates]
+        step = qrmix_update(
+            payloads,
+            [u.num_examples for u in updates],
+            tau=self.tau,
+            gamma=self.gamma,
+            form=self.form,
+        )
+        d_weight, d_bias = fc_unflatten(step, self.num_classes, self.num_features)
+        for key, d in ((self.weight_key, d_weight), (self.bias_key, d_bias)):
+            state[key] = (current[key].double() + d).to(current[key].dtype)
+        report.metrics["head-step"] = float(torch.linalg.vector_norm(step))
+        report.metrics["top-eigenvalue"] = max(float(p.values.max()) for p in payloads)
+        return state, report

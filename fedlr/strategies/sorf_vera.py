@@ -1,0 +1,325 @@
+"""SORF-VeRA: average the rotations, refit ``b`` and ``d`` on the server.
+
+A layer's update is ``Delta W = S Gamma(b) B Lambda_d A`` with ``Lambda_d =
+m G(theta)`` (see :mod:`fedlr.adapters.sorf_vera`). Clients train ``m`` and
+``theta`` with ``b`` frozen. Each round the server
+
+1. averages the built ``Lambda_d_i = m_i G(theta_i)`` matrices, weighted by
+   examples (not the angles: ``G`` is nonlinear in ``theta``); because ``b``
+   is shared, ``S Gamma(b) B Lambda_bar A`` is exactly the weighted mean of the
+   client updates;
+2. takes its rank-``r`` truncated SVD ``U_r Sigma_r V_r^T`` in factored form
+   (left ``S Gamma(b) B`` by FWHT, right ``Lambda_bar A``; no ``d_out x d_in``
+   matrix);
+3. refits ``d`` (``fit_d``: polar factor of ``V_r^T pinv(A)``, Givens angles,
+   ``m`` = mean polar singular value) and ``b`` (``fit_b``: least squares on
+   ``||S Gamma(b) B - U_r Sigma_r||_F``). The sign of the last singular pair is
+   chosen so that the polar factor is a rotation (``det = +1``), which
+   ``G(theta)`` can represent;
+4. sends the new ``b`` (frozen on clients) and ``d`` next round.
+
+Logged every round: ``b-residual`` ``||S Gamma(b) B - U_r Sigma_r||_F /
+||U_r Sigma_r||_F`` and ``d-residual`` ``||m G A - V_r^T||_F / ||V_r^T||_F``
+(root mean square over layers), and as ``frobenius-gap`` the distance
+between the refit update and the mean client update.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from logging import INFO
+from typing import Any, ClassVar
+
+import torch
+from flwr.supercore import log
+
+from fedlr.adapters.roles import Role
+from fedlr.adapters.sorf_vera import SorfVeraLayout, SorfVeraModule, layer_signs
+from fedlr.adapters.vera import VeraModel
+from fedlr.config import RunConfig
+from fedlr.linalg import factored_frobenius_norm, factored_svd, weighted_mean
+from fedlr.linalg.lowrank import normalise_weights
+from fedlr.linalg.sorf import (
+    build_lambda_d_rot,
+    fit_b,
+    fit_d,
+    gamma_apply,
+    polar_target,
+    sorf_apply,
+)
+from fedlr.strategies.base import ClientUpdate, RoundReport
+from fedlr.strategies.registry import register_method
+from fedlr.strategies.vera import ProjectionChecked
+
+__all__ = ["LayerRefit", "SorfVeRA", "refit_layer"]
+
+F64 = torch.float64
+
+
+@dataclass(frozen=True)
+class LayerRefit:
+    """New ``b``, ``d`` of one layer and the refit's errors.
+
+    Attributes
+    ----------
+    b_real, b_imag : (d_out/2,) torch.Tensor
+    d_scale : (1,) torch.Tensor
+    d_angles : (r (r-1)/2,) torch.Tensor
+    b_residual, d_residual : float
+    gap, target_norm : float
+        ``||Delta W_new - Delta W||_F`` and ``||Delta W||_F``.
+    """
+
+    b_real: torch.Tensor
+    b_imag: torch.Tensor
+    d_scale: torch.Tensor
+    d_angles: torch.Tensor
+    b_residual: float
+    d_residual: float
+    gap: float
+    target_norm: float
+
+
+def sorf_left(
+    signs_seed: int, b_real: torch.Tensor, b_imag: torch.Tensor, b: torch.Tensor
+) -> torch.Tensor:
+    """``S Gamma(b) B`` (d_out, r) by FWHT, in float64."""
+    d_out = int(b.shape[0])
+    signs = layer_signs(d_out, signs_seed)
+    cols = gamma_apply(b_real.to(F64), b_imag.to(F64), b.to(F64).T)
+    return sorf_apply(signs.to(F64), cols).T
+
+
+def refit_layer(
+    lambda_bar: torch.Tensor,
+    b_real: torch.Tensor,
+    b_imag: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    projection_seed: int,
+) -> LayerRefit:
+    """Steps 2-3 for one layer: truncated SVD of ``S Gamma(b) B Lambda_bar A``, refit.
+
+    Parameters
+    ----------
+    lambda_bar : (r, r) torch.Tensor
+        The averaged ``Lambda_d``.
+    b_real, b_imag : (d_out/2,) torch.Tensor
+        The current ``b``.
+    a : (r, d_in) torch.Tensor
+    b : (d_out, r) torch.Tensor
+    projection_seed : int
+        Seeds the layer's SORF signs.
+
+    Returns
+    -------
+    LayerRefit
+        Tensors in ``b_real``'s dtype. A zero update keeps ``b`` and gives
+        ``m = 0``.
+    """
+    r = int(a.shape[0])
+    dtype = b_real.dtype
+    left = sorf_left(projection_seed, b_real, b_imag, b)
+    right = lambda_bar.to(F64) @ a.to(F64)
+    svd = factored_svd(left, right, rank=r)
+    target_norm = math.sqrt(svd.total_energy)
+    if svd.rank < r or float(svd.s[0]) == 0.0:
+        return LayerRefit(
+            b_real=b_real.clone(),
+            b_imag=b_imag.clone(),
+            d_scale=torch.zeros(1, dtype=dtype),
+            d_angles=torch.zeros(r * (r - 1) // 2, dtype=dtype),
+            b_residual=0.0,
+            d_residual=0.0,
+            gap=target_norm,
+            target_norm=target_norm,
+        )
+    u, vh = svd.u.clone(), svd.vh.clone()
+    if float(torch.linalg.det(_polar(polar_target(a, vh)))) < 0:
+        u[:, -1], vh[-1] = -u[:, -1], -vh[-1]  # same product, rotation polar factor
+    d_fit = fit_d(a, vh)
+    signs = layer_signs(int(b.shape[0]), projection_seed)
+    b_fit = fit_b(signs, b.to(F64), u * svd.s)
+    # gap between the refit update and the target, from stacked factors
+    new_left = sorf_left(projection_seed, b_fit.b_real, b_fit.b_imag, b)
+    new_right = build_lambda_d_rot(d_fit.scale, d_fit.angles, r) @ a.to(F64)
+    gap = factored_frobenius_norm(
+        torch.cat([new_left, -u * svd.s], 1), torch.cat([new_right, vh], 0)
+    )
+    return LayerRefit(
+        b_real=b_fit.b_real.to(dtype),
+        b_imag=b_fit.b_imag.to(dtype),
+        d_scale=d_fit.scale.reshape(1).to(dtype),
+        d_angles=d_fit.angles.to(dtype),
+        b_residual=b_fit.residual,
+        d_residual=d_fit.residual,
+        gap=gap,
+        target_norm=target_norm,
+    )
+
+
+def _polar(m: torch.Tensor) -> torch.Tensor:
+    p, _, qh = torch.linalg.svd(m)
+    return p @ qh
+
+
+@register_method(
+    "sorf-vera",
+    client_kind="sorf-vera",
+    summary="average Lambda_d rotations, truncated SVD, refit b (SORF, LS) and d",
+)
+class SorfVeRA(ProjectionChecked):
+    """SORF-VeRA aggregation with server-side refit of ``b`` and ``d``.
+
+    Parameters
+    ----------
+    layout : SorfVeraLayout
+    projection_a : (r, max d_in) torch.Tensor
+    projection_b : (max d_out, r) torch.Tensor
+    **kwargs
+        Other parameters: see :class:`~fedlr.strategies.base.FedLRStrategy`.
+    """
+
+    send_roles: ClassVar[tuple[Role, ...]] = (
+        Role.SORF_B_REAL,
+        Role.SORF_B_IMAG,
+        Role.SORF_D_SCALE,
+        Role.SORF_D_ANGLES,
+        Role.HEAD,
+    )
+    train_roles: ClassVar[tuple[Role, ...]] = (
+        Role.SORF_D_SCALE,
+        Role.SORF_D_ANGLES,
+        Role.HEAD,
+    )
+
+    def __init__(
+        self,
+        *,
+        layout: SorfVeraLayout,
+        projection_a: torch.Tensor,
+        projection_b: torch.Tensor,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        r = layout.rank
+        if (
+            projection_a.shape[0] != r
+            or projection_b.shape[1] != r
+            or projection_a.shape[1] < max(m.d_in for m in layout.modules)
+            or projection_b.shape[0] < max(m.d_out for m in layout.modules)
+        ):
+            raise ValueError(
+                f"projections A {tuple(projection_a.shape)} and B "
+                f"{tuple(projection_b.shape)} do not fit the layout (rank {r})"
+            )
+        for m in layout.modules:
+            if r > min(m.d_out, m.d_in):
+                raise ValueError(
+                    f"rank {r} exceeds the smaller side of layer {m.name} "
+                    f"({m.d_out} x {m.d_in}): the rank-r refit needs r <= both"
+                )
+        self.layout = layout
+        self.projection_a = projection_a
+        self.projection_b = projection_b
+        self.projection_seed = layout.projection_seed
+        self.projection_rank = layout.rank
+
+    @classmethod
+    def from_run_config(cls, config: RunConfig, vm: VeraModel) -> SorfVeRA:
+        """Build from the typed run config and the server's model."""
+        if not isinstance(vm.layout, SorfVeraLayout):
+            raise TypeError("SORF-VeRA needs a SorfVeraLayout")
+        return cls(
+            layout=vm.layout,
+            projection_a=vm.projection_a,
+            projection_b=vm.projection_b,
+            **cls.base_options(config),
+        )
+
+    def summary(self) -> None:
+        """Log the settings, then FedAvg's."""
+        log(
+            INFO,
+            "\t├──> SorfVeRA: %d layers, rank %d (%d Givens angles), projection "
+            "seed %d",
+            len(self.layout.modules),
+            self.layout.rank,
+            self.layout.rank * (self.layout.rank - 1) // 2,
+            self.layout.projection_seed,
+        )
+        super().summary()
+
+    def send_keys(self) -> list[str]:
+        """Keys of the global arrays sent to clients."""
+        return self.layout.keys(*self.send_roles)
+
+    def reply_shapes(self) -> dict[str, tuple[int, ...]]:
+        return self.layout.shapes(*self.train_roles)
+
+    def round_config(self, server_round: int) -> dict[str, Any]:
+        return {
+            "train-roles": ",".join(role.value for role in self.train_roles),
+            **self.projection_config(),
+        }
+
+    def averaged_lambda(
+        self, module: SorfVeraModule, updates: list[ClientUpdate]
+    ) -> torch.Tensor:
+        """``sum_i w_i m_i G(theta_i)`` (r, r) in float64."""
+        w = normalise_weights([u.num_examples for u in updates], len(updates))
+        total = torch.zeros(module.rank, module.rank, dtype=F64)
+        for wi, u in zip(w.tolist(), updates, strict=True):
+            total += wi * build_lambda_d_rot(
+                u.arrays[module.d_scale_key].to(F64),
+                u.arrays[module.d_angles_key].to(F64),
+                module.rank,
+            )
+        return total
+
+    def aggregate_updates(
+        self,
+        server_round: int,
+        updates: list[ClientUpdate],
+        current: dict[str, torch.Tensor],
+    ) -> tuple[dict[str, torch.Tensor], RoundReport]:
+        weights = [u.num_examples for u in updates]
+        state = dict(current)
+        for key in self.layout.keys(Role.HEAD):
+            state[key] = weighted_mean([u.arrays[key] for u in updates], weights)
+        layers: dict[str, tuple[float, float]] = {}
+        b_res: list[float] = []
+        d_res: list[float] = []
+        gap_sq = norm_sq = 0.0
+        for m in self.layout.modules:
+            fit = refit_layer(
+                self.averaged_lambda(m, updates),
+                current[m.b_real_key],
+                current[m.b_imag_key],
+                self.projection_a[:, : m.d_in],
+                self.projection_b[: m.d_out],
+                self.projection_seed,
+            )
+            state[m.b_real_key] = fit.b_real
+            state[m.b_imag_key] = fit.b_imag
+            state[m.d_scale_key] = fit.d_scale.to(current[m.d_scale_key].dtype)
+            state[m.d_angles_key] = fit.d_angles.to(current[m.d_angles_key].dtype)
+            rel = fit.gap / fit.target_norm if fit.target_norm > 0 else 0.0
+            layers[m.name] = (fit.gap, rel)
+            b_res.append(fit.b_residual)
+            d_res.append(fit.d_residual)
+            gap_sq += fit.gap**2
+            norm_sq += fit.target_norm**2
+        gap = math.sqrt(gap_sq)
+        norm = math.sqrt(norm_sq)
+        return state, RoundReport(
+            metrics={
+                "frobenius-gap": gap,
+                "relative-gap": gap / norm if norm > 0 else 0.0,
+                "rank": float(self.layout.rank),
+                "b-residual": math.sqrt(sum(x * x for x in b_res) / len(b_res)),
+                "d-residual": math.sqrt(sum(x * x for x in d_res) / len(d_res)),
+            },
+            layers=layers,
+        )

@@ -1,0 +1,296 @@
+"""FedAvg-VeRA and VeRA-FedEx: averaging VeRA's scaling vectors.
+
+Every node holds the same frozen projections ``A`` (r, d_in) and ``B``
+(d_out, r), built from the shared ``projection-seed`` and rank; a layer's
+update is ``Lambda_b B Lambda_d A`` with trainable ``b`` (d_out,) and ``d``
+(r,). Only ``b``, ``d`` and the head travel.
+
+``fedavg-vera`` takes weighted means of ``b`` and ``d``. Since
+``mean_i(Lambda_b_i B Lambda_d_i A) != Lambda_b_bar B Lambda_d_bar A``, the
+Frobenius gap between them is logged every round.
+
+``vera-fedex`` folds that residual, times ``fedex-lr``, into each adapted
+layer's frozen base weight (one GEMM on stacked factors, see
+:func:`fedlr.linalg.vera.fold_vera_residual`) and sends the new base weights
+down. With ``fedex-lr = 1`` the aggregation is exact.
+
+The server puts ``projection-seed`` and ``projection-rank`` in every round's
+ConfigRecord; clients check them against what they built (a mismatch raises
+:class:`~fedlr.errors.ProjectionMismatchError`) and echo them in their
+metrics; a reply with other values is dropped.
+
+References
+----------
+.. [1] Kopiczko, Blankevoort, Asano, "VeRA: Vector-based Random Matrix
+   Adaptation", ICLR 2024.
+.. [2] Singhal, Ponkshe, Vepakomma, "FedEx-LoRA: Exact Aggregation for
+   Federated and Efficient Fine-Tuning of Foundation Models", ACL 2025.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from logging import INFO
+from typing import Any, ClassVar
+
+import torch
+from flwr.app import Message
+from flwr.supercore import log
+
+from fedlr.adapters.roles import Role
+from fedlr.adapters.vera import VeraLayout, VeraModel
+from fedlr.config import RunConfig
+from fedlr.errors import ReplyValidationError
+from fedlr.linalg import factored_frobenius_norm, weighted_mean
+from fedlr.linalg.vera import fold_vera_residual, vera_residual_factors
+from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
+from fedlr.strategies.registry import register_method
+
+__all__ = [
+    "FedAvgVeRA",
+    "ProjectionChecked",
+    "VeraFedEx",
+    "VeraStrategy",
+    "check_projection_metrics",
+]
+
+
+def check_projection_metrics(
+    node: int, metrics: Mapping[str, float], seed: int, rank: int
+) -> None:
+    """Raise :class:`ReplyValidationError` unless the reply echoes seed and rank."""
+    got = (metrics.get("projection-seed"), metrics.get("projection-rank"))
+    if got != (float(seed), float(rank)):
+        raise ReplyValidationError(
+            node,
+            f"projection mismatch: reply reports (projection-seed, projection-rank) "
+            f"= {got}, the server uses ({seed}, {rank})",
+        )
+
+
+class ProjectionChecked(FedLRStrategy):
+    """A strategy whose replies must echo the shared projection seed and rank."""
+
+    projection_seed: int
+    projection_rank: int
+
+    def validate_reply(
+        self, message: Message, expected: Mapping[str, tuple[int, ...]]
+    ) -> ClientUpdate:
+        update = super().validate_reply(message, expected)
+        check_projection_metrics(
+            update.node_id, update.metrics, self.projection_seed, self.projection_rank
+        )
+        return update
+
+    def projection_config(self) -> dict[str, Any]:
+        """ConfigRecord values every client checks its projections against."""
+        return {
+            "projection-seed": self.projection_seed,
+            "projection-rank": self.projection_rank,
+        }
+
+
+class VeraStrategy(ProjectionChecked):
+    """A strategy over VeRA adapters described by a :class:`VeraLayout`.
+
+    Parameters
+    ----------
+    layout : VeraLayout
+    projection_a : (r, max d_in) torch.Tensor
+        The shared frozen ``A`` (sliced per layer).
+    projection_b : (max d_out, r) torch.Tensor
+        The shared frozen ``B``.
+    fedex_lr : float, default 1.0
+        Step of the residual fold (VeRA-FedEx only).
+    **kwargs
+        Other parameters: see :class:`~fedlr.strategies.base.FedLRStrategy`.
+    """
+
+    send_roles: ClassVar[tuple[Role, ...]] = (
+        Role.VERA_LAMBDA_B,
+        Role.VERA_LAMBDA_D,
+        Role.HEAD,
+    )
+    train_roles: ClassVar[tuple[Role, ...]] = (
+        Role.VERA_LAMBDA_B,
+        Role.VERA_LAMBDA_D,
+        Role.HEAD,
+    )
+
+    def __init__(
+        self,
+        *,
+        layout: VeraLayout,
+        projection_a: torch.Tensor,
+        projection_b: torch.Tensor,
+        fedex_lr: float = 1.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if not (math.isfinite(fedex_lr) and fedex_lr > 0):
+            raise ValueError(f"fedex_lr must be finite and > 0, got {fedex_lr}")
+        r = layout.rank
+        d_in = max(m.d_in for m in layout.modules)
+        d_out = max(m.d_out for m in layout.modules)
+        if (
+            projection_a.shape[0] != r
+            or projection_b.shape[1] != r
+            or projection_a.shape[1] < d_in
+            or projection_b.shape[0] < d_out
+        ):
+            raise ValueError(
+                f"projections A {tuple(projection_a.shape)} and B "
+                f"{tuple(projection_b.shape)} do not fit rank {r}, d_in {d_in}, "
+                f"d_out {d_out}"
+            )
+        self.layout = layout
+        self.projection_a = projection_a
+        self.projection_b = projection_b
+        self.fedex_lr = fedex_lr
+        self.projection_seed = layout.projection_seed
+        self.projection_rank = layout.rank
+
+    @classmethod
+    def from_run_config(cls, config: RunConfig, vm: VeraModel) -> VeraStrategy:
+        """Build from the typed run config and the server's model."""
+        if not isinstance(vm.layout, VeraLayout):
+            raise TypeError("a VeRA strategy needs a VeraLayout")
+        return cls(
+            layout=vm.layout,
+            projection_a=vm.projection_a,
+            projection_b=vm.projection_b,
+            fedex_lr=config.fedex_lr,
+            **cls.base_options(config),
+        )
+
+    def summary(self) -> None:
+        """Log the settings, then FedAvg's."""
+        log(
+            INFO,
+            "\t├──> %s: %d VeRA modules, rank %d, projection seed %d",
+            type(self).__name__,
+            len(self.layout.modules),
+            self.layout.rank,
+            self.layout.projection_seed,
+        )
+        super().summary()
+
+    def send_keys(self) -> list[str]:
+        """Keys of the global arrays sent to clients."""
+        return self.layout.keys(*self.send_roles)
+
+    def reply_shapes(self) -> dict[str, tuple[int, ...]]:
+        return self.layout.shapes(*self.train_roles)
+
+    def round_config(self, server_round: int) -> dict[str, Any]:
+        return {
+            "train-roles": ",".join(role.value for role in self.train_roles),
+            **self.projection_config(),
+        }
+
+    def projections(self, d_out: int, d_in: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``A[:, :d_in]`` and ``B[:d_out]`` of a layer."""
+        return self.projection_a[:, :d_in], self.projection_b[:d_out]
+
+    def gap_report(self, updates: list[ClientUpdate]) -> RoundReport:
+        """``||sum_i w_i Lb_i B Ld_i A - Lb_bar B Ld_bar A||_F`` per layer and total.
+
+        The relative gap divides by the norm of the mean client update; both
+        come from stacked factors.
+        """
+        weights = [u.num_examples for u in updates]
+        layers: dict[str, tuple[float, float]] = {}
+        gap_sq = ideal_sq = 0.0
+        for m in self.layout.modules:
+            a, b = self.projections(m.d_out, m.d_in)
+            lbs = [u.arrays[m.lambda_b_key] for u in updates]
+            lds = [u.arrays[m.lambda_d_key] for u in updates]
+            left, right = vera_residual_factors(lbs, lds, a, b, weights)
+            gap = m.scaling * factored_frobenius_norm(left, right)
+            p = left.shape[1] - m.rank  # the first k r columns: the mean of products
+            ideal = m.scaling * factored_frobenius_norm(left[:, :p], right[:p])
+            layers[m.name] = (gap, gap / ideal if ideal > 0 else 0.0)
+            gap_sq += gap * gap
+            ideal_sq += ideal * ideal
+        total, ideal_total = math.sqrt(gap_sq), math.sqrt(ideal_sq)
+        return RoundReport(
+            metrics={
+                "frobenius-gap": total,
+                "relative-gap": total / ideal_total if ideal_total > 0 else 0.0,
+                "rank": float(self.layout.rank),
+            },
+            layers=layers,
+        )
+
+
+@register_method(
+    "fedavg-vera",
+    client_kind="vera",
+    summary="weighted means of VeRA's lambda_b, lambda_d and the head",
+)
+class FedAvgVeRA(VeraStrategy):
+    """Weighted means of ``b``, ``d`` and the head.
+
+    Parameters: see :class:`VeraStrategy`.
+    """
+
+    def aggregate_updates(
+        self,
+        server_round: int,
+        updates: list[ClientUpdate],
+        current: dict[str, torch.Tensor],
+    ) -> tuple[dict[str, torch.Tensor], RoundReport]:
+        weights = [u.num_examples for u in updates]
+        state = dict(current)
+        for key in self.layout.keys(*self.train_roles):
+            state[key] = weighted_mean([u.arrays[key] for u in updates], weights)
+        return state, self.gap_report(updates)
+
+
+@register_method(
+    "vera-fedex",
+    client_kind="vera",
+    summary="FedAvg of VeRA's lambdas plus the exact residual folded into W0",
+)
+class VeraFedEx(FedAvgVeRA):
+    """FedAvg-VeRA whose residual (times ``fedex_lr``) is folded into ``W0``.
+
+    Parameters: see :class:`VeraStrategy`. The global arrays must include the
+    base weights (role ``base``) of every adapted layer.
+    """
+
+    send_roles: ClassVar[tuple[Role, ...]] = (
+        Role.VERA_LAMBDA_B,
+        Role.VERA_LAMBDA_D,
+        Role.HEAD,
+        Role.BASE,
+    )
+
+    def aggregate_updates(
+        self,
+        server_round: int,
+        updates: list[ClientUpdate],
+        current: dict[str, torch.Tensor],
+    ) -> tuple[dict[str, torch.Tensor], RoundReport]:
+        state, report = super().aggregate_updates(server_round, updates, current)
+        weights = [u.num_examples for u in updates]
+        for m in self.layout.modules:
+            if m.base_key not in current:
+                raise KeyError(
+                    f"global arrays lack the base weight '{m.base_key}' that "
+                    "VeRA-FedEx folds the residual into"
+                )
+            a, b = self.projections(m.d_out, m.d_in)
+            state[m.base_key] = fold_vera_residual(
+                current[m.base_key],
+                [u.arrays[m.lambda_b_key] for u in updates],
+                [u.arrays[m.lambda_d_key] for u in updates],
+                a,
+                b,
+                weights,
+                scaling=m.scaling,
+                step=self.fedex_lr,
+            )
+        return state, report
