@@ -49,6 +49,15 @@ class ReplyValidationError(FedLRError, ValueError):
         super().__init__(f"reply from node {node_id} rejected: {reason}")
 
 
+class ProtocolError(FedLRError, ValueError):
+    """A message breaks fedlr's wire protocol (:mod:`fedlr.protocol`).
+
+    Raised on either side: a record with the wrong keys, shapes or values, or
+    a ConfigRecord value that does not decode. On the server the strategy turns
+    it into a :class:`ReplyValidationError` naming the node.
+    """
+
+
 class NoValidRepliesError(FedLRError, RuntimeError):
     """Fewer valid replies arrived than the strategy needs to aggregate.
 
