@@ -2,20 +2,23 @@
 
 The run config is read once at the app boundary (ServerApp and ClientApp) and
 turned into this frozen dataclass; per-round values travel to clients in the
-``ConfigRecord``. Every key of ``pyproject.toml``'s run config is a field here
-(kebab-case there, snake_case here) with the same default.
+``ConfigRecord``. ``RunConfig`` holds the keys every method shares; the keys of
+one method or payload kind (FedSpec's threshold, VeRA's projection rank, ...)
+are that method's :class:`~fedlr.options.Options`, registered with it
+(:mod:`fedlr.strategies.registry`). ``pyproject.toml``'s run config lists
+both, with the same defaults (checked by the tests).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fedlr.errors import ConfigError
+from fedlr.options import Options, kebab
 
 __all__ = ["PARTITIONERS", "RunConfig"]
 
@@ -23,12 +26,8 @@ PARTITIONERS = ("iid", "dirichlet", "pathological")
 _DEVICES = ("auto", "cpu", "cuda", "mps")
 
 
-def _kebab(name: str) -> str:
-    return name.replace("_", "-")
-
-
 @dataclass(frozen=True)
-class RunConfig:
+class RunConfig(Options):
     """Every run setting, validated.
 
     Build it with :meth:`from_mapping` from a Flower ``run_config``; each field's
@@ -117,138 +116,37 @@ class RunConfig:
             "help": "seconds to wait for replies per round; late clients are dropped"
         },
     )
-    # --- SVD family methods
-    fedspec_threshold: float = field(
-        default=0.05,
-        metadata={
-            "help": "fedspec: grow the rank by 2 while the tail energy fraction "
-            "beyond it exceeds this"
-        },
-    )
-    fedspec_max_rank: int = field(
-        default=16, metadata={"help": "fedspec: cap of the adaptive rank"}
-    )
-    # --- qrmix methods (vision models, local SGD)
-    momentum: float = field(
-        default=0.9, metadata={"help": "SGD momentum of vision clients"}
-    )
-    warmup_rounds: int = field(
-        default=5,
-        metadata={"help": "qrmix: FedAvg rounds before the QR-Mix head update"},
-    )
-    qrmix_tau: float = field(
-        default=1.0, metadata={"help": "qrmix: ridge tau of (H + tau I)"}
-    )
-    qrmix_gamma: float = field(
-        default=1.0, metadata={"help": "qrmix: step scale gamma of the head update"}
-    )
-    qrmix_k: int = field(
-        default=10, metadata={"help": "qrmix: Hessian eigenpairs per client"}
-    )
-    qrmix_oversample: int = field(
-        default=10, metadata={"help": "qrmix: oversampling s of subspace iteration"}
-    )
-    qrmix_power_iters: int = field(
-        default=2, metadata={"help": "qrmix: power iterations q"}
-    )
-    qrmix_form: str = field(
-        default="fisher",
-        metadata={
-            "help": "qrmix: fisher = gamma (H + tau I)^-1 b; literal = the "
-            "source's gamma (tau Q z + b - Q Q^T b)"
-        },
-    )
-    qrmix_warmup_checkpoint: str = field(
-        default="",
-        metadata={
-            "help": "qrmix: absolute path of a final_arrays.pt to start at stage 2"
-        },
-    )
-    # --- continual (FOT) methods
-    num_tasks: int = field(
-        default=3, metadata={"help": "tasks of a continual stream (dataset = stream)"}
-    )
-    rounds_per_task: int = field(
-        default=5,
-        metadata={"help": "rounds per task; num-server-rounds = num-tasks x this"},
-    )
-    task_examples: int = field(
-        default=0,
-        metadata={"help": "rows per continual task before the held-out split (0: all)"},
-    )
-    fot_eps: float = field(
-        default=0.95,
-        metadata={"help": "FOT energy threshold ε of the first task boundary"},
-    )
-    fot_eps_inc: float = field(
-        default=0.01, metadata={"help": "FOT: ε grows by this after each boundary"}
-    )
-    fot_sketch_dim: int = field(
-        default=0,
-        metadata={"help": "GPSE sketch columns m per layer (0: the layer's d)"},
-    )
-    fot_activation_examples: int = field(
-        default=125,
-        metadata={"help": "GPSE: local examples whose activations a client sketches"},
-    )
-    # --- VeRA family methods (fedavg-vera, vera-fedex, sorf-vera)
-    vera_rank: int = field(
-        default=256, metadata={"help": "VeRA rank r of the shared projections"}
-    )
-    projection_seed: int = field(
-        default=0,
-        metadata={"help": "seed of the shared frozen VeRA / SORF-VeRA projections"},
-    )
-    vera_d_initial: float = field(
-        default=0.1, metadata={"help": "initial value of VeRA's lambda_d entries"}
-    )
-    vera_lr: float = field(
-        default=0.01,
-        metadata={"help": "client learning rate of the VeRA-family methods"},
-    )
-    fedex_lr: float = field(
-        default=1.0,
-        metadata={"help": "vera-fedex: fraction of the residual folded into W0"},
-    )
-    sorf_rank: int = field(
-        default=16,
-        metadata={"help": "SORF-VeRA rank r (r(r-1)/2 Givens angles per layer)"},
-    )
-    sorf_d_scale_initial: float = field(
-        default=0.0, metadata={"help": "SORF-VeRA initial scale m of Lambda_d"}
-    )
 
     # ------------------------------------------------------------------ parsing
     @classmethod
     def from_mapping(cls, run_config: Mapping[str, Any]) -> RunConfig:
-        """Parse a Flower ``run_config`` (kebab-case keys).
+        """Parse the common keys of a Flower ``run_config`` (kebab-case keys).
+
+        Keys of a registered method's options (``fedspec-threshold``, ...) are
+        accepted and left to that method's :class:`~fedlr.options.Options`
+        (:func:`fedlr.strategies.registry.resolve` parses both).
 
         Raises
         ------
         ConfigError
-            On an unknown key, a value of the wrong type or out of range.
+            On a key no method knows, a value of the wrong type or out of range.
         """
-        by_key = {_kebab(f.name): f for f in fields(cls)}
-        values: dict[str, Any] = {}
-        for key, raw in run_config.items():
-            if key not in by_key:
-                raise ConfigError(
-                    key, f"unknown key; known keys: {', '.join(sorted(by_key))}"
-                )
-            f = by_key[key]
-            values[f.name] = _coerce(key, raw, f.type)
-        return cls(**values)
+        own = cls.option_fields()
+        unknown = sorted(set(run_config) - set(own))
+        if unknown:
+            from fedlr.strategies.registry import all_option_keys
 
-    def to_mapping(self) -> dict[str, Any]:
-        """Inverse of :meth:`from_mapping`."""
-        return {_kebab(f.name): getattr(self, f.name) for f in fields(self)}
-
-    def replace(self, **changes: Any) -> RunConfig:
-        """A copy with ``changes`` (snake_case names), validated again."""
-        return dataclasses.replace(self, **changes)
+            others = all_option_keys()
+            for key in unknown:
+                if key not in others:
+                    known = sorted({*own, *others})
+                    raise ConfigError(
+                        key, f"unknown key; known keys: {', '.join(known)}"
+                    )
+        return cls.from_run_config(run_config)
 
     # --------------------------------------------------------------- validation
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         positive_ints = (
             "num_server_rounds",
             "local_steps",
@@ -262,13 +160,13 @@ class RunConfig:
         for name in positive_ints:
             if getattr(self, name) < 1:
                 raise ConfigError(
-                    _kebab(name), f"must be >= 1, got {getattr(self, name)}"
+                    kebab(name), f"must be >= 1, got {getattr(self, name)}"
                 )
         positive_floats = ("lr", "lora_alpha", "dirichlet_alpha", "round_timeout")
         for name in positive_floats:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
-                raise ConfigError(_kebab(name), f"must be finite and > 0, got {value}")
+                raise ConfigError(kebab(name), f"must be finite and > 0, got {value}")
         if not 8 <= self.max_length <= 4096:
             raise ConfigError(
                 "max-length", f"must be in [8, 4096], got {self.max_length}"
@@ -318,90 +216,6 @@ class RunConfig:
             )
         if not self.method:
             raise ConfigError("method", "is empty")
-        if not 0.0 <= self.fedspec_threshold < 1.0:
-            raise ConfigError(
-                "fedspec-threshold", f"must be in [0, 1), got {self.fedspec_threshold}"
-            )
-        if self.fedspec_max_rank < 1:
-            raise ConfigError(
-                "fedspec-max-rank", f"must be >= 1, got {self.fedspec_max_rank}"
-            )
-        self._validate_qrmix()
-        self._validate_fot()
-        self._validate_vera()
-
-    def _validate_qrmix(self) -> None:
-        if not 0.0 <= self.momentum < 1.0:
-            raise ConfigError("momentum", f"must be in [0, 1), got {self.momentum}")
-        if self.warmup_rounds < 0:
-            raise ConfigError(
-                "warmup-rounds", f"must be >= 0, got {self.warmup_rounds}"
-            )
-        for name in ("qrmix_tau", "qrmix_gamma"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ConfigError(_kebab(name), f"must be finite and > 0, got {value}")
-        if self.qrmix_k < 1:
-            raise ConfigError("qrmix-k", f"must be >= 1, got {self.qrmix_k}")
-        for name in ("qrmix_oversample", "qrmix_power_iters"):
-            if getattr(self, name) < 0:
-                raise ConfigError(
-                    _kebab(name), f"must be >= 0, got {getattr(self, name)}"
-                )
-        if self.qrmix_form not in ("fisher", "literal"):
-            raise ConfigError(
-                "qrmix-form", f"'{self.qrmix_form}' is not one of fisher, literal"
-            )
-        checkpoint = self.qrmix_warmup_checkpoint
-        if checkpoint and not Path(checkpoint).expanduser().is_absolute():
-            raise ConfigError(
-                "qrmix-warmup-checkpoint",
-                f"must be an absolute path (apps run from a copied bundle), "
-                f"got '{checkpoint}'",
-            )
-
-    def _validate_fot(self) -> None:
-        for name in ("num_tasks", "rounds_per_task", "fot_activation_examples"):
-            if getattr(self, name) < 1:
-                raise ConfigError(
-                    _kebab(name), f"must be >= 1, got {getattr(self, name)}"
-                )
-        for name in ("task_examples", "fot_sketch_dim"):
-            if getattr(self, name) < 0:
-                raise ConfigError(
-                    _kebab(name), f"must be >= 0, got {getattr(self, name)}"
-                )
-        if not 0.0 <= self.fot_eps <= 1.0:
-            raise ConfigError("fot-eps", f"must be in [0, 1], got {self.fot_eps}")
-        if not (math.isfinite(self.fot_eps_inc) and 0.0 <= self.fot_eps_inc <= 1.0):
-            raise ConfigError(
-                "fot-eps-inc", f"must be in [0, 1], got {self.fot_eps_inc}"
-            )
-
-    def _validate_vera(self) -> None:
-        for name in ("vera_rank", "sorf_rank"):
-            if getattr(self, name) < 1:
-                raise ConfigError(
-                    _kebab(name), f"must be >= 1, got {getattr(self, name)}"
-                )
-        if self.sorf_rank > 64:
-            raise ConfigError(
-                "sorf-rank",
-                f"must be <= 64 (r(r-1)/2 Givens angles), got {self.sorf_rank}",
-            )
-        if not 0 <= self.projection_seed < 2**32:
-            raise ConfigError(
-                "projection-seed", f"must be in [0, 2**32), got {self.projection_seed}"
-            )
-        if not (math.isfinite(self.vera_lr) and self.vera_lr > 0):
-            raise ConfigError("vera-lr", f"must be finite and > 0, got {self.vera_lr}")
-        if not (math.isfinite(self.fedex_lr) and 0 < self.fedex_lr <= 1):
-            raise ConfigError("fedex-lr", f"must be in (0, 1], got {self.fedex_lr}")
-        for name in ("vera_d_initial", "sorf_d_scale_initial"):
-            if not math.isfinite(getattr(self, name)):
-                raise ConfigError(
-                    _kebab(name), f"must be finite, got {getattr(self, name)}"
-                )
 
     # ---------------------------------------------------------------- derived
     @property
@@ -415,24 +229,3 @@ class RunConfig:
         if self.output_dir:
             return Path(self.output_dir).expanduser()
         return Path.home() / "fedlr-outputs"
-
-
-def _coerce(key: str, raw: Any, annotation: Any) -> Any:
-    kind = annotation if isinstance(annotation, str) else annotation.__name__
-    if kind == "bool":
-        if isinstance(raw, bool):
-            return raw
-        raise ConfigError(key, f"expected true/false, got {raw!r}")
-    if kind == "int":
-        if isinstance(raw, bool) or not isinstance(raw, int):
-            raise ConfigError(key, f"expected an integer, got {raw!r}")
-        return raw
-    if kind == "float":
-        if isinstance(raw, bool) or not isinstance(raw, (int, float)):
-            raise ConfigError(key, f"expected a number, got {raw!r}")
-        return float(raw)
-    if kind == "str":
-        if not isinstance(raw, str):
-            raise ConfigError(key, f"expected a string, got {raw!r}")
-        return raw
-    raise ConfigError(key, f"unsupported field type {kind}")  # pragma: no cover

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
@@ -38,12 +39,14 @@ from fedlr.config import RunConfig
 from fedlr.data.continual import STREAMS, ContinualStream
 from fedlr.data.partition import PartitionConfig
 from fedlr.errors import ConfigError, ShapeMismatchError
-from fedlr.image_task import ImageData
+from fedlr.image_task import ImageData, VisionOptions
 from fedlr.linalg.fot import ResidualSketch, conv_activations, dense_activations
 from fedlr.models.vision import VISION_MODELS, VisionModel, build_vision_model
+from fedlr.options import option, require
 
 __all__ = [
     "AccuracyMatrix",
+    "ContinualOptions",
     "TaskLogits",
     "average_accuracy",
     "build_continual_model",
@@ -52,6 +55,36 @@ __all__ = [
     "stream_from_config",
     "task_view",
 ]
+
+
+@dataclass(frozen=True)
+class ContinualOptions(VisionOptions):
+    """Run-config keys of the ``gpse`` payload kind: the task stream and sketches."""
+
+    num_tasks: int = option(3, "tasks of a continual stream (dataset = stream)")
+    rounds_per_task: int = option(
+        5, "rounds per task; num-server-rounds = num-tasks x this"
+    )
+    task_examples: int = option(
+        0, "rows per continual task before the held-out split (0: all)"
+    )
+    fot_activation_examples: int = option(
+        125, "GPSE: local examples whose activations a client sketches"
+    )
+
+    def check(self) -> None:
+        super().check()
+        for key, value in (
+            ("num-tasks", self.num_tasks),
+            ("rounds-per-task", self.rounds_per_task),
+            ("fot-activation-examples", self.fot_activation_examples),
+        ):
+            require(value >= 1, key, f"must be >= 1, got {value}")
+        require(
+            self.task_examples >= 0,
+            "task-examples",
+            f"must be >= 0, got {self.task_examples}",
+        )
 
 
 def _check_rows(rows: Sequence[Sequence[float]]) -> None:
@@ -307,7 +340,9 @@ def sketch_layer_inputs(
 
 
 def stream_from_config(
-    config: RunConfig, num_partitions: int | None = None
+    config: RunConfig,
+    options: ContinualOptions,
+    num_partitions: int | None = None,
 ) -> ContinualStream:
     """The task stream named by ``dataset`` with the run's partitioning.
 
@@ -323,10 +358,10 @@ def stream_from_config(
             f"one of ({', '.join(sorted(STREAMS))})",
         )
     spec = STREAMS[config.dataset]
-    if spec.max_tasks and config.num_tasks > spec.max_tasks:
+    if spec.max_tasks and options.num_tasks > spec.max_tasks:
         raise ConfigError(
             "num-tasks",
-            f"{config.num_tasks} exceeds the {spec.max_tasks} tasks of '{spec.name}'",
+            f"{options.num_tasks} exceeds the {spec.max_tasks} tasks of '{spec.name}'",
         )
     partition = PartitionConfig(
         partitioner=config.partitioner,
@@ -338,9 +373,9 @@ def stream_from_config(
     )
     return ContinualStream(
         config.dataset,
-        num_tasks=config.num_tasks,
+        num_tasks=options.num_tasks,
         partition=partition,
-        examples_per_task=config.task_examples,
+        examples_per_task=options.task_examples,
     )
 
 
@@ -359,7 +394,8 @@ def build_continual_model(config: RunConfig) -> VisionModel:
             f"of ({', '.join(VISION_MODELS)})",
         )
     if config.dataset not in STREAMS:
-        stream_from_config(config)  # raises the ConfigError naming the streams
+        # raises the ConfigError naming the streams
+        stream_from_config(config, ContinualOptions())
     spec = STREAMS[config.dataset]
     return build_vision_model(
         config.model, spec.in_shape, spec.num_classes, config.seed

@@ -30,15 +30,51 @@ from fedlr.data import (
 from fedlr.data.partition import FederatedSplit
 from fedlr.errors import ConfigError, ShapeMismatchError
 from fedlr.models.vision import VISION_MODELS, VisionModel, build_vision_model
+from fedlr.options import Options, option, require
 
 __all__ = [
     "NORMALISATION",
+    "EigenOptions",
     "ImageData",
     "ImageTask",
+    "VisionOptions",
     "evaluate_images",
     "image_pixels",
     "train_sgd",
 ]
+
+
+@dataclass(frozen=True)
+class VisionOptions(Options):
+    """Run-config keys of the vision clients' local SGD (``qrmix``, ``gpse`` kinds)."""
+
+    momentum: float = option(0.9, "SGD momentum of vision clients")
+
+    def check(self) -> None:
+        require(
+            0.0 <= self.momentum < 1.0,
+            "momentum",
+            f"must be in [0, 1), got {self.momentum}",
+        )
+
+
+@dataclass(frozen=True)
+class EigenOptions(VisionOptions):
+    """Keys of the ``qrmix`` payload kind: the clients' Hessian eigenpairs."""
+
+    qrmix_k: int = option(10, "qrmix: Hessian eigenpairs per client")
+    qrmix_oversample: int = option(10, "qrmix: oversampling s of subspace iteration")
+    qrmix_power_iters: int = option(2, "qrmix: power iterations q")
+
+    def check(self) -> None:
+        super().check()
+        require(self.qrmix_k >= 1, "qrmix-k", f"must be >= 1, got {self.qrmix_k}")
+        for key, value in (
+            ("qrmix-oversample", self.qrmix_oversample),
+            ("qrmix-power-iters", self.qrmix_power_iters),
+        ):
+            require(value >= 0, key, f"must be >= 0, got {value}")
+
 
 NORMALISATION: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
     "mnist": ((0.1307,), (0.3081,)),

@@ -9,40 +9,106 @@ projections.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 from fedlr.adapters.sorf_vera import SorfVeraSettings, build_sorf_vera_model
 from fedlr.adapters.vera import VeraModel, VeraSettings, build_vera_model
 from fedlr.config import RunConfig
 from fedlr.models import build_text_classifier
+from fedlr.options import Options, option, require, require_positive
 from fedlr.tasks import TextTask
 
-__all__ = ["build_sorf_vera_text_model", "build_vera_text_model"]
+__all__ = [
+    "SorfVeraOptions",
+    "VeraOptions",
+    "build_sorf_vera_text_model",
+    "build_vera_text_model",
+]
+
+_PROJECTION_SEED_HELP = "seed of the shared frozen VeRA / SORF-VeRA projections"
+_VERA_LR_HELP = "client learning rate of the VeRA-family methods"
 
 
-def build_vera_text_model(config: RunConfig) -> VeraModel:
+def _check_seed_and_lr(options: VeraOptions | SorfVeraOptions) -> None:
+    require(
+        0 <= options.projection_seed < 2**32,
+        "projection-seed",
+        f"must be in [0, 2**32), got {options.projection_seed}",
+    )
+    require_positive(options, "vera_lr", finite=True)
+
+
+@dataclass(frozen=True)
+class VeraOptions(Options):
+    """Run-config keys of the ``vera`` payload kind (clients and server)."""
+
+    vera_rank: int = option(256, "VeRA rank r of the shared projections")
+    projection_seed: int = option(0, _PROJECTION_SEED_HELP)
+    vera_d_initial: float = option(0.1, "initial value of VeRA's lambda_d entries")
+    vera_lr: float = option(0.01, _VERA_LR_HELP)
+
+    def check(self) -> None:
+        require_positive(self, "vera_rank")
+        _check_seed_and_lr(self)
+        require(
+            math.isfinite(self.vera_d_initial),
+            "vera-d-initial",
+            f"must be finite, got {self.vera_d_initial}",
+        )
+
+
+@dataclass(frozen=True)
+class SorfVeraOptions(Options):
+    """Run-config keys of the ``sorf-vera`` payload kind (clients and server)."""
+
+    sorf_rank: int = option(16, "SORF-VeRA rank r (r(r-1)/2 Givens angles per layer)")
+    projection_seed: int = option(0, _PROJECTION_SEED_HELP)
+    sorf_d_scale_initial: float = option(0.0, "SORF-VeRA initial scale m of Lambda_d")
+    vera_lr: float = option(0.01, _VERA_LR_HELP)
+
+    def check(self) -> None:
+        require_positive(self, "sorf_rank")
+        require(
+            self.sorf_rank <= 64,
+            "sorf-rank",
+            f"must be <= 64 (r(r-1)/2 Givens angles), got {self.sorf_rank}",
+        )
+        _check_seed_and_lr(self)
+        require(
+            math.isfinite(self.sorf_d_scale_initial),
+            "sorf-d-scale-initial",
+            f"must be finite, got {self.sorf_d_scale_initial}",
+        )
+
+
+def build_vera_text_model(config: RunConfig, options: VeraOptions) -> VeraModel:
     """The seeded classifier with peft VeRA (rank ``vera-rank``)."""
     task = TextTask(config)
     base = build_text_classifier(
         config.model, task.num_labels, config.seed, pooling=config.pooling
     )
     settings = VeraSettings(
-        rank=config.vera_rank,
-        projection_seed=config.projection_seed,
-        d_initial=config.vera_d_initial,
+        rank=options.vera_rank,
+        projection_seed=options.projection_seed,
+        d_initial=options.vera_d_initial,
         target_modules=config.targets,
     )
     return build_vera_model(base, settings)
 
 
-def build_sorf_vera_text_model(config: RunConfig) -> VeraModel:
+def build_sorf_vera_text_model(
+    config: RunConfig, options: SorfVeraOptions
+) -> VeraModel:
     """The seeded classifier with SORF-VeRA layers (rank ``sorf-rank``)."""
     task = TextTask(config)
     base = build_text_classifier(
         config.model, task.num_labels, config.seed, pooling=config.pooling
     )
     settings = SorfVeraSettings(
-        rank=config.sorf_rank,
-        projection_seed=config.projection_seed,
-        d_scale_initial=config.sorf_d_scale_initial,
+        rank=options.sorf_rank,
+        projection_seed=options.projection_seed,
+        d_scale_initial=options.sorf_d_scale_initial,
         target_modules=config.targets,
     )
     return build_sorf_vera_model(base, settings)

@@ -25,9 +25,11 @@ from __future__ import annotations
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.app import MetricRecordValues as Values
 
+from fedlr import protocol
 from fedlr.client_apps.lora import partition_of, train_settings
 from fedlr.config import RunConfig
 from fedlr.continual import (
+    ContinualOptions,
     build_continual_model,
     sketch_layer_inputs,
     stream_from_config,
@@ -43,7 +45,6 @@ from fedlr.flower.records import (
 )
 from fedlr.image_task import evaluate_images, train_sgd
 from fedlr.models.vision import VisionModel
-from fedlr.strategies.fot import BASES, GPSE_EXAMPLES, SKETCHES, fraction_key
 from fedlr.train import client_seed, pick_device
 
 __all__ = ["evaluate_message", "train_message"]
@@ -61,11 +62,11 @@ def _model(config: RunConfig) -> VisionModel:
     return _MODELS[key]
 
 
-def _stream(config: RunConfig, num: int) -> ContinualStream:
+def _stream(config: RunConfig, options: ContinualOptions, num: int) -> ContinualStream:
     key = (
         config.dataset,
-        config.num_tasks,
-        config.task_examples,
+        options.num_tasks,
+        options.task_examples,
         config.partitioner,
         config.dirichlet_alpha,
         config.classes_per_partition,
@@ -75,39 +76,40 @@ def _stream(config: RunConfig, num: int) -> ContinualStream:
     )
     if key not in _STREAMS:
         _STREAMS.clear()
-        _STREAMS[key] = stream_from_config(config, num)
+        _STREAMS[key] = stream_from_config(config, options, num)
     return _STREAMS[key]
 
 
 def train_message(message: Message, context: Context) -> Message:
     """Handle a ``train`` instruction of a continual method."""
     config = RunConfig.from_mapping(context.run_config)
+    options = ContinualOptions.from_run_config(context.run_config)
     pid, num = partition_of(context, config)
     round_config = config_record(message.content)
-    stream = _stream(config, num)
+    stream = _stream(config, options, num)
     model = _model(config)
     model.load_state_dict(record_to_state(array_record(message.content)))
-    task = config_int(round_config, "task", 0)
-    gpse_task = config_int(round_config, "gpse-task", -1)
+    task = config_int(round_config, protocol.TASK, 0)
+    gpse_task = config_int(round_config, protocol.GPSE_TASK, -1)
     device = pick_device(config.device)
-    metrics: dict[str, Values] = {"partition-id": pid}
+    metrics: dict[str, Values] = {protocol.PARTITION_ID: pid}
     content = RecordDict()
 
     # 1. GPSE on the finished task, with the received global model
     if gpse_task >= 0:
         bases = (
-            record_to_state(array_record(message.content, BASES))
-            if BASES in message.content.array_records
+            record_to_state(array_record(message.content, protocol.BASES))
+            if protocol.BASES in message.content.array_records
             else {}
         )
         data = stream.partition(gpse_task, pid)
-        data = data.select(range(min(len(data), config.fot_activation_examples)))
+        data = data.select(range(min(len(data), options.fot_activation_examples)))
         sketches = sketch_layer_inputs(
             model,
             model.projected_layers(),
             data,
             bases,
-            sketch_dim=config_int(round_config, "sketch-dim", config.fot_sketch_dim),
+            sketch_dim=config_int(round_config, protocol.SKETCH_DIM, 0),
             seed=(config.seed * 1_000_003 + pid) * 1_009 + gpse_task,
             batch_size=config.eval_batch_size,
         )
@@ -118,12 +120,12 @@ def train_message(message: Message, context: Context) -> Message:
             sketch_arrays[layer] = sketch.sketch.to(
                 model.get_parameter(f"{layer}.weight").dtype
             )
-            metrics[fraction_key(layer)] = sketch.fraction
-        metrics[GPSE_EXAMPLES] = len(data)
-        content[SKETCHES] = state_to_record(sketch_arrays)
+            metrics[protocol.gpse_fraction_key(layer)] = sketch.fraction
+        metrics[protocol.GPSE_EXAMPLES] = len(data)
+        content[protocol.SKETCHES] = state_to_record(sketch_arrays)
 
     # 2. local SGD on the current task
-    server_round = config_int(round_config, "server-round", 0)
+    server_round = config_int(round_config, protocol.SERVER_ROUND, 0)
     data = stream.partition(task, pid)
     module, view = task_view(model, data, stream.task_classes(task), stream.num_classes)
     settings = train_settings(round_config, config, default_lr=config.lr)
@@ -134,27 +136,28 @@ def train_message(message: Message, context: Context) -> Message:
         lr=settings.lr,
         batch_size=settings.batch_size,
         seed=client_seed(config.seed, server_round, pid),
-        momentum=config.momentum,
+        momentum=options.momentum,
         weight_decay=settings.weight_decay,
         device=device,
     )
     model.to("cpu")
-    metrics.update({"num-examples": len(data), "train-loss": loss})
-    content["arrays"] = state_to_record(model.state_dict())
-    content["metrics"] = MetricRecord(metrics)
+    metrics.update({protocol.NUM_EXAMPLES: len(data), protocol.TRAIN_LOSS: loss})
+    content[protocol.ARRAYS] = state_to_record(model.state_dict())
+    content[protocol.METRICS] = MetricRecord(metrics)
     return Message(content, reply_to=message)
 
 
 def evaluate_message(message: Message, context: Context) -> Message:
     """Handle an ``evaluate`` instruction: the global model on the local task data."""
     config = RunConfig.from_mapping(context.run_config)
+    options = ContinualOptions.from_run_config(context.run_config)
     pid, num = partition_of(context, config)
-    stream = _stream(config, num)
+    stream = _stream(config, options, num)
     model = _model(config)
     model.load_state_dict(record_to_state(array_record(message.content)))
     task = (
-        config_int(config_record(message.content), "task", 0)
-        if ("config" in message.content.config_records)
+        config_int(config_record(message.content), protocol.TASK, 0)
+        if (protocol.CONFIG in message.content.config_records)
         else 0
     )
     module, view = task_view(
@@ -172,8 +175,8 @@ def evaluate_message(message: Message, context: Context) -> Message:
     model.to("cpu")
     reply = RecordDict(
         {
-            "metrics": MetricRecord(
-                {"num-examples": len(view), "accuracy": accuracy, "loss": loss}
+            protocol.METRICS: MetricRecord(
+                {protocol.NUM_EXAMPLES: len(view), "accuracy": accuracy, "loss": loss}
             )
         }
     )

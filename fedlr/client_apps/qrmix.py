@@ -25,6 +25,7 @@ import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.app import MetricRecordValues as Values
 
+from fedlr import protocol
 from fedlr.client_apps.lora import partition_of, train_settings
 from fedlr.config import RunConfig
 from fedlr.flower.records import (
@@ -34,15 +35,18 @@ from fedlr.flower.records import (
     record_to_state,
     state_to_record,
 )
-from fedlr.image_task import ImageData, ImageTask, evaluate_images, train_sgd
+from fedlr.image_task import (
+    EigenOptions,
+    ImageData,
+    ImageTask,
+    evaluate_images,
+    train_sgd,
+)
 from fedlr.linalg.qrmix import fc_flatten, fc_hessian_eigenpairs
 from fedlr.models.vision import VisionModel
 from fedlr.train import client_seed, pick_device
 
-__all__ = ["EIGEN_RECORD", "evaluate_message", "head_features", "train_message"]
-
-EIGEN_RECORD = "eigen"
-"""Name of the reply's extra ArrayRecord in stage 2."""
+__all__ = ["evaluate_message", "head_features", "train_message"]
 
 _MODELS: dict[tuple[object, ...], VisionModel] = {}
 _DATA: dict[tuple[object, ...], ImageData] = {}
@@ -89,13 +93,14 @@ def head_features(
 def train_message(message: Message, context: Context) -> Message:
     """Handle a ``train`` instruction for ``fedavg`` / ``qrmix``."""
     config = RunConfig.from_mapping(context.run_config)
+    options = EigenOptions.from_run_config(context.run_config)
     pid, num = partition_of(context, config)
     round_config = config_record(message.content)
     model = _model(config)
     global_state = record_to_state(array_record(message.content))
     model.load_parameters(global_state)
     data = _partition(config, pid, num)
-    server_round = config_int(round_config, "server-round", 0)
+    server_round = config_int(round_config, protocol.SERVER_ROUND, 0)
     seed = client_seed(config.seed, server_round, pid)
     device = pick_device(config.device)
     settings = train_settings(round_config, config, default_lr=config.lr)
@@ -106,43 +111,43 @@ def train_message(message: Message, context: Context) -> Message:
         lr=settings.lr,
         batch_size=settings.batch_size,
         seed=seed,
-        momentum=config.momentum,
+        momentum=options.momentum,
         weight_decay=settings.weight_decay,
         device=device,
     )
     model.to("cpu")
     state = model.parameter_state()
     metrics: dict[str, Values] = {
-        "num-examples": len(data),
-        "train-loss": loss,
-        "partition-id": pid,
+        protocol.NUM_EXAMPLES: len(data),
+        protocol.TRAIN_LOSS: loss,
+        protocol.PARTITION_ID: pid,
     }
-    reply = RecordDict({"arrays": state_to_record(state)})
-    if config_int(round_config, "qrmix-stage", 1) == 2:
+    reply = RecordDict({protocol.ARRAYS: state_to_record(state)})
+    if config_int(round_config, protocol.QRMIX_STAGE, 1) == 2:
         start = time.perf_counter()
         head = model.head_layer()
         values, vectors = fc_hessian_eigenpairs(
             head_features(model, data),
             head.weight.detach(),
             head.bias.detach(),
-            config.qrmix_k,
-            oversample=config.qrmix_oversample,
-            power_iters=config.qrmix_power_iters,
+            options.qrmix_k,
+            oversample=options.qrmix_oversample,
+            power_iters=options.qrmix_power_iters,
             seed=seed,
         )
         w_key, b_key = f"{model.head}.weight", f"{model.head}.bias"
         delta = fc_flatten(
             state[w_key] - global_state[w_key], state[b_key] - global_state[b_key]
         )
-        reply[EIGEN_RECORD] = state_to_record(
+        eigen = (vectors, values, delta)
+        reply[protocol.EIGEN] = state_to_record(
             {
-                "vectors": vectors.to(torch.float32),
-                "values": values.to(torch.float32),
-                "delta": delta.to(torch.float32),
+                key: tensor.to(torch.float32)
+                for key, tensor in zip(protocol.EIGEN_KEYS, eigen, strict=True)
             }
         )
         metrics["eigen-seconds"] = time.perf_counter() - start
-    reply["metrics"] = MetricRecord(metrics)
+    reply[protocol.METRICS] = MetricRecord(metrics)
     return Message(reply, reply_to=message)
 
 
@@ -162,8 +167,8 @@ def evaluate_message(message: Message, context: Context) -> Message:
     model.to("cpu")
     reply = RecordDict(
         {
-            "metrics": MetricRecord(
-                {"num-examples": len(data), "accuracy": accuracy, "loss": loss}
+            protocol.METRICS: MetricRecord(
+                {protocol.NUM_EXAMPLES: len(data), "accuracy": accuracy, "loss": loss}
             )
         }
     )

@@ -18,6 +18,7 @@ Protocol:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
@@ -42,7 +43,7 @@ from fedlr.train import (
     pick_device,
     train_steps,
 )
-from fedlr.vera_tasks import build_vera_text_model
+from fedlr.vera_tasks import SorfVeraOptions, VeraOptions, build_vera_text_model
 
 __all__ = [
     "Handler",
@@ -52,7 +53,7 @@ __all__ = [
     "train_message",
 ]
 
-Builder = Callable[[RunConfig], VeraModel]
+Builder = Callable[[RunConfig, Any], VeraModel]
 Handler = Callable[[Message, Context], Message]
 
 _DATA: dict[tuple[object, ...], EncodedText] = {}
@@ -103,30 +104,42 @@ class Handlers:
     Parameters
     ----------
     builder : callable
-        ``builder(config) -> VeraModel`` (the same on every node and the server).
+        ``builder(config, options) -> VeraModel`` (the same on every node and
+        the server).
+    options : type of VeraOptions or SorfVeraOptions
+        The payload kind's run-config keys (rank, projection seed, lr).
     default_roles : str
         ``train-roles`` when the ConfigRecord does not say.
     """
 
-    def __init__(self, builder: Builder, default_roles: str) -> None:
+    def __init__(
+        self,
+        builder: Builder,
+        options: type[VeraOptions] | type[SorfVeraOptions],
+        default_roles: str,
+    ) -> None:
         self.builder = builder
+        self.options = options
         self.default_roles = default_roles
         self._models: dict[tuple[object, ...], VeraModel] = {}
 
-    def model(self, config: RunConfig) -> VeraModel:
+    def model(
+        self, config: RunConfig, options: VeraOptions | SorfVeraOptions
+    ) -> VeraModel:
         """The process's model for this config (a Ray actor serves many clients)."""
-        key = tuple(sorted(config.to_mapping().items()))
+        key = tuple(sorted({**config.to_mapping(), **options.to_mapping()}.items()))
         if key not in self._models:
             self._models.clear()
-            self._models[key] = self.builder(config)
+            self._models[key] = self.builder(config, options)
         return self._models[key]
 
     def train(self, message: Message, context: Context) -> Message:
         """Handle a ``train`` instruction."""
         config = RunConfig.from_mapping(context.run_config)
+        options = self.options.from_run_config(context.run_config)
         pid, num = partition_of(context, config)
         round_config = config_record(message.content)
-        vm = self.model(config)
+        vm = self.model(config, options)
         seed, rank = _projection(vm.layout)
         check_projection(
             seed,
@@ -139,7 +152,7 @@ class Handlers:
         vm.train_only(roles)
         data = _partition(config, pid, num)
         server_round = config_int(round_config, "server-round", 0)
-        settings = train_settings(round_config, config, default_lr=config.vera_lr)
+        settings = train_settings(round_config, config, default_lr=options.vera_lr)
         loss = train_steps(
             vm.model,
             data,
@@ -167,8 +180,9 @@ class Handlers:
     def evaluate(self, message: Message, context: Context) -> Message:
         """Handle an ``evaluate`` instruction: the global model on local data."""
         config = RunConfig.from_mapping(context.run_config)
+        options = self.options.from_run_config(context.run_config)
         pid, num = partition_of(context, config)
-        vm = self.model(config)
+        vm = self.model(config, options)
         vm.load(record_to_state(array_record(message.content)))
         data = _partition(config, pid, num)
         accuracy, loss = evaluate(
@@ -188,11 +202,17 @@ class Handlers:
         return Message(reply, reply_to=message)
 
 
-def make_handlers(builder: Builder, default_roles: str) -> Handlers:
+def make_handlers(
+    builder: Builder,
+    options: type[VeraOptions] | type[SorfVeraOptions],
+    default_roles: str,
+) -> Handlers:
     """Handlers for a VeRA-family client kind."""
-    return Handlers(builder, default_roles)
+    return Handlers(builder, options, default_roles)
 
 
-_VERA = make_handlers(build_vera_text_model, "vera_lambda_b,vera_lambda_d,head")
+_VERA = make_handlers(
+    build_vera_text_model, VeraOptions, "vera_lambda_b,vera_lambda_d,head"
+)
 train_message: Handler = _VERA.train
 evaluate_message: Handler = _VERA.evaluate

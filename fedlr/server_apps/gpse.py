@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from fedlr.config import RunConfig
 from fedlr.continual import (
     AccuracyMatrix,
+    ContinualOptions,
     build_continual_model,
     forgetting,
     stream_from_config,
@@ -30,9 +30,9 @@ from fedlr.continual import (
 )
 from fedlr.errors import ConfigError
 from fedlr.image_task import ImageData, evaluate_images
-from fedlr.server_apps.plans import ServerPlan, register_plan
+from fedlr.server_apps.plans import ServerPlan, check_strategy
 from fedlr.strategies.fot import FedAvgContinual
-from fedlr.strategies.registry import MethodSpec
+from fedlr.strategies.registry import MethodConfig
 from fedlr.train import pick_device
 
 __all__ = ["gpse_plan"]
@@ -40,27 +40,25 @@ __all__ = ["gpse_plan"]
 COLUMNS = ("task", "task-accuracy", "acc", "fgt", "basis-dims", "projected-share")
 
 
-@register_plan("gpse")
-def gpse_plan(config: RunConfig, spec: MethodSpec) -> ServerPlan:
+def gpse_plan(method: MethodConfig) -> ServerPlan:
     """Stream, seeded vision model, continual strategy, per-task evaluation."""
-    if not issubclass(spec.strategy_cls, FedAvgContinual):
-        raise TypeError(
-            f"method '{spec.name}' has client kind 'gpse' but its strategy "
-            f"{spec.strategy_cls.__qualname__} is not a FedAvgContinual"
-        )
-    rounds = config.num_tasks * config.rounds_per_task
+    config = method.run
+    check_strategy(method.spec, FedAvgContinual)
+    strategy_cls: type[FedAvgContinual] = method.spec.strategy  # type: ignore[assignment]
+    options = ContinualOptions.of(method.options)
+    rounds = options.num_tasks * options.rounds_per_task
     if config.num_server_rounds != rounds:
         raise ConfigError(
             "num-server-rounds",
-            f"must equal num-tasks x rounds-per-task = {config.num_tasks} x "
-            f"{config.rounds_per_task} = {rounds}, got {config.num_server_rounds}",
+            f"must equal num-tasks x rounds-per-task = {options.num_tasks} x "
+            f"{options.rounds_per_task} = {rounds}, got {config.num_server_rounds}",
         )
-    stream = stream_from_config(config)
+    stream = stream_from_config(config, options)
     model = build_continual_model(config)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     shapes = {k: tuple(v.shape) for k, v in initial.items()}
-    strategy = spec.strategy_cls.from_run_config(
-        config, shapes, model.projected_layers()
+    strategy = strategy_cls.from_run_config(
+        config, shapes, model.projected_layers(), method.options
     )
     device = pick_device(config.device)
     heldout: dict[int, ImageData] = {}
@@ -90,7 +88,7 @@ def gpse_plan(config: RunConfig, spec: MethodSpec) -> ServerPlan:
             accuracies.append(accuracy)
             losses.append(loss)
         model.to("cpu")
-        if server_round > 0 and position == config.rounds_per_task - 1:
+        if server_round > 0 and position == options.rounds_per_task - 1:
             matrix.record(accuracies)
         finished = matrix.rows[:task]
         fgt = forgetting(finished, current=accuracies[: len(finished) + 1])
@@ -123,8 +121,8 @@ def gpse_plan(config: RunConfig, spec: MethodSpec) -> ServerPlan:
         },
         columns=COLUMNS,
         description=(
-            f"{config.model} on {config.dataset}: {config.num_tasks} tasks x "
-            f"{config.rounds_per_task} rounds, device {device}"
+            f"{config.model} on {config.dataset}: {options.num_tasks} tasks x "
+            f"{options.rounds_per_task} rounds, device {device}"
         ),
         finish=finish,
         save_state=lambda: {"matrix": [list(row) for row in matrix.rows]},

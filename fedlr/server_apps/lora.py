@@ -17,19 +17,17 @@ from collections.abc import Mapping
 import torch
 
 from fedlr.adapters import Role, adapter_state
-from fedlr.config import RunConfig
-from fedlr.server_apps.plans import ServerPlan, register_plan
+from fedlr.server_apps.plans import ServerPlan, check_strategy
 from fedlr.strategies.lora import LoraStrategy
 from fedlr.strategies.lora_svd import PersonalLoraStrategy, SvdLoraStrategy
-from fedlr.strategies.registry import MethodSpec
+from fedlr.strategies.registry import MethodConfig
 from fedlr.tasks import LoraModel, TextTask
 from fedlr.train import evaluate, pick_device
 
 __all__ = ["lora_plan"]
 
 
-@register_plan("lora")
-def lora_plan(config: RunConfig, spec: MethodSpec) -> ServerPlan:
+def lora_plan(method: MethodConfig) -> ServerPlan:
     """Seeded LoRA classifier, its strategy and held-out evaluation.
 
     Raises
@@ -38,15 +36,13 @@ def lora_plan(config: RunConfig, spec: MethodSpec) -> ServerPlan:
         For ``lora-rank`` larger than a target layer's smaller side (from the
         model build, before any training).
     """
-    if not issubclass(spec.strategy_cls, LoraStrategy):
-        raise TypeError(
-            f"method '{spec.name}' has client kind 'lora' but its strategy "
-            f"{spec.strategy_cls.__qualname__} is not a LoraStrategy"
-        )
+    config, spec = method.run, method.spec
+    check_strategy(spec, LoraStrategy)
+    strategy_cls: type[LoraStrategy] = spec.strategy  # type: ignore[assignment]
     task = TextTask(config)
     models: dict[int, LoraModel] = {config.lora_rank: task.build_lora_model()}
     lm = models[config.lora_rank]
-    strategy = spec.strategy_cls.from_run_config(config, lm.layout)
+    strategy = strategy_cls.from_run_config(config, lm.layout, method.options)
     initial = adapter_state(lm.model, lm.layout, strategy.send_roles)
     if isinstance(strategy, SvdLoraStrategy):
         strategy.bind_initial(

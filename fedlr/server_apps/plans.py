@@ -1,8 +1,9 @@
-"""Server plans: what the ServerApp builds for a method, keyed by client kind.
+"""Server plans: what the ServerApp builds for a method.
 
-A method's registry entry names its ``client_kind`` (``lora``, ``vera`` ...);
-the same name selects the ClientApp handlers (:mod:`fedlr.client_apps.app`) and the
-server plan here. A plan is everything the generic round loop in
+A method's registry entry names its payload kind
+(:class:`~fedlr.strategies.registry.PayloadKind`), which holds the plan
+builder of that kind (``plan(method_config) -> ServerPlan``) beside the
+ClientApp handlers. A plan is everything the generic round loop in
 :mod:`fedlr.server_apps.runner` needs and nothing about how the loop runs:
 
 * the strategy, built from the run config;
@@ -16,8 +17,8 @@ server plan here. A plan is everything the generic round loop in
 * an optional ``finish(run_dir)`` that writes extra files at the end and
   returns extra ``summary.json`` fields.
 
-A family adds a module with a builder decorated by :func:`register_plan` and
-imports it in :mod:`fedlr.server_apps.kinds`.
+A family adds a module with its builder and names it in its payload kind
+(:mod:`fedlr.payloads`).
 """
 
 from __future__ import annotations
@@ -29,18 +30,10 @@ from typing import Any
 
 import torch
 
-from fedlr.config import RunConfig
 from fedlr.strategies.base import FedLRStrategy
 from fedlr.strategies.registry import MethodSpec
 
-__all__ = [
-    "EvaluateFn",
-    "PlanBuilder",
-    "ServerPlan",
-    "available_plans",
-    "get_plan_builder",
-    "register_plan",
-]
+__all__ = ["EvaluateFn", "ServerPlan", "check_strategy"]
 
 EvaluateFn = Callable[[int, Mapping[str, torch.Tensor]], dict[str, float]]
 FinishFn = Callable[[Path], dict[str, Any]]
@@ -87,45 +80,14 @@ class ServerPlan:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-PlanBuilder = Callable[[RunConfig, MethodSpec], ServerPlan]
+def check_strategy(spec: MethodSpec, base: type) -> None:
+    """Raise ``TypeError`` unless the method's strategy is a ``base``.
 
-_PLANS: dict[str, PlanBuilder] = {}
-
-
-def register_plan(kind: str) -> Callable[[PlanBuilder], PlanBuilder]:
-    """Decorator registering the server plan builder of a client kind.
-
-    Raises
-    ------
-    ValueError
-        If ``kind`` already has a builder.
+    A payload kind's plan serves strategies of one family; a method registered
+    with the wrong payload kind fails here, at start-up, naming both.
     """
-
-    def decorator(builder: PlanBuilder) -> PlanBuilder:
-        if kind in _PLANS:
-            raise ValueError(f"client kind '{kind}' already has a server plan")
-        _PLANS[kind] = builder
-        return builder
-
-    return decorator
-
-
-def get_plan_builder(kind: str) -> PlanBuilder:
-    """The builder for ``kind``.
-
-    Raises
-    ------
-    KeyError
-        Naming the kind and the kinds that have plans.
-    """
-    try:
-        return _PLANS[kind]
-    except KeyError:
-        raise KeyError(
-            f"no server plan for client kind '{kind}'; known: {sorted(_PLANS)}"
-        ) from None
-
-
-def available_plans() -> list[str]:
-    """Client kinds with a server plan, sorted."""
-    return sorted(_PLANS)
+    if not issubclass(spec.strategy, base):
+        raise TypeError(
+            f"method '{spec.name}' has payload kind '{spec.payload.name}' but its "
+            f"strategy {spec.strategy.__qualname__} is not a {base.__name__}"
+        )

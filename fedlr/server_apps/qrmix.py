@@ -14,12 +14,11 @@ from pathlib import Path
 
 import torch
 
-from fedlr.config import RunConfig
 from fedlr.errors import ConfigError, ShapeMismatchError
 from fedlr.image_task import ImageTask, evaluate_images
-from fedlr.server_apps.plans import ServerPlan, register_plan
+from fedlr.server_apps.plans import ServerPlan, check_strategy
 from fedlr.strategies.qrmix import VisionFedAvg
-from fedlr.strategies.registry import MethodSpec
+from fedlr.strategies.registry import MethodConfig
 from fedlr.train import pick_device
 
 __all__ = ["load_warmup_checkpoint", "qrmix_plan"]
@@ -61,21 +60,21 @@ def load_warmup_checkpoint(
     return {k: v.detach().to(torch.float32) for k, v in state.items()}
 
 
-@register_plan("qrmix")
-def qrmix_plan(config: RunConfig, spec: MethodSpec) -> ServerPlan:
+def qrmix_plan(method: MethodConfig) -> ServerPlan:
     """Seeded vision model, its strategy and held-out evaluation."""
-    if not issubclass(spec.strategy_cls, VisionFedAvg):
-        raise TypeError(
-            f"method '{spec.name}' has client kind 'qrmix' but its strategy "
-            f"{spec.strategy_cls.__qualname__} is not a VisionFedAvg"
-        )
+    config = method.run
+    check_strategy(method.spec, VisionFedAvg)
+    strategy_cls: type[VisionFedAvg] = method.spec.strategy  # type: ignore[assignment]
     task = ImageTask(config)
     model = task.build_model()
     shapes = model.parameter_shapes()
-    strategy = spec.strategy_cls.from_run_config(config, shapes=shapes, head=model.head)
+    strategy = strategy_cls.from_run_config(
+        config, shapes=shapes, head=model.head, options=method.options
+    )
     initial = model.parameter_state()
-    if config.qrmix_warmup_checkpoint:
-        initial = load_warmup_checkpoint(config.qrmix_warmup_checkpoint, shapes)
+    checkpoint = str(method.options.to_mapping().get("qrmix-warmup-checkpoint", ""))
+    if checkpoint:
+        initial = load_warmup_checkpoint(checkpoint, shapes)
     heldout = task.heldout()
     device = pick_device(config.device)
     size = sum(t.numel() for t in initial.values())

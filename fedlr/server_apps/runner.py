@@ -1,8 +1,10 @@
 """What the ServerApp does, as a function of a Grid and a Context.
 
-1. Read the run config into :class:`~fedlr.config.RunConfig`.
+1. Read the run config: the common keys (:class:`~fedlr.config.RunConfig`),
+   the method's registry entry and its options
+   (:func:`~fedlr.strategies.registry.resolve`).
 2. Build the method's :class:`~fedlr.server_apps.plans.ServerPlan` (strategy, initial
-   arrays, evaluation) from the plan registered for its client kind.
+   arrays, evaluation) with its payload kind's plan builder.
 3. Run the rounds (``strategy.run_round``: train, then federated evaluation
    if the method asks for it); after each, evaluate, append a CSV row, log a
    progress line and save ``checkpoint.pt`` (:mod:`fedlr.checkpoint`), from
@@ -30,8 +32,6 @@ from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
-import fedlr.server_apps.kinds
-import fedlr.strategies  # noqa: F401  (registers every method)
 from fedlr.checkpoint import (
     check_resumable,
     get_rng_state,
@@ -43,8 +43,7 @@ from fedlr.config import RunConfig
 from fedlr.flower.records import record_to_state
 from fedlr.plots import write_run_plots
 from fedlr.results import ResultsWriter
-from fedlr.server_apps.plans import get_plan_builder
-from fedlr.strategies.registry import get_method
+from fedlr.strategies.registry import resolve
 
 __all__ = ["run_server"]
 
@@ -66,15 +65,15 @@ def run_server(grid: Grid, context: Context) -> Path:
     its last checkpoint (same directory, same CSVs), up to
     ``num-server-rounds``.
     """
-    config = RunConfig.from_mapping(context.run_config)
-    spec = get_method(config.method)
+    method = resolve(context.run_config)
+    config, spec = method.run, method.spec
     resume = load_checkpoint(config.resume_from) if config.resume_from else None
     if resume is not None:
-        check_resumable(resume["config"], config.to_mapping())
+        check_resumable(resume["config"], method.to_mapping())
     random.seed(config.seed)  # Flower samples nodes with `random`
     torch.manual_seed(config.seed)
 
-    plan = get_plan_builder(spec.client_kind)(config, spec)
+    plan = spec.payload.plan(method)
     strategy = plan.strategy
     if resume is not None:
         run_dir = Path(config.resume_from)
@@ -83,7 +82,7 @@ def run_server(grid: Grid, context: Context) -> Path:
     writer = ResultsWriter(
         run_dir,
         method=config.method,
-        config=config.to_mapping() if resume is None else None,
+        config=method.to_mapping() if resume is None else None,
         extra_columns=plan.columns,
     )
     log(INFO, "fedlr: method %s (%s), results in %s", spec.name, spec.summary, run_dir)
@@ -147,7 +146,7 @@ def run_server(grid: Grid, context: Context) -> Path:
                 "results": rows,
                 "layers": layer_rows,
                 "extra": {"initial": dict(initial_metrics)},
-                "config": config.to_mapping(),
+                "config": method.to_mapping(),
             },
         )
 

@@ -16,13 +16,18 @@ import torch
 
 from fedlr.adapters.vera import VeraModel
 from fedlr.config import RunConfig
-from fedlr.server_apps.plans import ServerPlan, register_plan
-from fedlr.strategies.registry import MethodSpec
+from fedlr.server_apps.plans import ServerPlan, check_strategy
+from fedlr.strategies.registry import MethodConfig
 from fedlr.strategies.sorf_vera import SorfVeRA
 from fedlr.strategies.vera import VeraStrategy
 from fedlr.tasks import TextTask
 from fedlr.train import evaluate, pick_device
-from fedlr.vera_tasks import build_sorf_vera_text_model, build_vera_text_model
+from fedlr.vera_tasks import (
+    SorfVeraOptions,
+    VeraOptions,
+    build_sorf_vera_text_model,
+    build_vera_text_model,
+)
 
 __all__ = ["sorf_vera_plan", "vera_plan"]
 
@@ -34,6 +39,7 @@ def _plan(
     vm: VeraModel,
     strategy: VeraStrategy | SorfVeRA,
     columns: tuple[str, ...],
+    lr: float,
 ) -> ServerPlan:
     task = TextTask(config)
     heldout = task.heldout()
@@ -55,7 +61,7 @@ def _plan(
         initial_arrays=initial,
         evaluate=evaluate_global,
         train_config={
-            "lr": config.vera_lr,
+            "lr": lr,
             "local-steps": config.local_steps,
             "batch-size": config.batch_size,
         },
@@ -68,28 +74,21 @@ def _plan(
     )
 
 
-def _wrong_kind(spec: MethodSpec, cls: type, kind: str) -> TypeError:
-    return TypeError(
-        f"method '{spec.name}' has client kind '{kind}' but its strategy "
-        f"{spec.strategy_cls.__qualname__} is not a {cls.__name__}"
-    )
-
-
-@register_plan("vera")
-def vera_plan(config: RunConfig, spec: MethodSpec) -> ServerPlan:
+def vera_plan(method: MethodConfig) -> ServerPlan:
     """Seeded VeRA classifier, its strategy and held-out evaluation."""
-    if not issubclass(spec.strategy_cls, VeraStrategy):
-        raise _wrong_kind(spec, VeraStrategy, "vera")
-    vm = build_vera_text_model(config)
-    strategy = spec.strategy_cls.from_run_config(config, vm)
-    return _plan(config, vm, strategy, ())
+    check_strategy(method.spec, VeraStrategy)
+    strategy_cls: type[VeraStrategy] = method.spec.strategy  # type: ignore[assignment]
+    options = VeraOptions.of(method.options)
+    vm = build_vera_text_model(method.run, options)
+    strategy = strategy_cls.from_run_config(method.run, vm, options)
+    return _plan(method.run, vm, strategy, (), options.vera_lr)
 
 
-@register_plan("sorf-vera")
-def sorf_vera_plan(config: RunConfig, spec: MethodSpec) -> ServerPlan:
+def sorf_vera_plan(method: MethodConfig) -> ServerPlan:
     """Seeded SORF-VeRA classifier, its strategy and held-out evaluation."""
-    if not issubclass(spec.strategy_cls, SorfVeRA):
-        raise _wrong_kind(spec, SorfVeRA, "sorf-vera")
-    vm = build_sorf_vera_text_model(config)
-    strategy = spec.strategy_cls.from_run_config(config, vm)
-    return _plan(config, vm, strategy, SORF_COLUMNS)
+    check_strategy(method.spec, SorfVeRA)
+    strategy_cls: type[SorfVeRA] = method.spec.strategy  # type: ignore[assignment]
+    options = SorfVeraOptions.of(method.options)
+    vm = build_sorf_vera_text_model(method.run, options)
+    strategy = strategy_cls.from_run_config(method.run, vm, options)
+    return _plan(method.run, vm, strategy, SORF_COLUMNS, options.vera_lr)

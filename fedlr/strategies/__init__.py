@@ -1,54 +1,59 @@
 """fedlr strategies: one module per method, each a Flower ``Strategy``.
 
-Importing this package registers every method (see :mod:`fedlr.strategies.registry`).
+Every method registers itself in its own module
+(:func:`~fedlr.strategies.registry.register_method`); the registry imports
+the modules of this package on its first lookup. The names below are resolved
+on first access, so importing one strategy module imports no other.
 """
 
-from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
-from fedlr.strategies.fedavg_lora import FedAvgLoRA
-from fedlr.strategies.fedex_lora import FedExLoRA
-from fedlr.strategies.fedsa_lora import FedSALoRA
-from fedlr.strategies.fedspec import FedSpec
-from fedlr.strategies.fedsvd import FedSVD
-from fedlr.strategies.ffa_lora import FFALoRA
-from fedlr.strategies.fot import FOT, FedAvgContinual
-from fedlr.strategies.global_svd import GlobalSVD, LocalSVD
-from fedlr.strategies.lora import LoraStrategy
-from fedlr.strategies.lora_svd import PersonalLoraStrategy, SvdLoraStrategy
-from fedlr.strategies.qrmix import QRMix, VisionFedAvg
-from fedlr.strategies.registry import (
-    MethodSpec,
-    available_methods,
-    get_method,
-    register_method,
-)
-from fedlr.strategies.sorf_vera import SorfVeRA
-from fedlr.strategies.vera import FedAvgVeRA, VeraFedEx, VeraStrategy
+from __future__ import annotations
 
-__all__ = [
-    "FOT",
-    "ClientUpdate",
-    "FFALoRA",
-    "FedAvgContinual",
-    "FedAvgLoRA",
-    "FedAvgVeRA",
-    "FedExLoRA",
-    "FedLRStrategy",
-    "FedSALoRA",
-    "FedSVD",
-    "FedSpec",
-    "GlobalSVD",
-    "LocalSVD",
-    "LoraStrategy",
-    "MethodSpec",
-    "PersonalLoraStrategy",
-    "QRMix",
-    "RoundReport",
-    "SorfVeRA",
-    "SvdLoraStrategy",
-    "VeraFedEx",
-    "VeraStrategy",
-    "VisionFedAvg",
-    "available_methods",
-    "get_method",
-    "register_method",
-]
+import importlib
+from typing import Any
+
+_NAMES = {
+    "ClientUpdate": "base",
+    "FedLRStrategy": "base",
+    "RoundReport": "base",
+    "FedAvgLoRA": "fedavg_lora",
+    "FedExLoRA": "fedex_lora",
+    "FedSALoRA": "fedsa_lora",
+    "FedSpec": "fedspec",
+    "FedSpecOptions": "fedspec",
+    "FedSVD": "fedsvd",
+    "FFALoRA": "ffa_lora",
+    "FOT": "fot",
+    "FOTOptions": "fot",
+    "FedAvgContinual": "fot",
+    "GlobalSVD": "global_svd",
+    "LocalSVD": "global_svd",
+    "LegacyStrategy": "legacy",
+    "LoraStrategy": "lora",
+    "PersonalLoraStrategy": "lora_svd",
+    "SvdLoraStrategy": "lora_svd",
+    "QRMix": "qrmix",
+    "QRMixOptions": "qrmix",
+    "VisionFedAvg": "qrmix",
+    "MethodConfig": "registry",
+    "MethodSpec": "registry",
+    "PayloadKind": "registry",
+    "available_methods": "registry",
+    "get_method": "registry",
+    "register_method": "registry",
+    "registered_methods": "registry",
+    "resolve": "registry",
+    "SorfVeRA": "sorf_vera",
+    "FedAvgVeRA": "vera",
+    "VeraFedEx": "vera",
+    "VeraFedExOptions": "vera",
+    "VeraStrategy": "vera",
+}
+
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NAMES:
+        module = importlib.import_module(f"{__name__}.{_NAMES[name]}")
+        return getattr(module, name)
+    raise AttributeError(f"module '{__name__}' has no attribute '{name}'")

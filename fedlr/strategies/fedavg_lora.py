@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.lora import LoraStrategy
 from fedlr.strategies.registry import register_method
@@ -22,7 +23,7 @@ __all__ = ["FedAvgLoRA"]
 
 
 @register_method(
-    "fedavg-lora", client_kind="lora", summary="FedIT: weighted means of A and B"
+    "fedavg-lora", payload=LORA, summary="FedIT: weighted means of A and B"
 )
 class FedAvgLoRA(LoraStrategy):
     """Weighted means of every trained tensor (A, B, head).

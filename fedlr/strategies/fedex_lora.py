@@ -28,6 +28,7 @@ import torch
 
 from fedlr.adapters.roles import Role
 from fedlr.linalg import fold_residual
+from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
 from fedlr.strategies.registry import register_method
@@ -37,7 +38,7 @@ __all__ = ["FedExLoRA"]
 
 @register_method(
     "fedex-lora",
-    client_kind="lora",
+    payload=LORA,
     summary="FedAvg of A, B plus the exact residual folded into W0",
 )
 class FedExLoRA(FedAvgLoRA):

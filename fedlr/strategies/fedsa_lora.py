@@ -23,6 +23,7 @@ from typing import ClassVar
 import torch
 
 from fedlr.adapters.roles import Role
+from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.lora_svd import PersonalLoraStrategy
 from fedlr.strategies.registry import register_method
@@ -32,7 +33,7 @@ __all__ = ["FedSALoRA"]
 
 @register_method(
     "fedsa-lora",
-    client_kind="lora",
+    payload=LORA,
     summary="A averaged; each client keeps its own B (personalised)",
 )
 class FedSALoRA(PersonalLoraStrategy):

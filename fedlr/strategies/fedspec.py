@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from logging import INFO
 from typing import Any, ClassVar
 
@@ -49,11 +50,13 @@ from fedlr.linalg import (
     truncate,
     truncated_svd_of_mean,
 )
+from fedlr.options import NoOptions, Options, option, require
+from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.lora_svd import SvdLoraStrategy
 from fedlr.strategies.registry import register_method
 
-__all__ = ["FedSpec", "layout_at_rank"]
+__all__ = ["FedSpec", "FedSpecOptions", "layout_at_rank"]
 
 
 def layout_at_rank(layout: AdapterLayout, rank: int) -> AdapterLayout:
@@ -67,9 +70,34 @@ def layout_at_rank(layout: AdapterLayout, rank: int) -> AdapterLayout:
     )
 
 
+@dataclass(frozen=True)
+class FedSpecOptions(NoOptions):
+    """FedSpec's run-config keys."""
+
+    fedspec_threshold: float = option(
+        0.05,
+        "fedspec: grow the rank by 2 while the tail energy fraction beyond it "
+        "exceeds this",
+    )
+    fedspec_max_rank: int = option(16, "fedspec: cap of the adaptive rank")
+
+    def check(self) -> None:
+        require(
+            0.0 <= self.fedspec_threshold < 1.0,
+            "fedspec-threshold",
+            f"must be in [0, 1), got {self.fedspec_threshold}",
+        )
+        require(
+            self.fedspec_max_rank >= 1,
+            "fedspec-max-rank",
+            f"must be >= 1, got {self.fedspec_max_rank}",
+        )
+
+
 @register_method(
     "fedspec",
-    client_kind="lora",
+    payload=LORA,
+    options=FedSpecOptions,
     summary="truncated SVD of the mean of products, B=U sqrt(S), A=sqrt(S) V^T; "
     "rank grows by 2 while the tail energy exceeds a threshold",
 )
@@ -135,10 +163,14 @@ class FedSpec(SvdLoraStrategy):
         self.rank_history = [int(r) for r in state.get("rank-history", [])]
 
     @classmethod
-    def options(cls, config: RunConfig, layout: AdapterLayout) -> dict[str, Any]:
+    def strategy_kwargs(
+        cls, config: RunConfig, options: Options | None
+    ) -> dict[str, Any]:
+        opts = FedSpecOptions.of(options)
         return {
-            "threshold": config.fedspec_threshold,
-            "max_rank": config.fedspec_max_rank,
+            **super().strategy_kwargs(config, options),
+            "threshold": opts.fedspec_threshold,
+            "max_rank": opts.fedspec_max_rank,
         }
 
     def round_config(self, server_round: int) -> dict[str, Any]:

@@ -27,6 +27,7 @@ import torch
 
 from fedlr.adapters.roles import Role
 from fedlr.linalg import factored_svd, pad_factors
+from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.lora_svd import SvdLoraStrategy
 from fedlr.strategies.registry import register_method
@@ -36,7 +37,7 @@ __all__ = ["FedSVD"]
 
 @register_method(
     "fedsvd",
-    client_kind="lora",
+    payload=LORA,
     summary="clients train B with A fixed; server SVD of B_bar A -> A=V^T, B=US",
 )
 class FedSVD(SvdLoraStrategy):

@@ -23,6 +23,7 @@ from typing import ClassVar
 import torch
 
 from fedlr.adapters.roles import Role
+from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.lora_svd import SvdLoraStrategy
 from fedlr.strategies.registry import register_method
@@ -32,7 +33,7 @@ __all__ = ["FFALoRA"]
 
 @register_method(
     "ffa-lora",
-    client_kind="lora",
+    payload=LORA,
     summary="A frozen at its seeded init and never sent; B averaged",
 )
 class FFALoRA(SvdLoraStrategy):

@@ -45,15 +45,18 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from logging import INFO
-from typing import Any
+from typing import Any, Self
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
+from fedlr import protocol
 from fedlr.config import RunConfig
+from fedlr.continual import ContinualOptions
 from fedlr.errors import ReplyValidationError
 from fedlr.flower.records import record_nbytes, record_to_state
 from fedlr.linalg.fot import (
@@ -61,27 +64,17 @@ from fedlr.linalg.fot import (
     project_update,
     weighted_residual_fraction,
 )
+from fedlr.options import Options, option, require
+from fedlr.payloads import GPSE
 from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
 from fedlr.strategies.registry import register_method
 
-__all__ = ["FOT", "FedAvgContinual", "fraction_key"]
-
-SKETCHES = "sketches"
-"""Name of the reply's ArrayRecord of GPSE sketches."""
-BASES = "bases"
-"""Name of the instruction's ArrayRecord of current bases."""
-GPSE_EXAMPLES = "gpse-examples"
-"""Reply metric: examples behind the sketches (``b``)."""
-
-
-def fraction_key(layer: str) -> str:
-    """Reply metric holding ``r_l`` of ``layer``."""
-    return f"gpse-fraction.{layer}"
+__all__ = ["FOT", "FOTOptions", "FedAvgContinual"]
 
 
 @register_method(
     "fedavg-continual",
-    client_kind="gpse",
+    payload=GPSE,
     summary="FedAvg on a continual task stream (baseline of fot)",
 )
 class FedAvgContinual(FedLRStrategy):
@@ -126,15 +119,29 @@ class FedAvgContinual(FedLRStrategy):
         config: RunConfig,
         shapes: Mapping[str, tuple[int, ...]],
         projected: Sequence[str],
-    ) -> FedAvgContinual:
-        """Build from the typed run config (``projected`` unused here)."""
+        options: Options | None = None,
+    ) -> Self:
+        """Build from the run config's common keys and the method's options.
+
+        ``projected`` names the layers whose updates FOT projects (unused by
+        the FedAvg baseline).
+        """
+        opts = ContinualOptions.of(options)
         return cls(
             shapes=shapes,
-            rounds_per_task=config.rounds_per_task,
-            num_tasks=config.num_tasks,
+            rounds_per_task=opts.rounds_per_task,
+            num_tasks=opts.num_tasks,
             lr=config.lr,
             **cls.base_options(config),
+            **cls.strategy_kwargs(projected, options),
         )
+
+    @classmethod
+    def strategy_kwargs(
+        cls, projected: Sequence[str], options: Options | None
+    ) -> dict[str, Any]:
+        """Constructor arguments of the method's own (none here)."""
+        return {}
 
     # ----------------------------------------------------------------- stream
     def task_of(self, server_round: int) -> tuple[int, int]:
@@ -164,9 +171,39 @@ class FedAvgContinual(FedLRStrategy):
         return state, RoundReport(metrics={"task": float(task)})
 
 
+@dataclass(frozen=True)
+class FOTOptions(ContinualOptions):
+    """FOT's run-config keys (the ``gpse`` payload's and its own)."""
+
+    fot_eps: float = option(0.95, "FOT energy threshold ε of the first task boundary")
+    fot_eps_inc: float = option(0.01, "FOT: ε grows by this after each boundary")
+    fot_sketch_dim: int = option(
+        0, "GPSE sketch columns m per layer (0: the layer's d)"
+    )
+
+    def check(self) -> None:
+        super().check()
+        require(
+            0.0 <= self.fot_eps <= 1.0,
+            "fot-eps",
+            f"must be in [0, 1], got {self.fot_eps}",
+        )
+        require(
+            math.isfinite(self.fot_eps_inc) and 0.0 <= self.fot_eps_inc <= 1.0,
+            "fot-eps-inc",
+            f"must be in [0, 1], got {self.fot_eps_inc}",
+        )
+        require(
+            self.fot_sketch_dim >= 0,
+            "fot-sketch-dim",
+            f"must be >= 0, got {self.fot_sketch_dim}",
+        )
+
+
 @register_method(
     "fot",
-    client_kind="gpse",
+    payload=GPSE,
+    options=FOTOptions,
     summary="FedAvg with updates projected off GPSE bases of earlier tasks",
 )
 class FOT(FedAvgContinual):
@@ -243,24 +280,16 @@ class FOT(FedAvgContinual):
         self._round = int(state.get("round", 0))
 
     @classmethod
-    def from_run_config(
-        cls,
-        config: RunConfig,
-        shapes: Mapping[str, tuple[int, ...]],
-        projected: Sequence[str],
-    ) -> FOT:
-        """Build from the typed run config."""
-        return cls(
-            shapes=shapes,
-            projected=projected,
-            eps=config.fot_eps,
-            eps_inc=config.fot_eps_inc,
-            sketch_dim=config.fot_sketch_dim,
-            rounds_per_task=config.rounds_per_task,
-            num_tasks=config.num_tasks,
-            lr=config.lr,
-            **cls.base_options(config),
-        )
+    def strategy_kwargs(
+        cls, projected: Sequence[str], options: Options | None
+    ) -> dict[str, Any]:
+        opts = FOTOptions.of(options)
+        return {
+            "projected": projected,
+            "eps": opts.fot_eps,
+            "eps_inc": opts.fot_eps_inc,
+            "sketch_dim": opts.fot_sketch_dim,
+        }
 
     def summary(self) -> None:
         """Log the settings, then FedAvg's."""
@@ -302,7 +331,7 @@ class FOT(FedAvgContinual):
         if self.boundary_task(server_round) >= 0:
             bases = ArrayRecord({k: v.contiguous() for k, v in self.bases.items()})
             for message in messages:
-                message.content[BASES] = bases
+                message.content[protocol.BASES] = bases
             self._bytes_down += record_nbytes(bases) * len(messages)
         return messages
 
@@ -322,11 +351,11 @@ class FOT(FedAvgContinual):
         if self.boundary_task(self._round) < 0:
             return update
         node = update.node_id
-        if SKETCHES not in update.content.array_records:
+        if protocol.SKETCHES not in update.content.array_records:
             raise ReplyValidationError(
-                node, f"boundary round without an ArrayRecord '{SKETCHES}'"
+                node, f"boundary round without an ArrayRecord '{protocol.SKETCHES}'"
             )
-        record = update.content.array_records[SKETCHES]
+        record = update.content.array_records[protocol.SKETCHES]
         if set(record.keys()) != set(self.dims):
             raise ReplyValidationError(
                 node,
@@ -345,26 +374,31 @@ class FOT(FedAvgContinual):
                 raise ReplyValidationError(
                     node, f"sketch '{layer}' is not finite floating point"
                 )
-            r = update.metrics.get(fraction_key(layer))
+            r = update.metrics.get(protocol.gpse_fraction_key(layer))
             if r is None or not 0.0 <= r <= 1.0:
                 raise ReplyValidationError(
-                    node, f"'{fraction_key(layer)}' must be in [0, 1], got {r}"
+                    node,
+                    f"'{protocol.gpse_fraction_key(layer)}' must be in [0, 1], got {r}",
                 )
-        b = update.metrics.get(GPSE_EXAMPLES)
+        b = update.metrics.get(protocol.GPSE_EXAMPLES)
         if b is None or not math.isfinite(b) or b < 1:
-            raise ReplyValidationError(node, f"'{GPSE_EXAMPLES}' must be >= 1, got {b}")
+            raise ReplyValidationError(
+                node, f"'{protocol.GPSE_EXAMPLES}' must be >= 1, got {b}"
+            )
         return dataclasses.replace(update, nbytes=update.nbytes + record_nbytes(record))
 
     # ------------------------------------------------------------- aggregation
     def expand_bases(self, updates: list[ClientUpdate]) -> dict[str, int]:
         """GPSE on the server: extend every layer's basis; return the k added."""
-        counts = [u.metrics[GPSE_EXAMPLES] for u in updates]
-        sketches = [record_to_state(u.content.array_records[SKETCHES]) for u in updates]
+        counts = [u.metrics[protocol.GPSE_EXAMPLES] for u in updates]
+        sketches = [
+            record_to_state(u.content.array_records[protocol.SKETCHES]) for u in updates
+        ]
         added: dict[str, int] = {}
         for layer in self.dims:
             total = torch.stack([s[layer].to(torch.float64) for s in sketches]).sum(0)
             r_bar = weighted_residual_fraction(
-                [u.metrics[fraction_key(layer)] for u in updates], counts
+                [u.metrics[protocol.gpse_fraction_key(layer)] for u in updates], counts
             )
             basis, k = expand_basis(self.bases.get(layer), total, r_bar, self.eps)
             if basis is not None:

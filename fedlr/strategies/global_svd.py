@@ -40,6 +40,7 @@ import torch
 
 from fedlr.adapters.roles import Role
 from fedlr.linalg import pad_factors, stacked_updates_svd
+from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.lora_svd import PersonalLoraStrategy
 from fedlr.strategies.registry import register_method
@@ -49,7 +50,7 @@ __all__ = ["GlobalSVD", "LocalSVD"]
 
 @register_method(
     "global-svd",
-    client_kind="lora",
+    payload=LORA,
     summary="server SVD of the client updates side by side: shared lora_A, "
     "client-specific lora_B",
 )
@@ -99,7 +100,7 @@ class GlobalSVD(PersonalLoraStrategy):
 
 @register_method(
     "local-svd",
-    client_kind="lora",
+    payload=LORA,
     summary="each client SVDs its own update; server averages the shared lora_A",
 )
 class LocalSVD(PersonalLoraStrategy):

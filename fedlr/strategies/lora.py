@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from logging import INFO
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 from flwr.supercore import log
 
@@ -15,6 +15,7 @@ from fedlr.linalg import (
     mean_of_products_factors,
     residual_factors,
 )
+from fedlr.options import Options
 from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
 
 __all__ = ["LoraStrategy"]
@@ -43,12 +44,34 @@ class LoraStrategy(FedLRStrategy):
         self.layout = layout
 
     @classmethod
-    def from_run_config(cls, config: RunConfig, layout: AdapterLayout) -> LoraStrategy:
-        """Build from the typed run config."""
+    def from_run_config(
+        cls,
+        config: RunConfig,
+        layout: AdapterLayout,
+        options: Options | None = None,
+    ) -> Self:
+        """Build from the run config's common keys and the method's options.
+
+        Parameters
+        ----------
+        config : RunConfig
+        layout : AdapterLayout
+        options : Options, optional
+            The method's registered options (:meth:`strategy_kwargs` reads
+            them); ``None``: their defaults.
+        """
         return cls(
             layout=layout,
             **cls.base_options(config),
+            **cls.strategy_kwargs(config, options),
         )
+
+    @classmethod
+    def strategy_kwargs(
+        cls, config: RunConfig, options: Options | None
+    ) -> dict[str, Any]:
+        """Constructor arguments of the method's own (none here)."""
+        return {}
 
     def summary(self) -> None:
         """Log the settings, then FedAvg's."""

@@ -44,6 +44,7 @@ from fedlr.linalg import (
     personal_change,
     require_common_rank,
 )
+from fedlr.options import Options
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.lora import LoraStrategy
 
@@ -78,21 +79,11 @@ class SvdLoraStrategy(LoraStrategy):
         self.initial_state: dict[str, torch.Tensor] = {}
 
     @classmethod
-    def options(cls, config: RunConfig, layout: AdapterLayout) -> dict[str, Any]:
-        """Method-specific constructor arguments read from the run config."""
-        return {}
-
-    @classmethod
-    def from_run_config(
-        cls, config: RunConfig, layout: AdapterLayout
-    ) -> SvdLoraStrategy:
-        """Build from the typed run config (see :meth:`options`)."""
-        return cls(
-            layout=layout,
-            **cls.base_options(config),
-            seed=config.seed,
-            **cls.options(config, layout),
-        )
+    def strategy_kwargs(
+        cls, config: RunConfig, options: Options | None
+    ) -> dict[str, Any]:
+        """The run's seed (padding of grown ranks is seeded)."""
+        return {"seed": config.seed}
 
     def bind_initial(self, state: Mapping[str, torch.Tensor]) -> None:
         """Remember the adapter's seeded initial A, B and head (same on clients)."""

@@ -23,31 +23,35 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from logging import INFO
-from typing import Any, ClassVar
+from pathlib import Path
+from typing import Any, ClassVar, Self
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
+from fedlr import protocol
 from fedlr.config import RunConfig
 from fedlr.errors import ReplyValidationError
 from fedlr.flower.records import record_nbytes, record_to_state
+from fedlr.image_task import EigenOptions
 from fedlr.linalg.qrmix import ClientEigen, fc_flatten, fc_unflatten, qrmix_update
+from fedlr.options import Options, option, require
+from fedlr.payloads import QRMIX
 from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
 from fedlr.strategies.registry import register_method
 
-__all__ = ["EIGEN_KEYS", "EIGEN_RECORD", "QRMix", "VisionFedAvg"]
+__all__ = ["QRMix", "QRMixOptions", "VisionFedAvg"]
 
-EIGEN_RECORD = "eigen"
-EIGEN_KEYS = ("vectors", "values", "delta")
 _ORTHONORMAL_TOL = 1e-3  # eigenvectors travel as float32
 
 
 @register_method(
     "fedavg",
-    client_kind="qrmix",
+    payload=QRMIX,
     summary="FedAvg of every weight of a vision model (local SGD)",
 )
 class VisionFedAvg(FedLRStrategy):
@@ -86,14 +90,26 @@ class VisionFedAvg(FedLRStrategy):
 
     @classmethod
     def from_run_config(
-        cls, config: RunConfig, *, shapes: Mapping[str, tuple[int, ...]], head: str
-    ) -> VisionFedAvg:
-        """Build from the typed run config."""
+        cls,
+        config: RunConfig,
+        *,
+        shapes: Mapping[str, tuple[int, ...]],
+        head: str,
+        options: Options | None = None,
+    ) -> Self:
+        """Build from the run config's common keys and the method's options."""
         return cls(
             shapes=shapes,
             head=head,
             **cls.base_options(config),
+            **cls.strategy_kwargs(options),
         )
+
+    @classmethod
+    def strategy_kwargs(cls, options: Options | None) -> dict[str, Any]:
+        """Constructor arguments of the method's own (none here)."""
+        EigenOptions.of(options)
+        return {}
 
     @property
     def head_dim(self) -> int:
@@ -134,9 +150,56 @@ class VisionFedAvg(FedLRStrategy):
         return state, report
 
 
+@dataclass(frozen=True)
+class QRMixOptions(EigenOptions):
+    """QR-Mix's run-config keys (the ``qrmix`` payload's and its own)."""
+
+    warmup_rounds: int = option(5, "qrmix: FedAvg rounds before the QR-Mix head update")
+    qrmix_tau: float = option(1.0, "qrmix: ridge tau of (H + tau I)")
+    qrmix_gamma: float = option(1.0, "qrmix: step scale gamma of the head update")
+    qrmix_form: str = option(
+        "fisher",
+        "qrmix: fisher = gamma (H + tau I)^-1 b; literal = the source's "
+        "gamma (tau Q z + b - Q Q^T b)",
+    )
+    qrmix_warmup_checkpoint: str = option(
+        "", "qrmix: absolute path of a final_arrays.pt to start at stage 2"
+    )
+
+    def check(self) -> None:
+        super().check()
+        require(
+            self.warmup_rounds >= 0,
+            "warmup-rounds",
+            f"must be >= 0, got {self.warmup_rounds}",
+        )
+        for key, value in (
+            ("qrmix-tau", self.qrmix_tau),
+            ("qrmix-gamma", self.qrmix_gamma),
+        ):
+            require(
+                math.isfinite(value) and value > 0,
+                key,
+                f"must be finite and > 0, got {value}",
+            )
+        require(
+            self.qrmix_form in ("fisher", "literal"),
+            "qrmix-form",
+            f"'{self.qrmix_form}' is not one of fisher, literal",
+        )
+        checkpoint = self.qrmix_warmup_checkpoint
+        require(
+            not checkpoint or Path(checkpoint).expanduser().is_absolute(),
+            "qrmix-warmup-checkpoint",
+            f"must be an absolute path (apps run from a copied bundle), "
+            f"got '{checkpoint}'",
+        )
+
+
 @register_method(
     "qrmix",
-    client_kind="qrmix",
+    payload=QRMIX,
+    options=QRMixOptions,
     summary="FedAvg warm-up, then the FC layer from clients' Hessian eigenpairs",
 )
 class QRMix(VisionFedAvg):
@@ -184,20 +247,16 @@ class QRMix(VisionFedAvg):
         self._current_head: torch.Tensor | None = None
 
     @classmethod
-    def from_run_config(
-        cls, config: RunConfig, *, shapes: Mapping[str, tuple[int, ...]], head: str
-    ) -> QRMix:
-        """Build from the typed run config (a warm-up checkpoint skips stage 1)."""
-        return cls(
-            shapes=shapes,
-            head=head,
-            warmup_rounds=0 if config.qrmix_warmup_checkpoint else config.warmup_rounds,
-            tau=config.qrmix_tau,
-            gamma=config.qrmix_gamma,
-            k=config.qrmix_k,
-            form=config.qrmix_form,
-            **cls.base_options(config),
-        )
+    def strategy_kwargs(cls, options: Options | None) -> dict[str, Any]:
+        """QR-Mix's keys (a warm-up checkpoint skips stage 1)."""
+        opts = QRMixOptions.of(options)
+        return {
+            "warmup_rounds": 0 if opts.qrmix_warmup_checkpoint else opts.warmup_rounds,
+            "tau": opts.qrmix_tau,
+            "gamma": opts.qrmix_gamma,
+            "k": opts.qrmix_k,
+            "form": opts.qrmix_form,
+        }
 
     def summary(self) -> None:
         """Log the settings, then FedAvg's."""
@@ -243,7 +302,7 @@ class QRMix(VisionFedAvg):
         update = super().validate_reply(message, expected)
         if self._stage == 2:
             self.parse_eigen(update)
-            eigen_bytes = record_nbytes(update.content.array_records[EIGEN_RECORD])
+            eigen_bytes = record_nbytes(update.content.array_records[protocol.EIGEN])
             update = dataclasses.replace(update, nbytes=update.nbytes + eigen_bytes)
         return update
 
@@ -251,13 +310,14 @@ class QRMix(VisionFedAvg):
         """Check and unpack a stage-2 reply's ``eigen`` record."""
         node = update.node_id
         records = update.content.array_records
-        if EIGEN_RECORD not in records:
-            raise ReplyValidationError(node, f"stage 2 reply has no '{EIGEN_RECORD}'")
-        eigen = record_to_state(records[EIGEN_RECORD])
-        if set(eigen) != set(EIGEN_KEYS):
+        if protocol.EIGEN not in records:
+            raise ReplyValidationError(node, f"stage 2 reply has no '{protocol.EIGEN}'")
+        eigen = record_to_state(records[protocol.EIGEN])
+        if set(eigen) != set(protocol.EIGEN_KEYS):
             raise ReplyValidationError(
                 node,
-                f"'{EIGEN_RECORD}' has keys {sorted(eigen)}, expected {EIGEN_KEYS}",
+                f"'{protocol.EIGEN}' has keys {sorted(eigen)}, "
+                f"expected {protocol.EIGEN_KEYS}",
             )
         p, k = self.head_dim, self.k
         wanted = {"vectors": (p, k), "values": (k,), "delta": (p,)}

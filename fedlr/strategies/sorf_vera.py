@@ -48,9 +48,12 @@ from fedlr.linalg.sorf import (
     polar_target,
     sorf_apply,
 )
+from fedlr.options import Options
+from fedlr.payloads import SORF_VERA
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.registry import register_method
 from fedlr.strategies.vera import ProjectionChecked
+from fedlr.vera_tasks import SorfVeraOptions
 
 __all__ = ["LayerRefit", "SorfVeRA", "refit_layer"]
 
@@ -166,7 +169,7 @@ def _polar(m: torch.Tensor) -> torch.Tensor:
 
 @register_method(
     "sorf-vera",
-    client_kind="sorf-vera",
+    payload=SORF_VERA,
     summary="average Lambda_d rotations, truncated SVD, refit b (SORF, LS) and d",
 )
 class SorfVeRA(ProjectionChecked):
@@ -227,8 +230,15 @@ class SorfVeRA(ProjectionChecked):
         self.projection_rank = layout.rank
 
     @classmethod
-    def from_run_config(cls, config: RunConfig, vm: VeraModel) -> SorfVeRA:
-        """Build from the typed run config and the server's model."""
+    def from_run_config(
+        cls, config: RunConfig, vm: VeraModel, options: Options | None = None
+    ) -> SorfVeRA:
+        """Build from the run config and the server's model (the projections).
+
+        ``options`` (:class:`~fedlr.vera_tasks.SorfVeraOptions`) shaped the
+        model; the strategy reads nothing more from them.
+        """
+        SorfVeraOptions.of(options)
         if not isinstance(vm.layout, SorfVeraLayout):
             raise TypeError("SORF-VeRA needs a SorfVeraLayout")
         return cls(

@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from logging import INFO
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import torch
 from flwr.app import Message
@@ -44,13 +45,17 @@ from fedlr.config import RunConfig
 from fedlr.errors import ReplyValidationError
 from fedlr.linalg import factored_frobenius_norm, weighted_mean
 from fedlr.linalg.vera import fold_vera_residual, vera_residual_factors
+from fedlr.options import Options, option, require
+from fedlr.payloads import VERA
 from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
 from fedlr.strategies.registry import register_method
+from fedlr.vera_tasks import VeraOptions
 
 __all__ = [
     "FedAvgVeRA",
     "ProjectionChecked",
     "VeraFedEx",
+    "VeraFedExOptions",
     "VeraStrategy",
     "check_projection_metrics",
 ]
@@ -153,17 +158,25 @@ class VeraStrategy(ProjectionChecked):
         self.projection_rank = layout.rank
 
     @classmethod
-    def from_run_config(cls, config: RunConfig, vm: VeraModel) -> VeraStrategy:
-        """Build from the typed run config and the server's model."""
+    def from_run_config(
+        cls, config: RunConfig, vm: VeraModel, options: Options | None = None
+    ) -> Self:
+        """Build from the run config's common keys, the method's options and
+        the server's model (the projections)."""
         if not isinstance(vm.layout, VeraLayout):
             raise TypeError("a VeRA strategy needs a VeraLayout")
         return cls(
             layout=vm.layout,
             projection_a=vm.projection_a,
             projection_b=vm.projection_b,
-            fedex_lr=config.fedex_lr,
             **cls.base_options(config),
+            **cls.strategy_kwargs(options),
         )
+
+    @classmethod
+    def strategy_kwargs(cls, options: Options | None) -> dict[str, Any]:
+        """Constructor arguments of the method's own (none here)."""
+        return {}
 
     def summary(self) -> None:
         """Log the settings, then FedAvg's."""
@@ -227,7 +240,7 @@ class VeraStrategy(ProjectionChecked):
 
 @register_method(
     "fedavg-vera",
-    client_kind="vera",
+    payload=VERA,
     summary="weighted means of VeRA's lambda_b, lambda_d and the head",
 )
 class FedAvgVeRA(VeraStrategy):
@@ -249,9 +262,27 @@ class FedAvgVeRA(VeraStrategy):
         return state, self.gap_report(updates)
 
 
+@dataclass(frozen=True)
+class VeraFedExOptions(VeraOptions):
+    """VeRA-FedEx's run-config keys (the ``vera`` payload's and its own)."""
+
+    fedex_lr: float = option(
+        1.0, "vera-fedex: fraction of the residual folded into W0"
+    )
+
+    def check(self) -> None:
+        super().check()
+        require(
+            math.isfinite(self.fedex_lr) and 0 < self.fedex_lr <= 1,
+            "fedex-lr",
+            f"must be in (0, 1], got {self.fedex_lr}",
+        )
+
+
 @register_method(
     "vera-fedex",
-    client_kind="vera",
+    payload=VERA,
+    options=VeraFedExOptions,
     summary="FedAvg of VeRA's lambdas plus the exact residual folded into W0",
 )
 class VeraFedEx(FedAvgVeRA):
@@ -260,6 +291,10 @@ class VeraFedEx(FedAvgVeRA):
     Parameters: see :class:`VeraStrategy`. The global arrays must include the
     base weights (role ``base``) of every adapted layer.
     """
+
+    @classmethod
+    def strategy_kwargs(cls, options: Options | None) -> dict[str, Any]:
+        return {"fedex_lr": VeraFedExOptions.of(options).fedex_lr}
 
     send_roles: ClassVar[tuple[Role, ...]] = (
         Role.VERA_LAMBDA_B,

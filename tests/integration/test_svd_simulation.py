@@ -39,7 +39,7 @@ def test_ray_simulation_per_svd_method(tmp_path, assets, method):
     assert (frame["dropped"] == 0).all()
     assert frame["accuracy"].between(0, 1).all()
     assert frame["frobenius-gap"].notna().all()
-    for column in get_method(method).strategy_cls.extra_columns:
+    for column in get_method(method).strategy.extra_columns:
         assert frame[column].notna().all(), column
     if method == "fedspec":
         assert frame["rank"].iloc[0] == 4 and frame["rank"].iloc[-1] >= 4

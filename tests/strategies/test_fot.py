@@ -17,9 +17,10 @@ from fedlr.client_apps.app import app as client_app
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.linalg.fot import expand_basis, residualise, sketch_residual
+from fedlr.protocol import GPSE_EXAMPLES, SKETCHES
+from fedlr.protocol import gpse_fraction_key as fraction_key
 from fedlr.server_apps.runner import run_server
 from fedlr.strategies import FOT, FedAvgContinual, get_method
-from fedlr.strategies.fot import GPSE_EXAMPLES, SKETCHES, fraction_key
 from tests.strategies.conftest import reply
 
 F64 = torch.float64
@@ -85,9 +86,9 @@ def _sketch_reply(node, arrays, n, sketches, fractions, b=20):
 
 
 def test_registry_and_round_schedule():
-    assert get_method("fot").strategy_cls is FOT
-    assert get_method("fedavg-continual").strategy_cls is FedAvgContinual
-    assert get_method("fot").client_kind == get_method("fedavg-continual").client_kind
+    assert get_method("fot").strategy is FOT
+    assert get_method("fedavg-continual").strategy is FedAvgContinual
+    assert get_method("fot").payload.name == get_method("fedavg-continual").payload.name
     s = _fot()
     configs = [s.round_config(r) for r in range(1, 7)]
     assert [c["task"] for c in configs] == [0, 0, 1, 1, 2, 2]

@@ -55,8 +55,8 @@ def _configured(strategy: FedAvgLoRA, state: dict[str, torch.Tensor]) -> None:
 
 def test_registry_lists_both_methods():
     assert {"fedavg-lora", "fedex-lora"} <= set(available_methods())
-    assert get_method("fedex-lora").strategy_cls is FedExLoRA
-    assert get_method("fedavg-lora").client_kind == "lora"
+    assert get_method("fedex-lora").strategy is FedExLoRA
+    assert get_method("fedavg-lora").payload.name == "lora"
 
 
 def test_fedavg_lora_weighted_means_and_positive_gap():

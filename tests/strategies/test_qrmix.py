@@ -19,6 +19,8 @@ from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.linalg.qrmix import ClientEigen, fc_flatten, fc_unflatten, qrmix_update
 from fedlr.server_apps.runner import run_server
 from fedlr.strategies import QRMix, VisionFedAvg, get_method
+from fedlr.strategies.qrmix import QRMixOptions
+from fedlr.strategies.registry import resolve
 from tests.strategies.conftest import reply
 
 SHAPES = {"body.weight": (5, 4), "classifier.weight": (3, 4), "classifier.bias": (3,)}
@@ -67,10 +69,10 @@ def _qrmix(**kw) -> QRMix:
 
 
 def test_registry_entries():
-    assert get_method("fedavg").strategy_cls is VisionFedAvg
-    assert get_method("qrmix").strategy_cls is QRMix
+    assert get_method("fedavg").strategy is VisionFedAvg
+    assert get_method("qrmix").strategy is QRMix
     assert (
-        get_method("qrmix").client_kind == get_method("fedavg").client_kind == "qrmix"
+        get_method("qrmix").payload.name == get_method("fedavg").payload.name == "qrmix"
     )
 
 
@@ -237,10 +239,17 @@ def test_bad_eigen_reply_is_dropped_with_reason(how, reason, caplog):
 
 
 def test_stage_one_ignores_absent_eigen_and_checkpoint_skips_warmup(tmp_path):
-    config = RunConfig(method="qrmix", warmup_rounds=3)
-    assert QRMix.from_run_config(config, shapes=SHAPES, head="classifier").stage(1) == 1
-    ckpt = config.replace(qrmix_warmup_checkpoint=str(tmp_path / "w.pt"))
-    assert QRMix.from_run_config(ckpt, shapes=SHAPES, head="classifier").stage(1) == 2
+    config = RunConfig(method="qrmix")
+    options = QRMixOptions(warmup_rounds=3)
+    strategy = QRMix.from_run_config(
+        config, shapes=SHAPES, head="classifier", options=options
+    )
+    assert strategy.stage(1) == 1
+    ckpt = options.replace(qrmix_warmup_checkpoint=str(tmp_path / "w.pt"))
+    strategy = QRMix.from_run_config(
+        config, shapes=SHAPES, head="classifier", options=ckpt
+    )
+    assert strategy.stage(1) == 2
 
 
 # ------------------------------------------------------------------ in process
@@ -341,5 +350,5 @@ def test_bad_checkpoint_and_text_dataset_are_config_errors(tmp_path):
 )
 def test_qrmix_config_keys_are_validated(key, value, message):
     with pytest.raises(ConfigError, match=key) as info:
-        RunConfig.from_mapping({key: value})
+        resolve({"method": "qrmix", key: value})
     assert message in str(info.value)

@@ -32,6 +32,7 @@ from fedlr.strategies import (
     get_method,
 )
 from fedlr.strategies.base import ClientUpdate
+from fedlr.strategies.registry import resolve
 from fedlr.tasks import TextTask
 from tests.conftest import tiny_run_config
 from tests.strategies.conftest import reply
@@ -84,7 +85,7 @@ def _dense_mean_of_products(clients, module):
 
 def test_every_svd_method_is_registered_for_the_lora_client():
     for name in SVD_METHODS:
-        assert get_method(name).client_kind == "lora"
+        assert get_method(name).payload.name == "lora"
 
 
 # ----------------------------------------------------------------- FFA-LoRA
@@ -356,11 +357,9 @@ def test_global_svd_shares_lora_a_and_sends_each_node_its_own_b():
 
 # ------------------------------------------------------ plan: configuration
 def test_lora_rank_larger_than_a_layer_is_refused_at_plan_build(tmp_path, assets):
-    config = RunConfig.from_mapping(
-        tiny_run_config(tmp_path, method="fedspec", **{"lora-rank": 64})
-    )
+    method = resolve(tiny_run_config(tmp_path, method="fedspec", **{"lora-rank": 64}))
     with pytest.raises(ConfigError, match="lora-rank") as info:
-        lora_plan(config, get_method("fedspec"))
+        lora_plan(method)
     assert "32 x 32" in str(info.value)
 
 
@@ -383,7 +382,7 @@ def _run(tmp_path, grid_out=None, **overrides):
 def test_in_process_rounds_for_every_svd_method(tmp_path, assets, method):
     run_dir = _run(tmp_path, method=method)
     frame = pd.read_csv(run_dir / "results.csv")
-    extra = get_method(method).strategy_cls.extra_columns
+    extra = get_method(method).strategy.extra_columns
     assert list(frame.columns) == list(COLUMNS) + list(extra)
     assert frame["round"].tolist() == [1, 2]
     assert frame["accuracy"].between(0, 1).all() and (frame["loss"] > 0).all()

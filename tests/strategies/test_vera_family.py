@@ -15,13 +15,13 @@ from fedlr.adapters import Role
 from fedlr.adapters.sorf_vera import SorfVeraLayout, SorfVeraModule, layer_signs
 from fedlr.adapters.vera import VeraLayout, VeraModule
 from fedlr.client_apps.app import app as client_app
-from fedlr.config import RunConfig
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state
 from fedlr.linalg.sorf import build_lambda_d_rot
 from fedlr.results import COLUMNS
 from fedlr.server_apps.runner import run_server
 from fedlr.strategies import FedAvgVeRA, SorfVeRA, VeraFedEx, get_method
+from fedlr.strategies.registry import resolve
 from fedlr.vera_tasks import build_vera_text_model
 from tests.conftest import tiny_run_config
 from tests.strategies.conftest import reply
@@ -69,9 +69,9 @@ def _dense(lb, ld, m):
 
 
 def test_registry_entries():
-    assert get_method("fedavg-vera").client_kind == "vera"
-    assert get_method("vera-fedex").strategy_cls is VeraFedEx
-    assert get_method("sorf-vera").client_kind == "sorf-vera"
+    assert get_method("fedavg-vera").payload.name == "vera"
+    assert get_method("vera-fedex").strategy is VeraFedEx
+    assert get_method("sorf-vera").payload.name == "sorf-vera"
 
 
 @pytest.mark.parametrize("cls", [FedAvgVeRA, VeraFedEx])
@@ -329,8 +329,9 @@ def test_in_process_rounds(tmp_path, assets, method):
 
 def test_vera_fedex_exactness_on_tiny_model(tmp_path, assets):
     config = tiny_run_config(tmp_path, method="vera-fedex", **{"vera-rank": 8})
-    vm = build_vera_text_model(RunConfig.from_mapping(config))
-    strategy = VeraFedEx.from_run_config(RunConfig.from_mapping(config), vm)
+    method = resolve(config)
+    vm = build_vera_text_model(method.run, method.options)
+    strategy = VeraFedEx.from_run_config(method.run, vm, method.options)
     initial = vm.state(strategy.send_roles)
     grid = InProcessGrid(client_app, num_nodes=3, run_config=config)
     messages = strategy.configure_train(

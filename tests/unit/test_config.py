@@ -16,10 +16,24 @@ def _pyproject_config() -> dict[str, object]:
     return dict(data["tool"]["flwr"]["app"]["config"])
 
 
-def test_every_pyproject_key_is_a_field_with_the_same_default():
-    from_toml = RunConfig.from_mapping(_pyproject_config())
-    assert from_toml == RunConfig()
-    assert set(_pyproject_config()) == set(RunConfig().to_mapping())
+def test_every_pyproject_key_is_a_common_key_or_a_method_option_with_its_default():
+    from fedlr.strategies.registry import option_defaults
+
+    table = _pyproject_config()
+    assert RunConfig.from_mapping(table) == RunConfig()
+    expected = {**RunConfig().to_mapping(), **option_defaults()}
+    assert set(table) == set(expected), sorted(set(table) ^ set(expected))
+    for key, default in expected.items():
+        assert table[key] == default, (key, table[key], default)
+
+
+def test_configuration_docs_list_every_key():
+    from fedlr.strategies.registry import option_defaults
+
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    keys = {*RunConfig.option_fields(), *option_defaults()}
+    missing = sorted(k for k in keys if f"| `{k}` |" not in doc)
+    assert not missing, f"docs/configuration.md lacks {missing}"
 
 
 def test_round_trip_and_types():

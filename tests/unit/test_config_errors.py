@@ -1,15 +1,14 @@
 """Every run-config key: an invalid value is refused by name before training.
 
-``AT_PARSE`` holds, for every key that ``RunConfig`` validates itself, a bad
-value and the expected message; ``AT_START`` the keys whose validity depends on
-a registry or the model (checked when the ServerApp builds its plan, before
-round 1). A new key without an entry in either table fails
+``AT_PARSE`` holds, for every key that ``RunConfig`` or a registered method's
+options validate themselves, a bad value and the expected message (a method
+option is parsed with a method that declares it); ``AT_START`` the keys whose
+validity depends on a registry or the model (checked when the ServerApp builds
+its plan, before round 1). A new key without an entry in either table fails
 ``test_every_key_has_a_bad_value_case``.
 """
 
 from __future__ import annotations
-
-from dataclasses import fields
 
 import pytest
 from flwr.app import Context, RecordDict
@@ -17,6 +16,7 @@ from flwr.app import Context, RecordDict
 from fedlr.config import RunConfig
 from fedlr.errors import ConfigError, FedLRError
 from fedlr.flower import InProcessGrid
+from fedlr.strategies.registry import all_option_keys, registered_methods, resolve
 from tests.conftest import tiny_run_config
 
 AT_PARSE: dict[str, tuple[object, str]] = {
@@ -84,7 +84,7 @@ AT_START: dict[str, tuple[dict[str, object], type[Exception], str]] = {
 
 
 def test_every_key_has_a_bad_value_case():
-    keys = {f.name.replace("_", "-") for f in fields(RunConfig)}
+    keys = set(RunConfig.option_fields()) | set(all_option_keys())
     missing = sorted(keys - set(AT_PARSE) - set(AT_START))
     assert not missing, f"keys without an invalid-value test: {missing}"
 
@@ -92,8 +92,12 @@ def test_every_key_has_a_bad_value_case():
 @pytest.mark.parametrize("key", sorted(AT_PARSE))
 def test_invalid_value_is_refused_with_the_key_named(key):
     value, message = AT_PARSE[key]
+    run_config: dict[str, object] = {key: value}
+    if key not in RunConfig.option_fields():
+        spec = next(s for s in registered_methods() if key in s.options.option_fields())
+        run_config["method"] = spec.name
     with pytest.raises(ConfigError, match=message) as info:
-        RunConfig.from_mapping({key: value})
+        resolve(run_config)
     assert info.value.key == key and f"'{key}'" in str(info.value)
 
 

@@ -9,7 +9,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedlr.config import RunConfig
 from fedlr.errors import ConfigError, RankMismatchError
 from fedlr.linalg import (
     adaptive_rank,
@@ -22,6 +21,8 @@ from fedlr.linalg import (
     truncate,
     truncated_svd_of_mean,
 )
+from fedlr.strategies.fedspec import FedSpecOptions
+from fedlr.strategies.registry import resolve
 from tests.unit.test_lowrank import _clients, _dense
 
 cases = st.tuples(
@@ -244,10 +245,11 @@ def test_fedspec_demo_three_synthetic_clients(capsys):
 )
 def test_svd_family_config_keys_are_validated(key, value, match):
     with pytest.raises(ConfigError, match=match) as info:
-        RunConfig.from_mapping({key: value})
+        resolve({"method": "fedspec", key: value})
     assert info.value.key == key
 
 
 def test_svd_family_config_defaults():
-    config = RunConfig()
-    assert (config.fedspec_threshold, config.fedspec_max_rank) == (0.05, 16)
+    options = resolve({"method": "fedspec"}).options
+    assert isinstance(options, FedSpecOptions)
+    assert (options.fedspec_threshold, options.fedspec_max_rank) == (0.05, 16)
