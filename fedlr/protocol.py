@@ -71,6 +71,7 @@ __all__ = [
     "PERSONAL_SPLIT",
     "PROJECTION_RANK",
     "PROJECTION_SEED",
+    "PROXIMAL_MU",
     "QRMIX_STAGE",
     "SERVER_ROUND",
     "SKETCHES",
@@ -138,6 +139,9 @@ SKETCH_DIM = "sketch-dim"
 """FOT: columns of the random projection of the activations."""
 QRMIX_STAGE = "qrmix-stage"
 """QR-Mix: 1 (FedAvg warm-up) or 2 (head from the clients' eigenpairs)."""
+PROXIMAL_MU = "proximal-mu"
+"""FedProx: weight ``mu`` of the clients' proximal term
+``(mu / 2) ||theta - theta_global||^2`` over the trained parameters."""
 
 # ------------------------------------------------------------ metric keys
 NUM_EXAMPLES = "num-examples"

@@ -7,7 +7,7 @@ Nothing here knows about Flower: the client apps call :func:`train_steps` and
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +19,7 @@ __all__ = [
     "encode_text",
     "evaluate",
     "pick_device",
+    "proximal_term",
     "train_steps",
 ]
 
@@ -136,13 +137,26 @@ def train_steps(
     *,
     seed: int,
     device: torch.device,
+    penalty: Callable[[], torch.Tensor] | None = None,
 ) -> float:
     """Run ``settings.local_steps`` AdamW steps on the trainable parameters.
+
+    Parameters
+    ----------
+    model, data, settings
+        The model (its trainable parameters are optimised), the client's
+        data and the round's settings.
+    seed : int
+        Seed of the batch order and of dropout.
+    device : torch.device
+    penalty : callable, optional
+        A term added to every step's loss (e.g. FedProx's proximal term,
+        :func:`proximal_term`), called after the model moved to ``device``.
 
     Returns
     -------
     float
-        Mean training loss over the steps.
+        Mean training loss over the steps (without the penalty).
     """
     if len(data) == 0:
         raise ValueError("cannot train on an empty partition")
@@ -158,13 +172,33 @@ def train_steps(
     for _ in range(settings.local_steps):
         batch = {k: v.to(device) for k, v in data.batch(next(batches)).items()}
         loss = model(**batch).loss
+        objective = loss if penalty is None else loss + penalty()
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        objective.backward()
         if settings.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
         optimizer.step()
         total += float(loss.detach())
     return total / settings.local_steps
+
+
+def proximal_term(model: torch.nn.Module, mu: float) -> Callable[[], torch.Tensor]:
+    """FedProx's ``(mu / 2) sum_p ||p - p_0||^2`` over the trainable parameters.
+
+    ``p_0`` are the parameters' values now (the global values a client just
+    loaded); the returned callable evaluates the term at the current values,
+    on whatever device the model has moved to since.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    anchors = [p.detach().clone() for p in params]
+
+    def term() -> torch.Tensor:
+        total = torch.zeros((), device=params[0].device, dtype=params[0].dtype)
+        for p, p0 in zip(params, anchors, strict=True):
+            total = total + (p - p0.to(p.device)).pow(2).sum()
+        return 0.5 * mu * total
+
+    return term
 
 
 @torch.no_grad()

@@ -48,6 +48,7 @@ from flwr.app import (
     RecordDict,
 )
 
+from fedlr import protocol
 from fedlr.adapters import Role, adapter_state
 from fedlr.config import RunConfig
 from fedlr.errors import ConfigError
@@ -67,6 +68,7 @@ from fedlr.train import (
     client_seed,
     evaluate,
     pick_device,
+    proximal_term,
     train_steps,
 )
 
@@ -241,12 +243,14 @@ def train_message(message: Message, context: Context) -> Message:
     data = _partition(config, pid, num, "train" if personal_split else "all")
     server_round = config_int(round_config, "server-round", 0)
     settings = train_settings(round_config, config, default_lr=config.lr)
+    mu = config_float(round_config, protocol.PROXIMAL_MU, 0.0)
     loss = train_steps(
         lm.model,
         data,
         settings,
         seed=client_seed(config.seed, server_round, pid),
         device=pick_device(config.device),
+        penalty=proximal_term(lm.model, mu) if mu > 0 else None,
     )
     lm.model.to("cpu")
     trained = adapter_state(lm.model, lm.layout, roles + keep)

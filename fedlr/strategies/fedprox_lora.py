@@ -1,0 +1,86 @@
+"""FedProx-LoRA: FedAvg of the LoRA factors with a proximal term on the clients.
+
+Each client minimises its local loss plus ``(mu / 2) ||theta - theta_t||^2``
+over the parameters it trains (LoRA ``A``, ``B`` and the head), where
+``theta_t`` are the global values it received this round. The term keeps
+local updates near the global model when clients' data differ; the server
+aggregates exactly as FedAvg-LoRA does. ``mu`` travels to the clients as
+``proximal-mu`` in the round's ConfigRecord, as in Flower's ``FedProx``.
+
+References
+----------
+.. [1] Li et al., "Federated Optimization in Heterogeneous Networks"
+   (FedProx), MLSys 2020.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from fedlr import protocol
+from fedlr.adapters.roles import AdapterLayout
+from fedlr.config import RunConfig
+from fedlr.options import NoOptions, Options, option, require
+from fedlr.payloads import LORA
+from fedlr.strategies.fedavg_lora import FedAvgLoRA
+from fedlr.strategies.registry import register_method
+
+__all__ = ["FedProxLoRA", "ProximalOptions"]
+
+
+@dataclass(frozen=True)
+class ProximalOptions(NoOptions):
+    """FedProx-LoRA's run-config key."""
+
+    proximal_mu: float = option(
+        0.01,
+        "fedprox-lora: weight mu of the clients' proximal term "
+        "(mu / 2) ||theta - theta_global||^2",
+    )
+
+    def check(self) -> None:
+        require(
+            math.isfinite(self.proximal_mu) and self.proximal_mu >= 0,
+            "proximal-mu",
+            f"must be finite and >= 0, got {self.proximal_mu}",
+        )
+
+
+@register_method(
+    "fedprox-lora",
+    payload=LORA,
+    options=ProximalOptions,
+    summary="FedAvg of A and B; clients add FedProx's proximal term",
+)
+class FedProxLoRA(FedAvgLoRA):
+    """FedAvg-LoRA whose clients train with a proximal term.
+
+    Parameters
+    ----------
+    layout : AdapterLayout
+    proximal_mu : float, default 0.01
+        ``mu`` of the proximal term (0 gives FedAvg-LoRA).
+    **kwargs
+        Other parameters: see :class:`~fedlr.strategies.lora.LoraStrategy`.
+    """
+
+    def __init__(
+        self, *, layout: AdapterLayout, proximal_mu: float = 0.01, **kwargs: Any
+    ) -> None:
+        super().__init__(layout=layout, **kwargs)
+        ProximalOptions(proximal_mu=proximal_mu)  # the same checks as the key
+        self.proximal_mu = float(proximal_mu)
+
+    @classmethod
+    def strategy_kwargs(
+        cls, config: RunConfig, options: Options | None
+    ) -> dict[str, Any]:
+        return {"proximal_mu": ProximalOptions.of(options).proximal_mu}
+
+    def round_config(self, server_round: int) -> dict[str, Any]:
+        """The base round config plus ``proximal-mu``."""
+        config = super().round_config(server_round)
+        config[protocol.PROXIMAL_MU] = self.proximal_mu
+        return config
