@@ -56,7 +56,6 @@ from fedlr.flower.records import (
     array_record,
     config_float,
     config_int,
-    config_str,
     record_to_state,
     state_to_record,
 )
@@ -86,13 +85,13 @@ def partition_of(context: Context, config: RunConfig) -> tuple[int, int]:
         If the node config has no ``partition-id`` or it is out of range.
     """
     node = context.node_config
-    if "partition-id" not in node:
+    if protocol.PARTITION_ID not in node:
         raise ConfigError(
-            "partition-id",
+            protocol.PARTITION_ID,
             "missing from the node config; start the SuperNode with "
             "--node-config 'partition-id=<i> num-partitions=<n>'",
         )
-    pid = int(node["partition-id"])
+    pid = int(node[protocol.PARTITION_ID])
     num = int(node.get("num-partitions", config.num_partitions))
     if num != config.num_partitions:
         _LOG.log(
@@ -102,14 +101,12 @@ def partition_of(context: Context, config: RunConfig) -> tuple[int, int]:
             config.num_partitions,
         )
     if not 0 <= pid < num:
-        raise ConfigError("partition-id", f"{pid} is outside [0, {num})")
+        raise ConfigError(protocol.PARTITION_ID, f"{pid} is outside [0, {num})")
     return pid, num
 
 
 _MODELS: dict[tuple[object, ...], tuple[LoraModel, dict[str, torch.Tensor]]] = {}
 _DATA: dict[tuple[object, ...], EncodedText] = {}
-_PERSONAL = "personal"
-_GRAM = "personal-gram"
 _ADAPTER_ROLES = (Role.LORA_A, Role.LORA_B, Role.HEAD)
 
 
@@ -166,19 +163,6 @@ def _partition(config: RunConfig, pid: int, num: int, part: str = "all") -> Enco
     return _DATA[key]
 
 
-def _parse_roles(
-    config: ConfigRecord, key: str = "train-roles", default: str = "lora_A,lora_B,head"
-) -> tuple[Role, ...]:
-    raw = config_str(config, key, default)
-    try:
-        return tuple(Role(name) for name in raw.split(",") if name)
-    except ValueError as exc:
-        known = ", ".join(r.value for r in Role)
-        raise ValueError(
-            f"ConfigRecord '{key}' = '{raw}' names an unknown role ({known})"
-        ) from exc
-
-
 def _prepare(
     message: Message, context: Context, config: RunConfig
 ) -> tuple[LoraModel, ConfigRecord, bool]:
@@ -187,18 +171,20 @@ def _prepare(
     Returns the model, the round's ConfigRecord and whether personal arrays
     (from the instruction or the node's state) were loaded.
     """
-    round_config = message.content.config_records.get("config", ConfigRecord())
-    rank = config_int(round_config, "lora-rank", config.lora_rank)
+    round_config = message.content.config_records.get(protocol.CONFIG, ConfigRecord())
+    rank = config_int(round_config, protocol.LORA_RANK, config.lora_rank)
     if rank != config.lora_rank:
         config = config.replace(lora_rank=rank)
     lm, initial = _lora_model(config)
     state = dict(initial)
     state.update(record_to_state(array_record(message.content)))
-    if _PERSONAL in message.content.array_records:
-        context.state[_PERSONAL] = message.content.array_records[_PERSONAL]
+    if protocol.PERSONAL in message.content.array_records:
+        context.state[protocol.PERSONAL] = message.content.array_records[
+            protocol.PERSONAL
+        ]
     loaded = False
-    if _PERSONAL in context.state.array_records:
-        personal = record_to_state(context.state.array_records[_PERSONAL])
+    if protocol.PERSONAL in context.state.array_records:
+        personal = record_to_state(context.state.array_records[protocol.PERSONAL])
         if all(
             k in state and tuple(v.shape) == tuple(state[k].shape)
             for k, v in personal.items()
@@ -224,9 +210,9 @@ def train_settings(
 ) -> TrainSettings:
     """Local training settings of a round: the ConfigRecord's, else the run config's."""
     return TrainSettings(
-        local_steps=config_int(round_config, "local-steps", config.local_steps),
-        lr=config_float(round_config, "lr", default_lr),
-        batch_size=config_int(round_config, "batch-size", config.batch_size),
+        local_steps=config_int(round_config, protocol.LOCAL_STEPS, config.local_steps),
+        lr=config_float(round_config, protocol.LR, default_lr),
+        batch_size=config_int(round_config, protocol.BATCH_SIZE, config.batch_size),
         weight_decay=config.weight_decay,
     )
 
@@ -236,12 +222,12 @@ def train_message(message: Message, context: Context) -> Message:
     config = RunConfig.from_mapping(context.run_config)
     pid, num = partition_of(context, config)
     lm, round_config, loaded = _prepare(message, context, config)
-    roles = _parse_roles(round_config)
-    keep = _parse_roles(round_config, "keep-roles", "")
+    roles = protocol.decode_roles(round_config, protocol.TRAIN_ROLES, _ADAPTER_ROLES)
+    keep = protocol.decode_roles(round_config, protocol.KEEP_ROLES)
     lm.train_only(roles + keep)
-    personal_split = bool(round_config.get("personal-split", False))
+    personal_split = bool(round_config.get(protocol.PERSONAL_SPLIT, False))
     data = _partition(config, pid, num, "train" if personal_split else "all")
-    server_round = config_int(round_config, "server-round", 0)
+    server_round = config_int(round_config, protocol.SERVER_ROUND, 0)
     settings = train_settings(round_config, config, default_lr=config.lr)
     mu = config_float(round_config, protocol.PROXIMAL_MU, 0.0)
     loss = train_steps(
@@ -254,25 +240,27 @@ def train_message(message: Message, context: Context) -> Message:
     )
     lm.model.to("cpu")
     trained = adapter_state(lm.model, lm.layout, roles + keep)
-    if bool(round_config.get("client-svd", False)):
+    if bool(round_config.get(protocol.CLIENT_SVD, False)):
         _local_svd(lm, trained)
     reply = RecordDict(
         {
-            "arrays": state_to_record(trained, lm.layout.keys(*roles)),
-            "metrics": MetricRecord(
+            protocol.ARRAYS: state_to_record(trained, lm.layout.keys(*roles)),
+            protocol.METRICS: MetricRecord(
                 {
-                    "num-examples": len(data),
-                    "train-loss": loss,
-                    "partition-id": pid,
-                    "personal-loaded": int(loaded),
+                    protocol.NUM_EXAMPLES: len(data),
+                    protocol.TRAIN_LOSS: loss,
+                    protocol.PARTITION_ID: pid,
+                    protocol.PERSONAL_LOADED: int(loaded),
                 }
             ),
         }
     )
     if keep:
-        context.state[_PERSONAL] = state_to_record(trained, lm.layout.keys(*keep))
+        context.state[protocol.PERSONAL] = state_to_record(
+            trained, lm.layout.keys(*keep)
+        )
     if Role.LORA_B in keep:
-        reply[_GRAM] = ArrayRecord(
+        reply[protocol.PERSONAL_GRAM] = ArrayRecord(
             {
                 m.b_key: (trained[m.b_key].T @ trained[m.b_key]).contiguous()
                 for m in lm.layout.modules
@@ -286,7 +274,7 @@ def evaluate_message(message: Message, context: Context) -> Message:
     config = RunConfig.from_mapping(context.run_config)
     pid, num = partition_of(context, config)
     lm, round_config, _ = _prepare(message, context, config)
-    personal_split = bool(round_config.get("personal-split", False))
+    personal_split = bool(round_config.get(protocol.PERSONAL_SPLIT, False))
     data = _partition(config, pid, num, "eval" if personal_split else "all")
     accuracy, loss = evaluate(
         lm.model,
@@ -297,12 +285,12 @@ def evaluate_message(message: Message, context: Context) -> Message:
     lm.model.to("cpu")
     reply = RecordDict(
         {
-            "metrics": MetricRecord(
+            protocol.METRICS: MetricRecord(
                 {
-                    "num-examples": len(data),
+                    protocol.NUM_EXAMPLES: len(data),
                     "accuracy": accuracy,
                     "loss": loss,
-                    "partition-id": pid,
+                    protocol.PARTITION_ID: pid,
                 }
             )
         }

@@ -20,8 +20,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Context, Message, MetricRecord, RecordDict
 
+from fedlr import protocol
 from fedlr.adapters import Role
 from fedlr.adapters.sorf_vera import SorfVeraLayout
 from fedlr.adapters.vera import RoleLayout, VeraLayout, VeraModel, check_projection
@@ -31,7 +32,6 @@ from fedlr.flower.records import (
     array_record,
     config_int,
     config_record,
-    config_str,
     record_to_state,
     state_to_record,
 )
@@ -87,17 +87,6 @@ def _projection(layout: RoleLayout) -> tuple[int, int]:
     return int(layout.projection_seed), int(layout.rank)
 
 
-def _parse_roles(config: ConfigRecord, default: str) -> tuple[Role, ...]:
-    raw = config_str(config, "train-roles", default)
-    try:
-        return tuple(Role(name) for name in raw.split(",") if name)
-    except ValueError as exc:
-        known = ", ".join(r.value for r in Role)
-        raise ValueError(
-            f"ConfigRecord 'train-roles' = '{raw}' names an unknown role ({known})"
-        ) from exc
-
-
 class Handlers:
     """Train and evaluate handlers of a VeRA-family client kind.
 
@@ -108,7 +97,7 @@ class Handlers:
         the server).
     options : type of VeraOptions or SorfVeraOptions
         The payload kind's run-config keys (rank, projection seed, lr).
-    default_roles : str
+    default_roles : tuple of Role
         ``train-roles`` when the ConfigRecord does not say.
     """
 
@@ -116,7 +105,7 @@ class Handlers:
         self,
         builder: Builder,
         options: type[VeraOptions] | type[SorfVeraOptions],
-        default_roles: str,
+        default_roles: tuple[Role, ...],
     ) -> None:
         self.builder = builder
         self.options = options
@@ -144,14 +133,16 @@ class Handlers:
         check_projection(
             seed,
             rank,
-            config_int(round_config, "projection-seed", seed),
-            config_int(round_config, "projection-rank", rank),
+            config_int(round_config, protocol.PROJECTION_SEED, seed),
+            config_int(round_config, protocol.PROJECTION_RANK, rank),
         )
         vm.load(record_to_state(array_record(message.content)))
-        roles = _parse_roles(round_config, self.default_roles)
+        roles = protocol.decode_roles(
+            round_config, protocol.TRAIN_ROLES, self.default_roles
+        )
         vm.train_only(roles)
         data = _partition(config, pid, num)
-        server_round = config_int(round_config, "server-round", 0)
+        server_round = config_int(round_config, protocol.SERVER_ROUND, 0)
         settings = train_settings(round_config, config, default_lr=options.vera_lr)
         loss = train_steps(
             vm.model,
@@ -163,14 +154,14 @@ class Handlers:
         vm.model.to("cpu")
         reply = RecordDict(
             {
-                "arrays": state_to_record(vm.state(roles)),
-                "metrics": MetricRecord(
+                protocol.ARRAYS: state_to_record(vm.state(roles)),
+                protocol.METRICS: MetricRecord(
                     {
-                        "num-examples": len(data),
-                        "train-loss": loss,
-                        "partition-id": pid,
-                        "projection-seed": seed,
-                        "projection-rank": rank,
+                        protocol.NUM_EXAMPLES: len(data),
+                        protocol.TRAIN_LOSS: loss,
+                        protocol.PARTITION_ID: pid,
+                        protocol.PROJECTION_SEED: seed,
+                        protocol.PROJECTION_RANK: rank,
                     }
                 ),
             }
@@ -194,8 +185,12 @@ class Handlers:
         vm.model.to("cpu")
         reply = RecordDict(
             {
-                "metrics": MetricRecord(
-                    {"num-examples": len(data), "accuracy": accuracy, "loss": loss}
+                protocol.METRICS: MetricRecord(
+                    {
+                        protocol.NUM_EXAMPLES: len(data),
+                        "accuracy": accuracy,
+                        "loss": loss,
+                    }
                 )
             }
         )
@@ -205,14 +200,16 @@ class Handlers:
 def make_handlers(
     builder: Builder,
     options: type[VeraOptions] | type[SorfVeraOptions],
-    default_roles: str,
+    default_roles: tuple[Role, ...],
 ) -> Handlers:
     """Handlers for a VeRA-family client kind."""
     return Handlers(builder, options, default_roles)
 
 
 _VERA = make_handlers(
-    build_vera_text_model, VeraOptions, "vera_lambda_b,vera_lambda_d,head"
+    build_vera_text_model,
+    VeraOptions,
+    (Role.VERA_LAMBDA_B, Role.VERA_LAMBDA_D, Role.HEAD),
 )
 train_message: Handler = _VERA.train
 evaluate_message: Handler = _VERA.evaluate
