@@ -32,6 +32,13 @@ class ShapeMismatchError(FedLRError, ValueError):
     """Tensors that must agree in shape do not."""
 
 
+class UnknownKeyError(FedLRError, KeyError):
+    """A tensor key that the adapter layout does not declare."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the sentence.
+        return str(self.args[0]) if self.args else ""
+
+
 class ReplyValidationError(FedLRError, ValueError):
     """A client reply failed validation (keys, shapes, dtype, finiteness, metrics).
 

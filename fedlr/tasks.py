@@ -9,21 +9,12 @@ clients), keyed by the settings that determine them.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
-from peft import PeftModel
 
-from fedlr.adapters import (
-    AdapterLayout,
-    LoraSettings,
-    Role,
-    apply_lora,
-    load_adapter_state,
-    lora_layout,
-    parameters_by_key,
-)
+from fedlr.adapters import LoraSettings, apply_lora, lora_layout
+from fedlr.adapters.lora import LoraModel
 from fedlr.config import RunConfig
 from fedlr.data import (
     DATASETS,
@@ -38,35 +29,6 @@ from fedlr.models import build_text_classifier, load_tokenizer
 from fedlr.train import EncodedText, encode_text
 
 __all__ = ["LoraModel", "TextTask"]
-
-
-@dataclass
-class LoraModel:
-    """A LoRA-adapted model with its declared layout and pristine base weights.
-
-    Attributes
-    ----------
-    model : peft.PeftModel
-    layout : AdapterLayout
-    pristine_base : dict of str to torch.Tensor
-        The base weights as built, to restore when a round does not send them
-        (a cached model may have received FedEx-updated ones earlier).
-    """
-
-    model: PeftModel
-    layout: AdapterLayout
-    pristine_base: dict[str, torch.Tensor]
-
-    def train_only(self, roles: Iterable[Role]) -> None:
-        """Make exactly the tensors with ``roles`` trainable (by declared role)."""
-        trainable = set(self.layout.keys(*roles))
-        for key, param in parameters_by_key(self.model, self.layout).items():
-            param.requires_grad_(key in trainable)
-
-    def load(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Load a round's global ``state``; absent base weights become pristine."""
-        restore = {k: v for k, v in self.pristine_base.items() if k not in state}
-        load_adapter_state(self.model, self.layout, {**restore, **state})
 
 
 def _text_datasets() -> list[str]:

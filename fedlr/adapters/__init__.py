@@ -1,6 +1,7 @@
 """Model-side adapters with declared parameter roles."""
 
 from fedlr.adapters.lora import (
+    LoraModel,
     LoraSettings,
     adapter_state,
     apply_lora,
@@ -8,7 +9,13 @@ from fedlr.adapters.lora import (
     lora_layout,
     parameters_by_key,
 )
-from fedlr.adapters.roles import AdapterLayout, LoraModule, Role
+from fedlr.adapters.roles import (
+    AdaptedModel,
+    AdapterLayout,
+    LoraModule,
+    Role,
+    RoleLayout,
+)
 from fedlr.adapters.sorf_vera import (
     SorfVeraLayout,
     SorfVeraLinear,
@@ -18,7 +25,6 @@ from fedlr.adapters.sorf_vera import (
     build_sorf_vera_model,
 )
 from fedlr.adapters.vera import (
-    RoleLayout,
     VeraLayout,
     VeraModel,
     VeraModule,
@@ -29,7 +35,9 @@ from fedlr.adapters.vera import (
 )
 
 __all__ = [
+    "AdaptedModel",
     "AdapterLayout",
+    "LoraModel",
     "LoraModule",
     "LoraSettings",
     "Role",

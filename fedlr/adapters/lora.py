@@ -19,10 +19,11 @@ from peft.tuners.lora import LoraLayer
 from peft.utils import ModulesToSaveWrapper, get_peft_model_state_dict
 from peft.utils import set_peft_model_state_dict as _set_peft_state
 
-from fedlr.adapters.roles import AdapterLayout, LoraModule, Role
+from fedlr.adapters.roles import AdaptedModel, AdapterLayout, LoraModule, Role
 from fedlr.errors import ConfigError, ShapeMismatchError
 
 __all__ = [
+    "LoraModel",
     "LoraSettings",
     "adapter_state",
     "apply_lora",
@@ -207,15 +208,11 @@ def load_adapter_state(
 
     Raises
     ------
-    KeyError
+    UnknownKeyError
         If a key is not declared in ``layout``.
     ShapeMismatchError
         If a tensor's shape differs from the layout.
     """
-    declared = set(layout.all_keys())
-    unknown = sorted(set(state) - declared)
-    if unknown:
-        raise KeyError(f"keys not in the adapter layout: {unknown[:5]}")
     layout.check_shapes({k: v.shape for k, v in state.items()})
     base_keys = set(layout.keys(Role.BASE))
     peft_part = {k: v for k, v in state.items() if k not in base_keys}
@@ -246,3 +243,36 @@ def parameters_by_key(
         tensor = peft_state[key] if key in peft_state else named[key]
         out[key] = params_by_ptr[tensor.data_ptr()]
     return out
+
+
+@dataclass
+class LoraModel(AdaptedModel):
+    """A LoRA-adapted model with its declared layout and pristine base weights.
+
+    Attributes
+    ----------
+    model : peft.PeftModel
+    layout : AdapterLayout
+    pristine_base : dict of str to torch.Tensor
+        The base weights as built, to restore when a round does not send them
+        (a cached model may have received FedEx-updated ones earlier).
+    """
+
+    model: PeftModel
+    layout: AdapterLayout
+    pristine_base: dict[str, torch.Tensor]
+
+    def train_only(self, roles: Iterable[Role]) -> None:
+        """Make exactly the tensors with ``roles`` trainable (by declared role)."""
+        trainable = set(self.layout.keys(*roles))
+        for key, param in parameters_by_key(self.model, self.layout).items():
+            param.requires_grad_(key in trainable)
+
+    def state(self, roles: Iterable[Role]) -> dict[str, torch.Tensor]:
+        """Detached CPU copies of the tensors with ``roles``."""
+        return adapter_state(self.model, self.layout, tuple(roles))
+
+    def load(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Load a round's global ``state``; absent base weights become pristine."""
+        restore = {k: v for k, v in self.pristine_base.items() if k not in state}
+        load_adapter_state(self.model, self.layout, {**restore, **state})

@@ -11,13 +11,16 @@ written to JSON, or written by hand for a plug-in user's own model.
 from __future__ import annotations
 
 import enum
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from fedlr.errors import ShapeMismatchError
+import torch
 
-__all__ = ["AdapterLayout", "LoraModule", "Role"]
+from fedlr.errors import ShapeMismatchError, UnknownKeyError
+
+__all__ = ["AdaptedModel", "AdapterLayout", "LoraModule", "Role", "RoleLayout"]
 
 
 class Role(enum.Enum):
@@ -43,6 +46,86 @@ class Role(enum.Enum):
     """SORF-VeRA magnitude ``m`` of ``Lambda_d = m G(theta)`` (1,)."""
     SORF_D_ANGLES = "sorf_d_angles"
     """SORF-VeRA Givens angles ``theta`` (r (r-1) / 2,)."""
+
+
+class RoleLayout:
+    """Declared ``(role, key, shape)`` entries of an adapted model.
+
+    The one layout base of every adapter (LoRA's :class:`AdapterLayout`,
+    VeRA's and SORF-VeRA's layouts); subclasses define :meth:`entries`.
+    """
+
+    def entries(self) -> Iterator[tuple[Role, str, tuple[int, ...]]]:
+        """``(role, key, shape)`` of every declared tensor, in model order."""
+        raise NotImplementedError
+
+    def keys(self, *roles: Role) -> list[str]:
+        """Keys holding any of ``roles``, in model order."""
+        return [key for role, key, _ in self.entries() if role in roles]
+
+    def all_keys(self) -> list[str]:
+        """Every declared key."""
+        return [key for _, key, _ in self.entries()]
+
+    def shapes(self, *roles: Role) -> dict[str, tuple[int, ...]]:
+        """Expected shape of every key with one of ``roles``."""
+        return {key: shape for role, key, shape in self.entries() if role in roles}
+
+    def check_shapes(self, shapes: Mapping[str, Iterable[int]]) -> None:
+        """Check keys and shapes against the layout.
+
+        Raises
+        ------
+        UnknownKeyError
+            If a key is not declared (up to five are named).
+        ShapeMismatchError
+            If a declared key has another shape.
+        """
+        expected = {key: shape for _, key, shape in self.entries()}
+        unknown = sorted(set(shapes) - set(expected))
+        if unknown:
+            raise UnknownKeyError(f"keys not in the adapter layout: {unknown[:5]}")
+        for key, shape in shapes.items():
+            if tuple(shape) != tuple(expected[key]):
+                raise ShapeMismatchError(
+                    f"'{key}' has shape {tuple(shape)}, layout declares "
+                    f"{tuple(expected[key])}"
+                )
+
+
+class AdaptedModel(ABC):
+    """A model with adapters whose tensors the layout declares by role.
+
+    The one protocol of fedlr's LoRA, VeRA and SORF-VeRA models: the client
+    apps and the server plans load a round's arrays, choose what trains and
+    read the trained tensors through it, whatever the adapter.
+
+    Attributes
+    ----------
+    model : torch.nn.Module
+    layout : RoleLayout
+    """
+
+    model: torch.nn.Module
+    layout: RoleLayout
+
+    @abstractmethod
+    def train_only(self, roles: Iterable[Role]) -> None:
+        """Make exactly the tensors with ``roles`` trainable."""
+
+    @abstractmethod
+    def state(self, roles: Iterable[Role]) -> dict[str, torch.Tensor]:
+        """Detached CPU copies of the tensors with ``roles``, keyed as the layout."""
+
+    @abstractmethod
+    def load(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Load ``state`` (keyed as the layout) in place.
+
+        Raises
+        ------
+        UnknownKeyError, ShapeMismatchError
+            If a key is not declared or has another shape.
+        """
 
 
 @dataclass(frozen=True)
@@ -83,7 +166,7 @@ class LoraModule:
 
 
 @dataclass(frozen=True)
-class AdapterLayout:
+class AdapterLayout(RoleLayout):
     """The declared roles of every tensor a LoRA strategy handles.
 
     Attributes
@@ -112,28 +195,6 @@ class AdapterLayout:
             yield Role.BASE, module.base_key, module.shape_of(Role.BASE)
         for key, shape in self.head_shapes.items():
             yield Role.HEAD, key, tuple(shape)
-
-    def keys(self, *roles: Role) -> list[str]:
-        """Keys holding any of ``roles``, in model order."""
-        return [key for role, key, _ in self.entries() if role in roles]
-
-    def all_keys(self) -> list[str]:
-        """Every declared key."""
-        return self.keys(*Role)
-
-    def shapes(self, *roles: Role) -> dict[str, tuple[int, ...]]:
-        """Expected shape of every key with one of ``roles``."""
-        return {key: shape for role, key, shape in self.entries() if role in roles}
-
-    def check_shapes(self, shapes: Mapping[str, Iterable[int]]) -> None:
-        """Raise :class:`ShapeMismatchError` if a known key has another shape."""
-        expected = self.shapes(*Role)
-        for key, shape in shapes.items():
-            if key in expected and tuple(shape) != tuple(expected[key]):
-                raise ShapeMismatchError(
-                    f"'{key}' has shape {tuple(shape)}, layout declares "
-                    f"{tuple(expected[key])}"
-                )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (see :meth:`from_dict`)."""

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn import functional
 
-from fedlr.adapters.roles import Role
-from fedlr.adapters.vera import RoleLayout, VeraModel, live_parameters
+from fedlr.adapters.roles import Role, RoleLayout
+from fedlr.adapters.vera import VeraModel, live_parameters
 from fedlr.errors import ShapeMismatchError
 from fedlr.linalg.sorf import (
     SorfSigns,

@@ -8,8 +8,8 @@ by walking the modules (``isinstance`` of peft's ``VeraLayer`` and
 ``ModulesToSaveWrapper``) and matching storage with
 ``get_peft_model_state_dict``, never by substrings of keys.
 
-:class:`RoleLayout` is the plain-data declaration shared with SORF-VeRA
-(:mod:`fedlr.adapters.sorf_vera`): ``(role, key, shape)`` entries.
+:class:`~fedlr.adapters.roles.RoleLayout` is the plain-data declaration
+shared with LoRA and SORF-VeRA: ``(role, key, shape)`` entries.
 """
 
 from __future__ import annotations
@@ -23,11 +23,10 @@ from peft import PeftModel, VeraConfig, get_peft_model
 from peft.tuners.vera import VeraLayer
 from peft.utils import ModulesToSaveWrapper, get_peft_model_state_dict
 
-from fedlr.adapters.roles import Role
-from fedlr.errors import ProjectionMismatchError, ShapeMismatchError
+from fedlr.adapters.roles import AdaptedModel, Role, RoleLayout
+from fedlr.errors import ProjectionMismatchError
 
 __all__ = [
-    "RoleLayout",
     "VeraLayout",
     "VeraModel",
     "VeraModule",
@@ -39,38 +38,6 @@ __all__ = [
     "shared_projections",
     "vera_layout",
 ]
-
-
-class RoleLayout:
-    """Declared ``(role, key, shape)`` entries; subclasses define :meth:`entries`."""
-
-    def entries(self) -> Iterator[tuple[Role, str, tuple[int, ...]]]:
-        """``(role, key, shape)`` of every declared tensor, in model order."""
-        raise NotImplementedError
-
-    def keys(self, *roles: Role) -> list[str]:
-        """Keys holding any of ``roles``, in model order."""
-        return [key for role, key, _ in self.entries() if role in roles]
-
-    def all_keys(self) -> list[str]:
-        """Every declared key."""
-        return [key for _, key, _ in self.entries()]
-
-    def shapes(self, *roles: Role) -> dict[str, tuple[int, ...]]:
-        """Expected shape of every key with one of ``roles``."""
-        return {key: shape for role, key, shape in self.entries() if role in roles}
-
-    def check_shapes(self, shapes: Mapping[str, Iterable[int]]) -> None:
-        """Raise :class:`ShapeMismatchError` if a key is unknown or misshapen."""
-        expected = {key: shape for _, key, shape in self.entries()}
-        for key, shape in shapes.items():
-            if key not in expected:
-                raise KeyError(f"key '{key}' is not in the adapter layout")
-            if tuple(shape) != tuple(expected[key]):
-                raise ShapeMismatchError(
-                    f"'{key}' has shape {tuple(shape)}, layout declares "
-                    f"{tuple(expected[key])}"
-                )
 
 
 @dataclass(frozen=True)
@@ -279,7 +246,7 @@ def shared_projections(model: PeftModel) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @dataclass
-class VeraModel:
+class VeraModel(AdaptedModel):
     """A VeRA-adapted model, its layout, shared projections, pristine bases.
 
     Attributes
@@ -318,7 +285,7 @@ class VeraModel:
 
         Raises
         ------
-        KeyError, ShapeMismatchError
+        UnknownKeyError, ShapeMismatchError
             If a key is not declared or has another shape.
         """
         self.layout.check_shapes({k: v.shape for k, v in state.items()})

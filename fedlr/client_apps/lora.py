@@ -50,6 +50,7 @@ from flwr.app import (
 
 from fedlr import protocol
 from fedlr.adapters import Role, adapter_state
+from fedlr.adapters.lora import LoraModel
 from fedlr.config import RunConfig
 from fedlr.errors import ConfigError
 from fedlr.flower.records import (
@@ -60,7 +61,7 @@ from fedlr.flower.records import (
     state_to_record,
 )
 from fedlr.linalg import local_svd_factors
-from fedlr.tasks import LoraModel, TextTask
+from fedlr.tasks import TextTask
 from fedlr.train import (
     EncodedText,
     TrainSettings,

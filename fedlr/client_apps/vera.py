@@ -24,8 +24,9 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 
 from fedlr import protocol
 from fedlr.adapters import Role
+from fedlr.adapters.roles import RoleLayout
 from fedlr.adapters.sorf_vera import SorfVeraLayout
-from fedlr.adapters.vera import RoleLayout, VeraLayout, VeraModel, check_projection
+from fedlr.adapters.vera import VeraLayout, VeraModel, check_projection
 from fedlr.client_apps.lora import partition_of, train_settings
 from fedlr.config import RunConfig
 from fedlr.flower.records import (

@@ -17,11 +17,12 @@ from collections.abc import Mapping
 import torch
 
 from fedlr.adapters import Role, adapter_state
+from fedlr.adapters.lora import LoraModel
 from fedlr.server_apps.plans import ServerPlan, check_strategy
 from fedlr.strategies.lora import LoraStrategy
 from fedlr.strategies.lora_svd import PersonalLoraStrategy, SvdLoraStrategy
 from fedlr.strategies.registry import MethodConfig
-from fedlr.tasks import LoraModel, TextTask
+from fedlr.tasks import TextTask
 from fedlr.train import evaluate, pick_device
 
 __all__ = ["lora_plan"]

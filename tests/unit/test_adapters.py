@@ -86,3 +86,46 @@ def test_same_seed_same_model(assets):
     sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert not all(torch.equal(sa[k], sc[k]) for k in sa)
+
+
+def test_one_layout_base_with_one_meaning_of_check_shapes(tiny):
+    from fedlr.adapters import AdaptedModel, RoleLayout, VeraLayout, VeraModule
+    from fedlr.adapters.lora import LoraModel
+    from fedlr.adapters.vera import VeraModel
+    from fedlr.errors import UnknownKeyError
+
+    lora = lora_layout(tiny)
+    vera = VeraLayout(
+        modules=(VeraModule("l0", "l0.b", "l0.d", "l0.w", d_out=3, d_in=5, rank=2),),
+        rank=2,
+        projection_seed=0,
+        head_shapes={"head": (2, 3)},
+    )
+    for layout, good in ((lora, lora.modules[0].a_key), (vera, "l0.b")):
+        assert isinstance(layout, RoleLayout)
+        layout.check_shapes({good: layout.shapes(*Role)[good]})
+        with pytest.raises(
+            UnknownKeyError, match=r"not in the adapter layout: \['x'\]"
+        ):
+            layout.check_shapes({"x": (1,)})
+        with pytest.raises(ShapeMismatchError, match="layout declares"):
+            layout.check_shapes({good: (7, 7)})
+    assert issubclass(LoraModel, AdaptedModel) and issubclass(VeraModel, AdaptedModel)
+
+
+def test_lora_model_state_and_load_follow_roles(tiny):
+    from fedlr.adapters.lora import LoraModel
+
+    layout = lora_layout(tiny)
+    lm = LoraModel(model=tiny, layout=layout, pristine_base={})
+    state = lm.state((Role.LORA_A, Role.HEAD))
+    assert set(state) == set(layout.keys(Role.LORA_A, Role.HEAD))
+    changed = {k: v + 1.0 for k, v in state.items()}
+    lm.load(changed)
+    for key, value in lm.state((Role.LORA_A, Role.HEAD)).items():
+        torch.testing.assert_close(value, changed[key])
+    lm.train_only((Role.LORA_B,))
+    trainable = {
+        k for k, p in parameters_by_key(tiny, layout).items() if p.requires_grad
+    }
+    assert trainable == set(layout.keys(Role.LORA_B))
