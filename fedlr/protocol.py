@@ -77,6 +77,7 @@ __all__ = [
     "SKETCHES",
     "SKETCH_DIM",
     "TASK",
+    "TASK_ROUND",
     "TRAIN_LOSS",
     "TRAIN_LOSS_ALIASES",
     "TRAIN_ROLES",
@@ -133,6 +134,8 @@ PROJECTION_RANK = "projection-rank"
 """VeRA family: rank of the frozen shared projections."""
 TASK = "task"
 """Continual learning: the current task."""
+TASK_ROUND = "task-round"
+"""Continual learning: the round's position within the current task."""
 GPSE_TASK = "gpse-task"
 """FOT: the task whose activation sketches the client sends (-1: none)."""
 SKETCH_DIM = "sketch-dim"

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from fedlr import protocol
 from fedlr.continual import (
     AccuracyMatrix,
     ContinualOptions,
@@ -115,9 +116,9 @@ def gpse_plan(method: MethodConfig) -> ServerPlan:
         initial_arrays=initial,
         evaluate=evaluate,
         train_config={
-            "lr": config.lr,
-            "local-steps": config.local_steps,
-            "batch-size": config.batch_size,
+            protocol.LR: config.lr,
+            protocol.LOCAL_STEPS: config.local_steps,
+            protocol.BATCH_SIZE: config.batch_size,
         },
         columns=COLUMNS,
         description=(

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 import torch
 
+from fedlr import protocol
 from fedlr.adapters import Role, adapter_state
 from fedlr.adapters.lora import LoraModel
 from fedlr.server_apps.plans import ServerPlan, check_strategy
@@ -83,9 +84,9 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
         initial_arrays=initial,
         evaluate=evaluate_global,
         train_config={
-            "lr": config.lr,
-            "local-steps": config.local_steps,
-            "batch-size": config.batch_size,
+            protocol.LR: config.lr,
+            protocol.LOCAL_STEPS: config.local_steps,
+            protocol.BATCH_SIZE: config.batch_size,
         },
         columns=tuple(extra),
         description=(

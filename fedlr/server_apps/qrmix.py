@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from fedlr import protocol
 from fedlr.errors import ConfigError, ShapeMismatchError
 from fedlr.image_task import ImageTask, evaluate_images
 from fedlr.server_apps.plans import ServerPlan, check_strategy
@@ -97,9 +98,9 @@ def qrmix_plan(method: MethodConfig) -> ServerPlan:
         initial_arrays=initial,
         evaluate=evaluate_global,
         train_config={
-            "lr": config.lr,
-            "local-steps": config.local_steps,
-            "batch-size": config.batch_size,
+            protocol.LR: config.lr,
+            protocol.LOCAL_STEPS: config.local_steps,
+            protocol.BATCH_SIZE: config.batch_size,
         },
         columns=strategy.columns,
         description=(

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 import torch
 
+from fedlr import protocol
 from fedlr.adapters.vera import VeraModel
 from fedlr.config import RunConfig
 from fedlr.server_apps.plans import ServerPlan, check_strategy
@@ -61,9 +62,9 @@ def _plan(
         initial_arrays=initial,
         evaluate=evaluate_global,
         train_config={
-            "lr": lr,
-            "local-steps": config.local_steps,
-            "batch-size": config.batch_size,
+            protocol.LR: lr,
+            protocol.LOCAL_STEPS: config.local_steps,
+            protocol.BATCH_SIZE: config.batch_size,
         },
         columns=columns,
         description=(

@@ -152,9 +152,9 @@ class FedAvgContinual(FedLRStrategy):
     def round_config(self, server_round: int) -> dict[str, Any]:
         task, position = self.task_of(server_round)
         return {
-            "task": task,
-            "task-round": position,
-            "lr": self.base_lr * self.lr_decay**position,
+            protocol.TASK: task,
+            protocol.TASK_ROUND: position,
+            protocol.LR: self.base_lr * self.lr_decay**position,
         }
 
     def reply_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -318,8 +318,8 @@ class FOT(FedAvgContinual):
 
     def round_config(self, server_round: int) -> dict[str, Any]:
         config = super().round_config(server_round)
-        config["gpse-task"] = self.boundary_task(server_round)
-        config["sketch-dim"] = self.sketch_dim
+        config[protocol.GPSE_TASK] = self.boundary_task(server_round)
+        config[protocol.SKETCH_DIM] = self.sketch_dim
         return config
 
     def configure_train(

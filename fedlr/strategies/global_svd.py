@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from fedlr import protocol
 from fedlr.adapters.roles import Role
 from fedlr.linalg import pad_factors, stacked_updates_svd
 from fedlr.payloads import LORA
@@ -115,7 +116,7 @@ class LocalSVD(PersonalLoraStrategy):
 
     def round_config(self, server_round: int) -> dict[str, Any]:
         config = super().round_config(server_round)
-        config["client-svd"] = True
+        config[protocol.CLIENT_SVD] = True
         return config
 
     def aggregate_updates(

@@ -124,7 +124,7 @@ class VisionFedAvg(FedLRStrategy):
         return dict(self.shapes)
 
     def round_config(self, server_round: int) -> dict[str, Any]:
-        return {"qrmix-stage": self.stage(server_round)}
+        return {protocol.QRMIX_STAGE: self.stage(server_round)}
 
     def head_vector(self, state: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The head of ``state`` flattened bias first, (P,)."""
