@@ -1,6 +1,7 @@
-"""Per-round checkpoints of a run, written atomically, and resuming from them.
+"""Per-round checkpoints of a run: atomic, hashed, code-free, the last K kept.
 
-After every round the ServerApp saves ``checkpoint.pt`` in the run directory:
+After every round the ServerApp saves ``checkpoint-<round>.pt`` in the run
+directory, a dict of:
 
 ``round``
     The last finished round.
@@ -12,106 +13,297 @@ After every round the ServerApp saves ``checkpoint.pt`` in the run directory:
 ``plan``
     The server plan's own state (e.g. a continual run's accuracy matrix).
 ``rng``
-    Python's ``random``, NumPy's and torch's global generator states.
+    Python's ``random``, NumPy's and torch's global generator states, as
+    tensors, ints and tuples.
 ``results``, ``layers``
-    The CSV rows so far.
+    The CSV rows so far (plain numbers and strings).
 ``extra``
     Anything else the round loop keeps (initial metrics, ...).
 ``config``
     The run config (to refuse resuming a different run).
 
-The file is written to ``checkpoint.pt.tmp`` and renamed, so a crash at any
-moment leaves the previous complete checkpoint; ``checkpoint.json`` (also
-renamed into place) says which round it holds, for people and tools.
+Safety, because a run directory may be shared or tampered with:
+
+* every file holds only tensors and plain Python containers and is read with
+  ``torch.load(weights_only=True)``, which runs no code from the file (a
+  planted pickle is refused, not executed);
+* ``checkpoint.json``, the manifest, lists the kept checkpoints with the
+  SHA-256 of each file; a file whose hash differs (flipped bytes, a swapped
+  file) is refused with :class:`~fedlr.errors.CheckpointError` before it is
+  read, and :func:`load_checkpoint` falls back to the previous one with a
+  warning;
+* files are written to ``*.tmp`` and renamed, the manifest last, so a crash
+  at any moment leaves the previous complete checkpoint; the last ``keep``
+  checkpoints are kept (run-config ``keep-checkpoints``), older ones deleted.
+
+The manifest's ``round`` is the newest checkpoint's round (for people and
+tools).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 from collections.abc import Mapping
+from logging import WARNING, getLogger
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from fedlr.errors import ConfigError
+from fedlr.errors import CheckpointError, ConfigError
 
 __all__ = [
-    "CHECKPOINT",
     "IGNORED_ON_RESUME",
+    "MANIFEST",
     "check_resumable",
+    "checkpoint_name",
     "get_rng_state",
     "load_checkpoint",
+    "read_checkpoint",
     "save_checkpoint",
     "set_rng_state",
 ]
 
-CHECKPOINT = "checkpoint.pt"
-IGNORED_ON_RESUME = frozenset({"resume-from", "num-server-rounds", "output-dir"})
+MANIFEST = "checkpoint.json"
+REQUIRED = ("round", "arrays", "strategy", "rng", "results", "config")
+IGNORED_ON_RESUME = frozenset(
+    {"resume-from", "num-server-rounds", "output-dir", "keep-checkpoints"}
+)
 """Run-config keys that may differ between a run and its resumption."""
+
+_LOG = getLogger("fedlr")
+
+
+def checkpoint_name(server_round: int) -> str:
+    """File name of the checkpoint after ``server_round``."""
+    return f"checkpoint-{server_round:05d}.pt"
 
 
 def get_rng_state() -> dict[str, Any]:
-    """The global generators' states: Python, NumPy, torch (CPU)."""
+    """The global generators' states (Python, NumPy, torch CPU) as plain data."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     return {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": {
+            "name": str(name),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "torch": torch.get_rng_state(),
     }
 
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
     """Restore what :func:`get_rng_state` returned."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    random.setstate(_as_tuple(state["python"]))
+    numpy = state["numpy"]
+    np.random.set_state(
+        (
+            numpy["name"],
+            numpy["keys"].numpy().astype(np.uint32),
+            numpy["pos"],
+            numpy["has_gauss"],
+            numpy["cached_gaussian"],
+        )
+    )
     torch.set_rng_state(state["torch"])
 
 
-def save_checkpoint(run_dir: Path, payload: Mapping[str, Any]) -> Path:
-    """Write ``payload`` as ``run_dir/checkpoint.pt`` atomically.
+def _as_tuple(value: Any) -> Any:
+    """Lists back to tuples (``random.setstate`` wants nested tuples)."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_as_tuple(v) for v in value)
+    return value
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with NumPy scalars as Python numbers (loadable code-free)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _read_manifest(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / MANIFEST
+    if not path.is_file():
+        return []
+    try:
+        data = json.loads(path.read_text())
+        entries: list[dict[str, Any]] = [
+            {
+                "round": int(e["round"]),
+                "file": str(e["file"]),
+                "sha256": str(e["sha256"]),
+            }
+            for e in data["checkpoints"]
+        ]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path} is not a checkpoint manifest: {exc}") from exc
+    for entry in entries:
+        if Path(entry["file"]).name != entry["file"]:
+            raise CheckpointError(
+                f"{path} names a file outside the run directory: {entry['file']!r}"
+            )
+    return entries
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(
+    run_dir: Path, payload: Mapping[str, Any], *, keep: int = 2
+) -> Path:
+    """Write ``payload`` as ``run_dir/checkpoint-<round>.pt`` and update the manifest.
+
+    Parameters
+    ----------
+    run_dir : Path
+    payload : mapping
+        Must hold ``round``; tensors and plain containers only.
+    keep : int, default 2
+        Checkpoints to keep (older ones are deleted after the manifest no
+        longer lists them).
 
     Raises
     ------
     KeyError
         If ``payload`` has no ``round``.
+    ValueError
+        If ``keep`` < 1.
     """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
     run_dir = Path(run_dir)
-    path = run_dir / CHECKPOINT
-    tmp = path.with_suffix(".pt.tmp")
-    torch.save(dict(payload), tmp)
+    server_round = int(payload["round"])
+    path = run_dir / checkpoint_name(server_round)
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(_plain(dict(payload)), tmp)
     os.replace(tmp, path)
-    info = run_dir / "checkpoint.json"
-    info_tmp = info.with_suffix(".json.tmp")
-    info_tmp.write_text(json.dumps({"round": int(payload["round"])}))
-    os.replace(info_tmp, info)
+    entries = [e for e in _safe_manifest(run_dir) if e["round"] != server_round]
+    entries.append({"round": server_round, "file": path.name, "sha256": _sha256(path)})
+    entries.sort(key=lambda e: e["round"])
+    kept, dropped = entries[-keep:], entries[:-keep]
+    manifest = {"round": server_round, "checkpoints": kept}
+    _atomic_write(run_dir / MANIFEST, json.dumps(manifest, indent=1).encode())
+    for entry in dropped:
+        (run_dir / entry["file"]).unlink(missing_ok=True)
     return path
 
 
+def _safe_manifest(run_dir: Path) -> list[dict[str, Any]]:
+    """The manifest's entries, or none if it is unreadable (it is rewritten)."""
+    try:
+        return _read_manifest(run_dir)
+    except CheckpointError as exc:
+        _LOG.log(WARNING, "fedlr: starting a new checkpoint manifest: %s", exc)
+        return []
+
+
+def read_checkpoint(path: Path, sha256: str | None = None) -> dict[str, Any]:
+    """Read one checkpoint file, code-free, after checking its hash.
+
+    Raises
+    ------
+    CheckpointError
+        If the file is missing, its SHA-256 differs from ``sha256``, it is not
+        a code-free torch file of plain data (a pickle that would run code is
+        refused here), or an entry is missing.
+    """
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing")
+    if sha256 is not None:
+        actual = _sha256(path)
+        if actual != sha256:
+            raise CheckpointError(
+                f"{path} has SHA-256 {actual[:16]}..., the manifest "
+                f"{sha256[:16]}...: the file was changed after it was written"
+            )
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises many types for a bad or unsafe file
+        raise CheckpointError(f"cannot read {path} safely: {exc}") from exc
+    if not isinstance(payload, dict):
+        raise CheckpointError(f"{path} holds a {type(payload).__name__}, not a dict")
+    for key in REQUIRED:
+        if key not in payload:
+            raise CheckpointError(f"{path} has no '{key}' entry")
+    return payload
+
+
 def load_checkpoint(run_dir: Path | str) -> dict[str, Any]:
-    """Read a run directory's checkpoint.
+    """The newest good checkpoint of a run directory.
+
+    Checkpoints are tried newest first; one that is missing, fails its hash
+    or cannot be read code-free is skipped with a warning naming the reason,
+    and the previous one is used.
 
     Raises
     ------
     ConfigError
-        (key ``resume-from``) if the directory or its checkpoint is missing or
-        unreadable.
+        (key ``resume-from``) if the directory has no manifest or no listed
+        checkpoint is good; the message gives each one's reason.
     """
-    path = Path(run_dir) / CHECKPOINT
-    if not path.is_file():
-        raise ConfigError(
-            "resume-from", f"no {CHECKPOINT} in '{run_dir}' (is it a run directory?)"
-        )
+    run_dir = Path(run_dir)
     try:
-        payload: dict[str, Any] = torch.load(path, weights_only=False)
-    except Exception as exc:  # a truncated or foreign file
-        raise ConfigError("resume-from", f"cannot read {path}: {exc}") from exc
-    for key in ("round", "arrays", "strategy", "rng", "results", "config"):
-        if key not in payload:
-            raise ConfigError("resume-from", f"{path} has no '{key}' entry")
-    return payload
+        entries = _read_manifest(run_dir)
+    except CheckpointError as exc:
+        raise ConfigError("resume-from", str(exc)) from exc
+    if not entries:
+        raise ConfigError(
+            "resume-from",
+            f"no {MANIFEST} listing checkpoints in '{run_dir}' (is it a run "
+            "directory?)",
+        )
+    reasons: list[str] = []
+    for entry in reversed(entries):
+        try:
+            payload = read_checkpoint(run_dir / entry["file"], entry["sha256"])
+        except CheckpointError as exc:
+            _LOG.log(WARNING, "fedlr: skipping a checkpoint: %s", exc)
+            reasons.append(str(exc))
+            continue
+        if int(payload["round"]) != entry["round"]:
+            reason = (
+                f"{entry['file']} holds round {payload['round']}, the manifest says "
+                f"{entry['round']}"
+            )
+            _LOG.log(WARNING, "fedlr: skipping a checkpoint: %s", reason)
+            reasons.append(reason)
+            continue
+        if reasons:
+            _LOG.log(
+                WARNING,
+                "fedlr: resuming from the checkpoint of round %d instead",
+                entry["round"],
+            )
+        return payload
+    raise ConfigError(
+        "resume-from", f"no good checkpoint in '{run_dir}': {'; '.join(reasons)}"
+    )
 
 
 def check_resumable(saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
@@ -125,9 +317,10 @@ def check_resumable(saved: Mapping[str, Any], current: Mapping[str, Any]) -> Non
     for key in sorted(set(saved) | set(current)):
         if key in IGNORED_ON_RESUME:
             continue
-        if saved.get(key) != current.get(key):
+        a, b = saved.get(key), current.get(key)
+        if a != b:
             raise ConfigError(
                 key,
-                f"the checkpoint was made with {saved.get(key)!r}, this run has "
-                f"{current.get(key)!r}; a resumed run must use the same settings",
+                f"the checkpoint was made with {a!r}, this run has {b!r}; a "
+                "resumed run must use the same settings",
             )

@@ -110,6 +110,13 @@ class RunConfig(Options):
             "help": "run directory whose checkpoint.pt to continue from ('' = new run)"
         },
     )
+    keep_checkpoints: int = field(
+        default=2,
+        metadata={
+            "help": "checkpoints kept in the run directory (the newest good one "
+            "is resumed from)"
+        },
+    )
     round_timeout: float = field(
         default=3600.0,
         metadata={
@@ -156,6 +163,7 @@ class RunConfig(Options):
             "num_partitions",
             "min_replies",
             "classes_per_partition",
+            "keep_checkpoints",
         )
         for name in positive_ints:
             if getattr(self, name) < 1:

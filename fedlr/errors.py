@@ -32,6 +32,14 @@ class ShapeMismatchError(FedLRError, ValueError):
     """Tensors that must agree in shape do not."""
 
 
+class CheckpointError(FedLRError, ValueError):
+    """A checkpoint file is missing, changed since it was written, or unsafe.
+
+    Raised before anything of the file is used: a SHA-256 that differs from
+    the manifest's, or content that cannot be read without running code.
+    """
+
+
 class UnknownKeyError(FedLRError, KeyError):
     """A tensor key that the adapter layout does not declare."""
 
@@ -189,3 +197,15 @@ class RecordMissingError(RecordError, KeyError):
 
 class RecordTypeError(RecordError, TypeError):
     """A record is of another kind, or a ConfigRecord value of another type."""
+
+
+class UnsupportedModelError(FedLRError, TypeError):
+    """A model that fedlr's plug-in helpers cannot adapt.
+
+    The helpers (:mod:`fedlr.client`, a strategy's ``for_model``,
+    ``initial_arrays`` and ``load_into``) take a peft ``PeftModel`` with LoRA
+    (``LoraConfig``) or VeRA (``VeraConfig``) on ``nn.Linear`` layers, or a
+    fedlr :class:`~fedlr.adapters.AdaptedModel` (e.g. SORF-VeRA's
+    ``build_sorf_vera_model``). The message says what the model was and what
+    was expected.
+    """

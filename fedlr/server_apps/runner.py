@@ -148,6 +148,7 @@ def run_server(grid: Grid, context: Context) -> Path:
                 "extra": {"initial": dict(initial_metrics)},
                 "config": method.to_mapping(),
             },
+            keep=config.keep_checkpoints,
         )
 
     if resume is None:

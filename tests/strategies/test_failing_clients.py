@@ -139,4 +139,6 @@ def test_too_few_clients_left_ends_the_run_with_a_clear_error(tmp_path, assets):
         )
     # Round 0 was checkpointed, so the failure loses nothing already done.
     (info,) = tmp_path.glob("*/checkpoint.json")
-    assert json.loads(info.read_text()) == {"round": 0}
+    manifest = json.loads(info.read_text())
+    assert manifest["round"] == 0
+    assert [e["round"] for e in manifest["checkpoints"]] == [0]

@@ -46,6 +46,7 @@ AT_PARSE: dict[str, tuple[object, str]] = {
     "device": ("tpu", "not one of"),
     "output-dir": ("relative", "absolute path"),
     "round-timeout": (0.0, "finite and > 0"),
+    "keep-checkpoints": (0, "must be >= 1"),
     "fedspec-threshold": (1.0, r"in \[0, 1\)"),
     "fedspec-max-rank": (0, "must be >= 1"),
     "proximal-mu": (float("inf"), "finite and >= 0"),
