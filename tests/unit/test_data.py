@@ -680,3 +680,24 @@ def test_split_needs_classlabel() -> None:
     ds = datasets.Dataset.from_dict({"text": ["a", "b"], "label": [0, 1]})
     with pytest.raises(TypeError, match="ClassLabel"):
         split_dataset(ds, PartitionConfig("iid", 1, seed=0))
+
+
+def test_a_planted_mnist_pickle_is_refused_before_unpickling(tmp_path):
+    import gzip
+    import pickle
+
+    from fedlr.data.assets import AssetIntegrityError
+    from fedlr.data.registry import _read_mnist_pickle
+
+    target = tmp_path / "pwned"
+
+    class Planted:
+        def __reduce__(self):
+            return (open, (str(target), "w"))
+
+    planted = tmp_path / "mnist.pkl.gz"
+    with gzip.open(planted, "wb") as fh:
+        pickle.dump(Planted(), fh)
+    with pytest.raises(AssetIntegrityError, match="SHA-256 .* changed after"):
+        _read_mnist_pickle(planted)
+    assert not target.exists()
