@@ -698,6 +698,6 @@ def test_a_planted_mnist_pickle_is_refused_before_unpickling(tmp_path):
     planted = tmp_path / "mnist.pkl.gz"
     with gzip.open(planted, "wb") as fh:
         pickle.dump(Planted(), fh)
-    with pytest.raises(AssetIntegrityError, match="SHA-256 .* changed after"):
+    with pytest.raises(AssetIntegrityError, match=r"SHA-256 .* changed after"):
         _read_mnist_pickle(planted)
     assert not target.exists()
