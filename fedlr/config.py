@@ -12,6 +12,7 @@ both, with the same defaults (checked by the tests).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +24,7 @@ from fedlr.options import Options, kebab
 __all__ = ["PARTITIONERS", "RunConfig"]
 
 PARTITIONERS = ("iid", "dirichlet", "pathological")
-_DEVICES = ("auto", "cpu", "cuda", "mps")
+_DEVICE = re.compile(r"auto|cpu|mps|cuda(:[0-9]+)?")
 
 
 @dataclass(frozen=True)
@@ -210,9 +211,10 @@ class RunConfig(Options):
             )
         if self.pooling not in ("mean", "cls"):
             raise ConfigError("pooling", f"'{self.pooling}' is not one of mean, cls")
-        if self.device.split(":")[0] not in _DEVICES:
+        if not _DEVICE.fullmatch(self.device):
             raise ConfigError(
-                "device", f"'{self.device}' is not one of {', '.join(_DEVICES)}"
+                "device",
+                f"'{self.device}' is not one of auto, cpu, mps, cuda, cuda:<index>",
             )
         if not self.targets:
             raise ConfigError("target-modules", "names no module")

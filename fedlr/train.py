@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from fedlr.errors import ConfigError
+
 __all__ = [
     "EncodedText",
     "TrainSettings",
@@ -25,7 +27,27 @@ __all__ = [
 
 
 def pick_device(preference: str = "auto") -> torch.device:
-    """``auto`` picks CUDA, then MPS, then CPU; otherwise the named device."""
+    """``auto`` picks CUDA, then MPS, then CPU; otherwise the named device.
+
+    Raises
+    ------
+    ConfigError
+        (key ``device``) if the named device is not on this machine: CUDA or
+        MPS unavailable, or a CUDA index beyond the devices there are.
+    """
+    if preference.startswith("cuda"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(preference.split(":")[1]) if ":" in preference else 0
+        if index >= count:
+            raise ConfigError(
+                "device",
+                f"'{preference}' was asked for but this machine has "
+                f"{count} CUDA device(s); use 'auto' or 'cpu'",
+            )
+    if preference == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(
+            "device", "'mps' was asked for but MPS is not available on this machine"
+        )
     if preference != "auto":
         return torch.device(preference)
     if torch.cuda.is_available():

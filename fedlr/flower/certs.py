@@ -97,8 +97,32 @@ def _general_name(host: str) -> x509.GeneralName:
 
 
 def _write_private(path: Path, data: bytes) -> None:
-    path.write_bytes(data)
-    os.chmod(path, 0o600)
+    """Write a private key readable by its owner only, from its first byte.
+
+    The file is created with mode 0600 (never world-readable, not even
+    briefly) and ``O_EXCL | O_NOFOLLOW``, so a symlink planted at ``path``
+    is refused instead of followed. An existing regular file is replaced.
+
+    Raises
+    ------
+    DeploymentError
+        If ``path`` is a symlink or not a regular file.
+    """
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise DeploymentError(
+            f"refusing to write a private key to {path}: it is a symlink or not a "
+            "regular file"
+        )
+    path.unlink(missing_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileExistsError as exc:  # something was planted since the unlink
+        raise DeploymentError(
+            f"refusing to write a private key to {path}: it appeared while writing"
+        ) from exc
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
 
 
 def _name(common_name: str) -> x509.Name:

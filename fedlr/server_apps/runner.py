@@ -40,6 +40,7 @@ from fedlr.checkpoint import (
     set_rng_state,
 )
 from fedlr.config import RunConfig
+from fedlr.errors import ConfigError
 from fedlr.flower.records import record_to_state
 from fedlr.plots import write_run_plots
 from fedlr.results import ResultsWriter
@@ -49,9 +50,23 @@ __all__ = ["run_server"]
 
 
 def _run_dir(config: RunConfig, run_id: int) -> Path:
+    """A new results directory, created here and never one another run wrote.
+
+    Two runs started in the same second with the same run id (in-process
+    runs) get ``-2``, ``-3``... suffixes: the directory is created with
+    ``exist_ok=False``, so no run writes into another's.
+    """
     stamp = time.strftime("%Y%m%d-%H%M%S")
     name = f"{config.method}-{config.dataset}-seed{config.seed}-{stamp}-run{run_id}"
-    return config.output_path / name
+    config.output_path.mkdir(parents=True, exist_ok=True)
+    for attempt in range(1, 1000):
+        path = config.output_path / (name if attempt == 1 else f"{name}-{attempt}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise ConfigError("output-dir", f"cannot create a new run directory for {name}")
 
 
 def _mb(nbytes: float) -> str:

@@ -43,7 +43,7 @@ AT_PARSE: dict[str, tuple[object, str]] = {
     "fraction-train": (1.5, r"in \(0, 1\]"),
     "min-replies": (0, "must be >= 1"),
     "seed": (-1, "must be in"),
-    "device": ("tpu", "not one of"),
+    "device": ("cuda:abc", "not one of auto, cpu, mps, cuda, cuda:<index>"),
     "output-dir": ("relative", "absolute path"),
     "round-timeout": (0.0, "finite and > 0"),
     "keep-checkpoints": (0, "must be >= 1"),
@@ -121,3 +121,32 @@ def test_invalid_value_stops_the_server_before_training(tmp_path, assets, key):
         run_server(grid, context)
     assert grid.messages_sent == 0
     assert not list(tmp_path.glob("*/results.csv"))
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.device_count() > 7,
+    reason="this machine has a CUDA device 7, so 'cuda:7' is not absent here",
+)
+def test_an_absent_device_stops_the_server_before_training(tmp_path, assets):
+    from fedlr.server_apps.runner import run_server
+
+    config = tiny_run_config(tmp_path, device="cuda:7")
+    grid = InProcessGrid(_never_called, num_nodes=3, run_config=config)
+    context = Context(
+        run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=config
+    )
+    with pytest.raises(ConfigError, match=r"'cuda:7' was asked for") as info:
+        run_server(grid, context)
+    assert info.value.key == "device"
+    assert grid.messages_sent == 0
+
+
+def test_run_directories_are_created_exclusively(tmp_path):
+    from fedlr.server_apps.runner import _run_dir
+
+    config = RunConfig(output_dir=str(tmp_path))
+    first, second = _run_dir(config, 5), _run_dir(config, 5)
+    assert first != second and first.is_dir() and second.is_dir()
+    # Both in the same second: the second run gets a suffix (a new second
+    # would give a new stamp instead; either way the folders differ).
+    assert second.name == f"{first.name}-2" or second.name[:-4] != first.name[:-4]

@@ -194,3 +194,26 @@ def test_command_line_writes_the_files(tmp_path, capsys):
     ]
     assert main(["tls", "--out", str(tmp_path), "--host", "no good"]) == 1
     assert "no good" in capsys.readouterr().err
+
+
+def test_private_key_writer_refuses_a_planted_symlink_and_never_widens(tmp_path):
+    import os
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("do not overwrite")
+    out = tmp_path / "keys"
+    out.mkdir()
+    os.symlink(victim, out / "supernode-0")  # where the private key would go
+    with pytest.raises(DeploymentError, match="symlink"):
+        generate_supernode_keys(out, "supernode-0")
+    assert victim.read_text() == "do not overwrite"
+    os.unlink(out / "supernode-0")
+    # Created 0600 from the start, whatever the umask; regenerating replaces it.
+    old = os.umask(0)
+    try:
+        first = generate_supernode_keys(out, "supernode-0")
+        second = generate_supernode_keys(out, "supernode-0")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(second.private_key.stat().st_mode) == 0o600
+    assert first.private_key == second.private_key
