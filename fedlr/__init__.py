@@ -3,6 +3,7 @@
 Plug-in users import strategies from here::
 
     from fedlr import FedExLoRA, AdapterLayout
+    from fedlr import apply_round  # the client side of a plug-in ClientApp
 
 The library itself (``fedlr.linalg``, ``fedlr.adapters``, ...) does not import
 Flower; strategy names are resolved lazily from the ``strategies`` package.
@@ -46,6 +47,10 @@ _LAZY = {
     "Role": "fedlr.adapters",
     "RunConfig": "fedlr.config",
     "InProcessGrid": "fedlr.flower",
+    "ClientRound": "fedlr.client",
+    "apply_round": "fedlr.client",
+    "SorfVeraSettings": "fedlr.adapters",
+    "build_sorf_vera_model": "fedlr.adapters",
 }
 
 __all__ = ["__version__", *sorted(_LAZY)]

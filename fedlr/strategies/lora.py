@@ -3,13 +3,26 @@
 from __future__ import annotations
 
 import math
-from logging import INFO
+from collections.abc import Mapping
+from logging import INFO, WARNING
 from typing import Any, ClassVar, Self
 
+import torch
+from flwr.app import ArrayRecord
 from flwr.supercore import log
 
-from fedlr.adapters.roles import AdapterLayout, Role
+from fedlr import protocol
+from fedlr.adapters.lora import LoraModel
+from fedlr.adapters.plugin import (
+    adapted,
+    check_layout,
+    conform_lora,
+    load_from_initial,
+)
+from fedlr.adapters.roles import AdaptedModel, AdapterLayout, Role
 from fedlr.config import RunConfig
+from fedlr.errors import UnsupportedModelError
+from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.linalg import (
     factored_frobenius_norm,
     mean_of_products_factors,
@@ -99,7 +112,13 @@ class LoraStrategy(FedLRStrategy):
         return self.layout.shapes(*self.train_roles)
 
     def round_config(self, server_round: int) -> dict[str, Any]:
-        return {"train-roles": ",".join(role.value for role in self.train_roles)}
+        config: dict[str, Any] = {
+            protocol.TRAIN_ROLES: protocol.encode_roles(self.train_roles)
+        }
+        alphas = {float(f"{m.scaling * m.rank:.12g}") for m in self.layout.modules}
+        if len(alphas) == 1:  # a client's scaling is lora-alpha / r (fedlr.client)
+            config[protocol.LORA_ALPHA] = alphas.pop()
+        return config
 
     # ----------------------------------------------------------------- helpers
     def gap_report(self, updates: list[ClientUpdate]) -> RoundReport:
@@ -130,3 +149,100 @@ class LoraStrategy(FedLRStrategy):
             },
             layers=layers,
         )
+
+    # ------------------------------------------------------ plug-in users
+    @classmethod
+    def for_model(cls, model: torch.nn.Module | AdaptedModel, **kwargs: Any) -> Self:
+        """The strategy for a user's own LoRA model, its layout declared from it.
+
+        Parameters
+        ----------
+        model : peft.PeftModel or LoraModel
+            The server's copy of the model every node builds (LoRA on
+            ``nn.Linear`` layers, the head in ``modules_to_save``).
+        **kwargs
+            The strategy's other parameters.
+
+        Raises
+        ------
+        UnsupportedModelError
+            If ``model`` is not a LoRA model.
+        """
+        return cls(layout=_lora_view(model).layout, **kwargs)
+
+    def initial_arrays(self, model: torch.nn.Module | AdaptedModel) -> ArrayRecord:
+        """The first round's global arrays: the ``send_roles`` tensors of ``model``.
+
+        Give it to ``strategy.start(initial_arrays=...)``. Keys and shapes are
+        the layout's (peft's adapter keys, ``...base_layer.weight`` for the
+        base weights FedEx sends); ``ArrayRecord(model.state_dict())`` carries
+        every weight under other keys and is refused.
+
+        Raises
+        ------
+        UnsupportedModelError
+            If ``model`` is not a LoRA model.
+        ShapeMismatchError
+            If ``model`` does not match the strategy's layout.
+        """
+        view = _lora_view(model)
+        check_layout(self.layout, view.layout, self.send_roles, what="the model")
+        return state_to_record(view.state(self.send_roles), self.send_keys())
+
+    def load_into(
+        self,
+        model: torch.nn.Module | AdaptedModel,
+        arrays: ArrayRecord | Mapping[str, torch.Tensor],
+    ) -> None:
+        """Load global arrays into ``model`` (e.g. in a server ``evaluate_fn``).
+
+        Every LoRA layer is rebuilt at the rank of the arrays' ``A`` (or
+        ``B``) when it differs (FedSpec grows the rank) and given the scaling
+        ``alpha / r`` with the strategy's alpha, so the model's update is the
+        one the strategy aggregated. Tensors the arrays leave out keep their
+        initial values (:func:`fedlr.adapters.plugin.initial_state`).
+
+        Parameters
+        ----------
+        model : peft.PeftModel or LoraModel
+        arrays : ArrayRecord or mapping of str to torch.Tensor
+            Global arrays of any round, keyed as the layout.
+
+        Raises
+        ------
+        UnsupportedModelError
+            If ``model`` is not a LoRA model.
+        UnknownKeyError, ShapeMismatchError
+            If the arrays do not fit the model.
+        """
+        state = (
+            record_to_state(arrays) if isinstance(arrays, ArrayRecord) else dict(arrays)
+        )
+        view = _lora_view(model)
+        targets: dict[str, tuple[int, float]] = {}
+        for m in self.layout.modules:
+            if m.a_key in state:
+                rank = int(state[m.a_key].shape[0])
+            elif m.b_key in state:
+                rank = int(state[m.b_key].shape[1])
+            else:
+                rank = m.rank
+            targets[m.name] = (rank, m.scaling * m.rank / rank)
+        changes = conform_lora(view.model, targets)
+        for change in changes:
+            if change.alpha_changed:
+                log(WARNING, "%s: set to the strategy's LoRA alpha", change)
+        if changes:
+            view = _lora_view(view.model)
+        load_from_initial(view, state)
+
+
+def _lora_view(model: torch.nn.Module | AdaptedModel) -> LoraModel:
+    """``model`` as a :class:`LoraModel` (UnsupportedModelError otherwise)."""
+    view = adapted(model)
+    if not isinstance(view, LoraModel):
+        raise UnsupportedModelError(
+            f"a LoRA strategy needs a LoRA model, got one with a "
+            f"{type(view.layout).__name__}"
+        )
+    return view

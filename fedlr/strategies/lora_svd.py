@@ -33,7 +33,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
-from fedlr.adapters.roles import AdapterLayout, Role
+from fedlr.adapters.plugin import adapted
+from fedlr.adapters.roles import AdaptedModel, AdapterLayout, Role
 from fedlr.config import RunConfig
 from fedlr.errors import ReplyValidationError
 from fedlr.flower.records import record_nbytes, record_to_state
@@ -193,6 +194,16 @@ class SvdLoraStrategy(LoraStrategy):
         state.update(self.weighted_means(list(updates), keys))
         return state
 
+    def initial_arrays(self, model: torch.nn.Module | AdaptedModel) -> ArrayRecord:
+        """The base's initial arrays; also binds the model's initial A, B, head.
+
+        :meth:`bind_initial` with the model's values: FFA-LoRA measures its
+        gap against the ``A`` it never sends.
+        """
+        record = super().initial_arrays(model)
+        self.bind_initial(adapted(model).state((Role.LORA_A, Role.LORA_B, Role.HEAD)))
+        return record
+
 
 class PersonalLoraStrategy(SvdLoraStrategy):
     """Base of personalised LoRA methods: personal factors stay with clients.
@@ -215,6 +226,7 @@ class PersonalLoraStrategy(SvdLoraStrategy):
         "personal-clients",
     )
     keep_roles: ClassVar[tuple[Role, ...]] = (Role.LORA_B,)
+    federated_evaluation: ClassVar[bool] = True
 
     def __init__(self, *, layout: AdapterLayout, **kwargs: Any) -> None:
         kwargs.setdefault("fraction_evaluate", 1.0)

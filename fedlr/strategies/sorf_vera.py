@@ -27,17 +27,25 @@ between the refit update and the mean client update.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from logging import INFO
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
+from flwr.app import ArrayRecord
 from flwr.supercore import log
 
+from fedlr.adapters.plugin import (
+    check_projection_model,
+    load_from_initial,
+    vera_view,
+)
 from fedlr.adapters.roles import Role
 from fedlr.adapters.sorf_vera import SorfVeraLayout, SorfVeraModule, layer_signs
 from fedlr.adapters.vera import VeraModel
 from fedlr.config import RunConfig
+from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.linalg import factored_frobenius_norm, factored_svd, weighted_mean
 from fedlr.linalg.lowrank import normalise_weights
 from fedlr.linalg.sorf import (
@@ -333,3 +341,62 @@ class SorfVeRA(ProjectionChecked):
             },
             layers=layers,
         )
+
+    # ------------------------------------------------------ plug-in users
+    @classmethod
+    def for_model(cls, model: VeraModel, **kwargs: Any) -> SorfVeRA:
+        """The strategy for a SORF-VeRA model (layout and projections).
+
+        Parameters
+        ----------
+        model : VeraModel
+            From :func:`~fedlr.adapters.build_sorf_vera_model` on the server's
+            copy of the model every node builds.
+        **kwargs
+            The strategy's other parameters.
+
+        Raises
+        ------
+        UnsupportedModelError
+            If ``model`` is not a SORF-VeRA model.
+        """
+        view = vera_view(model, SorfVeraLayout)
+        return cls(
+            layout=cast(SorfVeraLayout, view.layout),
+            projection_a=view.projection_a,
+            projection_b=view.projection_b,
+            **kwargs,
+        )
+
+    def initial_arrays(self, model: VeraModel) -> ArrayRecord:
+        """The first round's global arrays: the ``send_roles`` tensors of ``model``.
+
+        Raises
+        ------
+        UnsupportedModelError
+            If ``model`` is not a SORF-VeRA model.
+        ProjectionMismatchError, ShapeMismatchError
+            If it does not match the strategy's projections or layout.
+        """
+        view = vera_view(model, SorfVeraLayout)
+        check_projection_model(self.layout, view, self.send_roles)
+        return state_to_record(view.state(self.send_roles), self.send_keys())
+
+    def load_into(
+        self, model: VeraModel, arrays: ArrayRecord | Mapping[str, torch.Tensor]
+    ) -> None:
+        """Load global arrays into ``model`` (e.g. in a server ``evaluate_fn``).
+
+        Raises
+        ------
+        UnsupportedModelError
+            If ``model`` is not a SORF-VeRA model.
+        ProjectionMismatchError, ShapeMismatchError, UnknownKeyError
+            If it or the arrays do not match the strategy.
+        """
+        view = vera_view(model, SorfVeraLayout)
+        check_projection_model(self.layout, view, self.send_roles)
+        state = (
+            record_to_state(arrays) if isinstance(arrays, ArrayRecord) else dict(arrays)
+        )
+        load_from_initial(view, state)

@@ -33,16 +33,22 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from logging import INFO
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Self, cast
 
 import torch
-from flwr.app import Message
+from flwr.app import ArrayRecord, Message
 from flwr.supercore import log
 
-from fedlr.adapters.roles import Role
+from fedlr.adapters.plugin import (
+    check_projection_model,
+    load_from_initial,
+    vera_view,
+)
+from fedlr.adapters.roles import AdaptedModel, Role
 from fedlr.adapters.vera import VeraLayout, VeraModel
 from fedlr.config import RunConfig
 from fedlr.errors import ReplyValidationError
+from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.linalg import factored_frobenius_norm, weighted_mean
 from fedlr.linalg.vera import fold_vera_residual, vera_residual_factors
 from fedlr.options import Options, option, require
@@ -236,6 +242,70 @@ class VeraStrategy(ProjectionChecked):
             },
             layers=layers,
         )
+
+    # ------------------------------------------------------ plug-in users
+    @classmethod
+    def for_model(cls, model: torch.nn.Module | AdaptedModel, **kwargs: Any) -> Self:
+        """The strategy for a user's own VeRA model (layout and projections).
+
+        Parameters
+        ----------
+        model : peft.PeftModel or VeraModel
+            The server's copy of the model every node builds (peft's
+            ``VeraConfig`` with a fixed ``projection_prng_key``).
+        **kwargs
+            The strategy's other parameters.
+
+        Raises
+        ------
+        UnsupportedModelError
+            If ``model`` is not a VeRA model.
+        """
+        view = vera_view(model, VeraLayout)
+        return cls(
+            layout=cast(VeraLayout, view.layout),
+            projection_a=view.projection_a,
+            projection_b=view.projection_b,
+            **kwargs,
+        )
+
+    def initial_arrays(self, model: torch.nn.Module | AdaptedModel) -> ArrayRecord:
+        """The first round's global arrays: the ``send_roles`` tensors of ``model``.
+
+        Raises
+        ------
+        UnsupportedModelError
+            If ``model`` is not a VeRA model.
+        ProjectionMismatchError, ShapeMismatchError
+            If it does not match the strategy's projections or layout.
+        """
+        view = vera_view(model, VeraLayout)
+        check_projection_model(self.layout, view, self.send_roles)
+        return state_to_record(view.state(self.send_roles), self.send_keys())
+
+    def load_into(
+        self,
+        model: torch.nn.Module | AdaptedModel,
+        arrays: ArrayRecord | Mapping[str, torch.Tensor],
+    ) -> None:
+        """Load global arrays into ``model`` (e.g. in a server ``evaluate_fn``).
+
+        Tensors the arrays leave out keep their initial values (base weights
+        the round did not send are the pristine ones).
+
+        Raises
+        ------
+        UnsupportedModelError
+            If ``model`` is not a VeRA model.
+        ProjectionMismatchError, ShapeMismatchError, UnknownKeyError
+            If it or the arrays do not match the strategy.
+        """
+        view = vera_view(model, VeraLayout)
+        check_projection_model(self.layout, view, self.send_roles)
+        state = (
+            record_to_state(arrays) if isinstance(arrays, ArrayRecord) else dict(arrays)
+        )
+        load_from_initial(view, state)
 
 
 @register_method(

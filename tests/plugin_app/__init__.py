@@ -1,6 +1,10 @@
-"""A separate, minimal Flower app that uses fedlr only as a plug-in strategy.
+"""A separate Flower app that uses fedlr only as a plug-in.
 
-It has its own model (a small peft-LoRA MLP), its own data and its own
-ClientApp; it imports nothing from fedlr but the strategy and the layout
-helpers, as a user's existing project would.
+Its own model (a small MLP with peft LoRA, peft VeRA or fedlr's SORF-VeRA,
+by the run config's ``method``), its own data, its own ClientApp and
+ServerApp on Flower's unmodified ``strategy.start()``. It uses only what
+docs/plugin.md shows: ``fedlr.apply_round`` on the client, a strategy's
+``for_model``, ``initial_arrays`` and ``load_into`` on the server.
+tests/integration/test_plugin_flwr_run.py copies it out of the repository and
+runs it with ``flwr run``.
 """

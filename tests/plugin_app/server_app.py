@@ -1,39 +1,45 @@
-"""The plug-in app's ServerApp: its own loop around fedlr's FedExLoRA."""
+"""The plug-in app's ServerApp: Flower's own ``strategy.start()``, a fedlr strategy."""
 
 from __future__ import annotations
 
-import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Result
 
-from fedlr import FedExLoRA, adapter_state, load_adapter_state, lora_layout
-from tests.plugin_app.task import accuracy, build_model, load_data
+from fedlr import get_method
+
+from .task import build_model, load_data, save_result, score
 
 app = ServerApp()
 
 
-def evaluate_all(model: torch.nn.Module, num_partitions: int) -> float:
-    return sum(accuracy(model, *load_data(p)) for p in range(num_partitions)) / (
-        num_partitions
-    )
-
-
 @app.main()
 def main(grid: Grid, context: Context) -> Result:
-    model = build_model()
-    layout = lora_layout(model)
-    strategy = FedExLoRA(layout=layout)
-    num_partitions = len(list(grid.get_node_ids()))
+    config = context.run_config
+    method = str(config["method"])
+    model = build_model(method)
+    options = {}
+    if method == "fedspec":
+        options = {
+            "threshold": float(config["fedspec-threshold"]),
+            "max_rank": int(config["fedspec-max-rank"]),
+        }
+    nodes = int(config["min-nodes"])
+    strategy = get_method(method).strategy.for_model(
+        model, min_available_nodes=nodes, min_train_nodes=nodes, **options
+    )
 
     def evaluate_fn(server_round: int, arrays: ArrayRecord) -> MetricRecord:
-        load_adapter_state(model, layout, arrays.to_torch_state_dict())
-        return MetricRecord({"accuracy": evaluate_all(model, num_partitions)})
+        strategy.load_into(model, arrays)
+        accuracy, loss = score(model, *load_data(None, split="test"))
+        return MetricRecord({"accuracy": accuracy, "loss": loss})
 
-    return strategy.start(
+    result = strategy.start(
         grid=grid,
-        initial_arrays=ArrayRecord(adapter_state(model, layout, strategy.send_roles)),
-        num_rounds=int(context.run_config.get("num-server-rounds", 3)),
-        train_config=ConfigRecord({"lr": 0.1}),
+        initial_arrays=strategy.initial_arrays(model),
+        num_rounds=int(config["num-server-rounds"]),
+        train_config=ConfigRecord({"lr": float(config["lr"])}),
         evaluate_fn=evaluate_fn,
     )
+    save_result(result, str(config.get("result-file", "")))
+    return result

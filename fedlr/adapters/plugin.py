@@ -1,0 +1,420 @@
+"""A plug-in user's own adapted model, seen through fedlr's declared roles.
+
+fedlr's client helpers (:mod:`fedlr.client`) and the strategies' plug-in
+methods (``for_model``, ``initial_arrays``, ``load_into``) take the model a
+user built themselves:
+
+* a peft ``PeftModel`` with LoRA (``peft.get_peft_model`` with a
+  ``LoraConfig``), seen as a :class:`~fedlr.adapters.lora.LoraModel`;
+* a peft ``PeftModel`` with VeRA (``VeraConfig``), seen as a
+  :class:`~fedlr.adapters.vera.VeraModel` (projections shared by
+  ``projection_prng_key``);
+* a fedlr :class:`~fedlr.adapters.roles.AdaptedModel`, e.g. the SORF-VeRA
+  wrapping model of :func:`~fedlr.adapters.sorf_vera.build_sorf_vera_model`,
+  used as it is.
+
+Which tensor is which is found by walking the modules (:func:`lora_layout`,
+:func:`vera_layout`), never from key names. The first time a torch module is
+seen, the values of every declared tensor are remembered (weakly, per
+module): every later load starts from them, so a model that a process reuses
+for many clients never carries one client's tensors into another's round.
+
+:func:`conform_lora` rebuilds a LoRA model's layers at another rank and sets
+their scaling (FedSpec grows the rank; the scaling must be the ``alpha / r``
+the server aggregated for).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import cast
+from weakref import WeakKeyDictionary
+
+import torch
+from peft import LoraConfig, PeftModel, VeraConfig
+from peft.tuners.lora import LoraLayer
+from peft.tuners.vera import VeraLayer
+
+from fedlr.adapters.lora import LoraModel, lora_layout
+from fedlr.adapters.roles import AdaptedModel, Role, RoleLayout
+from fedlr.adapters.sorf_vera import SorfVeraLayout
+from fedlr.adapters.vera import (
+    VeraLayout,
+    VeraModel,
+    VeraSettings,
+    check_projection,
+    shared_projections,
+    vera_layout,
+)
+from fedlr.errors import ShapeMismatchError, UnknownKeyError, UnsupportedModelError
+
+__all__ = [
+    "LoraLayerChange",
+    "adapted",
+    "check_layout",
+    "check_projection_model",
+    "conform_lora",
+    "initial_state",
+    "load_from_initial",
+    "lora_layers",
+    "module_of",
+    "vera_view",
+]
+
+_INITIAL: WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = (
+    WeakKeyDictionary()
+)
+
+
+def module_of(model: torch.nn.Module | AdaptedModel) -> torch.nn.Module:
+    """The torch module to train or evaluate (``model.model`` of an AdaptedModel)."""
+    return model.model if isinstance(model, AdaptedModel) else model
+
+
+def adapted(model: torch.nn.Module | AdaptedModel) -> AdaptedModel:
+    """The :class:`AdaptedModel` view of a user's model (layout, load, train_only).
+
+    Parameters
+    ----------
+    model : peft.PeftModel or AdaptedModel
+        A peft model whose active adapter is LoRA or VeRA, or a fedlr adapted
+        model (returned unchanged).
+
+    Returns
+    -------
+    LoraModel or VeraModel or AdaptedModel
+        For a peft model, a fresh view (its layout follows the model's current
+        rank); the pristine base weights are those of the model when fedlr
+        first saw it.
+
+    Raises
+    ------
+    UnsupportedModelError
+        If ``model`` is neither, or its active adapter has no LoRA or VeRA
+        layer.
+    """
+    if isinstance(model, AdaptedModel):
+        return model
+    if not isinstance(model, PeftModel):
+        raise UnsupportedModelError(
+            f"expected a peft PeftModel (LoRA or VeRA) or a fedlr AdaptedModel "
+            f"(e.g. build_sorf_vera_model(...)), got {type(model).__name__}"
+        )
+    adapter = model.active_adapter
+    has_lora = any(
+        isinstance(m, LoraLayer) and adapter in m.lora_A for m in model.modules()
+    )
+    has_vera = any(
+        isinstance(m, VeraLayer) and adapter in m.vera_lambda_b for m in model.modules()
+    )
+    if has_lora:
+        layout = lora_layout(model)
+        pristine = _first_seen(model, layout, LoraModel(model, layout, {}))
+        return LoraModel(
+            model=model,
+            layout=layout,
+            pristine_base={k: pristine[k] for k in layout.keys(Role.BASE)},
+        )
+    if has_vera:
+        config = model.peft_config[adapter]
+        if not isinstance(config, VeraConfig):
+            raise UnsupportedModelError(
+                f"VeRA layers under a {type(config).__name__}, expected a VeraConfig"
+            )
+        settings = VeraSettings(
+            rank=int(config.r), projection_seed=int(config.projection_prng_key)
+        )
+        vlayout = vera_layout(model, settings)
+        a, b = shared_projections(model)
+        view = VeraModel(
+            model=model,
+            layout=vlayout,
+            projection_a=a,
+            projection_b=b,
+            pristine_base={},
+        )
+        pristine = _first_seen(model, vlayout, view)
+        view.pristine_base = {k: pristine[k] for k in vlayout.keys(Role.BASE)}
+        return view
+    raise UnsupportedModelError(
+        f"the peft model's active adapter '{adapter}' has no LoRA or VeRA layer "
+        f"(peft config: {type(model.peft_config[adapter]).__name__})"
+    )
+
+
+def _first_seen(
+    module: torch.nn.Module, layout: RoleLayout, view: AdaptedModel
+) -> dict[str, torch.Tensor]:
+    """The remembered values of ``module`` (recorded now if it is new)."""
+    if module not in _INITIAL:
+        roles = {role for role, _, _ in layout.entries()}
+        state = view.state(roles)
+        _INITIAL[module] = state
+    return _INITIAL[module]
+
+
+def initial_state(model: AdaptedModel) -> dict[str, torch.Tensor]:
+    """Every declared tensor's value when fedlr first saw ``model``'s module.
+
+    Entries whose shape no longer fits the layout (a LoRA rank changed since)
+    are left out.
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+        Keyed as the layout; CPU copies.
+    """
+    saved = _first_seen(model.model, model.layout, model)
+    shapes = {key: shape for _, key, shape in model.layout.entries()}
+    return {
+        k: v for k, v in saved.items() if k in shapes and tuple(v.shape) == shapes[k]
+    }
+
+
+def load_from_initial(model: AdaptedModel, state: Mapping[str, torch.Tensor]) -> None:
+    """Load ``state`` over the model's initial values (:func:`initial_state`).
+
+    Raises
+    ------
+    UnknownKeyError, ShapeMismatchError
+        If a key of ``state`` is not declared or has another shape.
+    """
+    model.layout.check_shapes({k: v.shape for k, v in state.items()})
+    model.load({**initial_state(model), **state})
+
+
+def check_layout(
+    expected: RoleLayout, got: RoleLayout, roles: Iterable[Role], *, what: str
+) -> None:
+    """The tensors with ``roles`` have the same keys and shapes in both layouts.
+
+    Parameters
+    ----------
+    expected : RoleLayout
+        The strategy's.
+    got : RoleLayout
+        The model's.
+    roles : iterable of Role
+    what : str
+        Names the model in the message.
+
+    Raises
+    ------
+    ShapeMismatchError
+        Naming up to three keys missing on either side, or the first key whose
+        shape differs.
+    """
+    roles = tuple(roles)
+    want, have = expected.shapes(*roles), got.shapes(*roles)
+    if set(want) != set(have):
+        missing = sorted(set(want) - set(have))[:3]
+        extra = sorted(set(have) - set(want))[:3]
+        raise ShapeMismatchError(
+            f"{what} does not match the strategy's layout: keys missing {missing}, "
+            f"unexpected {extra}; build the strategy from this model "
+            f"(Strategy.for_model(model))"
+        )
+    for key, shape in want.items():
+        if tuple(have[key]) != tuple(shape):
+            raise ShapeMismatchError(
+                f"{what}: '{key}' has shape {tuple(have[key])}, the strategy's "
+                f"layout declares {tuple(shape)}"
+            )
+
+
+def vera_view(
+    model: torch.nn.Module | AdaptedModel, layout_type: type[RoleLayout]
+) -> VeraModel:
+    """``model`` as a :class:`VeraModel` whose layout is a ``layout_type``.
+
+    Raises
+    ------
+    UnsupportedModelError
+        If the model is of another family (e.g. LoRA for a VeRA strategy, or
+        peft VeRA for SORF-VeRA).
+    """
+    view = adapted(model)
+    if not isinstance(view, VeraModel) or not isinstance(view.layout, layout_type):
+        raise UnsupportedModelError(
+            f"expected a model with a {layout_type.__name__}, got a "
+            f"{type(view).__name__} with a {type(view.layout).__name__}"
+        )
+    return view
+
+
+def check_projection_model(
+    expected: RoleLayout, view: VeraModel, roles: Iterable[Role]
+) -> None:
+    """A VeRA-family model has the strategy's projections and layout.
+
+    Parameters
+    ----------
+    expected : VeraLayout or SorfVeraLayout
+        The strategy's layout (with ``projection_seed`` and ``rank``).
+    view : VeraModel
+    roles : iterable of Role
+        The roles whose keys and shapes must agree.
+
+    Raises
+    ------
+    ProjectionMismatchError
+        If the projection seed or rank differ.
+    ShapeMismatchError
+        If the layouts differ.
+    """
+    want, got = expected, view.layout
+    if not isinstance(want, (VeraLayout, SorfVeraLayout)) or not isinstance(
+        got, (VeraLayout, SorfVeraLayout)
+    ):
+        raise UnsupportedModelError(
+            f"projections are compared between VeRA-family layouts, got "
+            f"{type(want).__name__} and {type(got).__name__}"
+        )
+    check_projection(
+        int(got.projection_seed),
+        int(got.rank),
+        int(want.projection_seed),
+        int(want.rank),
+    )
+    check_layout(expected, view.layout, roles, what="the model")
+
+
+# ----------------------------------------------------------------- LoRA rank
+@dataclass(frozen=True)
+class LoraLayerChange:
+    """What :func:`conform_lora` changed in one LoRA layer.
+
+    Attributes
+    ----------
+    name : str
+        The layer's module path.
+    old_rank, rank : int
+    old_scaling, scaling : float
+    """
+
+    name: str
+    old_rank: int
+    rank: int
+    old_scaling: float
+    scaling: float
+
+    @property
+    def alpha_changed(self) -> bool:
+        """Whether ``scaling * r`` (the effective alpha) changed, not just ``r``."""
+        return not math.isclose(
+            self.old_scaling * self.old_rank, self.scaling * self.rank, rel_tol=1e-6
+        )
+
+    def __str__(self) -> str:
+        rank = (
+            f"rank {self.rank}"
+            if self.rank == self.old_rank
+            else f"rank {self.old_rank} -> {self.rank}"
+        )
+        return (
+            f"layer '{self.name}': {rank}, scaling "
+            f"{self.old_scaling:.6g} (alpha {self.old_scaling * self.old_rank:.6g}) "
+            f"-> {self.scaling:.6g} (alpha {self.scaling * self.rank:.6g})"
+        )
+
+
+def lora_layers(model: PeftModel) -> dict[str, LoraLayer]:
+    """The LoRA layers of the active adapter, by module path (as in the layout)."""
+    adapter = model.active_adapter
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, LoraLayer) and adapter in module.lora_A
+    }
+
+
+def conform_lora(
+    model: PeftModel, targets: Mapping[str, tuple[int, float]]
+) -> list[LoraLayerChange]:
+    """Give LoRA layers a rank and a scaling, in place.
+
+    A layer whose rank changes gets new ``lora_A`` (r', d_in) and ``lora_B``
+    (d_out, r') (``A`` as ``nn.Linear`` initialises it, ``B`` zero, so the
+    update is zero until the caller loads values); its ``r``, ``lora_alpha``
+    and ``scaling`` follow. The peft config's ``r`` and ``lora_alpha`` are
+    updated when every layer ends with one rank and one alpha.
+
+    Parameters
+    ----------
+    model : peft.PeftModel
+    targets : mapping of str to (int, float)
+        Layer module path (:attr:`LoraModule.name`) -> (rank, scaling).
+
+    Returns
+    -------
+    list of LoraLayerChange
+        One per layer whose rank or scaling changed.
+
+    Raises
+    ------
+    UnknownKeyError
+        If a target is not a LoRA layer of the active adapter.
+    ShapeMismatchError
+        If a rank is below 1 or above the layer's smaller side.
+    UnsupportedModelError
+        If a layer whose rank changes uses a LoRA variant (DoRA, ...).
+    """
+    adapter = model.active_adapter
+    layers = lora_layers(model)
+    unknown = sorted(set(targets) - set(layers))
+    if unknown:
+        raise UnknownKeyError(f"not LoRA layers of the model: {unknown[:5]}")
+    changes: list[LoraLayerChange] = []
+    for name, (rank, scaling) in targets.items():
+        layer = layers[name]
+        old_a = cast(torch.nn.Linear, layer.lora_A[adapter])
+        old_b = cast(torch.nn.Linear, layer.lora_B[adapter])
+        old_rank = int(old_a.weight.shape[0])
+        old_scaling = float(layer.scaling[adapter])
+        if rank != old_rank:
+            d_in, d_out = int(old_a.weight.shape[1]), int(old_b.weight.shape[0])
+            if not 1 <= rank <= min(d_in, d_out):
+                raise ShapeMismatchError(
+                    f"layer '{name}' ({d_out} x {d_in}) cannot take LoRA rank {rank}"
+                )
+            if adapter in getattr(layer, "lora_variant", {}):
+                raise UnsupportedModelError(
+                    f"layer '{name}' uses a LoRA variant "
+                    f"({type(layer.lora_variant[adapter]).__name__}); fedlr "
+                    "rebuilds plain LoRA layers only"
+                )
+            like = {"device": old_a.weight.device, "dtype": old_a.weight.dtype}
+            new_a = torch.nn.Linear(d_in, rank, bias=False, **like)
+            new_b = torch.nn.Linear(rank, d_out, bias=old_b.bias is not None, **like)
+            torch.nn.init.zeros_(new_b.weight)
+            if new_b.bias is not None:
+                torch.nn.init.zeros_(new_b.bias)
+            layer.lora_A[adapter] = new_a
+            layer.lora_B[adapter] = new_b
+            layer.r[adapter] = rank
+        if rank != old_rank or not math.isclose(old_scaling, scaling, rel_tol=1e-9):
+            layer.scaling[adapter] = scaling
+            layer.lora_alpha[adapter] = scaling * rank
+            changes.append(
+                LoraLayerChange(
+                    name=name,
+                    old_rank=old_rank,
+                    rank=rank,
+                    old_scaling=old_scaling,
+                    scaling=scaling,
+                )
+            )
+    if changes:
+        ranks = {int(layer.r[adapter]) for layer in layers.values()}
+        alphas = {
+            round(float(layer.scaling[adapter]) * int(layer.r[adapter]), 9)
+            for layer in layers.values()
+        }
+        config = model.peft_config[adapter]
+        if isinstance(config, LoraConfig) and len(ranks) == 1:
+            config.r = ranks.pop()
+        if isinstance(config, LoraConfig) and len(alphas) == 1:
+            config.lora_alpha = cast(int, alphas.pop())  # peft accepts floats
+    return changes

@@ -1,0 +1,466 @@
+"""Client helpers for plug-in users: apply a fedlr round to your own model.
+
+A Flower user who writes their own ``ClientApp`` and drives a fedlr strategy
+with Flower's ``strategy.start()`` hands each incoming message and their own
+adapted model to :func:`apply_round`, trains as they like, and answers with
+:meth:`ClientRound.reply`::
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        job = apply_round(build_model(), message, context)
+        optimizer = torch.optim.SGD(job.parameters(), lr=job.lr)
+        ...  # your loop; add job.penalty() to the loss
+        return job.reply(num_examples=n, metrics={"train-loss": loss})
+
+The model is a peft ``PeftModel`` with LoRA (``get_peft_model`` with a
+``LoraConfig``) or VeRA (``VeraConfig``), or fedlr's SORF-VeRA model
+(:func:`~fedlr.adapters.build_sorf_vera_model`). Build it from a fixed seed:
+methods that never send a frozen factor (FFA-LoRA's ``A``) rely on every node
+holding the same one.
+
+What :func:`apply_round` does with the instruction (:mod:`fedlr.protocol`):
+
+* **rank and scaling** (LoRA): rebuilds the adapter at the round's
+  ``lora-rank`` (FedSpec grows it) and sets every layer's scaling to
+  ``lora-alpha / r``, the scaling the server aggregated for; a model built
+  with another alpha is corrected, with a warning naming the layer;
+* **projections** (VeRA family): checks that the model's projection seed and
+  rank are the ``projection-seed`` and ``projection-rank`` every node uses
+  (else :class:`~fedlr.errors.ProjectionMismatchError`);
+* **arrays**: loads the ArrayRecord ``arrays`` over the model's initial
+  values, then the node's personal arrays: an ArrayRecord ``personal`` in the
+  instruction (Global SVD), kept in ``context.state``, or the ``keep-roles``
+  a previous round left there (FedSA-LoRA, Local SVD);
+* **what trains**: freezes every parameter except those of ``train-roles``
+  and ``keep-roles`` (:meth:`ClientRound.parameters`); FedProx's
+  ``proximal-mu`` becomes :meth:`ClientRound.penalty`.
+
+:meth:`ClientRound.reply` builds the reply: exactly the arrays of
+``train-roles`` (Local SVD's ``client-svd``: re-factored as balanced singular
+factors first), the ``keep-roles`` stored in ``context.state`` (and FedSA's
+``personal-gram``, ``B^T B`` per layer, as an extra record), and one
+MetricRecord with ``num-examples``, the user's metrics unchanged, and the
+protocol's own (``partition-id``, ``personal-loaded``, VeRA's
+``projection-seed`` and ``projection-rank``). For an ``evaluate`` message the
+reply is one MetricRecord: ``num-examples`` and the user's metrics.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from logging import WARNING, getLogger
+
+import torch
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MessageType,
+    MetricRecord,
+    MetricRecordValues,
+    RecordDict,
+)
+
+from fedlr import protocol
+from fedlr.adapters.lora import LoraModel
+from fedlr.adapters.plugin import (
+    LoraLayerChange,
+    adapted,
+    conform_lora,
+    initial_state,
+)
+from fedlr.adapters.roles import AdaptedModel, AdapterLayout, Role, RoleLayout
+from fedlr.adapters.sorf_vera import SorfVeraLayout
+from fedlr.adapters.vera import VeraLayout, check_projection
+from fedlr.errors import ProtocolError
+from fedlr.flower.records import (
+    array_record,
+    config_float,
+    config_int,
+    config_record,
+    record_to_state,
+    state_to_record,
+)
+from fedlr.linalg import local_svd_factors
+
+__all__ = ["ClientRound", "apply_round"]
+
+_LOG = getLogger("fedlr")
+
+_DEFAULT_ROLES: dict[type[RoleLayout], tuple[Role, ...]] = {
+    AdapterLayout: (Role.LORA_A, Role.LORA_B, Role.HEAD),
+    VeraLayout: (Role.VERA_LAMBDA_B, Role.VERA_LAMBDA_D, Role.HEAD),
+    SorfVeraLayout: (Role.SORF_D_SCALE, Role.SORF_D_ANGLES, Role.HEAD),
+}
+"""``train-roles`` when an instruction does not say (not a fedlr strategy)."""
+
+_RESERVED = (
+    protocol.NUM_EXAMPLES,
+    protocol.PARTITION_ID,
+    protocol.PERSONAL_LOADED,
+    protocol.PROJECTION_SEED,
+    protocol.PROJECTION_RANK,
+)
+"""Reply metrics the helpers write; a user's metrics may not carry them."""
+
+
+@dataclass(kw_only=True)
+class ClientRound:
+    """One instruction applied to a user's model (see :func:`apply_round`).
+
+    Attributes
+    ----------
+    model : torch.nn.Module
+        The module to train or evaluate (the peft model, or the SORF-VeRA
+        wrapped module), with this round's arrays loaded.
+    adapted : AdaptedModel
+        The same model seen through its declared roles.
+    message : flwr.app.Message
+        The instruction.
+    context : flwr.app.Context
+        The node's context (``context.state`` keeps personal arrays).
+    config : flwr.app.ConfigRecord
+        The round's ConfigRecord: your ``train_config`` (``lr`` ...) plus the
+        strategy's keys.
+    train_roles, keep_roles : tuple of Role
+        What trains and is sent back, and what trains but stays on the node.
+    personal_loaded : bool
+        Whether personal arrays (kept or received) were loaded.
+    changes : tuple of LoraLayerChange
+        LoRA layers rebuilt at another rank or given another scaling.
+    """
+
+    model: torch.nn.Module
+    adapted: AdaptedModel
+    message: Message
+    context: Context
+    config: ConfigRecord
+    train_roles: tuple[Role, ...]
+    keep_roles: tuple[Role, ...]
+    personal_loaded: bool
+    changes: tuple[LoraLayerChange, ...] = ()
+    _penalty: Callable[[], torch.Tensor] | None = field(default=None, repr=False)
+
+    # ------------------------------------------------------------ the round
+    @property
+    def is_train(self) -> bool:
+        """Whether the instruction is a ``train`` message (else ``evaluate``)."""
+        return _is_train(self.message)
+
+    @property
+    def server_round(self) -> int:
+        """``server-round`` of the ConfigRecord (0 if absent)."""
+        return config_int(self.config, protocol.SERVER_ROUND, 0)
+
+    @property
+    def lr(self) -> float:
+        """``lr`` of the ConfigRecord (your ``train_config``, decayed per round).
+
+        Raises
+        ------
+        RecordMissingError
+            If the ConfigRecord has no ``lr``.
+        """
+        return config_float(self.config, protocol.LR)
+
+    @property
+    def personal_split(self) -> bool:
+        """Personalised methods ask to train and evaluate on the node's own
+        train and held-out parts (``personal-split``)."""
+        return bool(self.config.get(protocol.PERSONAL_SPLIT, False))
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """The parameters this round trains (give these to your optimizer)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def penalty(self) -> torch.Tensor:
+        """A term to add to your training loss: FedProx's proximal term.
+
+        ``(mu / 2) sum_p ||p - p_0||^2`` over the trained parameters, ``p_0``
+        their values as received, when the strategy sends ``proximal-mu``;
+        otherwise zero. A scalar tensor on the parameters' device.
+        """
+        if self._penalty is None:
+            return torch.zeros(())
+        return self._penalty()
+
+    # ------------------------------------------------------------ the reply
+    def reply(
+        self,
+        *,
+        num_examples: int,
+        metrics: Mapping[str, MetricRecordValues] | None = None,
+    ) -> Message:
+        """The reply to the instruction.
+
+        Parameters
+        ----------
+        num_examples : int
+            The node's weight in the aggregation: a positive integer (the
+            examples it trained or evaluated on).
+        metrics : mapping of str to int, float or list, optional
+            Your own metrics (``train-loss`` for training; ``accuracy`` and
+            ``loss`` for evaluation, which personalised methods average),
+            passed through unchanged.
+
+        Returns
+        -------
+        flwr.app.Message
+            ``train``: ArrayRecord ``arrays`` (exactly the ``train-roles``),
+            the method's extra records, MetricRecord ``metrics``;
+            ``evaluate``: MetricRecord ``metrics`` only.
+
+        Raises
+        ------
+        ProtocolError
+            If ``num_examples`` is not a positive integer or ``metrics`` uses
+            a key the helpers write (``num-examples``, ``partition-id``, ...).
+        """
+        if (
+            isinstance(num_examples, bool)
+            or not isinstance(num_examples, numbers.Integral)
+            or int(num_examples) < 1
+        ):
+            raise ProtocolError(
+                f"num_examples must be a positive integer, got {num_examples!r}"
+            )
+        user = dict(metrics or {})
+        clash = sorted(set(user) & set(_RESERVED))
+        if clash:
+            raise ProtocolError(
+                f"metrics {clash} are written by fedlr.client; pass num_examples= "
+                "and leave the others out"
+            )
+        values: dict[str, MetricRecordValues] = {
+            protocol.NUM_EXAMPLES: int(num_examples),
+            **user,
+        }
+        if not self.is_train:
+            content = RecordDict({protocol.METRICS: MetricRecord(values)})
+            return Message(content, reply_to=self.message)
+        node = self.context.node_config
+        if protocol.PARTITION_ID in node:  # orders the updates on the server
+            values[protocol.PARTITION_ID] = int(node[protocol.PARTITION_ID])
+        layout = self.adapted.layout
+        if isinstance(layout, (VeraLayout, SorfVeraLayout)):
+            values[protocol.PROJECTION_SEED] = int(layout.projection_seed)
+            values[protocol.PROJECTION_RANK] = int(layout.rank)
+        elif self.keep_roles or self.personal_split or self.personal_loaded:
+            values[protocol.PERSONAL_LOADED] = int(self.personal_loaded)
+        trained = self.adapted.state(self.train_roles + self.keep_roles)
+        if bool(self.config.get(protocol.CLIENT_SVD, False)):
+            if not isinstance(layout, AdapterLayout):
+                raise ProtocolError(
+                    f"'{protocol.CLIENT_SVD}' re-factors LoRA layers; the model "
+                    f"has a {type(layout).__name__}"
+                )
+            for m in layout.modules:
+                trained[m.b_key], trained[m.a_key] = local_svd_factors(
+                    trained[m.b_key], trained[m.a_key]
+                )
+        content = RecordDict(
+            {
+                protocol.ARRAYS: state_to_record(
+                    trained, layout.keys(*self.train_roles)
+                ),
+                protocol.METRICS: MetricRecord(values),
+            }
+        )
+        if self.keep_roles:
+            self.context.state[protocol.PERSONAL] = state_to_record(
+                trained, layout.keys(*self.keep_roles)
+            )
+        if Role.LORA_B in self.keep_roles and isinstance(layout, AdapterLayout):
+            content[protocol.PERSONAL_GRAM] = ArrayRecord(
+                {
+                    m.b_key: (trained[m.b_key].T @ trained[m.b_key]).contiguous()
+                    for m in layout.modules
+                }
+            )
+        return Message(content, reply_to=self.message)
+
+
+def apply_round(
+    model: torch.nn.Module | AdaptedModel, message: Message, context: Context
+) -> ClientRound:
+    """Apply a fedlr strategy's instruction to ``model``, in place.
+
+    Parameters
+    ----------
+    model : peft.PeftModel or AdaptedModel
+        Your LoRA or VeRA peft model, or fedlr's SORF-VeRA model. Built from a
+        fixed seed, the same way on every node and on the server.
+    message : flwr.app.Message
+        A ``train`` or ``evaluate`` instruction from a fedlr strategy.
+    context : flwr.app.Context
+        The node's context; ``context.state`` keeps the node's personal
+        arrays across rounds.
+
+    Returns
+    -------
+    ClientRound
+        The loaded model, what to train, and :meth:`ClientRound.reply`.
+
+    Raises
+    ------
+    UnsupportedModelError
+        If ``model`` is not a LoRA or VeRA peft model or an AdaptedModel.
+    ProjectionMismatchError
+        If a VeRA-family model was built from another projection seed or rank
+        than the server's.
+    ProtocolError
+        If the ConfigRecord names roles the model does not have, or a
+        ``lora-rank`` / ``lora-alpha`` that is not positive.
+    UnknownKeyError, ShapeMismatchError
+        If the received arrays do not fit the model (another architecture, or
+        another rank where the strategy does not send ``lora-rank``).
+    RecordMissingError, RecordTypeError
+        If the message has no ArrayRecord ``arrays`` or a mistyped record.
+    """
+    content = message.content
+    config = (
+        config_record(content, protocol.CONFIG)
+        if protocol.CONFIG in content
+        else ConfigRecord()
+    )
+    view = adapted(model)
+    changes: list[LoraLayerChange] = []
+    if isinstance(view, LoraModel):
+        changes = _conform(view, config)
+        if changes:
+            view = adapted(view.model)  # the layout follows the new rank
+    _check_projection(view.layout, config)
+    default = _DEFAULT_ROLES.get(type(view.layout), ())
+    roles = protocol.decode_roles(config, protocol.TRAIN_ROLES, default)
+    keep = protocol.decode_roles(config, protocol.KEEP_ROLES)
+    _check_roles(view.layout, roles + keep)
+
+    state = initial_state(view)
+    received = record_to_state(array_record(content, protocol.ARRAYS))
+    view.layout.check_shapes({k: v.shape for k, v in received.items()})
+    state.update(received)
+    if protocol.PERSONAL in content.array_records:
+        context.state[protocol.PERSONAL] = content.array_records[protocol.PERSONAL]
+    loaded = False
+    if protocol.PERSONAL in context.state.array_records:
+        personal = record_to_state(context.state.array_records[protocol.PERSONAL])
+        shapes = {key: shape for _, key, shape in view.layout.entries()}
+        if all(tuple(v.shape) == shapes.get(k) for k, v in personal.items()):
+            state.update(personal)
+            loaded = True
+        else:
+            _LOG.log(
+                WARNING,
+                "node %s: personal arrays in context.state do not fit the model "
+                "(the rank changed since they were kept); not loaded",
+                context.node_id,
+            )
+    view.load(state)
+
+    module = view.model
+    for param in module.parameters():
+        param.requires_grad_(False)
+    is_train = _is_train(message)
+    penalty = None
+    if is_train:
+        view.train_only(roles + keep)
+        mu = config_float(config, protocol.PROXIMAL_MU, 0.0)
+        if not (math.isfinite(mu) and mu >= 0):
+            raise ProtocolError(f"'{protocol.PROXIMAL_MU}' must be >= 0, got {mu}")
+        if mu > 0:
+            penalty = _proximal(module, mu)
+    return ClientRound(
+        model=module,
+        adapted=view,
+        message=message,
+        context=context,
+        config=config,
+        train_roles=roles,
+        keep_roles=keep,
+        personal_loaded=loaded,
+        changes=tuple(changes),
+        _penalty=penalty,
+    )
+
+
+def _is_train(message: Message) -> bool:
+    """``train`` or ``train.<action>`` (Flower's named train functions)."""
+    kind = message.metadata.message_type.partition(".")[0]
+    return kind == MessageType.TRAIN
+
+
+def _conform(view: LoraModel, config: ConfigRecord) -> list[LoraLayerChange]:
+    """Rank ``lora-rank`` and scaling ``lora-alpha / r`` on every LoRA layer."""
+    rank: int | None = None
+    alpha: float | None = None
+    if protocol.LORA_RANK in config:
+        rank = config_int(config, protocol.LORA_RANK)
+        if rank < 1:
+            raise ProtocolError(f"'{protocol.LORA_RANK}' must be >= 1, got {rank}")
+    if protocol.LORA_ALPHA in config:
+        alpha = config_float(config, protocol.LORA_ALPHA)
+        if not (math.isfinite(alpha) and alpha > 0):
+            raise ProtocolError(f"'{protocol.LORA_ALPHA}' must be > 0, got {alpha}")
+    targets: dict[str, tuple[int, float]] = {}
+    for m in view.layout.modules:
+        r = m.rank if rank is None else rank
+        # Without lora-alpha, a layer keeps its own alpha (scaling * r).
+        scaling = alpha / r if alpha is not None else m.scaling * m.rank / r
+        targets[m.name] = (r, scaling)
+    changes = conform_lora(view.model, targets)
+    for change in changes:
+        if change.alpha_changed:
+            _LOG.log(
+                WARNING,
+                "%s: the model's LoRA alpha differs from the server's "
+                "lora-alpha; using the server's scaling so that the model is "
+                "the global one",
+                change,
+            )
+    return changes
+
+
+def _check_projection(layout: RoleLayout, config: ConfigRecord) -> None:
+    """VeRA family: the model's projection seed and rank are the server's."""
+    if not isinstance(layout, (VeraLayout, SorfVeraLayout)):
+        return
+    seed, rank = int(layout.projection_seed), int(layout.rank)
+    check_projection(
+        seed,
+        rank,
+        config_int(config, protocol.PROJECTION_SEED, seed),
+        config_int(config, protocol.PROJECTION_RANK, rank),
+    )
+
+
+def _check_roles(layout: RoleLayout, roles: tuple[Role, ...]) -> None:
+    """Every adapter role asked for exists in the model (the head may not)."""
+    present = {role for role, _, _ in layout.entries()}
+    absent = [r.value for r in roles if r is not Role.HEAD and r not in present]
+    if absent:
+        have = sorted({r.value for r in present})
+        raise ProtocolError(
+            f"the strategy asks to train {absent}, which this model "
+            f"({type(layout).__name__}) does not have (its roles: {have}); build "
+            "the model of the strategy's family (LoRA, VeRA or SORF-VeRA)"
+        )
+
+
+def _proximal(module: torch.nn.Module, mu: float) -> Callable[[], torch.Tensor]:
+    """``(mu / 2) sum_p ||p - p_0||^2`` over the trainable parameters now."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    anchors = [p.detach().clone() for p in params]
+
+    def term() -> torch.Tensor:
+        if not params:
+            return torch.zeros(())
+        total = torch.zeros((), device=params[0].device, dtype=params[0].dtype)
+        for p, p0 in zip(params, anchors, strict=True):
+            total = total + (p - p0.to(p.device)).pow(2).sum()
+        return 0.5 * mu * total
+
+    return term
