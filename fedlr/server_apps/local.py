@@ -20,8 +20,8 @@ from typing import Any
 
 from flwr.app import Context, RecordDict
 
-from fedlr.config import RunConfig
 from fedlr.flower.grid import InProcessGrid, ReplyHook
+from fedlr.strategies.registry import resolve
 
 __all__ = ["run_in_process"]
 
@@ -38,8 +38,9 @@ def run_in_process(
     Parameters
     ----------
     run_config : mapping
-        Run-config keys (any subset; the rest take their defaults). Validated
-        as a :class:`~fedlr.config.RunConfig` before anything runs.
+        Run-config keys (any subset; the rest take their defaults): the
+        common keys and the method's options, validated
+        (:func:`~fedlr.strategies.registry.resolve`) before anything runs.
     num_nodes : int, optional
         Simulated nodes; defaults to ``num-partitions``.
     run_id : int
@@ -56,7 +57,7 @@ def run_in_process(
     from fedlr.client_apps.app import app as client_app
     from fedlr.server_apps.runner import run_server
 
-    config = RunConfig.from_mapping(run_config).to_mapping()
+    config = resolve(run_config).to_mapping()
     nodes = int(config["num-partitions"]) if num_nodes is None else num_nodes
     grid = InProcessGrid(
         client_app,

@@ -155,3 +155,19 @@ def test_train_roles_are_what_the_client_sends(tmp_path, assets):
     sent = set(reply.content["arrays"].keys())
     assert sent == set(lm.layout.keys(Role.LORA_A, Role.LORA_B, Role.HEAD))
     assert reply.content["metrics"]["partition-id"] == 0
+
+
+def test_run_in_process_keeps_the_method_options(tmp_path, assets):
+    """A method's own keys reach the strategy (not only the common keys)."""
+    from fedlr.server_apps.local import run_in_process
+
+    config = tiny_run_config(
+        tmp_path,
+        method="fedspec",
+        **{"fedspec-threshold": 0.0, "fedspec-max-rank": 6, "num-server-rounds": 1},
+    )
+    run_dir = run_in_process(config)
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["fedspec-threshold"] == 0.0 and saved["fedspec-max-rank"] == 6
+    frame = pd.read_csv(run_dir / "results.csv")
+    assert frame["rank"].iloc[-1] == 6  # threshold 0: the rank grew 4 -> 6
