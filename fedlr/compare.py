@@ -48,9 +48,9 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from fedlr.config import RunConfig
 from fedlr.errors import ConfigError, FedLRError
 from fedlr.plots import load_run
+from fedlr.strategies.registry import resolve
 
 __all__ = [
     "ENGINES",
@@ -72,7 +72,7 @@ ENGINES = ("flwr", "inprocess")
 
 
 def read_conf(path: Path | str) -> dict[str, Any]:
-    """Read a TOML run config and validate it as a :class:`RunConfig`.
+    """Read a TOML run config and validate it with its method's options.
 
     Raises
     ------
@@ -81,7 +81,7 @@ def read_conf(path: Path | str) -> dict[str, Any]:
     """
     with open(path, "rb") as fh:
         values = tomllib.load(fh)
-    RunConfig.from_mapping(values)
+    resolve(values)
     return values
 
 
@@ -332,7 +332,7 @@ def run_sweep(
                 "seed": seed,
                 "output-dir": str(cell_dir),
             }
-            RunConfig.from_mapping(config)
+            resolve(config)  # the cell's method and its options, before it runs
             _LOG.info("[%d/%d] %s (%s engine)", n, total, cell, engine)
             started = time.perf_counter()
             try:
