@@ -52,6 +52,7 @@ import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from logging import WARNING, getLogger
+from typing import cast
 
 import torch
 from flwr.app import (
@@ -330,6 +331,9 @@ def apply_round(
     view = adapted(model)
     changes: list[LoraLayerChange] = []
     if isinstance(view, LoraModel):
+        # A fresh view: a model that serves many nodes (a Ray actor) may have
+        # been given another rank by an earlier round than its stored layout.
+        view = cast(LoraModel, adapted(view.model))
         changes = _conform(view, config)
         if changes:
             view = adapted(view.model)  # the layout follows the new rank

@@ -26,7 +26,7 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.app import MetricRecordValues as Values
 
 from fedlr import protocol
-from fedlr.client_apps.lora import partition_of, train_settings
+from fedlr.client_apps.common import partition_of, train_settings
 from fedlr.config import RunConfig
 from fedlr.continual import (
     ContinualOptions,

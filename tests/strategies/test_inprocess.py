@@ -158,16 +158,21 @@ def test_train_roles_are_what_the_client_sends(tmp_path, assets):
 
 
 def test_run_in_process_keeps_the_method_options(tmp_path, assets):
-    """A method's own keys reach the strategy (not only the common keys)."""
+    """A method's own keys reach the strategy (not only the common keys).
+
+    Also: after the rank grows, the one model of the process serves every node
+    at the new rank (round 2 dropped no reply).
+    """
     from fedlr.server_apps.local import run_in_process
 
     config = tiny_run_config(
         tmp_path,
         method="fedspec",
-        **{"fedspec-threshold": 0.0, "fedspec-max-rank": 6, "num-server-rounds": 1},
+        **{"fedspec-threshold": 0.0, "fedspec-max-rank": 8, "num-server-rounds": 2},
     )
     run_dir = run_in_process(config)
     saved = json.loads((run_dir / "config.json").read_text())
-    assert saved["fedspec-threshold"] == 0.0 and saved["fedspec-max-rank"] == 6
+    assert saved["fedspec-threshold"] == 0.0 and saved["fedspec-max-rank"] == 8
     frame = pd.read_csv(run_dir / "results.csv")
-    assert frame["rank"].iloc[-1] == 6  # threshold 0: the rank grew 4 -> 6
+    assert list(frame["rank"]) == [6, 8]  # threshold 0: the rank grows every round
+    assert list(frame["dropped"]) == [0, 0] and list(frame["clients"]) == [3, 3]

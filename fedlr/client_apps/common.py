@@ -1,0 +1,58 @@
+"""What every fedlr ClientApp reads the same way: its partition, its settings."""
+
+from __future__ import annotations
+
+from logging import WARNING, getLogger
+
+from flwr.app import ConfigRecord, Context
+
+from fedlr import protocol
+from fedlr.config import RunConfig
+from fedlr.errors import ConfigError
+from fedlr.flower.records import config_float, config_int
+from fedlr.train import TrainSettings
+
+__all__ = ["partition_of", "train_settings"]
+
+_LOG = getLogger("fedlr")
+
+
+def partition_of(context: Context, config: RunConfig) -> tuple[int, int]:
+    """``(partition-id, num-partitions)`` from the node config.
+
+    Raises
+    ------
+    ConfigError
+        If the node config has no ``partition-id`` or it is out of range.
+    """
+    node = context.node_config
+    if protocol.PARTITION_ID not in node:
+        raise ConfigError(
+            protocol.PARTITION_ID,
+            "missing from the node config; start the SuperNode with "
+            "--node-config 'partition-id=<i> num-partitions=<n>'",
+        )
+    pid = int(node[protocol.PARTITION_ID])
+    num = int(node.get("num-partitions", config.num_partitions))
+    if num != config.num_partitions:
+        _LOG.log(
+            WARNING,
+            "node config has num-partitions=%d, run config %d; using the node's",
+            num,
+            config.num_partitions,
+        )
+    if not 0 <= pid < num:
+        raise ConfigError(protocol.PARTITION_ID, f"{pid} is outside [0, {num})")
+    return pid, num
+
+
+def train_settings(
+    round_config: ConfigRecord, config: RunConfig, *, default_lr: float
+) -> TrainSettings:
+    """Local training settings of a round: the ConfigRecord's, else the run config's."""
+    return TrainSettings(
+        local_steps=config_int(round_config, protocol.LOCAL_STEPS, config.local_steps),
+        lr=config_float(round_config, protocol.LR, default_lr),
+        batch_size=config_int(round_config, protocol.BATCH_SIZE, config.batch_size),
+        weight_decay=config.weight_decay,
+    )

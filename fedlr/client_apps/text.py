@@ -1,0 +1,144 @@
+"""One ClientApp body for the text payload kinds (``lora``, ``vera``, ``sorf-vera``).
+
+The three kinds differ only in the model they build and the options they
+read; the round itself is the public client side a plug-in user has
+(:func:`fedlr.client.apply_round`): load the instruction's arrays into the
+model (rank and scaling, personal arrays, projection check, what trains),
+train on the node's partition with fedlr's loop, reply with
+:meth:`~fedlr.client.ClientRound.reply`. So fedlr's own clients and a user's
+follow one protocol (:mod:`fedlr.protocol`) by construction.
+
+Data: a node trains on its whole partition, or, when the strategy asks for
+``personal-split`` (personalised methods), on its own train part, and
+evaluates on its own held-out part (capped by ``max-eval-examples``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+from flwr.app import Context, Message
+
+from fedlr import protocol
+from fedlr.adapters.roles import AdaptedModel
+from fedlr.client import ClientRound, apply_round
+from fedlr.client_apps.common import partition_of, train_settings
+from fedlr.config import RunConfig
+from fedlr.options import Options
+from fedlr.tasks import TextTask
+from fedlr.train import EncodedText, client_seed, evaluate, pick_device, train_steps
+
+__all__ = ["TextClient"]
+
+O = TypeVar("O", bound=Options)  # noqa: E741
+
+_DATA: dict[tuple[object, ...], EncodedText] = {}
+
+
+def _partition(config: RunConfig, pid: int, num: int, part: str) -> EncodedText:
+    """A node's data: its whole partition (``all``) or its own ``train``/``eval``."""
+    key = (
+        part,
+        config.model,
+        config.dataset,
+        config.seed,
+        config.partitioner,
+        config.dirichlet_alpha,
+        config.classes_per_partition,
+        config.eval_fraction,
+        config.max_length,
+        config.max_eval_examples,
+        pid,
+        num,
+    )
+    if key not in _DATA:
+        task = TextTask(config)
+        if part == "all":
+            _DATA[key] = task.partition(pid, num)
+        else:
+            train, held = task.split(num).client_split(pid, config.eval_fraction)
+            data = train if part == "train" else held
+            cap = config.max_eval_examples
+            if part == "eval" and cap and len(data) > cap:
+                data = data.select(range(cap))
+            _DATA[key] = task.encode(list(data["text"]), list(data["label"]))
+    return _DATA[key]
+
+
+class TextClient(Generic[O]):
+    """``train`` and ``evaluate`` handlers of a text payload kind.
+
+    Parameters
+    ----------
+    build : callable
+        ``build(config, options) -> AdaptedModel``: the seeded classifier with
+        the kind's adapters, the same on every node and on the server.
+    options : type of Options
+        The payload kind's run-config keys.
+    lr : callable
+        ``lr(config, options)``: the learning rate when the round's
+        ConfigRecord carries none.
+    """
+
+    def __init__(
+        self,
+        *,
+        build: Callable[[RunConfig, O], AdaptedModel],
+        options: type[O],
+        lr: Callable[[RunConfig, O], float],
+    ) -> None:
+        self.build = build
+        self.options = options
+        self.lr = lr
+        self._models: dict[tuple[object, ...], AdaptedModel] = {}
+
+    def model(self, config: RunConfig, options: O) -> AdaptedModel:
+        """The process's model for this run (a Ray actor serves many nodes)."""
+        key = tuple(sorted({**config.to_mapping(), **options.to_mapping()}.items()))
+        if key not in self._models:
+            self._models.clear()  # one model per process at a time
+            self._models[key] = self.build(config, options)
+        return self._models[key]
+
+    def _round(
+        self, message: Message, context: Context
+    ) -> tuple[RunConfig, O, ClientRound, int, int]:
+        config = RunConfig.from_mapping(context.run_config)
+        options = self.options.from_run_config(context.run_config)
+        pid, num = partition_of(context, config)
+        job = apply_round(self.model(config, options), message, context)
+        return config, options, job, pid, num
+
+    def train(self, message: Message, context: Context) -> Message:
+        """Handle a ``train`` instruction: local steps on the node's data."""
+        config, options, job, pid, num = self._round(message, context)
+        data = _partition(config, pid, num, "train" if job.personal_split else "all")
+        settings = train_settings(
+            job.config, config, default_lr=self.lr(config, options)
+        )
+        loss = train_steps(
+            job.model,
+            data,
+            settings,
+            seed=client_seed(config.seed, job.server_round, pid),
+            device=pick_device(config.device),
+            penalty=job.penalty if protocol.PROXIMAL_MU in job.config else None,
+        )
+        job.model.to("cpu")
+        return job.reply(num_examples=len(data), metrics={protocol.TRAIN_LOSS: loss})
+
+    def evaluate(self, message: Message, context: Context) -> Message:
+        """Handle an ``evaluate`` instruction: the (personal) model on local data."""
+        config, _, job, pid, num = self._round(message, context)
+        data = _partition(config, pid, num, "eval" if job.personal_split else "all")
+        accuracy, loss = evaluate(
+            job.model,
+            data,
+            batch_size=config.eval_batch_size,
+            device=pick_device(config.device),
+        )
+        job.model.to("cpu")
+        return job.reply(
+            num_examples=len(data), metrics={"accuracy": accuracy, "loss": loss}
+        )
