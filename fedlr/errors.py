@@ -209,3 +209,54 @@ class UnsupportedModelError(FedLRError, TypeError):
     ``build_sorf_vera_model``). The message says what the model was and what
     was expected.
     """
+
+
+class InitialArraysError(FedLRError, ValueError):
+    """The global arrays given to a strategy are not the ones it sends.
+
+    Raised by ``configure_train`` before any instruction goes out, so
+    ``Strategy.start(initial_arrays=...)`` fails before round 1 instead of
+    after the clients trained on the wrong arrays.
+
+    Parameters
+    ----------
+    strategy : str
+        The strategy's class name.
+    missing : list of str
+        Keys the strategy sends that the arrays lack.
+    unexpected : list of str
+        Keys of the arrays the strategy does not send.
+    shapes : mapping of str to (tuple of int, tuple of int)
+        Key -> (shape given, shape expected) where they differ.
+    hint : str
+        What to pass instead.
+    """
+
+    def __init__(
+        self,
+        strategy: str,
+        *,
+        missing: list[str],
+        unexpected: list[str],
+        shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]],
+        hint: str,
+    ) -> None:
+        self.strategy = strategy
+        self.missing = missing
+        self.unexpected = unexpected
+        self.shapes = shapes
+        self.hint = hint
+        problems = []
+        if missing:
+            problems.append(f"{len(missing)} missing {missing[:3]}")
+        if unexpected:
+            problems.append(f"{len(unexpected)} unexpected {unexpected[:3]}")
+        if shapes:
+            detail = ", ".join(
+                f"'{key}' {got} (expected {want})"
+                for key, (got, want) in list(shapes.items())[:3]
+            )
+            problems.append(f"{len(shapes)} with another shape: {detail}")
+        super().__init__(
+            f"initial arrays do not match {strategy}: {'; '.join(problems)}; {hint}"
+        )

@@ -14,7 +14,7 @@ from abc import abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 from flwr.app import (
@@ -29,14 +29,29 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
+from fedlr.adapters.roles import Role, RoleLayout
 from fedlr.config import RunConfig
-from fedlr.errors import NoValidRepliesError, ReplyValidationError
+from fedlr.errors import (
+    InitialArraysError,
+    NoValidRepliesError,
+    ProtocolError,
+    ReplyValidationError,
+)
 from fedlr.flower.records import record_nbytes, record_to_state, state_to_record
 from fedlr.linalg import weighted_mean
+from fedlr.protocol import (
+    LR,
+    NUM_EXAMPLES,
+    PARTITION_ID,
+    TRAIN_LOSS,
+    TRAIN_LOSS_ALIASES,
+    TRAIN_ROLES,
+    encode_roles,
+    train_loss_of,
+    validate_arrays,
+)
 
 __all__ = ["ClientUpdate", "FedLRStrategy", "RoundReport"]
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @dataclass(frozen=True)
@@ -68,7 +83,7 @@ class ClientUpdate:
     @property
     def partition_id(self) -> int:
         """The client's partition id if it reported one, else -1."""
-        return int(self.metrics.get("partition-id", -1))
+        return int(self.metrics.get(PARTITION_ID, -1))
 
 
 @dataclass
@@ -90,26 +105,43 @@ class RoundReport:
 class FedLRStrategy(FedAvg):
     """Message-API strategy with validated replies and a pure aggregation hook.
 
+    Used as a plug-in in a user's own ServerApp (Flower's ``strategy.start()``)
+    it keeps Flower's conventions: ``FedAvg``'s defaults (``fraction_evaluate``
+    1.0, ``min_*_nodes`` 2), the clients' own metrics aggregated by
+    ``train_metrics_aggr_fn`` / ``evaluate_metrics_aggr_fn`` (by default a
+    weighted average by ``num-examples``) beside fedlr's, and lost replies
+    counted. fedlr's own ServerApp passes its choices explicitly
+    (:meth:`base_options`) and drives rounds with :meth:`run_round`, which runs
+    the same hooks as ``start()``.
+
+    Class attributes: ``send_roles`` and ``train_roles`` are the roles of the
+    global arrays sent to clients and of the arrays a client sends back
+    (empty: the strategy declares its arrays by key, see
+    :meth:`expected_arrays` and :meth:`reply_shapes`); ``federated_evaluation``
+    says whether fedlr's own app runs federated evaluation for the method
+    (personalised methods evaluate each client's own model).
+
     Parameters
     ----------
     min_replies : int, default 1
         Valid replies needed to aggregate a round; fewer raise
         :class:`~fedlr.errors.NoValidRepliesError`.
-    fraction_evaluate : float, default 0.0
-        Federated evaluation is off by default: fedlr evaluates the global
-        model on the server's held-out split.
     lr_decay : float, default 1.0
         If the train config carries ``lr``, round ``t`` sends
         ``lr * lr_decay ** (t - 1)`` (a server-side step-size schedule).
     **kwargs
-        Other parameters: see ``flwr.serverapp.strategy.FedAvg``.
+        Other parameters: see ``flwr.serverapp.strategy.FedAvg`` (its
+        defaults hold).
     """
+
+    send_roles: ClassVar[tuple[Role, ...]] = ()
+    train_roles: ClassVar[tuple[Role, ...]] = ()
+    federated_evaluation: ClassVar[bool] = False
 
     def __init__(
         self,
         *,
         min_replies: int = 1,
-        fraction_evaluate: float = 0.0,
         lr_decay: float = 1.0,
         **kwargs: Any,
     ) -> None:
@@ -117,15 +149,13 @@ class FedLRStrategy(FedAvg):
             raise ValueError(f"min_replies must be >= 1, got {min_replies}")
         if not 0.0 < lr_decay <= 1.0:
             raise ValueError(f"lr_decay must be in (0, 1], got {lr_decay}")
+        super().__init__(**kwargs)
         self.lr_decay = lr_decay
-        kwargs.setdefault("min_train_nodes", 1)
-        kwargs.setdefault("min_evaluate_nodes", 1)
-        kwargs.setdefault("min_available_nodes", 1)
-        super().__init__(fraction_evaluate=fraction_evaluate, **kwargs)
         self.min_replies = min_replies
         self._current: ArrayRecord | None = None
         self._bytes_down = 0
-        self._missing: list[int] = []
+        self._sent: list[int] | None = None
+        self._warned_clashes: set[str] = set()
         self.last_report: RoundReport = RoundReport()
         self.last_dropped: list[str] = []
 
@@ -162,13 +192,66 @@ class FedLRStrategy(FedAvg):
         """Extra per-round values for the clients' ConfigRecord."""
         return {}
 
-    @staticmethod
-    def base_options(config: RunConfig) -> dict[str, Any]:
-        """Constructor arguments every fedlr strategy reads from the run config."""
+    def options(self) -> dict[str, Any]:
+        """The strategy's fedlr options by constructor name, for :meth:`summary`.
+
+        A subclass adds its own: ``{**super().options(), "threshold": ...}``.
+        """
+        return {"min_replies": self.min_replies, "lr_decay": self.lr_decay}
+
+    def expected_arrays(self) -> dict[str, tuple[int, ...]] | None:
+        """Keys and shapes of the global arrays the strategy sends, if fixed.
+
+        The default: a strategy with a ``layout``
+        (:class:`~fedlr.adapters.roles.RoleLayout`) and ``send_roles`` sends
+        exactly ``layout.shapes(*send_roles)``; others (vision FedAvg, FOT,
+        QR-Mix: whatever model the user gives) return ``None`` and are not
+        checked.
+        """
+        layout = getattr(self, "layout", None)
+        if isinstance(layout, RoleLayout) and self.send_roles:
+            return layout.shapes(*self.send_roles)
+        return None
+
+    def initial_arrays_hint(self) -> str:
+        """What to pass as ``initial_arrays``, for :class:`InitialArraysError`."""
+        roles = encode_roles(self.send_roles)
+        ways = ["ArrayRecord(adapter_state(model, layout, strategy.send_roles))"]
+        if callable(getattr(self, "initial_arrays", None)):
+            ways.insert(0, "strategy.initial_arrays(model)")
+        return (
+            f"pass exactly the global arrays of send roles {roles}, e.g. "
+            f"{' or '.join(ways)}, not ArrayRecord(model.state_dict())"
+        )
+
+    def reply_hint(self) -> str:
+        """What a client must send back, appended to a wrong-keys drop reason."""
+        if self.train_roles:
+            roles = encode_roles(self.train_roles)
+            return f"the client must send exactly the arrays of {TRAIN_ROLES}={roles}"
+        keys = sorted(self.reply_shapes())
+        return (
+            f"the client must send exactly the {len(keys)} arrays it was sent "
+            f"({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})"
+        )
+
+    @classmethod
+    def base_options(cls, config: RunConfig) -> dict[str, Any]:
+        """Constructor arguments of fedlr's own ServerApp, from the run config.
+
+        Besides the run config's keys, the app's choices that differ from
+        Flower's defaults: the server evaluates the global model itself, so
+        federated evaluation is off unless the method needs it
+        (``federated_evaluation``), and one node is enough.
+        """
         return {
             "min_replies": config.min_replies,
             "fraction_train": config.fraction_train,
             "lr_decay": config.lr_decay,
+            "fraction_evaluate": 1.0 if cls.federated_evaluation else 0.0,
+            "min_train_nodes": 1,
+            "min_evaluate_nodes": 1,
+            "min_available_nodes": 1,
         }
 
     @staticmethod
@@ -212,6 +295,15 @@ class FedLRStrategy(FedAvg):
                 f"{type(self).__name__} keeps no state, got keys {sorted(state)}"
             )
 
+    def summary(self) -> None:
+        """Log the fedlr options (:meth:`options`), then FedAvg's settings."""
+        items = list(self.options().items())
+        log(INFO, "\t├──> fedlr options (%s):", type(self).__name__)
+        for i, (name, value) in enumerate(items):
+            branch = "└" if i == len(items) - 1 else "├"
+            log(INFO, "\t│\t%s── %s: %s", branch, name, value)
+        super().summary()
+
     # ---------------------------------------------------------- round driver
     def run_round(
         self,
@@ -225,20 +317,18 @@ class FedLRStrategy(FedAvg):
         """One round as ``Strategy.start`` runs it: train, then federated eval.
 
         The ServerApp drives rounds itself with this (so a run can start at
-        any round when it resumes from a checkpoint); Flower's ``start`` works
-        too. Nodes that were sent an instruction but did not reply within
-        ``timeout`` are reported as dropped (``no reply``).
+        any round when it resumes from a checkpoint); it calls the same hooks
+        in the same order as Flower's ``start``, so nodes that were sent an
+        instruction but did not reply within ``timeout`` are reported as
+        dropped (``no reply``) by :meth:`aggregate_train` either way.
 
         Returns
         -------
         ArrayRecord
             The next global arrays.
         """
-        sent = list(self.configure_train(server_round, arrays, train_config, grid))
-        replies = list(grid.send_and_receive(messages=sent, timeout=timeout))
-        answered = {int(m.metadata.src_node_id) for m in replies}
-        # Nodes that never answered count as dropped in aggregate_train.
-        self._missing = sorted({int(m.metadata.dst_node_id) for m in sent} - answered)
+        sent = self.configure_train(server_round, arrays, train_config, grid)
+        replies = grid.send_and_receive(messages=sent, timeout=timeout)
         new_arrays, _ = self.aggregate_train(server_round, replies)
         if new_arrays is not None:
             arrays = new_arrays
@@ -256,13 +346,54 @@ class FedLRStrategy(FedAvg):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Remember the global arrays, add per-round values, sample nodes."""
+        """Check and remember the global arrays, add per-round values, sample nodes.
+
+        The sampled node ids are remembered: :meth:`aggregate_train` reports
+        the ones that do not reply as dropped.
+
+        Raises
+        ------
+        InitialArraysError
+            If ``arrays`` are not the ones the strategy sends
+            (:meth:`check_arrays`), before any instruction goes out.
+        """
+        self.check_arrays(arrays)
         round_config = self.prepare_round(server_round, arrays, config)
         messages = list(
             super().configure_train(server_round, arrays, round_config, grid)
         )
         self.note_sent(arrays, len(messages))
+        self._sent = [int(m.metadata.dst_node_id) for m in messages]
         return messages
+
+    def check_arrays(self, arrays: ArrayRecord) -> None:
+        """Check the global arrays' keys and shapes against :meth:`expected_arrays`.
+
+        Raises
+        ------
+        InitialArraysError
+            Naming the missing, unexpected and mis-shaped keys and what to
+            pass instead (:meth:`initial_arrays_hint`).
+        """
+        expected = self.expected_arrays()
+        if expected is None:
+            return
+        got = {key: tuple(int(n) for n in arrays[key].shape) for key in arrays}
+        shapes = {
+            key: (shape, tuple(expected[key]))
+            for key, shape in got.items()
+            if key in expected and shape != tuple(expected[key])
+        }
+        missing = sorted(set(expected) - set(got))
+        unexpected = sorted(set(got) - set(expected))
+        if missing or unexpected or shapes:
+            raise InitialArraysError(
+                type(self).__name__,
+                missing=missing,
+                unexpected=unexpected,
+                shapes=shapes,
+                hint=self.initial_arrays_hint(),
+            )
 
     def prepare_round(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord
@@ -271,13 +402,16 @@ class FedLRStrategy(FedAvg):
 
         The ConfigRecord is ``config`` with ``lr`` decayed for the round and
         :meth:`round_config`'s values added. :meth:`configure_train` calls it;
-        so does the legacy-API adapter (:mod:`fedlr.strategies.legacy`).
+        so does the legacy-API adapter (:mod:`fedlr.strategies.legacy`), whose
+        server reports lost replies as failures itself: the nodes sent to are
+        forgotten here and only :meth:`configure_train` records them.
         """
         self._current = arrays
+        self._sent = None
         round_config = ConfigRecord(dict(config))
-        if "lr" in round_config:
-            lr = float(cast(float, round_config["lr"]))
-            round_config["lr"] = lr * self.lr_decay ** (server_round - 1)
+        if LR in round_config:
+            lr = float(cast(float, round_config[LR]))
+            round_config[LR] = lr * self.lr_decay ** (server_round - 1)
         for key, value in self.round_config(server_round).items():
             round_config[key] = value
         return round_config
@@ -289,18 +423,31 @@ class FedLRStrategy(FedAvg):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Validate every reply, aggregate the valid ones, report metrics."""
+        """Validate every reply, aggregate the valid ones, report metrics.
+
+        Dropped, each with a logged reason and counted in ``dropped``: replies
+        that fail validation, a node's second reply, replies from nodes that
+        were not sent an instruction this round, and (as ``no reply``) nodes
+        that were sent one but did not answer.
+
+        Returns
+        -------
+        arrays : ArrayRecord
+            The next global arrays.
+        metrics : MetricRecord
+            The clients' own metrics aggregated by ``train_metrics_aggr_fn``
+            beside fedlr's (``num-examples``, ``clients``, ``dropped``,
+            ``bytes-up``, ``bytes-down``, ``train-loss`` and the method's
+            report); fedlr's win on a clash.
+        """
         if self._current is None:
             raise RuntimeError(
                 "aggregate_train called before configure_train: the strategy does "
                 "not know the current global arrays"
             )
-        replies = list(replies)
-        updates, dropped = self.validate_replies(replies)
-        dropped += [
-            f"node {node}: no reply (timed out or lost)" for node in self._missing
-        ]
-        self._missing = []
+        fresh, dropped = self.screen_replies(list(replies))
+        updates, invalid = self.validate_replies(fresh)
+        dropped = invalid + dropped
         self.last_dropped = dropped
         for reason in dropped:
             log(WARNING, "round %d: dropped a reply: %s", server_round, reason)
@@ -311,18 +458,14 @@ class FedLRStrategy(FedAvg):
         current = record_to_state(self._current)
         state, report = self.aggregate_updates(server_round, updates, current)
         weights = [u.num_examples for u in updates]
-        total = float(sum(weights))
         metrics: dict[str, float] = {
-            "num-examples": total,
+            NUM_EXAMPLES: float(sum(weights)),
             "clients": float(len(updates)),
             "dropped": float(len(dropped)),
             "bytes-up": float(sum(u.nbytes for u in updates)),
             "bytes-down": float(self._bytes_down),
+            TRAIN_LOSS: self.mean_train_loss(updates),
         }
-        losses = [
-            (u.metrics.get("train-loss", math.nan), u.num_examples) for u in updates
-        ]
-        metrics["train-loss"] = sum(loss * n for loss, n in losses) / total
         metrics.update(report.metrics)
         self.last_report = RoundReport(metrics=dict(metrics), layers=report.layers)
         log(
@@ -332,8 +475,131 @@ class FedLRStrategy(FedAvg):
             len(updates),
             len(dropped),
         )
-        values: dict[str, MetricRecordValues] = dict(metrics)
-        return state_to_record(state), MetricRecord(values)
+        clients = self.train_metrics_aggr_fn(
+            [u.content for u in updates], self.weighted_by_key
+        )
+        return state_to_record(state), self.merge_metrics(clients, metrics)
+
+    def screen_replies(self, replies: list[Message]) -> tuple[list[Message], list[str]]:
+        """Keep each instructed node's first reply; name the others and the silent.
+
+        Returns
+        -------
+        kept : list of Message
+            One reply per node (every node when no instruction was recorded,
+            e.g. under the legacy API).
+        dropped : list of str
+            Reasons for a node's second reply, a reply from a node that was not
+            sent an instruction this round, and each instructed node without a
+            reply. The recorded instruction is used once.
+        """
+        sent = self._sent
+        self._sent = None
+        kept: list[Message] = []
+        dropped: list[str] = []
+        seen: set[int] = set()
+        for message in replies:
+            node = int(message.metadata.src_node_id)
+            if node in seen:
+                reason = "duplicate reply (the node's first reply is kept)"
+            elif sent is not None and node not in sent:
+                reason = "the node was not sent an instruction this round"
+            else:
+                seen.add(node)
+                kept.append(message)
+                continue
+            dropped.append(str(ReplyValidationError(node, reason)))
+        if sent is not None:
+            dropped += [
+                f"node {node}: no reply (timed out or lost)"
+                for node in sorted(set(sent) - seen)
+            ]
+        return kept, dropped
+
+    @staticmethod
+    def mean_train_loss(updates: list[ClientUpdate]) -> float:
+        """Weighted mean training loss of the updates that report one, else NaN.
+
+        Either spelling counts (:data:`~fedlr.protocol.TRAIN_LOSS_ALIASES`); a
+        reported NaN or Inf is kept (a diverged client shows in the mean).
+        """
+        reported = [
+            (train_loss_of(u.metrics), u.num_examples)
+            for u in updates
+            if any(key in u.metrics for key in TRAIN_LOSS_ALIASES)
+        ]
+        if not reported:
+            return math.nan
+        return sum(loss * n for loss, n in reported) / sum(n for _, n in reported)
+
+    def merge_metrics(
+        self, clients: MetricRecord | None, own: Mapping[str, float]
+    ) -> MetricRecord:
+        """The clients' aggregated metrics with fedlr's own on top.
+
+        A key of the clients' that fedlr also reports is replaced by fedlr's
+        value, with a warning logged once per key (``num-examples`` and the
+        training loss are fedlr's own reply keys and replaced silently).
+        """
+        values: dict[str, MetricRecordValues] = dict(clients or {})
+        quiet = {NUM_EXAMPLES, self.weighted_by_key, *TRAIN_LOSS_ALIASES}
+        clashes = sorted((set(values) & set(own)) - quiet - self._warned_clashes)
+        if clashes:
+            self._warned_clashes.update(clashes)
+            log(
+                WARNING,
+                "the clients' aggregated metrics %s clash with fedlr's own; "
+                "fedlr's values are reported (rename them in the ClientApp or "
+                "the metrics aggregation fn)",
+                clashes,
+            )
+        values.update(own)
+        return MetricRecord(values)
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """FedAvg's evaluate instructions, with the round's values in the config.
+
+        The ConfigRecord carries :meth:`round_config`'s values (roles, rank,
+        projections...), so a client rebuilds its adapter at the shape of
+        ``arrays``. Nothing is sent when ``fraction_evaluate`` is 0.
+        """
+        eval_config = ConfigRecord(dict(config))
+        for key, value in self.round_config(server_round).items():
+            eval_config[key] = value
+        return super().configure_evaluate(server_round, arrays, eval_config, grid)
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """Aggregate the evaluate replies' metrics by ``evaluate_metrics_aggr_fn``.
+
+        A reply carries a MetricRecord only (no arrays needed); an error reply
+        or one without exactly one MetricRecord and a positive integer weight
+        is dropped with a logged reason. ``None`` when no reply is valid.
+        """
+        contents: list[RecordDict] = []
+        for message in replies:
+            node = int(message.metadata.src_node_id)
+            try:
+                if message.has_error():
+                    raise ReplyValidationError(
+                        node, f"client error: {message.error.reason}"
+                    )
+                self.reply_weight(node, message.content)
+            except ReplyValidationError as exc:
+                log(
+                    WARNING,
+                    "round %d: dropped an evaluate reply: %s",
+                    server_round,
+                    exc,
+                )
+                continue
+            contents.append(message.content)
+        if not contents:
+            return None
+        return self.evaluate_metrics_aggr_fn(contents, self.weighted_by_key)
 
     # -------------------------------------------------------------- validation
     def validate_replies(
@@ -351,24 +617,15 @@ class FedLRStrategy(FedAvg):
         updates.sort(key=lambda u: (u.partition_id, u.node_id))
         return updates, dropped
 
-    def validate_reply(
-        self, message: Message, expected: Mapping[str, tuple[int, ...]]
-    ) -> ClientUpdate:
-        """Check one reply: error flag, records, keys, shapes, dtype, finiteness.
+    def reply_weight(self, node: int, content: RecordDict) -> tuple[MetricRecord, int]:
+        """A reply's one MetricRecord and its weight (``weighted_by_key``).
 
         Raises
         ------
         ReplyValidationError
-            With the node id and what was wrong.
+            If the reply has not exactly one MetricRecord, or the weight is
+            missing or not a positive integer.
         """
-        node = int(message.metadata.src_node_id)
-        if message.has_error():
-            raise ReplyValidationError(node, f"client error: {message.error.reason}")
-        content = message.content
-        if self.arrayrecord_key not in content.array_records:
-            raise ReplyValidationError(
-                node, f"no ArrayRecord '{self.arrayrecord_key}' in the reply"
-            )
         metric_records = list(content.metric_records.values())
         if len(metric_records) != 1:
             raise ReplyValidationError(
@@ -387,28 +644,37 @@ class FedLRStrategy(FedAvg):
             raise ReplyValidationError(
                 node, f"'{self.weighted_by_key}' must be a positive integer, got {num}"
             )
-        record = content.array_records[self.arrayrecord_key]
-        keys = set(record.keys())
-        if keys != set(expected):
-            missing = sorted(set(expected) - keys)[:3]
-            extra = sorted(keys - set(expected))[:3]
+        return metrics, int(num)
+
+    def validate_reply(
+        self, message: Message, expected: Mapping[str, tuple[int, ...]]
+    ) -> ClientUpdate:
+        """Check one reply: error flag, records, keys, shapes, dtype, finiteness.
+
+        The arrays are checked by :func:`fedlr.protocol.validate_arrays`; a
+        wrong key set names what the client must send (:meth:`reply_hint`).
+
+        Raises
+        ------
+        ReplyValidationError
+            With the node id and what was wrong.
+        """
+        node = int(message.metadata.src_node_id)
+        if message.has_error():
+            raise ReplyValidationError(node, f"client error: {message.error.reason}")
+        content = message.content
+        if self.arrayrecord_key not in content.array_records:
             raise ReplyValidationError(
-                node, f"wrong keys: missing {missing}, unexpected {extra}"
+                node, f"no ArrayRecord '{self.arrayrecord_key}' in the reply"
             )
-        arrays = record_to_state(record)
-        for key, tensor in arrays.items():
-            if tuple(tensor.shape) != tuple(expected[key]):
-                raise ReplyValidationError(
-                    node,
-                    f"'{key}' has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(expected[key])}",
-                )
-            if tensor.dtype not in _FLOAT_DTYPES:
-                raise ReplyValidationError(
-                    node, f"'{key}' has dtype {tensor.dtype}, expected floating point"
-                )
-            if not bool(torch.isfinite(tensor).all()):
-                raise ReplyValidationError(node, f"'{key}' contains NaN or Inf")
+        metrics, num = self.reply_weight(node, content)
+        record = content.array_records[self.arrayrecord_key]
+        try:
+            arrays = validate_arrays(
+                record, expected, name=self.arrayrecord_key, hint=self.reply_hint()
+            )
+        except ProtocolError as exc:
+            raise ReplyValidationError(node, str(exc)) from None
         scalars = {
             k: float(v)
             for k, v in metrics.items()
@@ -417,7 +683,7 @@ class FedLRStrategy(FedAvg):
         return ClientUpdate(
             node_id=node,
             arrays=arrays,
-            num_examples=int(num),
+            num_examples=num,
             metrics=scalars,
             content=content,
             nbytes=record_nbytes(record),

@@ -4,7 +4,7 @@ Projects whose server still drives a ``flwr.server.strategy.Strategy``
 (``configure_fit`` / ``aggregate_fit`` with ``Parameters`` and ``FitRes``) can
 use any fedlr method through :class:`LegacyStrategy`::
 
-    from fedlr import FedExLoRA, LegacyStrategy, lora_layout
+    from fedlr import FedExLoRA, LegacyStrategy, adapter_state, lora_layout
 
     layout = lora_layout(peft_model)
     strategy = LegacyStrategy(
@@ -28,7 +28,15 @@ would receive and aggregated by the same code path (validation, dropping with a
 logged reason, the method's aggregation), so both APIs give the same arrays.
 A ``FitRes`` with the wrong number of arrays, and every entry of
 ``failures``, is dropped with its reason and counted in the ``dropped``
-metric.
+metric (the legacy server reports lost replies as failures). The clients'
+own ``FitRes.metrics`` are aggregated by the strategy's
+``train_metrics_aggr_fn`` beside fedlr's metrics.
+
+Federated evaluation follows the strategy's ``fraction_evaluate`` (Flower's
+default 1.0): ``EvaluateIns.parameters`` are the global arrays in
+``config["send-keys"]`` order; the loss is the weighted mean of the
+``EvaluateRes.loss`` values, the metrics those of the strategy's
+``aggregate_evaluate`` (its ``evaluate_metrics_aggr_fn``).
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from flwr.app import (
     ConfigRecord,
     Error,
     Message,
+    MessageType,
     MetricRecord,
     RecordDict,
 )
@@ -65,15 +74,26 @@ from flwr.server.strategy import Strategy
 from flwr.supercore import log
 
 from fedlr.flower.records import record_to_state, state_to_record
+from fedlr.protocol import METRICS, SERVER_ROUND
 from fedlr.strategies.base import FedLRStrategy
 
 __all__ = ["LegacyStrategy"]
 
+SEND_KEYS = "send-keys"
+"""FitIns/EvaluateIns config: the order of the global arrays (comma-separated)."""
+REPLY_KEYS = "reply-keys"
+"""FitIns config: the order of the arrays in a client's ``FitRes``."""
+
 EvaluateFn = Callable[[int, dict[str, torch.Tensor]], tuple[float, dict[str, Scalar]]]
 
 
-def _reply(node_id: int, server_round: int, content: RecordDict | Error) -> Message:
-    """A train reply from ``node_id`` as the Message API would deliver it."""
+def _reply(
+    node_id: int,
+    server_round: int,
+    content: RecordDict | Error,
+    message_type: str = MessageType.TRAIN,
+) -> Message:
+    """A reply from ``node_id`` as the Message API would deliver it."""
     metadata = Metadata(
         run_id=0,
         message_id="",
@@ -83,7 +103,7 @@ def _reply(node_id: int, server_round: int, content: RecordDict | Error) -> Mess
         group_id=str(server_round),
         created_at=time.time(),
         ttl=3600.0,
-        message_type="train",
+        message_type=message_type,
     )
     # Message(..., metadata=...) is how Flower itself rebuilds received
     # messages; its typed overloads only list the instruction/reply forms.
@@ -109,13 +129,19 @@ class LegacyStrategy(Strategy):
         Any fedlr method (``FedExLoRA(layout=...)``, ...).
     initial_arrays : mapping of str to torch.Tensor
         The global arrays of round 1 (for LoRA methods:
-        ``adapter_state(model, layout, strategy.send_roles)``).
+        ``adapter_state(model, layout, strategy.send_roles)``), checked
+        against the strategy (:meth:`FedLRStrategy.check_arrays`).
     train_config : mapping, optional
         Values sent in every ``FitIns.config`` (``lr`` is decayed per round by
         the strategy's ``lr_decay``).
     evaluate_fn : callable, optional
         ``evaluate_fn(server_round, global_arrays) -> (loss, metrics)`` for
         server-side evaluation.
+
+    Raises
+    ------
+    InitialArraysError
+        If ``initial_arrays`` are not the arrays the strategy sends.
     """
 
     def __init__(
@@ -128,6 +154,7 @@ class LegacyStrategy(Strategy):
         super().__init__()
         if not initial_arrays:
             raise ValueError("initial_arrays is empty")
+        strategy.check_arrays(ArrayRecord(dict(initial_arrays)))
         self.strategy = strategy
         self.send_keys: list[str] = list(initial_arrays)
         self._initial = {k: v.detach().clone() for k, v in initial_arrays.items()}
@@ -170,7 +197,7 @@ class LegacyStrategy(Strategy):
                 Error(
                     code=0,
                     reason=f"FitRes holds {len(arrays)} arrays, expected "
-                    f"{len(keys)} in the order of config['reply-keys']",
+                    f"{len(keys)} in the order of config['{REPLY_KEYS}']",
                 ),
             )
         state = {
@@ -183,7 +210,7 @@ class LegacyStrategy(Strategy):
         content = RecordDict(
             {
                 self.strategy.arrayrecord_key: state_to_record(state),
-                "metrics": MetricRecord(metrics),
+                METRICS: MetricRecord(metrics),
             }
         )
         return _reply(node, server_round, content)
@@ -215,9 +242,9 @@ class LegacyStrategy(Strategy):
         fit_config: dict[str, Scalar] = {
             k: v for k, v in config.items() if isinstance(v, (int, float, str, bool))
         }
-        fit_config["server-round"] = server_round
-        fit_config["send-keys"] = ",".join(self.send_keys)
-        fit_config["reply-keys"] = ",".join(self.reply_keys)
+        fit_config[SERVER_ROUND] = server_round
+        fit_config[SEND_KEYS] = ",".join(self.send_keys)
+        fit_config[REPLY_KEYS] = ",".join(self.reply_keys)
         ins = FitIns(parameters, fit_config)
         return [(client, ins) for client in clients]
 
@@ -254,8 +281,27 @@ class LegacyStrategy(Strategy):
     def configure_evaluate(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
     ) -> list[tuple[ClientProxy, EvaluateIns]]:
-        """No federated evaluation: fedlr evaluates on the server."""
-        return []
+        """Sample clients by the strategy's ``fraction_evaluate`` (none if 0)."""
+        strategy = self.strategy
+        if strategy.fraction_evaluate == 0.0:
+            return []
+        available = client_manager.num_available()
+        size = max(
+            int(available * strategy.fraction_evaluate), strategy.min_evaluate_nodes
+        )
+        clients = client_manager.sample(
+            num_clients=min(size, available) if available else size,
+            min_num_clients=strategy.min_available_nodes,
+        )
+        config: dict[str, Scalar] = {
+            k: v
+            for k, v in strategy.round_config(server_round).items()
+            if isinstance(v, (int, float, str, bool))
+        }
+        config[SERVER_ROUND] = server_round
+        config[SEND_KEYS] = ",".join(self.send_keys)
+        ins = EvaluateIns(parameters, config)
+        return [(client, ins) for client in clients]
 
     def aggregate_evaluate(
         self,
@@ -263,12 +309,33 @@ class LegacyStrategy(Strategy):
         results: list[tuple[ClientProxy, EvaluateRes]],
         failures: list[tuple[ClientProxy, EvaluateRes] | BaseException],
     ) -> tuple[float | None, dict[str, Scalar]]:
-        """Weighted mean loss of any client evaluations that were run."""
+        """Weighted mean loss; metrics by the strategy's ``aggregate_evaluate``."""
+        if failures:
+            log(
+                WARNING,
+                "round %d: %d evaluate failures ignored",
+                server_round,
+                len(failures),
+            )
         if not results:
             return None, {}
         total = sum(res.num_examples for _, res in results)
         loss = sum(res.loss * res.num_examples for _, res in results) / max(total, 1)
-        return float(loss), {}
+        replies = []
+        for i, (proxy, res) in enumerate(results):
+            metrics: dict[str, Any] = {
+                k: v for k, v in res.metrics.items() if isinstance(v, (int, float))
+            }
+            metrics[self.strategy.weighted_by_key] = int(res.num_examples)
+            content = RecordDict({METRICS: MetricRecord(metrics)})
+            replies.append(
+                _reply(_node_id(proxy, i), server_round, content, MessageType.EVALUATE)
+            )
+        aggregated = self.strategy.aggregate_evaluate(server_round, replies)
+        out: dict[str, Scalar] = {}
+        if aggregated is not None:
+            out = {k: v for k, v in aggregated.items() if isinstance(v, (int, float))}
+        return float(loss), out
 
     def evaluate(
         self, server_round: int, parameters: Parameters

@@ -60,8 +60,8 @@ def _orthonormal(d: int, k: int, seed: int) -> torch.Tensor:
     return torch.linalg.qr(torch.randn(d, k, generator=g, dtype=F64))[0]
 
 
-def _configure(strategy, server_round, state):
-    grid = InProcessGrid(ClientApp(), num_nodes=3, run_config={})
+def _configure(strategy, server_round, state, num_nodes: int = 3):
+    grid = InProcessGrid(ClientApp(), num_nodes=num_nodes, run_config={})
     return list(
         strategy.configure_train(
             server_round, ArrayRecord(dict(state)), ConfigRecord({"lr": 1.0}), grid
@@ -120,7 +120,7 @@ def test_projected_aggregation_has_no_component_in_span():
     clients = [_state(10 + i) for i in range(3)]
     weights = [10, 20, 70]
     replies = [
-        reply(100 + i, c, {"num-examples": n, "train-loss": 0.1})
+        reply(1000 + i, c, {"num-examples": n, "train-loss": 0.1})
         for i, (c, n) in enumerate(zip(clients, weights, strict=True))
     ]
     arrays, metrics = s.aggregate_train(2, replies)
@@ -149,7 +149,7 @@ def test_boundary_round_expands_bases_from_summed_sketches():
     s = _fot(eps=1.0)
     s.bases = {"fc": _orthonormal(6, 1, 3)}
     current = _state(0)
-    _configure(s, 3, current)
+    _configure(s, 3, current, num_nodes=2)
     g = torch.Generator().manual_seed(5)
     planted = {"conv": torch.randn(8, 2, generator=g, dtype=F64)}
     planted["fc"] = residualise(
@@ -167,7 +167,7 @@ def test_boundary_round_expands_bases_from_summed_sketches():
             sums[layer] += y
         replies.append(
             _sketch_reply(
-                200 + i, _state(20 + i), 10, sketches, {"conv": 1.0, "fc": 0.7}
+                1000 + i, _state(20 + i), 10, sketches, {"conv": 1.0, "fc": 0.7}
             )
         )
     expected = {
@@ -225,24 +225,28 @@ def test_bad_sketch_reply_is_dropped_with_reason(case, caplog):
     if case == "fraction":
         sketches = _good_sketches()
     s = _fot()
-    _configure(s, 3, _state(0))
+    _configure(s, 3, _state(0), num_nodes=2)
     replies = [
-        _sketch_reply(300, _state(1), 10, _good_sketches(), {"conv": 0.5, "fc": 0.5}),
-        _sketch_reply(301, _state(2), 10, sketches, fractions),
+        _sketch_reply(1000, _state(1), 10, _good_sketches(), {"conv": 0.5, "fc": 0.5}),
+        _sketch_reply(1001, _state(2), 10, sketches, fractions),
     ]
     with caplog.at_level(logging.WARNING):
         _, metrics = s.aggregate_train(3, replies)
     assert metrics is not None and metrics["dropped"] == 1 and metrics["clients"] == 1
-    assert len(s.last_dropped) == 1 and "node 301" in s.last_dropped[0]
+    assert len(s.last_dropped) == 1 and "node 1001" in s.last_dropped[0]
     assert re.search(reason, s.last_dropped[0]), s.last_dropped
-    assert any("node 301" in r.getMessage() for r in caplog.records)
+    assert any("node 1001" in r.getMessage() for r in caplog.records)
 
 
 def test_sketches_outside_boundaries_are_not_required():
     s = _fot()
-    _configure(s, 2, _state(0))
+    _configure(s, 2, _state(0), num_nodes=2)
     _, metrics = s.aggregate_train(
-        2, [reply(1, _state(1), {"num-examples": 3, "train-loss": 0.2})]
+        2,
+        [
+            reply(1000 + i, _state(1 + i), {"num-examples": 3, "train-loss": 0.2})
+            for i in range(2)
+        ],
     )
     assert metrics is not None and metrics["dropped"] == 0
 

@@ -146,7 +146,7 @@ def test_train_roles_are_what_the_client_sends(tmp_path, assets):
     config = tiny_run_config(tmp_path)
     cfg = RunConfig.from_mapping(config)
     lm = TextTask(cfg).build_lora_model()
-    strategy = FedExLoRA(layout=lm.layout)
+    strategy = FedExLoRA(layout=lm.layout, min_train_nodes=1, min_available_nodes=1)
     grid = InProcessGrid(client_app, num_nodes=1, run_config=config)
     initial = adapter_state(lm.model, lm.layout, strategy.send_roles)
     (reply,) = grid.send_and_receive(

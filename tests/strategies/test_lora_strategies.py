@@ -41,15 +41,17 @@ def _client(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _configured(strategy: FedAvgLoRA, state: dict[str, torch.Tensor]) -> None:
-    grid = InProcessGrid(ClientApp(), num_nodes=3, run_config={})
+def _configured(
+    strategy: FedAvgLoRA, state: dict[str, torch.Tensor], num_nodes: int = 3
+) -> None:
+    grid = InProcessGrid(ClientApp(), num_nodes=num_nodes, run_config={})
     keys = strategy.send_keys()
     messages = list(
         strategy.configure_train(
             1, ArrayRecord({k: state[k] for k in keys}), ConfigRecord(), grid
         )
     )
-    assert len(messages) == 3
+    assert len(messages) == num_nodes
     assert messages[0].content["config"]["train-roles"] == "lora_A,lora_B,head"
 
 
@@ -115,7 +117,7 @@ def test_fedavg_gap_is_zero_when_clients_agree():
 def test_fedex_folds_exact_residual():
     strategy = FedExLoRA(layout=LAYOUT)
     state = _global()
-    _configured(strategy, state)
+    _configured(strategy, state, num_nodes=4)
     clients = [_client(i) for i in range(4)]
     weights = [1, 2, 3, 4]
     replies = [

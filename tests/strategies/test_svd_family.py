@@ -13,12 +13,14 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedlr.adapters import AdapterLayout, LoraModule, Role, adapter_state
+from fedlr.client import apply_round
 from fedlr.client_apps import lora as lora_client
 from fedlr.client_apps.app import app as client_app
 from fedlr.config import RunConfig
 from fedlr.errors import ConfigError, RankMismatchError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
+from fedlr.options import NoOptions
 from fedlr.results import COLUMNS
 from fedlr.server_apps.lora import lora_plan
 from fedlr.server_apps.runner import run_server
@@ -190,7 +192,13 @@ def test_fedspec_pads_when_the_mean_has_fewer_singular_values():
             LoraModule("l0", "l0.A", "l0.B", "l0.W", 1.0, d_out=9, d_in=8, rank=1),
         )
     )
-    strategy = FedSpec(layout=layout, threshold=0.0, max_rank=4)
+    strategy = FedSpec(
+        layout=layout,
+        threshold=0.0,
+        max_rank=4,
+        min_train_nodes=1,
+        min_available_nodes=1,
+    )
     current = _tensors(0, layout.shapes(Role.LORA_A, Role.LORA_B))
     _configured(strategy, current, num_nodes=1)
     client = _tensors(5, layout.shapes(Role.LORA_A, Role.LORA_B))
@@ -450,7 +458,7 @@ def test_ffa_lora_a_is_identical_on_every_client(tmp_path, assets):
     assert all(not any("lora_A" in k for k in r.content["arrays"]) for r in replies)
     # whatever the process's cached model last held, a client loads the seeded A
     for nid, context in grid.contexts.items():
-        lm, _ = lora_client._lora_model(cfg)
+        lm = lora_client.CLIENT.model(cfg, NoOptions())
         with torch.no_grad():
             for p in lm.model.parameters():
                 p.add_(0.1)  # contaminate the cached model
@@ -459,7 +467,8 @@ def test_ffa_lora_a_is_identical_on_every_client(tmp_path, assets):
             dst_node_id=nid,
             message_type="train",
         )
-        lm, _, loaded = lora_client._prepare(msg, context, cfg)
+        job = apply_round(lm, msg, context)
+        lm, loaded = job.adapted, job.personal_loaded
         assert not loaded  # FFA keeps nothing personal
         client_a = adapter_state(lm.model, lm.layout, (Role.LORA_A,))
         assert all(torch.equal(client_a[k], server_a[k]) for k in server_a)
@@ -481,7 +490,8 @@ def test_fedsa_clients_share_a_and_keep_their_own_b(tmp_path, assets):
             dst_node_id=nid,
             message_type="evaluate",
         )
-        lm, _, loaded = lora_client._prepare(msg, context, config)
+        job = apply_round(lora_client.CLIENT.model(config, NoOptions()), msg, context)
+        lm, loaded = job.adapted, job.personal_loaded
         assert loaded
         a = adapter_state(lm.model, lm.layout, (Role.LORA_A,))
         b = adapter_state(lm.model, lm.layout, (Role.LORA_B,))

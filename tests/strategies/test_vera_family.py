@@ -49,7 +49,7 @@ def _random(shapes, seed):
 
 
 def _configure(strategy, state, *, train_roles: str) -> None:
-    grid = InProcessGrid(ClientApp(), num_nodes=2, run_config={})
+    grid = InProcessGrid(ClientApp(), num_nodes=3, run_config={})
     keys = strategy.send_keys()
     messages = list(
         strategy.configure_train(
