@@ -84,3 +84,6 @@ class FedProxLoRA(FedAvgLoRA):
         config = super().round_config(server_round)
         config[protocol.PROXIMAL_MU] = self.proximal_mu
         return config
+
+    def options(self) -> dict[str, Any]:
+        return {**super().options(), "proximal_mu": self.proximal_mu}

@@ -40,6 +40,7 @@ from typing import Any, ClassVar
 import torch
 from flwr.supercore import log
 
+from fedlr import protocol
 from fedlr.adapters.roles import AdapterLayout, Role
 from fedlr.config import RunConfig
 from fedlr.errors import ConfigError
@@ -175,8 +176,15 @@ class FedSpec(SvdLoraStrategy):
 
     def round_config(self, server_round: int) -> dict[str, Any]:
         config = super().round_config(server_round)
-        config["lora-rank"] = self.rank
+        config[protocol.LORA_RANK] = self.rank
         return config
+
+    def options(self) -> dict[str, Any]:
+        return {
+            **super().options(),
+            "threshold": self.threshold,
+            "max_rank": self.max_rank,
+        }
 
     def aggregate_updates(
         self,

@@ -291,6 +291,14 @@ class FOT(FedAvgContinual):
             "sketch_dim": opts.fot_sketch_dim,
         }
 
+    def options(self) -> dict[str, Any]:
+        return {
+            **super().options(),
+            "eps": self.eps,
+            "eps_inc": self.eps_inc,
+            "sketch_dim": self.sketch_dim,
+        }
+
     def summary(self) -> None:
         """Log the settings, then FedAvg's."""
         log(

@@ -258,6 +258,16 @@ class QRMix(VisionFedAvg):
             "form": opts.qrmix_form,
         }
 
+    def options(self) -> dict[str, Any]:
+        return {
+            **super().options(),
+            "warmup_rounds": self.warmup_rounds,
+            "tau": self.tau,
+            "gamma": self.gamma,
+            "k": self.k,
+            "form": self.form,
+        }
+
     def summary(self) -> None:
         """Log the settings, then FedAvg's."""
         log(

@@ -366,6 +366,9 @@ class VeraFedEx(FedAvgVeRA):
     def strategy_kwargs(cls, options: Options | None) -> dict[str, Any]:
         return {"fedex_lr": VeraFedExOptions.of(options).fedex_lr}
 
+    def options(self) -> dict[str, Any]:
+        return {**super().options(), "fedex_lr": self.fedex_lr}
+
     send_roles: ClassVar[tuple[Role, ...]] = (
         Role.VERA_LAMBDA_B,
         Role.VERA_LAMBDA_D,
