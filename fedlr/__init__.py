@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "FedAvgLoRA": "fedlr.strategies",
     "FedExLoRA": "fedlr.strategies",
+    "FedProxLoRA": "fedlr.strategies",
     "FOT": "fedlr.strategies",
     "FedAvgContinual": "fedlr.strategies",
     "FedLRStrategy": "fedlr.strategies",

@@ -17,6 +17,8 @@ _NAMES = {
     "RoundReport": "base",
     "FedAvgLoRA": "fedavg_lora",
     "FedExLoRA": "fedex_lora",
+    "FedProxLoRA": "fedprox_lora",
+    "ProximalOptions": "fedprox_lora",
     "FedSALoRA": "fedsa_lora",
     "FedSpec": "fedspec",
     "FedSpecOptions": "fedspec",
