@@ -225,11 +225,13 @@ def _load_builtin() -> None:
     global _LOADED
     if _LOADED:
         return
-    _LOADED = True
     import fedlr.strategies as package
 
+    # A module that fails to import raises here, on every lookup, rather than
+    # leaving a registry that silently lacks its methods.
     for module in pkgutil.iter_modules(package.__path__):
         importlib.import_module(f"{package.__name__}.{module.name}")
+    _LOADED = True
 
 
 def get_method(name: str) -> MethodSpec:
