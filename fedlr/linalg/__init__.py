@@ -1,17 +1,49 @@
 """Pure torch kernels for aggregation; no Flower, no peft.
 
-Each module holds one family of kernels with the shapes in its docstrings.
+Each module holds one family of kernels with the shapes in its docstrings;
+this package re-exports every module's public names (its ``__all__``).
 """
 
+from fedlr.linalg.fot import (
+    ResidualSketch,
+    conv_activations,
+    dense_activations,
+    energy_rank,
+    expand_basis,
+    orthonormal_extend,
+    project_update,
+    projection_residual_norm,
+    residualise,
+    sketch_residual,
+    tightened_threshold,
+    weighted_residual_fraction,
+)
 from fedlr.linalg.lowrank import (
+    StackedResidual,
     factored_frobenius_norm,
     fold_residual,
     mean_of_products_factors,
     normalise_weights,
     residual_factors,
+    stacked_residual,
     weighted_mean,
 )
+from fedlr.linalg.qrmix import (
+    QRMIX_FORMS,
+    ClientEigen,
+    fc_flatten,
+    fc_hessian_eigenpairs,
+    fc_hessian_matvec,
+    fc_unflatten,
+    qrmix_update,
+    subspace_iteration,
+)
 from fedlr.linalg.sorf import (
+    BFit,
+    DFit,
+    GivensPlan,
+    PolarFactor,
+    SorfSigns,
     build_lambda_d_rot,
     decompose_orthogonal,
     fit_b,
@@ -21,9 +53,18 @@ from fedlr.linalg.sorf import (
     gamma_apply_t,
     givens_pair_indices,
     givens_plan,
+    next_power_of_two,
+    polar_factor,
+    polar_target,
     sorf_apply,
     sorf_apply_t,
     sorf_signs,
+)
+from fedlr.linalg.sorf_refit import (
+    LayerRefit,
+    mean_lambda_d_rot,
+    refit_layer,
+    sorf_left,
 )
 from fedlr.linalg.svd import (
     TruncatedSVD,
@@ -39,15 +80,31 @@ from fedlr.linalg.svd import (
     truncate,
     truncated_svd_of_mean,
 )
-from fedlr.linalg.vera import fold_vera_residual, vera_residual_factors
+from fedlr.linalg.vera import (
+    fold_vera_residual,
+    vera_factors,
+    vera_residual_factors,
+)
 
 __all__ = [
     "QRMIX_FORMS",
+    "BFit",
     "ClientEigen",
+    "DFit",
+    "GivensPlan",
+    "LayerRefit",
+    "PolarFactor",
+    "ResidualSketch",
+    "SorfSigns",
+    "StackedResidual",
     "TruncatedSVD",
     "adaptive_rank",
     "build_lambda_d_rot",
+    "conv_activations",
     "decompose_orthogonal",
+    "dense_activations",
+    "energy_rank",
+    "expand_basis",
     "factored_frobenius_norm",
     "factored_svd",
     "fc_flatten",
@@ -65,21 +122,36 @@ __all__ = [
     "givens_pair_indices",
     "givens_plan",
     "local_svd_factors",
+    "mean_lambda_d_rot",
     "mean_of_products_factors",
+    "next_power_of_two",
     "normalise_weights",
+    "orthonormal_extend",
     "pad_factors",
     "personal_change",
+    "polar_factor",
+    "polar_target",
+    "project_update",
+    "projection_residual_norm",
     "qrmix_update",
+    "refit_layer",
     "require_common_rank",
     "residual_factors",
+    "residualise",
+    "sketch_residual",
     "sorf_apply",
     "sorf_apply_t",
+    "sorf_left",
     "sorf_signs",
+    "stacked_residual",
     "stacked_updates_svd",
     "subspace_iteration",
     "tail_fraction",
+    "tightened_threshold",
     "truncate",
     "truncated_svd_of_mean",
+    "vera_factors",
     "vera_residual_factors",
     "weighted_mean",
+    "weighted_residual_fraction",
 ]

@@ -22,17 +22,20 @@ References
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from fedlr.errors import ShapeMismatchError
 
 __all__ = [
+    "StackedResidual",
     "factored_frobenius_norm",
     "fold_residual",
     "mean_of_products_factors",
     "normalise_weights",
     "residual_factors",
+    "stacked_residual",
     "weighted_mean",
 ]
 
@@ -186,11 +189,115 @@ def residual_factors(
     right : ((k+1) r, d_in) torch.Tensor, float64
         ``[A_1; ...; A_k; A_bar]``.
     """
+    residual = stacked_residual(bs, as_, weights)
+    return residual.left, residual.right
+
+
+@dataclass(frozen=True)
+class StackedResidual:
+    """One layer's FedEx residual ``M - B_bar A_bar`` as stacked factors.
+
+    ``left @ right = sum_i w_i B_i A_i - B_bar A_bar``, and the first ``k r``
+    columns of ``left`` and rows of ``right`` are the mean-of-products factors
+    of ``M = sum_i w_i B_i A_i`` (:func:`mean_of_products_factors`): the gap
+    report and the fold share one construction.
+
+    Attributes
+    ----------
+    left : (d_out, (k+1) r) torch.Tensor, float64
+        ``[w_1 B_1, ..., w_k B_k, -B_bar]``.
+    right : ((k+1) r, d_in) torch.Tensor, float64
+        ``[A_1; ...; A_k; A_bar]``.
+    rank : int
+        ``r``.
+    work_dtype : torch.dtype
+        float64 if any client factor was float64, else float32: the dtype of
+        the fold's GEMM (with the base weight's, see :meth:`fold`).
+    """
+
+    left: torch.Tensor
+    right: torch.Tensor
+    rank: int
+    work_dtype: torch.dtype
+
+    @property
+    def mean_of_products(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Factors ``(d_out, k r)`` and ``(k r, d_in)`` of ``M`` (views)."""
+        p = self.left.shape[1] - self.rank
+        return self.left[:, :p], self.right[:p]
+
+    def norms(self) -> tuple[float, float]:
+        """``(||M - B_bar A_bar||_F, ||M||_F)`` by :func:`factored_frobenius_norm`."""
+        return (
+            factored_frobenius_norm(self.left, self.right),
+            factored_frobenius_norm(*self.mean_of_products),
+        )
+
+    def fold(self, base_weight: torch.Tensor, scaling: float) -> torch.Tensor:
+        """``W0 + scaling * (M - B_bar A_bar)`` as one GEMM.
+
+        Parameters
+        ----------
+        base_weight : (d_out, d_in) torch.Tensor
+        scaling : float
+
+        Returns
+        -------
+        (d_out, d_in) torch.Tensor
+            In ``base_weight``'s dtype and device; the input is not modified.
+            The GEMM runs in float64 if the base weight or any client factor is
+            float64, else in float32.
+        """
+        shape = (int(self.left.shape[0]), int(self.right.shape[1]))
+        if tuple(base_weight.shape) != shape:
+            raise ShapeMismatchError(
+                f"base weight has shape {tuple(base_weight.shape)}, factors give "
+                f"{shape}"
+            )
+        dtype = (
+            torch.float64
+            if torch.float64 in (base_weight.dtype, self.work_dtype)
+            else torch.float32
+        )
+        folded = torch.addmm(
+            base_weight.to(dtype),
+            self.left.to(dtype),
+            self.right.to(dtype),
+            alpha=float(scaling),
+        )
+        return folded.to(base_weight.dtype)
+
+
+def stacked_residual(
+    bs: Sequence[torch.Tensor],
+    as_: Sequence[torch.Tensor],
+    weights: Sequence[float] | torch.Tensor,
+) -> StackedResidual:
+    """The FedEx residual ``sum_i w_i B_i A_i - B_bar A_bar`` of one layer.
+
+    Parameters
+    ----------
+    bs : k tensors of shape (d_out, r)
+    as_ : k tensors of shape (r, d_in)
+    weights : (k,) sequence of float
+        Normalised internally.
+
+    Returns
+    -------
+    StackedResidual
+        Its factors, from which both the gap (:meth:`StackedResidual.norms`)
+        and the fold (:meth:`StackedResidual.fold`) are computed.
+    """
     left, right = mean_of_products_factors(bs, as_, weights)
     w = normalise_weights(weights, len(bs))
     b_bar = torch.tensordot(w, torch.stack([b.to(_COMPUTE_DTYPE) for b in bs]), dims=1)
     a_bar = torch.tensordot(w, torch.stack([a.to(_COMPUTE_DTYPE) for a in as_]), dims=1)
-    return torch.cat([left, -b_bar], dim=1), torch.cat([right, a_bar], dim=0)
+    return StackedResidual(
+        left=torch.cat([left, -b_bar], dim=1),
+        right=torch.cat([right, a_bar], dim=0),
+        rank=int(bs[0].shape[1]),
+        work_dtype=_work_dtype(*bs, *as_),
+    )
 
 
 def factored_frobenius_norm(left: torch.Tensor, right: torch.Tensor) -> float:
@@ -256,9 +363,4 @@ def fold_residual(
             f"base weight has shape {tuple(base_weight.shape)}, factors give "
             f"({d_out}, {d_in})"
         )
-    dtype = _work_dtype(base_weight, *bs, *as_)
-    left, right = residual_factors(bs, as_, weights)
-    folded = torch.addmm(
-        base_weight.to(dtype), left.to(dtype), right.to(dtype), alpha=float(scaling)
-    )
-    return folded.to(base_weight.dtype)
+    return stacked_residual(bs, as_, weights).fold(base_weight, scaling)

@@ -43,6 +43,7 @@ __all__ = [
     "BFit",
     "DFit",
     "GivensPlan",
+    "PolarFactor",
     "SorfSigns",
     "build_lambda_d_rot",
     "decompose_orthogonal",
@@ -54,6 +55,8 @@ __all__ = [
     "givens_pair_indices",
     "givens_plan",
     "next_power_of_two",
+    "polar_factor",
+    "polar_target",
     "sorf_apply",
     "sorf_apply_t",
     "sorf_signs",
@@ -474,11 +477,15 @@ class BFit:
     b_real, b_imag : (d/2,) torch.Tensor
     residual : float
         ``||S Gamma(b) B - T||_F / ||T||_F`` (0 for a zero target).
+    fitted : (d, r) torch.Tensor, float64
+        ``S Gamma(b) B`` at the fitted ``b`` (the product the residual
+        measures), for callers that need it again.
     """
 
     b_real: torch.Tensor
     b_imag: torch.Tensor
     residual: float
+    fitted: torch.Tensor
 
 
 def _pair_swap(x: torch.Tensor) -> torch.Tensor:
@@ -571,7 +578,12 @@ def fit_b(signs: SorfSigns, b_matrix: torch.Tensor, target: torch.Tensor) -> BFi
     t_norm = float(torch.linalg.matrix_norm(t))
     err = float(torch.linalg.matrix_norm(fitted - t))
     residual = err / t_norm if t_norm > 0 else 0.0
-    return BFit(b_real=a.to(target.dtype), b_imag=c.to(target.dtype), residual=residual)
+    return BFit(
+        b_real=a.to(target.dtype),
+        b_imag=c.to(target.dtype),
+        residual=residual,
+        fitted=fitted,
+    )
 
 
 # ------------------------------------------------------------------ refit of d
@@ -617,7 +629,56 @@ def polar_target(a_matrix: torch.Tensor, vh: torch.Tensor) -> torch.Tensor:
     return vh.to(torch.float64) @ torch.linalg.pinv(a64)
 
 
-def fit_d(a_matrix: torch.Tensor, vh: torch.Tensor) -> DFit:
+@dataclass(frozen=True)
+class PolarFactor:
+    """Polar decomposition ``M = O P`` of a square matrix, through its SVD.
+
+    With ``M = U diag(D) V^T``, ``O = U V^T`` is the orthogonal matrix nearest
+    to ``M`` in the Frobenius norm and ``P = V diag(D) V^T``.
+
+    Attributes
+    ----------
+    o : (r, r) torch.Tensor
+        The orthogonal factor ``O``.
+    singular_values : (r,) torch.Tensor
+        ``D``, descending (the eigenvalues of ``P``).
+    """
+
+    o: torch.Tensor
+    singular_values: torch.Tensor
+
+    def negate_last_row(self) -> PolarFactor:
+        """The polar factor of ``diag(1, ..., 1, -1) M``, without a new SVD.
+
+        ``diag(1, ..., 1, -1) M = (diag(1, ..., 1, -1) U) diag(D) V^T`` is an SVD,
+        so ``O`` loses the sign of its last row and ``D`` stays.
+        """
+        o = self.o.clone()
+        o[-1] = -o[-1]
+        return PolarFactor(o=o, singular_values=self.singular_values)
+
+
+def polar_factor(m: torch.Tensor) -> PolarFactor:
+    """Orthogonal polar factor ``O = U V^T`` and singular values of ``M``.
+
+    Parameters
+    ----------
+    m : (r, r) torch.Tensor
+
+    Returns
+    -------
+    PolarFactor
+        In ``m``'s dtype. ``O`` is unique when ``M`` is nonsingular.
+    """
+    if m.ndim != 2 or m.shape[0] != m.shape[1]:
+        raise ShapeMismatchError(f"expected a square matrix, got {tuple(m.shape)}")
+    p, dvals, qh = torch.linalg.svd(m)
+    return PolarFactor(o=p @ qh, singular_values=dvals)
+
+
+def fit_d(
+    a_matrix: torch.Tensor, vh: torch.Tensor, *, polar: PolarFactor | None = None
+) -> DFit:
     """Scale and Givens angles of ``m G(theta) A ~ V_r^T``.
 
     1. ``Lambda_target = V_r^T pinv(A)``.
@@ -632,17 +693,25 @@ def fit_d(a_matrix: torch.Tensor, vh: torch.Tensor) -> DFit:
         The frozen ``A``.
     vh : (r, d_in) torch.Tensor
         ``V_r^T`` of the truncated SVD.
+    polar : PolarFactor, optional
+        ``polar_factor(polar_target(a_matrix, vh))`` when the caller already
+        has it (steps 1-2 are then skipped); float64.
 
     Returns
     -------
     DFit
         In ``vh``'s dtype; computed in float64.
     """
-    lam = polar_target(a_matrix, vh)
-    p, dvals, qh = torch.linalg.svd(lam)
-    o = p @ qh
+    if polar is None:
+        polar = polar_factor(polar_target(a_matrix, vh))
+    elif polar.o.shape != (a_matrix.shape[0], a_matrix.shape[0]):
+        raise ShapeMismatchError(
+            f"polar factor {tuple(polar.o.shape)} does not fit A "
+            f"{tuple(a_matrix.shape)}: expected (r, r)"
+        )
+    o = polar.o
     angles, signs = decompose_orthogonal(o)
-    scale = dvals.mean()
+    scale = polar.singular_values.mean()
     r = int(o.shape[0])
     rebuilt = build_lambda_d_rot(scale, angles, r) * signs  # columns times signs
     v64 = vh.to(torch.float64)

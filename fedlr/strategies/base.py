@@ -101,6 +101,50 @@ class RoundReport:
     metrics: dict[str, float] = field(default_factory=dict)
     layers: dict[str, tuple[float, float]] = field(default_factory=dict)
 
+    @classmethod
+    def from_layers(
+        cls, layers: Mapping[str, tuple[float, float]], **metrics: float
+    ) -> RoundReport:
+        """Totals from per-layer ``(gap, reference norm)`` pairs.
+
+        ``frobenius-gap = sqrt(sum gap^2)`` and ``relative-gap =
+        frobenius-gap / sqrt(sum norm^2)`` (0 when every norm is 0); each
+        layer's relative gap is ``gap / norm`` (0 when ``norm`` is 0).
+
+        Parameters
+        ----------
+        layers : mapping of str to (float, float)
+            Layer name to ``(||Delta_agg - Delta_ref||_F, ||Delta_ref||_F)``.
+        **metrics : float
+            Further metrics (``rank`` ...), after the two gaps.
+
+        Returns
+        -------
+        RoundReport
+
+        Raises
+        ------
+        ValueError
+            If ``metrics`` names one of the two computed gaps.
+        """
+        clash = sorted({"frobenius-gap", "relative-gap"} & metrics.keys())
+        if clash:
+            raise ValueError(f"from_layers computes {clash}; do not pass them")
+        gap_sq = sum(gap * gap for gap, _ in layers.values())
+        norm_sq = sum(norm * norm for _, norm in layers.values())
+        total = math.sqrt(gap_sq)
+        return cls(
+            metrics={
+                "frobenius-gap": total,
+                "relative-gap": total / math.sqrt(norm_sq) if norm_sq > 0 else 0.0,
+                **metrics,
+            },
+            layers={
+                name: (gap, gap / norm if norm > 0 else 0.0)
+                for name, (gap, norm) in layers.items()
+            },
+        )
+
 
 class FedLRStrategy(FedAvg):
     """Message-API strategy with validated replies and a pure aggregation hook.

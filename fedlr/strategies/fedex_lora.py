@@ -11,8 +11,8 @@ layer: ``W0 <- W0 + s Delta_res``. Then ``W0 + s B_bar A_bar`` equals
 ``W0 + s sum_i w_i B_i A_i``: the aggregation is exact. peft's ``B @ A`` already
 has ``nn.Linear``'s (out, in) shape, so no transpose is applied. The residual
 is a product of stacked factors applied as one GEMM
-(:func:`fedlr.linalg.fold_residual`); the new base weights are sent to the
-clients next round.
+(:meth:`fedlr.linalg.StackedResidual.fold`), built once per layer and shared
+with the gap report; the new base weights are sent to the clients next round.
 
 References
 ----------
@@ -27,7 +27,6 @@ from typing import ClassVar
 import torch
 
 from fedlr.adapters.roles import Role
-from fedlr.linalg import fold_residual
 from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
@@ -61,19 +60,18 @@ class FedExLoRA(FedAvgLoRA):
         updates: list[ClientUpdate],
         current: dict[str, torch.Tensor],
     ) -> tuple[dict[str, torch.Tensor], RoundReport]:
-        state, report = super().aggregate_updates(server_round, updates, current)
-        weights = [u.num_examples for u in updates]
         for module in self.layout.modules:
             if module.base_key not in current:
                 raise KeyError(
                     f"global arrays lack the base weight '{module.base_key}' that "
                     "FedEx-LoRA folds the residual into"
                 )
-            state[module.base_key] = fold_residual(
-                current[module.base_key],
-                [u.arrays[module.b_key] for u in updates],
-                [u.arrays[module.a_key] for u in updates],
-                weights,
-                module.scaling,
+        # Each layer's stacked factors once: the fold and the gap share them.
+        residuals = self.layer_residuals(updates)
+        state = dict(current)
+        state.update(self.weighted_means(updates, self.layout.keys(*self.train_roles)))
+        for module in self.layout.modules:
+            state[module.base_key] = residuals[module.name].fold(
+                current[module.base_key], module.scaling
             )
-        return state, report
+        return state, self.gap_report(updates, residuals)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from logging import INFO, WARNING
 from typing import Any, ClassVar, Self
@@ -23,11 +22,7 @@ from fedlr.adapters.roles import AdaptedModel, AdapterLayout, Role
 from fedlr.config import RunConfig
 from fedlr.errors import UnsupportedModelError
 from fedlr.flower.records import record_to_state, state_to_record
-from fedlr.linalg import (
-    factored_frobenius_norm,
-    mean_of_products_factors,
-    residual_factors,
-)
+from fedlr.linalg import StackedResidual, stacked_residual
 from fedlr.options import Options
 from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
 
@@ -121,33 +116,39 @@ class LoraStrategy(FedLRStrategy):
         return config
 
     # ----------------------------------------------------------------- helpers
-    def gap_report(self, updates: list[ClientUpdate]) -> RoundReport:
+    def layer_residuals(
+        self, updates: list[ClientUpdate]
+    ) -> dict[str, StackedResidual]:
+        """Each layer's FedEx residual ``sum_i w_i B_i A_i - B_bar A_bar``, stacked.
+
+        Built once per layer and shared by :meth:`gap_report` and FedEx's fold.
+        """
+        weights = [u.num_examples for u in updates]
+        return {
+            module.name: stacked_residual(
+                [u.arrays[module.b_key] for u in updates],
+                [u.arrays[module.a_key] for u in updates],
+                weights,
+            )
+            for module in self.layout.modules
+        }
+
+    def gap_report(
+        self,
+        updates: list[ClientUpdate],
+        residuals: Mapping[str, StackedResidual] | None = None,
+    ) -> RoundReport:
         """Frobenius gap ``||sum_i w_i B_i A_i - B_bar A_bar||_F`` per layer and total.
 
         The relative gap divides by ``||sum_i w_i B_i A_i||_F``. Both are computed
-        from stacked factors (no dense product per client).
+        from stacked factors (no dense product per client): ``residuals``, from
+        :meth:`layer_residuals` (built here when not given).
         """
-        weights = [u.num_examples for u in updates]
-        layers: dict[str, tuple[float, float]] = {}
-        gap_sq = 0.0
-        ideal_sq = 0.0
-        for module in self.layout.modules:
-            bs = [u.arrays[module.b_key] for u in updates]
-            as_ = [u.arrays[module.a_key] for u in updates]
-            gap = factored_frobenius_norm(*residual_factors(bs, as_, weights))
-            ideal = factored_frobenius_norm(*mean_of_products_factors(bs, as_, weights))
-            layers[module.name] = (gap, gap / ideal if ideal > 0 else 0.0)
-            gap_sq += gap * gap
-            ideal_sq += ideal * ideal
-        total = math.sqrt(gap_sq)
-        ideal_total = math.sqrt(ideal_sq)
-        return RoundReport(
-            metrics={
-                "frobenius-gap": total,
-                "relative-gap": total / ideal_total if ideal_total > 0 else 0.0,
-                "rank": float(self.rank),
-            },
-            layers=layers,
+        if residuals is None:
+            residuals = self.layer_residuals(updates)
+        return RoundReport.from_layers(
+            {m.name: residuals[m.name].norms() for m in self.layout.modules},
+            rank=float(self.rank),
         )
 
     # ------------------------------------------------------ plug-in users

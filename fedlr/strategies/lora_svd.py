@@ -170,20 +170,8 @@ class SvdLoraStrategy(LoraStrategy):
         return self._report(layers)
 
     def _report(self, layers: Mapping[str, tuple[float, float]]) -> RoundReport:
-        """Totals from per-layer (gap, reference norm) pairs."""
-        gap_sq = sum(g * g for g, _ in layers.values())
-        ref_sq = sum(n * n for _, n in layers.values())
-        total = math.sqrt(gap_sq)
-        return RoundReport(
-            metrics={
-                "frobenius-gap": total,
-                "relative-gap": total / math.sqrt(ref_sq) if ref_sq > 0 else 0.0,
-                "rank": float(self.rank),
-            },
-            layers={
-                name: (g, g / n if n > 0 else 0.0) for name, (g, n) in layers.items()
-            },
-        )
+        """Totals from per-layer (gap, reference norm) pairs, and ``rank``."""
+        return RoundReport.from_layers(layers, rank=float(self.rank))
 
     def averaged(
         self, updates: Sequence[ClientUpdate], current: Mapping[str, torch.Tensor]

@@ -18,6 +18,9 @@ m G(theta)`` (see :mod:`fedlr.adapters.sorf_vera`). Clients train ``m`` and
    ``G(theta)`` can represent;
 4. sends the new ``b`` (frozen on clients) and ``d`` next round.
 
+Steps 1-3 are the kernels :func:`fedlr.linalg.mean_lambda_d_rot` and
+:func:`fedlr.linalg.refit_layer` (:mod:`fedlr.linalg.sorf_refit`).
+
 Logged every round: ``b-residual`` ``||S Gamma(b) B - U_r Sigma_r||_F /
 ||U_r Sigma_r||_F`` and ``d-residual`` ``||m G A - V_r^T||_F / ||V_r^T||_F``
 (root mean square over layers), and as ``frobenius-gap`` the distance
@@ -28,7 +31,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from logging import INFO
 from typing import Any, ClassVar, cast
 
@@ -46,16 +48,7 @@ from fedlr.adapters.sorf_vera import SorfVeraLayout, SorfVeraModule, layer_signs
 from fedlr.adapters.vera import VeraModel
 from fedlr.config import RunConfig
 from fedlr.flower.records import record_to_state, state_to_record
-from fedlr.linalg import factored_frobenius_norm, factored_svd, weighted_mean
-from fedlr.linalg.lowrank import normalise_weights
-from fedlr.linalg.sorf import (
-    build_lambda_d_rot,
-    fit_b,
-    fit_d,
-    gamma_apply,
-    polar_target,
-    sorf_apply,
-)
+from fedlr.linalg import mean_lambda_d_rot, refit_layer, weighted_mean
 from fedlr.options import Options
 from fedlr.payloads import SORF_VERA
 from fedlr.strategies.base import ClientUpdate, RoundReport
@@ -63,116 +56,7 @@ from fedlr.strategies.registry import register_method
 from fedlr.strategies.vera import ProjectionChecked
 from fedlr.vera_tasks import SorfVeraOptions
 
-__all__ = ["LayerRefit", "SorfVeRA", "refit_layer"]
-
-F64 = torch.float64
-
-
-@dataclass(frozen=True)
-class LayerRefit:
-    """New ``b``, ``d`` of one layer and the refit's errors.
-
-    Attributes
-    ----------
-    b_real, b_imag : (d_out/2,) torch.Tensor
-    d_scale : (1,) torch.Tensor
-    d_angles : (r (r-1)/2,) torch.Tensor
-    b_residual, d_residual : float
-    gap, target_norm : float
-        ``||Delta W_new - Delta W||_F`` and ``||Delta W||_F``.
-    """
-
-    b_real: torch.Tensor
-    b_imag: torch.Tensor
-    d_scale: torch.Tensor
-    d_angles: torch.Tensor
-    b_residual: float
-    d_residual: float
-    gap: float
-    target_norm: float
-
-
-def sorf_left(
-    signs_seed: int, b_real: torch.Tensor, b_imag: torch.Tensor, b: torch.Tensor
-) -> torch.Tensor:
-    """``S Gamma(b) B`` (d_out, r) by FWHT, in float64."""
-    d_out = int(b.shape[0])
-    signs = layer_signs(d_out, signs_seed)
-    cols = gamma_apply(b_real.to(F64), b_imag.to(F64), b.to(F64).T)
-    return sorf_apply(signs.to(F64), cols).T
-
-
-def refit_layer(
-    lambda_bar: torch.Tensor,
-    b_real: torch.Tensor,
-    b_imag: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    projection_seed: int,
-) -> LayerRefit:
-    """Steps 2-3 for one layer: truncated SVD of ``S Gamma(b) B Lambda_bar A``, refit.
-
-    Parameters
-    ----------
-    lambda_bar : (r, r) torch.Tensor
-        The averaged ``Lambda_d``.
-    b_real, b_imag : (d_out/2,) torch.Tensor
-        The current ``b``.
-    a : (r, d_in) torch.Tensor
-    b : (d_out, r) torch.Tensor
-    projection_seed : int
-        Seeds the layer's SORF signs.
-
-    Returns
-    -------
-    LayerRefit
-        Tensors in ``b_real``'s dtype. A zero update keeps ``b`` and gives
-        ``m = 0``.
-    """
-    r = int(a.shape[0])
-    dtype = b_real.dtype
-    left = sorf_left(projection_seed, b_real, b_imag, b)
-    right = lambda_bar.to(F64) @ a.to(F64)
-    svd = factored_svd(left, right, rank=r)
-    target_norm = math.sqrt(svd.total_energy)
-    if svd.rank < r or float(svd.s[0]) == 0.0:
-        return LayerRefit(
-            b_real=b_real.clone(),
-            b_imag=b_imag.clone(),
-            d_scale=torch.zeros(1, dtype=dtype),
-            d_angles=torch.zeros(r * (r - 1) // 2, dtype=dtype),
-            b_residual=0.0,
-            d_residual=0.0,
-            gap=target_norm,
-            target_norm=target_norm,
-        )
-    u, vh = svd.u.clone(), svd.vh.clone()
-    if float(torch.linalg.det(_polar(polar_target(a, vh)))) < 0:
-        u[:, -1], vh[-1] = -u[:, -1], -vh[-1]  # same product, rotation polar factor
-    d_fit = fit_d(a, vh)
-    signs = layer_signs(int(b.shape[0]), projection_seed)
-    b_fit = fit_b(signs, b.to(F64), u * svd.s)
-    # gap between the refit update and the target, from stacked factors
-    new_left = sorf_left(projection_seed, b_fit.b_real, b_fit.b_imag, b)
-    new_right = build_lambda_d_rot(d_fit.scale, d_fit.angles, r) @ a.to(F64)
-    gap = factored_frobenius_norm(
-        torch.cat([new_left, -u * svd.s], 1), torch.cat([new_right, vh], 0)
-    )
-    return LayerRefit(
-        b_real=b_fit.b_real.to(dtype),
-        b_imag=b_fit.b_imag.to(dtype),
-        d_scale=d_fit.scale.reshape(1).to(dtype),
-        d_angles=d_fit.angles.to(dtype),
-        b_residual=b_fit.residual,
-        d_residual=d_fit.residual,
-        gap=gap,
-        target_norm=target_norm,
-    )
-
-
-def _polar(m: torch.Tensor) -> torch.Tensor:
-    p, _, qh = torch.linalg.svd(m)
-    return p @ qh
+__all__ = ["SorfVeRA"]
 
 
 @register_method(
@@ -285,16 +169,13 @@ class SorfVeRA(ProjectionChecked):
     def averaged_lambda(
         self, module: SorfVeraModule, updates: list[ClientUpdate]
     ) -> torch.Tensor:
-        """``sum_i w_i m_i G(theta_i)`` (r, r) in float64."""
-        w = normalise_weights([u.num_examples for u in updates], len(updates))
-        total = torch.zeros(module.rank, module.rank, dtype=F64)
-        for wi, u in zip(w.tolist(), updates, strict=True):
-            total += wi * build_lambda_d_rot(
-                u.arrays[module.d_scale_key].to(F64),
-                u.arrays[module.d_angles_key].to(F64),
-                module.rank,
-            )
-        return total
+        """``sum_i w_i m_i G(theta_i)``, (r, r) float64: :func:`mean_lambda_d_rot`."""
+        return mean_lambda_d_rot(
+            [u.arrays[module.d_scale_key] for u in updates],
+            [u.arrays[module.d_angles_key] for u in updates],
+            [u.num_examples for u in updates],
+            module.rank,
+        )
 
     def aggregate_updates(
         self,
@@ -309,7 +190,6 @@ class SorfVeRA(ProjectionChecked):
         layers: dict[str, tuple[float, float]] = {}
         b_res: list[float] = []
         d_res: list[float] = []
-        gap_sq = norm_sq = 0.0
         for m in self.layout.modules:
             fit = refit_layer(
                 self.averaged_lambda(m, updates),
@@ -317,29 +197,22 @@ class SorfVeRA(ProjectionChecked):
                 current[m.b_imag_key],
                 self.projection_a[:, : m.d_in],
                 self.projection_b[: m.d_out],
-                self.projection_seed,
+                layer_signs(m.d_out, self.projection_seed),
             )
             state[m.b_real_key] = fit.b_real
             state[m.b_imag_key] = fit.b_imag
             state[m.d_scale_key] = fit.d_scale.to(current[m.d_scale_key].dtype)
             state[m.d_angles_key] = fit.d_angles.to(current[m.d_angles_key].dtype)
-            rel = fit.gap / fit.target_norm if fit.target_norm > 0 else 0.0
-            layers[m.name] = (fit.gap, rel)
+            layers[m.name] = (fit.gap, fit.target_norm)
             b_res.append(fit.b_residual)
             d_res.append(fit.d_residual)
-            gap_sq += fit.gap**2
-            norm_sq += fit.target_norm**2
-        gap = math.sqrt(gap_sq)
-        norm = math.sqrt(norm_sq)
-        return state, RoundReport(
-            metrics={
-                "frobenius-gap": gap,
-                "relative-gap": gap / norm if norm > 0 else 0.0,
-                "rank": float(self.layout.rank),
+        return state, RoundReport.from_layers(
+            layers,
+            rank=float(self.layout.rank),
+            **{
                 "b-residual": math.sqrt(sum(x * x for x in b_res) / len(b_res)),
                 "d-residual": math.sqrt(sum(x * x for x in d_res) / len(d_res)),
             },
-            layers=layers,
         )
 
     # ------------------------------------------------------ plug-in users

@@ -221,7 +221,6 @@ class VeraStrategy(ProjectionChecked):
         """
         weights = [u.num_examples for u in updates]
         layers: dict[str, tuple[float, float]] = {}
-        gap_sq = ideal_sq = 0.0
         for m in self.layout.modules:
             a, b = self.projections(m.d_out, m.d_in)
             lbs = [u.arrays[m.lambda_b_key] for u in updates]
@@ -230,18 +229,8 @@ class VeraStrategy(ProjectionChecked):
             gap = m.scaling * factored_frobenius_norm(left, right)
             p = left.shape[1] - m.rank  # the first k r columns: the mean of products
             ideal = m.scaling * factored_frobenius_norm(left[:, :p], right[:p])
-            layers[m.name] = (gap, gap / ideal if ideal > 0 else 0.0)
-            gap_sq += gap * gap
-            ideal_sq += ideal * ideal
-        total, ideal_total = math.sqrt(gap_sq), math.sqrt(ideal_sq)
-        return RoundReport(
-            metrics={
-                "frobenius-gap": total,
-                "relative-gap": total / ideal_total if ideal_total > 0 else 0.0,
-                "rank": float(self.layout.rank),
-            },
-            layers=layers,
-        )
+            layers[m.name] = (gap, ideal)
+        return RoundReport.from_layers(layers, rank=float(self.layout.rank))
 
     # ------------------------------------------------------ plug-in users
     @classmethod

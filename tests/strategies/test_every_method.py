@@ -257,7 +257,7 @@ SORF_REFIT = (
     "to U_r Sigma_r) and d (polar fit to V_r^T) from the truncated SVD of the "
     "averaged update, even when the clients' agreed (b, m, theta) represent it "
     "exactly; on this plan the refit misses the agreed update by relative-gap "
-    "~0.78 (refit_layer in fedlr/strategies/sorf_vera.py)"
+    "~0.78 (refit_layer in fedlr/linalg/sorf_refit.py)"
 )
 
 CASES: dict[str, Case] = {

@@ -1,0 +1,229 @@
+"""SORF-VeRA server refit of ``b`` and ``d`` from the averaged rotations.
+
+A SORF-VeRA layer's update is ``Delta W = S Gamma(b) B Lambda_d A`` with
+``Lambda_d = m G(theta)`` (see :mod:`fedlr.linalg.sorf`). Clients train ``m``
+and ``theta`` with ``b`` frozen; the server
+
+1. averages the built matrices ``Lambda_bar = sum_i w_i m_i G(theta_i)``
+   (:func:`mean_lambda_d_rot`; not the angles, ``G`` is nonlinear in
+   ``theta``): with ``b`` shared, ``S Gamma(b) B Lambda_bar A`` is exactly the
+   weighted mean of the client updates;
+2. takes its rank-``r`` truncated SVD ``U_r Sigma_r V_r^T`` in factored form,
+   left ``S Gamma(b) B`` (:func:`sorf_left`, by FWHT) and right
+   ``Lambda_bar A``: no ``d_out x d_in`` matrix;
+3. refits ``d`` (:func:`~fedlr.linalg.sorf.fit_d` on the polar factor of
+   ``V_r^T pinv(A)``) and ``b`` (:func:`~fedlr.linalg.sorf.fit_b`, least
+   squares on ``||S Gamma(b) B - U_r Sigma_r||_F``). The sign of the last
+   singular pair is chosen so that the polar factor is a rotation
+   (``det = +1``), which ``G(theta)`` can represent.
+
+:func:`refit_layer` does steps 2-3 for one layer. It takes the layer's SORF
+signs from the caller and computes the polar factor once: flipping the last
+singular pair negates the last row of ``V_r^T pinv(A)`` and so of its polar
+factor (:meth:`~fedlr.linalg.sorf.PolarFactor.negate_last_row`), with the
+same singular values.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fedlr.errors import ShapeMismatchError
+from fedlr.linalg.lowrank import factored_frobenius_norm, normalise_weights
+from fedlr.linalg.sorf import (
+    SorfSigns,
+    build_lambda_d_rot,
+    fit_b,
+    fit_d,
+    gamma_apply,
+    polar_factor,
+    polar_target,
+    sorf_apply,
+)
+from fedlr.linalg.svd import factored_svd
+
+__all__ = ["LayerRefit", "mean_lambda_d_rot", "refit_layer", "sorf_left"]
+
+F64 = torch.float64
+
+
+@dataclass(frozen=True)
+class LayerRefit:
+    """New ``b``, ``d`` of one layer and the refit's errors.
+
+    Attributes
+    ----------
+    b_real, b_imag : (d_out/2,) torch.Tensor
+    d_scale : (1,) torch.Tensor
+    d_angles : (r (r-1)/2,) torch.Tensor
+    b_residual, d_residual : float
+        Relative residuals of :func:`~fedlr.linalg.sorf.fit_b` and
+        :func:`~fedlr.linalg.sorf.fit_d`.
+    gap, target_norm : float
+        ``||Delta W_new - Delta W||_F`` and ``||Delta W||_F``.
+    """
+
+    b_real: torch.Tensor
+    b_imag: torch.Tensor
+    d_scale: torch.Tensor
+    d_angles: torch.Tensor
+    b_residual: float
+    d_residual: float
+    gap: float
+    target_norm: float
+
+
+def sorf_left(
+    signs: SorfSigns,
+    b_real: torch.Tensor,
+    b_imag: torch.Tensor,
+    b_matrix: torch.Tensor,
+) -> torch.Tensor:
+    """``S Gamma(b) B`` by FWHT, in float64.
+
+    Parameters
+    ----------
+    signs : SorfSigns
+        ``S`` of size ``d_out``.
+    b_real, b_imag : (d_out/2,) torch.Tensor
+        ``b``.
+    b_matrix : (d_out, r) torch.Tensor
+        The frozen ``B``.
+
+    Returns
+    -------
+    (d_out, r) torch.Tensor, float64
+    """
+    cols = gamma_apply(b_real.to(F64), b_imag.to(F64), b_matrix.to(F64).T)
+    return sorf_apply(signs.to(F64), cols).T
+
+
+def mean_lambda_d_rot(
+    scales: Sequence[torch.Tensor],
+    angles: Sequence[torch.Tensor],
+    weights: Sequence[float] | torch.Tensor,
+    r: int,
+) -> torch.Tensor:
+    """``Lambda_bar = sum_i w_i m_i G(theta_i)``, the mean of the built matrices.
+
+    Parameters
+    ----------
+    scales : k tensors of shape () or (1,)
+        The clients' ``m_i``.
+    angles : k tensors of shape (r (r-1)/2,)
+        The clients' ``theta_i``.
+    weights : (k,) sequence of float
+        Normalised internally (e.g. num-examples).
+    r : int
+
+    Returns
+    -------
+    (r, r) torch.Tensor, float64
+    """
+    if len(scales) != len(angles) or not scales:
+        raise ShapeMismatchError(
+            f"{len(scales)} scales but {len(angles)} angle vectors (need k >= 1 each)"
+        )
+    w = normalise_weights(weights, len(scales))
+    total = torch.zeros(r, r, dtype=F64, device=angles[0].device)
+    for wi, scale, theta in zip(w.tolist(), scales, angles, strict=True):
+        total += wi * build_lambda_d_rot(scale.to(F64), theta.to(F64), r)
+    return total
+
+
+def refit_layer(
+    lambda_bar: torch.Tensor,
+    b_real: torch.Tensor,
+    b_imag: torch.Tensor,
+    a_matrix: torch.Tensor,
+    b_matrix: torch.Tensor,
+    signs: SorfSigns,
+) -> LayerRefit:
+    """Truncated SVD of ``S Gamma(b) B Lambda_bar A`` and the refit of ``b``, ``d``.
+
+    Parameters
+    ----------
+    lambda_bar : (r, r) torch.Tensor
+        The averaged ``Lambda_d`` (:func:`mean_lambda_d_rot`).
+    b_real, b_imag : (d_out/2,) torch.Tensor
+        The current ``b``.
+    a_matrix : (r, d_in) torch.Tensor
+        The frozen ``A``, sliced to the layer's ``d_in``; ``r <= d_in``.
+    b_matrix : (d_out, r) torch.Tensor
+        The frozen ``B``, sliced to the layer's ``d_out``; ``r <= d_out``.
+    signs : SorfSigns
+        The layer's ``S`` (size ``d_out``).
+
+    Returns
+    -------
+    LayerRefit
+        Tensors in ``b_real``'s dtype; computed in float64. A zero update keeps
+        ``b`` and gives ``m = 0``.
+
+    Raises
+    ------
+    ShapeMismatchError
+        If the shapes disagree.
+    """
+    r = int(a_matrix.shape[0])
+    d_out = int(b_matrix.shape[0])
+    if (
+        a_matrix.ndim != 2
+        or b_matrix.ndim != 2
+        or b_matrix.shape[1] != r
+        or lambda_bar.shape != (r, r)
+        or signs.d != d_out
+    ):
+        raise ShapeMismatchError(
+            f"SORF refit shapes disagree: Lambda_bar {tuple(lambda_bar.shape)}, A "
+            f"{tuple(a_matrix.shape)}, B {tuple(b_matrix.shape)}, S of size "
+            f"{signs.d}; expected (r, r), (r, d_in), (d_out, r), d_out"
+        )
+    dtype = b_real.dtype
+    s64 = signs.to(F64)
+    b64 = b_matrix.to(F64)
+    # 1. Truncated SVD of the averaged update in factored form.
+    left = sorf_left(s64, b_real, b_imag, b64)
+    right = lambda_bar.to(F64) @ a_matrix.to(F64)
+    svd = factored_svd(left, right, rank=r)
+    target_norm = math.sqrt(svd.total_energy)
+    if svd.rank < r or float(svd.s[0]) == 0.0:
+        return LayerRefit(
+            b_real=b_real.clone(),
+            b_imag=b_imag.clone(),
+            d_scale=torch.zeros(1, dtype=dtype),
+            d_angles=torch.zeros(r * (r - 1) // 2, dtype=dtype),
+            b_residual=0.0,
+            d_residual=0.0,
+            gap=target_norm,
+            target_norm=target_norm,
+        )
+    # 2. Polar factor of V_r^T pinv(A), once; a reflection is turned into a
+    #    rotation by negating the last singular pair (same product).
+    u, vh = svd.u.clone(), svd.vh.clone()
+    polar = polar_factor(polar_target(a_matrix, vh))
+    if float(torch.linalg.det(polar.o)) < 0:
+        u[:, -1], vh[-1] = -u[:, -1], -vh[-1]
+        polar = polar.negate_last_row()
+    # 3. Refit d from the polar factor, b by least squares.
+    d_fit = fit_d(a_matrix, vh, polar=polar)
+    b_fit = fit_b(s64, b64, u * svd.s)
+    # 4. Gap between the refit update and the target, from stacked factors.
+    new_right = build_lambda_d_rot(d_fit.scale, d_fit.angles, r) @ a_matrix.to(F64)
+    gap = factored_frobenius_norm(
+        torch.cat([b_fit.fitted, -u * svd.s], 1), torch.cat([new_right, vh], 0)
+    )
+    return LayerRefit(
+        b_real=b_fit.b_real.to(dtype),
+        b_imag=b_fit.b_imag.to(dtype),
+        d_scale=d_fit.scale.reshape(1).to(dtype),
+        d_angles=d_fit.angles.to(dtype),
+        b_residual=b_fit.residual,
+        d_residual=d_fit.residual,
+        gap=gap,
+        target_norm=target_norm,
+    )
