@@ -690,6 +690,30 @@ class FedLRStrategy(FedAvg):
             )
         return metrics, int(num)
 
+    @staticmethod
+    def extra_arrays(
+        update: ClientUpdate, name: str, expected: Mapping[str, tuple[int, ...]]
+    ) -> dict[str, torch.Tensor]:
+        """A reply's extra ArrayRecord ``name``, checked like its ``arrays``.
+
+        The one validator (:func:`fedlr.protocol.validate_arrays`) for the
+        records methods add (FedSA's ``personal-gram``, QR-Mix's ``eigen``,
+        FOT's ``sketches``).
+
+        Raises
+        ------
+        ReplyValidationError
+            If the record is absent, has other keys or shapes, a non-floating
+            dtype, NaN or Inf.
+        """
+        records = update.content.array_records
+        if name not in records:
+            raise ReplyValidationError(update.node_id, f"no ArrayRecord '{name}'")
+        try:
+            return validate_arrays(records[name], expected, name=name)
+        except ProtocolError as exc:
+            raise ReplyValidationError(update.node_id, str(exc)) from exc
+
     def validate_reply(
         self, message: Message, expected: Mapping[str, tuple[int, ...]]
     ) -> ClientUpdate:

@@ -359,29 +359,12 @@ class FOT(FedAvgContinual):
         if self.boundary_task(self._round) < 0:
             return update
         node = update.node_id
-        if protocol.SKETCHES not in update.content.array_records:
-            raise ReplyValidationError(
-                node, f"boundary round without an ArrayRecord '{protocol.SKETCHES}'"
-            )
-        record = update.content.array_records[protocol.SKETCHES]
-        if set(record.keys()) != set(self.dims):
-            raise ReplyValidationError(
-                node,
-                f"sketches for layers {sorted(record.keys())}, "
-                f"expected {sorted(self.dims)}",
-            )
-        sketches = record_to_state(record)
-        for layer, y in sketches.items():
-            if tuple(y.shape) != self.sketch_shape(layer):
-                raise ReplyValidationError(
-                    node,
-                    f"sketch '{layer}' has shape {tuple(y.shape)}, "
-                    f"expected {self.sketch_shape(layer)}",
-                )
-            if not y.is_floating_point() or not bool(torch.isfinite(y).all()):
-                raise ReplyValidationError(
-                    node, f"sketch '{layer}' is not finite floating point"
-                )
+        self.extra_arrays(
+            update,
+            protocol.SKETCHES,
+            {layer: self.sketch_shape(layer) for layer in self.dims},
+        )
+        for layer in self.dims:
             r = update.metrics.get(protocol.gpse_fraction_key(layer))
             if r is None or not 0.0 <= r <= 1.0:
                 raise ReplyValidationError(
@@ -393,6 +376,7 @@ class FOT(FedAvgContinual):
             raise ReplyValidationError(
                 node, f"'{protocol.GPSE_EXAMPLES}' must be >= 1, got {b}"
             )
+        record = update.content.array_records[protocol.SKETCHES]
         return dataclasses.replace(update, nbytes=update.nbytes + record_nbytes(record))
 
     # ------------------------------------------------------------- aggregation

@@ -33,6 +33,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
+from fedlr import protocol
 from fedlr.adapters.plugin import adapted
 from fedlr.adapters.roles import AdaptedModel, AdapterLayout, Role
 from fedlr.config import RunConfig
@@ -51,8 +52,6 @@ from fedlr.strategies.lora import LoraStrategy
 
 __all__ = ["PersonalLoraStrategy", "SvdLoraStrategy"]
 
-PERSONAL_RECORD = "personal"
-GRAM_RECORD = "personal-gram"
 
 
 class SvdLoraStrategy(LoraStrategy):
@@ -243,14 +242,14 @@ class PersonalLoraStrategy(SvdLoraStrategy):
     ) -> RoundReport:
         """Add ``personal-clients`` to a round's report."""
         report.metrics["personal-clients"] = float(
-            sum(u.metrics.get("personal-loaded", 0.0) > 0 for u in updates)
+            sum(u.metrics.get(protocol.PERSONAL_LOADED, 0.0) > 0 for u in updates)
         )
         return report
 
     def round_config(self, server_round: int) -> dict[str, Any]:
         config = super().round_config(server_round)
-        config["keep-roles"] = ",".join(role.value for role in self.keep_roles)
-        config["personal-split"] = True
+        config[protocol.KEEP_ROLES] = protocol.encode_roles(self.keep_roles)
+        config[protocol.PERSONAL_SPLIT] = True
         return config
 
     # ------------------------------------------------------------ Flower hooks
@@ -270,7 +269,7 @@ class PersonalLoraStrategy(SvdLoraStrategy):
                 continue
             content = RecordDict(dict(message.content.items()))
             record = ArrayRecord(arrays)
-            content[PERSONAL_RECORD] = record
+            content[protocol.PERSONAL] = record
             if count:
                 self._bytes_down += record_nbytes(record)
             out.append(
@@ -345,28 +344,11 @@ class PersonalLoraStrategy(SvdLoraStrategy):
         update = super().validate_reply(message, expected)
         if Role.LORA_B not in self.keep_roles:
             return update
-        records = update.content.array_records
-        if GRAM_RECORD not in records:
-            raise ReplyValidationError(
-                update.node_id, f"no ArrayRecord '{GRAM_RECORD}'"
-            )
-        grams = record_to_state(records[GRAM_RECORD])
-        wanted = {m.b_key: (m.rank, m.rank) for m in self.layout.modules}
-        if set(grams) != set(wanted):
-            raise ReplyValidationError(
-                update.node_id, f"'{GRAM_RECORD}' keys differ from the B keys"
-            )
-        for key, gram in grams.items():
-            if tuple(gram.shape) != wanted[key]:
-                raise ReplyValidationError(
-                    update.node_id,
-                    f"'{GRAM_RECORD}' '{key}' has shape {tuple(gram.shape)}, "
-                    f"expected {wanted[key]}",
-                )
-            if not bool(torch.isfinite(gram).all()):
-                raise ReplyValidationError(
-                    update.node_id, f"'{GRAM_RECORD}' '{key}' contains NaN or Inf"
-                )
+        self.extra_arrays(
+            update,
+            protocol.PERSONAL_GRAM,
+            {m.b_key: (m.rank, m.rank) for m in self.layout.modules},
+        )
         return update
 
     # --------------------------------------------------------------------- gap
@@ -386,7 +368,7 @@ class PersonalLoraStrategy(SvdLoraStrategy):
             change_sq = 0.0
             own_sq = 0.0
             for weight, u in zip(w.tolist(), updates, strict=True):
-                gram = record_to_state(u.content.array_records[GRAM_RECORD])
+                gram = record_to_state(u.content.array_records[protocol.PERSONAL_GRAM])
                 change, own = personal_change(
                     gram[module.b_key], u.arrays[module.a_key], new_state[module.a_key]
                 )

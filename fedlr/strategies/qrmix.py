@@ -319,29 +319,11 @@ class QRMix(VisionFedAvg):
     def parse_eigen(self, update: ClientUpdate) -> ClientEigen:
         """Check and unpack a stage-2 reply's ``eigen`` record."""
         node = update.node_id
-        records = update.content.array_records
-        if protocol.EIGEN not in records:
-            raise ReplyValidationError(node, f"stage 2 reply has no '{protocol.EIGEN}'")
-        eigen = record_to_state(records[protocol.EIGEN])
-        if set(eigen) != set(protocol.EIGEN_KEYS):
-            raise ReplyValidationError(
-                node,
-                f"'{protocol.EIGEN}' has keys {sorted(eigen)}, "
-                f"expected {protocol.EIGEN_KEYS}",
-            )
         p, k = self.head_dim, self.k
-        wanted = {"vectors": (p, k), "values": (k,), "delta": (p,)}
-        for key, shape in wanted.items():
-            tensor = eigen[key]
-            if tuple(tensor.shape) != shape:
-                raise ReplyValidationError(
-                    node,
-                    f"eigen '{key}' has shape {tuple(tensor.shape)}, expected {shape}",
-                )
-            if not tensor.is_floating_point():
-                raise ReplyValidationError(node, f"eigen '{key}' is {tensor.dtype}")
-            if not bool(torch.isfinite(tensor).all()):
-                raise ReplyValidationError(node, f"eigen '{key}' contains NaN or Inf")
+        shapes = ((p, k), (k,), (p,))  # vectors, values, delta
+        eigen = self.extra_arrays(
+            update, protocol.EIGEN, dict(zip(protocol.EIGEN_KEYS, shapes, strict=True))
+        )
         values = eigen["values"].double()
         if bool((values < 0).any()):
             raise ReplyValidationError(

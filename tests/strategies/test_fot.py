@@ -199,21 +199,21 @@ def _good_sketches():
 
 
 BAD = {
-    "missing": (None, {"conv": 0.5, "fc": 0.5}, "without an ArrayRecord 'sketches'"),
+    "missing": (None, {"conv": 0.5, "fc": 0.5}, "no ArrayRecord 'sketches'"),
     "shape": (
         {"conv": torch.zeros(8, 4, dtype=F64), "fc": torch.zeros(6, 5, dtype=F64)},
         {"conv": 0.5, "fc": 0.5},
-        r"sketch 'conv' has shape \(8, 4\), expected \(8, 5\)",
+        r"'sketches' 'conv' has shape \(8, 4\), expected \(8, 5\)",
     ),
     "layer": (
         {"conv": torch.zeros(8, 5, dtype=F64)},
         {"conv": 0.5, "fc": 0.5},
-        "sketches for layers",
+        r"'sketches' has wrong keys: 1 missing \['fc'\]",
     ),
     "nan": (
         {"conv": torch.full((8, 5), math.nan, dtype=F64), "fc": torch.zeros(6, 5)},
         {"conv": 0.5, "fc": 0.5},
-        "sketch 'conv' is not finite",
+        "'sketches' 'conv' contains NaN or Inf",
     ),
     "fraction": (None, {"conv": 1.5, "fc": 0.5}, r"gpse-fraction.conv' must be in"),
 }

@@ -192,11 +192,11 @@ def _corrupt(eigen, how):
     [
         ("negative", "negative eigenvalue"),
         ("nan", "NaN or Inf"),
-        ("shape", "eigen 'vectors' has shape"),
+        ("shape", "'eigen' 'vectors' has shape"),
         ("not-orthonormal", "not orthonormal"),
         ("delta", "'delta' differs"),
-        ("missing-key", "has keys"),
-        ("no-record", "has no 'eigen'"),
+        ("missing-key", "'eigen' has wrong keys"),
+        ("no-record", "no ArrayRecord 'eigen'"),
     ],
 )
 def test_bad_eigen_reply_is_dropped_with_reason(how, reason, caplog):
