@@ -30,24 +30,16 @@ between the refit update and the mean client update.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from logging import INFO
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar
 
 import torch
-from flwr.app import ArrayRecord
 from flwr.supercore import log
 
-from fedlr.adapters.plugin import (
-    check_projection_model,
-    load_from_initial,
-    vera_view,
-)
-from fedlr.adapters.roles import Role
+from fedlr.adapters.roles import Role, RoleLayout
 from fedlr.adapters.sorf_vera import SorfVeraLayout, SorfVeraModule, layer_signs
 from fedlr.adapters.vera import VeraModel
 from fedlr.config import RunConfig
-from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.linalg import mean_lambda_d_rot, refit_layer, weighted_mean
 from fedlr.options import Options
 from fedlr.payloads import SORF_VERA
@@ -76,6 +68,7 @@ class SorfVeRA(ProjectionChecked):
         Other parameters: see :class:`~fedlr.strategies.base.FedLRStrategy`.
     """
 
+    layout_type: ClassVar[type[RoleLayout]] = SorfVeraLayout
     send_roles: ClassVar[tuple[Role, ...]] = (
         Role.SORF_B_REAL,
         Role.SORF_B_IMAG,
@@ -153,13 +146,6 @@ class SorfVeRA(ProjectionChecked):
         )
         super().summary()
 
-    def send_keys(self) -> list[str]:
-        """Keys of the global arrays sent to clients."""
-        return self.layout.keys(*self.send_roles)
-
-    def reply_shapes(self) -> dict[str, tuple[int, ...]]:
-        return self.layout.shapes(*self.train_roles)
-
     def round_config(self, server_round: int) -> dict[str, Any]:
         return {
             "train-roles": ",".join(role.value for role in self.train_roles),
@@ -214,62 +200,3 @@ class SorfVeRA(ProjectionChecked):
                 "d-residual": math.sqrt(sum(x * x for x in d_res) / len(d_res)),
             },
         )
-
-    # ------------------------------------------------------ plug-in users
-    @classmethod
-    def for_model(cls, model: VeraModel, **kwargs: Any) -> SorfVeRA:
-        """The strategy for a SORF-VeRA model (layout and projections).
-
-        Parameters
-        ----------
-        model : VeraModel
-            From :func:`~fedlr.adapters.build_sorf_vera_model` on the server's
-            copy of the model every node builds.
-        **kwargs
-            The strategy's other parameters.
-
-        Raises
-        ------
-        UnsupportedModelError
-            If ``model`` is not a SORF-VeRA model.
-        """
-        view = vera_view(model, SorfVeraLayout)
-        return cls(
-            layout=cast(SorfVeraLayout, view.layout),
-            projection_a=view.projection_a,
-            projection_b=view.projection_b,
-            **kwargs,
-        )
-
-    def initial_arrays(self, model: VeraModel) -> ArrayRecord:
-        """The first round's global arrays: the ``send_roles`` tensors of ``model``.
-
-        Raises
-        ------
-        UnsupportedModelError
-            If ``model`` is not a SORF-VeRA model.
-        ProjectionMismatchError, ShapeMismatchError
-            If it does not match the strategy's projections or layout.
-        """
-        view = vera_view(model, SorfVeraLayout)
-        check_projection_model(self.layout, view, self.send_roles)
-        return state_to_record(view.state(self.send_roles), self.send_keys())
-
-    def load_into(
-        self, model: VeraModel, arrays: ArrayRecord | Mapping[str, torch.Tensor]
-    ) -> None:
-        """Load global arrays into ``model`` (e.g. in a server ``evaluate_fn``).
-
-        Raises
-        ------
-        UnsupportedModelError
-            If ``model`` is not a SORF-VeRA model.
-        ProjectionMismatchError, ShapeMismatchError, UnknownKeyError
-            If it or the arrays do not match the strategy.
-        """
-        view = vera_view(model, SorfVeraLayout)
-        check_projection_model(self.layout, view, self.send_roles)
-        state = (
-            record_to_state(arrays) if isinstance(arrays, ArrayRecord) else dict(arrays)
-        )
-        load_from_initial(view, state)

@@ -33,18 +33,19 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from logging import INFO
-from typing import Any, ClassVar, Self, cast
+from typing import Any, ClassVar, Self
 
 import torch
 from flwr.app import ArrayRecord, Message
 from flwr.supercore import log
 
+from fedlr import protocol
 from fedlr.adapters.plugin import (
     check_projection_model,
     load_from_initial,
     vera_view,
 )
-from fedlr.adapters.roles import AdaptedModel, Role
+from fedlr.adapters.roles import AdaptedModel, Role, RoleLayout
 from fedlr.adapters.vera import VeraLayout, VeraModel
 from fedlr.config import RunConfig
 from fedlr.errors import ReplyValidationError
@@ -81,8 +82,17 @@ def check_projection_metrics(
 
 
 class ProjectionChecked(FedLRStrategy):
-    """A strategy whose replies must echo the shared projection seed and rank."""
+    """A strategy over a VeRA-family model: shared projections by seed and rank.
 
+    Replies must echo the projection seed and rank. The plug-in methods
+    (:meth:`for_model`, :meth:`initial_arrays`, :meth:`load_into`) accept
+    models whose layout is a ``layout_type``.
+    """
+
+    layout_type: ClassVar[type[RoleLayout]]
+    layout: Any
+    send_roles: ClassVar[tuple[Role, ...]]
+    train_roles: ClassVar[tuple[Role, ...]]
     projection_seed: int
     projection_rank: int
 
@@ -98,9 +108,81 @@ class ProjectionChecked(FedLRStrategy):
     def projection_config(self) -> dict[str, Any]:
         """ConfigRecord values every client checks its projections against."""
         return {
-            "projection-seed": self.projection_seed,
-            "projection-rank": self.projection_rank,
+            protocol.PROJECTION_SEED: self.projection_seed,
+            protocol.PROJECTION_RANK: self.projection_rank,
         }
+
+    def send_keys(self) -> list[str]:
+        """Keys of the global arrays sent to clients."""
+        return self.layout.keys(*self.send_roles)
+
+    def reply_shapes(self) -> dict[str, tuple[int, ...]]:
+        return dict(self.layout.shapes(*self.train_roles))
+
+    # ------------------------------------------------------ plug-in users
+    @classmethod
+    def for_model(cls, model: torch.nn.Module | AdaptedModel, **kwargs: Any) -> Self:
+        """The strategy for a user's own VeRA-family model (layout, projections).
+
+        Parameters
+        ----------
+        model : peft.PeftModel or VeraModel
+            The server's copy of the model every node builds (peft's
+            ``VeraConfig`` with a fixed ``projection_prng_key``, or
+            :func:`~fedlr.adapters.build_sorf_vera_model`).
+        **kwargs
+            The strategy's other parameters.
+
+        Raises
+        ------
+        UnsupportedModelError
+            If ``model`` is not a model of the strategy's family.
+        """
+        view = vera_view(model, cls.layout_type)
+        return cls(
+            layout=view.layout,
+            projection_a=view.projection_a,
+            projection_b=view.projection_b,
+            **kwargs,
+        )
+
+    def initial_arrays(self, model: torch.nn.Module | AdaptedModel) -> ArrayRecord:
+        """The first round's global arrays: the ``send_roles`` tensors of ``model``.
+
+        Raises
+        ------
+        UnsupportedModelError
+            If ``model`` is not a model of the strategy's family.
+        ProjectionMismatchError, ShapeMismatchError
+            If it does not match the strategy's projections or layout.
+        """
+        view = vera_view(model, self.layout_type)
+        check_projection_model(self.layout, view, self.send_roles)
+        return state_to_record(view.state(self.send_roles), self.send_keys())
+
+    def load_into(
+        self,
+        model: torch.nn.Module | AdaptedModel,
+        arrays: ArrayRecord | Mapping[str, torch.Tensor],
+    ) -> None:
+        """Load global arrays into ``model`` (e.g. in a server ``evaluate_fn``).
+
+        Tensors the arrays leave out keep their initial values (base weights
+        the round did not send are the pristine ones).
+
+        Raises
+        ------
+        UnsupportedModelError
+            If ``model`` is not a model of the strategy's family.
+        ProjectionMismatchError, ShapeMismatchError, UnknownKeyError
+            If it or the arrays do not match the strategy.
+        """
+        view = vera_view(model, self.layout_type)
+        check_projection_model(self.layout, view, self.send_roles)
+        state = (
+            record_to_state(arrays) if isinstance(arrays, ArrayRecord) else dict(arrays)
+        )
+        load_from_initial(view, state)
 
 
 class VeraStrategy(ProjectionChecked):
@@ -119,6 +201,7 @@ class VeraStrategy(ProjectionChecked):
         Other parameters: see :class:`~fedlr.strategies.base.FedLRStrategy`.
     """
 
+    layout_type: ClassVar[type[RoleLayout]] = VeraLayout
     send_roles: ClassVar[tuple[Role, ...]] = (
         Role.VERA_LAMBDA_B,
         Role.VERA_LAMBDA_D,
@@ -196,13 +279,6 @@ class VeraStrategy(ProjectionChecked):
         )
         super().summary()
 
-    def send_keys(self) -> list[str]:
-        """Keys of the global arrays sent to clients."""
-        return self.layout.keys(*self.send_roles)
-
-    def reply_shapes(self) -> dict[str, tuple[int, ...]]:
-        return self.layout.shapes(*self.train_roles)
-
     def round_config(self, server_round: int) -> dict[str, Any]:
         return {
             "train-roles": ",".join(role.value for role in self.train_roles),
@@ -231,70 +307,6 @@ class VeraStrategy(ProjectionChecked):
             ideal = m.scaling * factored_frobenius_norm(left[:, :p], right[:p])
             layers[m.name] = (gap, ideal)
         return RoundReport.from_layers(layers, rank=float(self.layout.rank))
-
-    # ------------------------------------------------------ plug-in users
-    @classmethod
-    def for_model(cls, model: torch.nn.Module | AdaptedModel, **kwargs: Any) -> Self:
-        """The strategy for a user's own VeRA model (layout and projections).
-
-        Parameters
-        ----------
-        model : peft.PeftModel or VeraModel
-            The server's copy of the model every node builds (peft's
-            ``VeraConfig`` with a fixed ``projection_prng_key``).
-        **kwargs
-            The strategy's other parameters.
-
-        Raises
-        ------
-        UnsupportedModelError
-            If ``model`` is not a VeRA model.
-        """
-        view = vera_view(model, VeraLayout)
-        return cls(
-            layout=cast(VeraLayout, view.layout),
-            projection_a=view.projection_a,
-            projection_b=view.projection_b,
-            **kwargs,
-        )
-
-    def initial_arrays(self, model: torch.nn.Module | AdaptedModel) -> ArrayRecord:
-        """The first round's global arrays: the ``send_roles`` tensors of ``model``.
-
-        Raises
-        ------
-        UnsupportedModelError
-            If ``model`` is not a VeRA model.
-        ProjectionMismatchError, ShapeMismatchError
-            If it does not match the strategy's projections or layout.
-        """
-        view = vera_view(model, VeraLayout)
-        check_projection_model(self.layout, view, self.send_roles)
-        return state_to_record(view.state(self.send_roles), self.send_keys())
-
-    def load_into(
-        self,
-        model: torch.nn.Module | AdaptedModel,
-        arrays: ArrayRecord | Mapping[str, torch.Tensor],
-    ) -> None:
-        """Load global arrays into ``model`` (e.g. in a server ``evaluate_fn``).
-
-        Tensors the arrays leave out keep their initial values (base weights
-        the round did not send are the pristine ones).
-
-        Raises
-        ------
-        UnsupportedModelError
-            If ``model`` is not a VeRA model.
-        ProjectionMismatchError, ShapeMismatchError, UnknownKeyError
-            If it or the arrays do not match the strategy.
-        """
-        view = vera_view(model, VeraLayout)
-        check_projection_model(self.layout, view, self.send_roles)
-        state = (
-            record_to_state(arrays) if isinstance(arrays, ArrayRecord) else dict(arrays)
-        )
-        load_from_initial(view, state)
 
 
 @register_method(
@@ -325,9 +337,7 @@ class FedAvgVeRA(VeraStrategy):
 class VeraFedExOptions(VeraOptions):
     """VeRA-FedEx's run-config keys (the ``vera`` payload's and its own)."""
 
-    fedex_lr: float = option(
-        1.0, "vera-fedex: fraction of the residual folded into W0"
-    )
+    fedex_lr: float = option(1.0, "vera-fedex: fraction of the residual folded into W0")
 
     def check(self) -> None:
         super().check()
