@@ -20,6 +20,7 @@ from typing import Any
 
 from fedlr.errors import ConfigError
 from fedlr.options import Options, kebab
+from fedlr.robust import RobustConfig
 
 __all__ = ["PARTITIONERS", "RunConfig"]
 
@@ -124,6 +125,36 @@ class RunConfig(Options):
             "help": "seconds to wait for replies per round; late clients are dropped"
         },
     )
+    robust: str = field(
+        default="none",
+        metadata={"help": "robust aggregation: none, norm-clip, trimmed-mean, median"},
+    )
+    clip_norm: float = field(
+        default=0.0,
+        metadata={"help": "norm-clip bound on an update norm (0: the round median)"},
+    )
+    trim_fraction: float = field(
+        default=0.2,
+        metadata={"help": "trimmed-mean: share of clients left out, in [0, 0.5)"},
+    )
+    max_client_weight: float = field(
+        default=1.0,
+        metadata={"help": "cap on a client's share of the total weight (1: none)"},
+    )
+    max_num_examples: int = field(
+        default=0,
+        metadata={
+            "help": "replies claiming more num-examples are dropped (0: the largest "
+            "partition, when the server knows the partitions)"
+        },
+    )
+    max_update_ratio: float = field(
+        default=0.0,
+        metadata={
+            "help": "reject a round whose global update norm exceeds this times the "
+            "current global norm (0: no bound)"
+        },
+    )
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -226,8 +257,28 @@ class RunConfig(Options):
             )
         if not self.method:
             raise ConfigError("method", "is empty")
+        if self.max_num_examples < 0:
+            raise ConfigError(
+                "max-num-examples", f"must be >= 0, got {self.max_num_examples}"
+            )
+        if not (math.isfinite(self.max_update_ratio) and self.max_update_ratio >= 0):
+            raise ConfigError(
+                "max-update-ratio",
+                f"must be finite and >= 0, got {self.max_update_ratio}",
+            )
+        self.robust_config  # noqa: B018 (validates robust, clip-norm, ...)
 
     # ---------------------------------------------------------------- derived
+    @property
+    def robust_config(self) -> RobustConfig:
+        """The robust-aggregation options (:class:`~fedlr.robust.RobustConfig`)."""
+        return RobustConfig(
+            rule=self.robust,
+            clip_norm=self.clip_norm,
+            trim_fraction=self.trim_fraction,
+            max_client_weight=self.max_client_weight,
+        )
+
     @property
     def targets(self) -> tuple[str, ...]:
         """``target-modules`` split into names."""

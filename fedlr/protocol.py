@@ -36,15 +36,16 @@ docs/architecture.md ("The record contract") has the full table.
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord
 
 from fedlr.adapters.roles import Role
 from fedlr.errors import ProtocolError
-from fedlr.flower.records import record_to_state
 
 __all__ = [
     "ARRAYS",
@@ -62,6 +63,7 @@ __all__ = [
     "LORA_ALPHA",
     "LORA_RANK",
     "LR",
+    "MAX_HEADER_BYTES",
     "METRICS",
     "NUM_EXAMPLES",
     "PARTITION_ID",
@@ -81,6 +83,7 @@ __all__ = [
     "TRAIN_LOSS",
     "TRAIN_LOSS_ALIASES",
     "TRAIN_ROLES",
+    "decode_array",
     "decode_roles",
     "encode_roles",
     "gpse_fraction_key",
@@ -161,6 +164,16 @@ GPSE_EXAMPLES = "gpse-examples"
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 """Dtypes a reply's arrays may have."""
 
+_WIRE_DTYPES = {"float16": 2, "float32": 4, "float64": 8}
+"""The dtypes a reply's arrays may declare on the wire, with their item sizes
+(numpy's ``.npy`` format, Flower's ``numpy.ndarray`` serialisation; numpy has
+no bfloat16)."""
+
+MAX_HEADER_BYTES = 4096
+"""Bytes an array's ``.npy`` header may take beyond its data: a reply array
+whose payload exceeds ``items * itemsize + MAX_HEADER_BYTES`` is refused
+before it is decoded."""
+
 
 def gpse_fraction_key(layer: str) -> str:
     """FOT reply metric holding the residual energy fraction ``r_l`` of ``layer``."""
@@ -213,6 +226,94 @@ def train_loss_of(metrics: Mapping[str, object]) -> float:
     return math.nan
 
 
+def decode_array(array: object, shape: tuple[int, ...], *, where: str) -> torch.Tensor:
+    """Decode one untrusted reply array, checking everything before decoding it.
+
+    In order, without materialising anything the sender did not prove the
+    size of: the object is a Flower ``Array`` serialised as ``numpy.ndarray``;
+    its declared dtype is float16/32/64 and its declared shape is ``shape``;
+    its payload is no larger than ``shape``'s items times the item size plus
+    :data:`MAX_HEADER_BYTES` and no smaller than the items; the ``.npy``
+    header (read alone) states the same shape and a native-byte-order float
+    dtype of that name. Only then is the array loaded (never with pickle),
+    and the result must be finite.
+
+    Parameters
+    ----------
+    array : object
+        A value of a reply's ``ArrayRecord``.
+    shape : tuple of int
+        The shape the protocol expects.
+    where : str
+        ``"'arrays' 'layer.lora_A'"``: names the array in messages.
+
+    Returns
+    -------
+    torch.Tensor
+        A CPU tensor of the declared dtype and ``shape``.
+
+    Raises
+    ------
+    ProtocolError
+        Naming ``where`` and the first problem found.
+    """
+    if not isinstance(array, Array):
+        raise ProtocolError(f"{where} is a {type(array).__name__}, not an Array")
+    if array.stype != "numpy.ndarray":
+        raise ProtocolError(
+            f"{where} has serialisation '{array.stype}', expected 'numpy.ndarray'"
+        )
+    declared = tuple(array.shape)
+    if declared != tuple(shape):
+        raise ProtocolError(f"{where} has shape {declared}, expected {tuple(shape)}")
+    itemsize = _WIRE_DTYPES.get(str(array.dtype))
+    if itemsize is None:
+        raise ProtocolError(
+            f"{where} has dtype {array.dtype!r}, expected one of {sorted(_WIRE_DTYPES)}"
+        )
+    data = array.data
+    if not isinstance(data, bytes):
+        raise ProtocolError(f"{where} has a {type(data).__name__} payload, not bytes")
+    payload = math.prod(shape) * itemsize
+    if not payload <= len(data) <= payload + MAX_HEADER_BYTES:
+        raise ProtocolError(
+            f"{where} carries {len(data)} bytes; a {array.dtype} array of shape "
+            f"{tuple(shape)} takes {payload} plus a header of at most "
+            f"{MAX_HEADER_BYTES}"
+        )
+    stream = io.BytesIO(data)
+    try:
+        version = np.lib.format.read_magic(stream)
+        if version == (1, 0):
+            header = np.lib.format.read_array_header_1_0(stream)
+        else:
+            header = np.lib.format.read_array_header_2_0(stream)
+        dtype = np.dtype(header[2])
+        if (
+            tuple(header[0]) != tuple(shape)
+            or dtype.name != str(array.dtype)
+            or not dtype.isnative
+        ):
+            raise ProtocolError(
+                f"{where}'s payload holds {dtype.str} {tuple(header[0])}, not the "
+                f"declared native {array.dtype} {tuple(shape)}"
+            )
+        stream.seek(0)
+        values = np.load(stream, allow_pickle=False)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # a malformed .npy raises many kinds of error
+        raise ProtocolError(
+            f"{where} does not decode: {type(exc).__name__}: {exc}"
+        ) from None
+    if values.shape != tuple(shape) or values.dtype != dtype:
+        raise ProtocolError(f"{where} decodes to {values.dtype} {values.shape}")
+    tensor = torch.from_numpy(np.ascontiguousarray(values))
+    if not bool(torch.isfinite(tensor).all()):
+        raise ProtocolError(f"{where} contains NaN or Inf")
+    return tensor
+
+
 def validate_arrays(
     record: ArrayRecord,
     expected: Mapping[str, tuple[int, ...]],
@@ -220,7 +321,12 @@ def validate_arrays(
     name: str = ARRAYS,
     hint: str = "",
 ) -> dict[str, torch.Tensor]:
-    """Decode ``record`` and check it against ``expected`` keys and shapes.
+    """Check ``record`` against ``expected`` keys and shapes, then decode it.
+
+    Keys are compared first; each array is then decoded by
+    :func:`decode_array`, which refuses a wrong declared shape or dtype, an
+    oversized or undersized payload, a payload whose header disagrees with
+    the declaration, bytes that do not decode, and NaN or Inf.
 
     Parameters
     ----------
@@ -241,7 +347,7 @@ def validate_arrays(
     ------
     ProtocolError
         Naming the record and the first problem: missing or unexpected keys
-        (up to three of each), a wrong shape, a non-floating dtype, NaN or Inf.
+        (up to three of each), then :func:`decode_array`'s.
     """
     keys = set(record.keys())
     if keys != set(expected):
@@ -252,17 +358,7 @@ def validate_arrays(
             f"{len(extra)} unexpected {extra[:3]}"
         )
         raise ProtocolError(message + (f"; {hint}" if hint else ""))
-    arrays = record_to_state(record)
-    for key, tensor in arrays.items():
-        if tuple(tensor.shape) != tuple(expected[key]):
-            raise ProtocolError(
-                f"'{name}' '{key}' has shape {tuple(tensor.shape)}, "
-                f"expected {tuple(expected[key])}"
-            )
-        if tensor.dtype not in FLOAT_DTYPES:
-            raise ProtocolError(
-                f"'{name}' '{key}' has dtype {tensor.dtype}, expected floating point"
-            )
-        if not bool(torch.isfinite(tensor).all()):
-            raise ProtocolError(f"'{name}' '{key}' contains NaN or Inf")
-    return arrays
+    return {
+        key: decode_array(record[key], tuple(expected[key]), where=f"'{name}' '{key}'")
+        for key in record
+    }

@@ -37,6 +37,9 @@ COLUMNS = (
     "clients",
     "dropped",
     "train-loss",
+    "rejected-rounds",
+    "robust-clipped",
+    "robust-trimmed",
 )
 LAYER_COLUMNS = ("round", "layer", "frobenius-gap", "relative-gap")
 

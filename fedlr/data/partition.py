@@ -220,6 +220,11 @@ class FederatedSplit:
         return len(self._partitions)
 
     @property
+    def largest_partition(self) -> int:
+        """Rows of the largest partition: the most ``num-examples`` a client has."""
+        return max((len(p) for p in self._partitions), default=0)
+
+    @property
     def class_names(self) -> list[str]:
         """Names of the ``label`` classes."""
         return list(self.dataset.features["label"].names)

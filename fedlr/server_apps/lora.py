@@ -88,6 +88,7 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
             protocol.LOCAL_STEPS: config.local_steps,
             protocol.BATCH_SIZE: config.batch_size,
         },
+        largest_partition=lambda n: task.split(n).largest_partition,
         columns=tuple(extra),
         description=(
             f"{config.model} on {config.dataset}, {len(heldout)} held-out "

@@ -66,6 +66,11 @@ class ServerPlan:
     save_state, load_state : callable, optional
         The plan's own state for checkpoints (e.g. a continual run's accuracy
         matrix): ``save_state() -> dict`` and ``load_state(dict)``.
+    largest_partition : callable, optional
+        ``largest_partition(num_partitions) -> int``: the most training
+        examples a client holds when the data is cut into that many
+        partitions, when the plan knows the partitions; the default
+        ``max-num-examples`` (a reply claiming more is dropped).
     """
 
     strategy: FedLRStrategy
@@ -77,6 +82,7 @@ class ServerPlan:
     finish: FinishFn | None = None
     save_state: Callable[[], dict[str, Any]] | None = None
     load_state: Callable[[dict[str, Any]], None] | None = None
+    largest_partition: Callable[[int], int] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -102,6 +102,7 @@ def qrmix_plan(method: MethodConfig) -> ServerPlan:
             protocol.LOCAL_STEPS: config.local_steps,
             protocol.BATCH_SIZE: config.batch_size,
         },
+        largest_partition=lambda n: task.split(n).largest_partition,
         columns=strategy.columns,
         description=(
             f"{config.model} on {config.dataset} ({size} parameters), "

@@ -23,7 +23,7 @@ import math
 import os
 import random
 import time
-from logging import INFO
+from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,7 @@ from fedlr.checkpoint import (
     set_rng_state,
 )
 from fedlr.config import RunConfig
-from fedlr.errors import ConfigError
+from fedlr.errors import CheckpointError, ConfigError, InitialArraysError
 from fedlr.flower.records import record_to_state
 from fedlr.plots import write_run_plots
 from fedlr.results import ResultsWriter
@@ -69,6 +69,36 @@ def _run_dir(config: RunConfig, run_id: int) -> Path:
     raise ConfigError("output-dir", f"cannot create a new run directory for {name}")
 
 
+def _check_federation(grid: Grid, config: RunConfig) -> int:
+    """The number of connected nodes; a ConfigError if a round cannot succeed.
+
+    ``min-replies`` larger than the nodes a round samples (at least one, and
+    ``fraction-train`` of those connected) could never be met: refused before
+    round 1 rather than after a round of training.
+    In deployment, nodes may still be connecting: the check waits up to 10 s
+    for enough of them (not on a grid whose ``nodes_fixed`` is true) before it refuses.
+    """
+    deadline = time.monotonic() + min(10.0, config.round_timeout)
+    while True:
+        nodes = len(list(grid.get_node_ids()))
+        sampled = max(int(nodes * config.fraction_train), 1)
+        if (
+            config.min_replies <= sampled
+            or time.monotonic() >= deadline
+            or getattr(grid, "nodes_fixed", False)
+        ):
+            break
+        time.sleep(1.0)  # deployment: nodes may still be connecting
+    if config.min_replies > sampled:
+        raise ConfigError(
+            "min-replies",
+            f"{config.min_replies} valid replies are needed per round but a round "
+            f"samples {sampled} of the {nodes} connected nodes (fraction-train "
+            f"{config.fraction_train}); lower min-replies or add nodes",
+        )
+    return nodes
+
+
 def _mb(nbytes: float) -> str:
     return f"{nbytes / 1e6:.2f} MB"
 
@@ -90,6 +120,14 @@ def run_server(grid: Grid, context: Context) -> Path:
 
     plan = spec.payload.plan(method)
     strategy = plan.strategy
+    nodes = _check_federation(grid, config)
+    if config.max_num_examples:
+        strategy.max_num_examples = config.max_num_examples
+    elif plan.largest_partition is not None:
+        # Fewer partitions are larger: the smaller count never drops an honest
+        # client whose node config cut the data into fewer parts.
+        parts = min(nodes, config.num_partitions) if nodes else config.num_partitions
+        strategy.max_num_examples = plan.largest_partition(parts)
     if resume is not None:
         run_dir = Path(config.resume_from)
     else:
@@ -149,6 +187,14 @@ def run_server(grid: Grid, context: Context) -> Path:
         )
 
     def checkpoint(server_round: int, arrays: ArrayRecord) -> None:
+        if server_round > 0 and strategy.last_rejection is not None:
+            log(
+                WARNING,
+                "fedlr: round %d was rejected; the checkpoint of the last accepted "
+                "round stays the newest",
+                server_round,
+            )
+            return
         rows, layer_rows = writer.rows()
         save_checkpoint(
             run_dir,
@@ -174,6 +220,13 @@ def run_server(grid: Grid, context: Context) -> Path:
     else:
         arrays = ArrayRecord(resume["arrays"])
         strategy.load_state_dict(resume["strategy"])
+        try:
+            strategy.check_arrays(arrays)
+        except InitialArraysError as exc:
+            raise CheckpointError(
+                f"{config.resume_from}: the checkpoint's arrays do not fit this "
+                f"run's layout: {exc}"
+            ) from None
         if plan.load_state is not None:
             plan.load_state(resume.get("plan", {}))
         writer.restore(resume["results"], resume.get("layers", []))

@@ -66,6 +66,7 @@ def _plan(
             protocol.LOCAL_STEPS: config.local_steps,
             protocol.BATCH_SIZE: config.batch_size,
         },
+        largest_partition=lambda n: task.split(n).largest_partition,
         columns=columns,
         description=(
             f"{config.model} on {config.dataset}, {len(heldout)} held-out "

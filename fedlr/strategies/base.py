@@ -9,6 +9,7 @@ records, dropping bad replies with a logged reason, byte counts, the
 
 from __future__ import annotations
 
+import copy
 import math
 from abc import abstractmethod
 from collections.abc import Iterable, Mapping
@@ -50,8 +51,27 @@ from fedlr.protocol import (
     train_loss_of,
     validate_arrays,
 )
+from fedlr.robust import ParameterSpace, RobustConfig, UpdateSpace, robust_aggregate
 
 __all__ = ["ClientUpdate", "FedLRStrategy", "RoundReport"]
+
+NUMERIC_FAULTS: tuple[type[BaseException], ...] = (
+    torch.linalg.LinAlgError,  # type: ignore[attr-defined]
+    ArithmeticError,
+)
+"""Errors of an aggregation kernel that reject the round, not the run (a
+failed SVD, an overflow)."""
+
+
+def _node_of(message: Message) -> int:
+    try:
+        return int(message.metadata.src_node_id)
+    except Exception:  # a message without metadata
+        return -1
+
+
+def _short(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass(frozen=True)
@@ -71,6 +91,10 @@ class ClientUpdate:
         The whole reply, for methods that send extra named records.
     nbytes : int
         Bytes of the reply's arrays.
+    weight : float
+        The client's aggregation weight: ``num_examples`` unless a robust
+        option (:mod:`fedlr.robust`) capped or re-weighted it. Kernels weight
+        by this, never by ``num_examples`` directly.
     """
 
     node_id: int
@@ -79,6 +103,11 @@ class ClientUpdate:
     metrics: dict[str, float]
     content: RecordDict
     nbytes: int
+    weight: float = -1.0
+
+    def __post_init__(self) -> None:
+        if self.weight < 0:
+            object.__setattr__(self, "weight", float(self.num_examples))
 
     @property
     def partition_id(self) -> int:
@@ -173,6 +202,16 @@ class FedLRStrategy(FedAvg):
     lr_decay : float, default 1.0
         If the train config carries ``lr``, round ``t`` sends
         ``lr * lr_decay ** (t - 1)`` (a server-side step-size schedule).
+    robust : RobustConfig, optional
+        Robust aggregation (:mod:`fedlr.robust`): norm clipping, geometric
+        median, client trimming, a cap on a client's weight share. Default:
+        none (the method's plain weighted aggregation).
+    max_num_examples : int, optional
+        A reply claiming more ``num-examples`` is dropped. Default: no cap.
+    max_update_ratio : float, default 0.0
+        A round whose new global arrays differ from the current ones by more
+        than this times the current arrays' norm is rejected (the previous
+        global state is kept); 0: only non-finite results are rejected.
     **kwargs
         Other parameters: see ``flwr.serverapp.strategy.FedAvg`` (its
         defaults hold).
@@ -187,15 +226,28 @@ class FedLRStrategy(FedAvg):
         *,
         min_replies: int = 1,
         lr_decay: float = 1.0,
+        robust: RobustConfig | None = None,
+        max_num_examples: int | None = None,
+        max_update_ratio: float = 0.0,
         **kwargs: Any,
     ) -> None:
         if min_replies < 1:
             raise ValueError(f"min_replies must be >= 1, got {min_replies}")
         if not 0.0 < lr_decay <= 1.0:
             raise ValueError(f"lr_decay must be in (0, 1], got {lr_decay}")
+        if max_num_examples is not None and max_num_examples < 1:
+            raise ValueError(f"max_num_examples must be >= 1, got {max_num_examples}")
+        if not (math.isfinite(max_update_ratio) and max_update_ratio >= 0):
+            raise ValueError(f"max_update_ratio must be >= 0, got {max_update_ratio}")
         super().__init__(**kwargs)
         self.lr_decay = lr_decay
         self.min_replies = min_replies
+        self.robust = robust if robust is not None else RobustConfig()
+        self.max_num_examples = max_num_examples
+        self.max_update_ratio = max_update_ratio
+        self.rejected_rounds = 0
+        self.last_rejection: str | None = None
+        self.last_robust: list[str] = []
         self._current: ArrayRecord | None = None
         self._bytes_down = 0
         self._sent: list[int] | None = None
@@ -241,7 +293,31 @@ class FedLRStrategy(FedAvg):
 
         A subclass adds its own: ``{**super().options(), "threshold": ...}``.
         """
-        return {"min_replies": self.min_replies, "lr_decay": self.lr_decay}
+        options: dict[str, Any] = {
+            "min_replies": self.min_replies,
+            "lr_decay": self.lr_decay,
+            "robust": self.robust.rule,
+        }
+        if self.robust.rule == "norm-clip":
+            options["clip_norm"] = self.robust.clip_norm or "median"
+        if self.robust.rule == "trimmed-mean":
+            options["trim_fraction"] = self.robust.trim_fraction
+        if self.robust.max_client_weight < 1.0:
+            options["max_client_weight"] = self.robust.max_client_weight
+        if self.max_num_examples is not None:
+            options["max_num_examples"] = self.max_num_examples
+        if self.max_update_ratio > 0:
+            options["max_update_ratio"] = self.max_update_ratio
+        return options
+
+    def robust_space(self, current: Mapping[str, torch.Tensor]) -> UpdateSpace:
+        """The space in which robust options measure and move client updates.
+
+        The default is the change of the reply's arrays against the round's
+        global state (:class:`~fedlr.robust.ParameterSpace`); the LoRA family
+        measures products, FOT projected updates, QR-Mix the head's change.
+        """
+        return ParameterSpace(current)
 
     def expected_arrays(self) -> dict[str, tuple[int, ...]] | None:
         """Keys and shapes of the global arrays the strategy sends, if fixed.
@@ -292,6 +368,9 @@ class FedLRStrategy(FedAvg):
             "min_replies": config.min_replies,
             "fraction_train": config.fraction_train,
             "lr_decay": config.lr_decay,
+            "robust": config.robust_config,
+            "max_num_examples": config.max_num_examples or None,
+            "max_update_ratio": config.max_update_ratio,
             "fraction_evaluate": 1.0 if cls.federated_evaluation else 0.0,
             "min_train_nodes": 1,
             "min_evaluate_nodes": 1,
@@ -308,7 +387,7 @@ class FedLRStrategy(FedAvg):
 
         With ``like``, each mean is cast to ``like[key]``'s dtype.
         """
-        weights = [u.num_examples for u in updates]
+        weights = [u.weight for u in updates]
         means = {
             key: weighted_mean([u.arrays[key] for u in updates], weights)
             for key in keys
@@ -500,16 +579,61 @@ class FedLRStrategy(FedAvg):
                 server_round, len(updates), self.min_replies, dropped
             )
         current = record_to_state(self._current)
-        state, report = self.aggregate_updates(server_round, updates, current)
-        weights = [u.num_examples for u in updates]
+        valid = len(updates)
+        robust_metrics: dict[str, float] = {}
+        self.last_robust = []
+        if self.robust.active:
+            outcome = robust_aggregate(updates, self.robust_space(current), self.robust)
+            for reason in outcome.reasons:
+                log(
+                    WARNING,
+                    "round %d: robust (%s): %s",
+                    server_round,
+                    self.robust.rule,
+                    reason,
+                )
+            updates, robust_metrics = outcome.updates, outcome.metrics
+            self.last_robust = outcome.reasons
+        snapshot = copy.deepcopy(self.state_dict())
+        report = RoundReport()
+        try:
+            state, report = self.aggregate_updates(server_round, updates, current)
+        except NUMERIC_FAULTS as exc:
+            rejection: str | None = (
+                f"the aggregation failed: {type(exc).__name__}: {_short(str(exc))}"
+            )
+        else:
+            rejection = self.check_new_state(state, current)
         metrics: dict[str, float] = {
-            NUM_EXAMPLES: float(sum(weights)),
-            "clients": float(len(updates)),
+            NUM_EXAMPLES: float(sum(u.num_examples for u in updates)),
+            "clients": float(valid),
             "dropped": float(len(dropped)),
             "bytes-up": float(sum(u.nbytes for u in updates)),
             "bytes-down": float(self._bytes_down),
             TRAIN_LOSS: self.mean_train_loss(updates),
+            "rejected": 0.0 if rejection is None else 1.0,
+            **robust_metrics,
         }
+        clients = self.train_metrics_aggr_fn(
+            [u.content for u in updates], self.weighted_by_key
+        )
+        if rejection is not None:
+            self.load_state_dict(snapshot)
+            self.rejected_rounds += 1
+            self.last_rejection = rejection
+            metrics["rejected-rounds"] = float(self.rejected_rounds)
+            self.last_report = RoundReport(metrics=dict(metrics))
+            log(
+                WARNING,
+                "round %d rejected: %s; the previous global model is kept and the "
+                "run goes on (%d rejected so far)",
+                server_round,
+                rejection,
+                self.rejected_rounds,
+            )
+            return None, self.merge_metrics(clients, metrics)
+        self.last_rejection = None
+        metrics["rejected-rounds"] = float(self.rejected_rounds)
         metrics.update(report.metrics)
         self.last_report = RoundReport(metrics=dict(metrics), layers=report.layers)
         log(
@@ -519,10 +643,37 @@ class FedLRStrategy(FedAvg):
             len(updates),
             len(dropped),
         )
-        clients = self.train_metrics_aggr_fn(
-            [u.content for u in updates], self.weighted_by_key
-        )
         return state_to_record(state), self.merge_metrics(clients, metrics)
+
+    def check_new_state(
+        self, state: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor]
+    ) -> str | None:
+        """Why the aggregated global state must not be published, or ``None``.
+
+        Refused: any NaN or Inf, and, with ``max_update_ratio`` > 0, a change
+        ``||new - current||_F`` above ``max_update_ratio * ||current||_F``
+        (over the keys whose shape did not change).
+        """
+        for key, tensor in state.items():
+            if not bool(torch.isfinite(tensor).all()):
+                return f"the new global array '{key}' contains NaN or Inf"
+        if self.max_update_ratio <= 0:
+            return None
+        change_sq = 0.0
+        norm_sq = 0.0
+        for key, tensor in state.items():
+            old = current.get(key)
+            if old is None or old.shape != tensor.shape:
+                continue
+            change_sq += float((tensor.double() - old.double()).square().sum())
+            norm_sq += float(old.double().square().sum())
+        change, norm = math.sqrt(change_sq), math.sqrt(norm_sq)
+        if change > self.max_update_ratio * norm:
+            return (
+                f"the global update norm {change:.4g} exceeds max-update-ratio "
+                f"{self.max_update_ratio} x the current norm {norm:.4g}"
+            )
+        return None
 
     def screen_replies(self, replies: list[Message]) -> tuple[list[Message], list[str]]:
         """Keep each instructed node's first reply; name the others and the silent.
@@ -649,7 +800,12 @@ class FedLRStrategy(FedAvg):
     def validate_replies(
         self, replies: list[Message]
     ) -> tuple[list[ClientUpdate], list[str]]:
-        """Split replies into valid updates and reasons for the dropped ones."""
+        """Split replies into valid updates and reasons for the dropped ones.
+
+        Nothing a client sends escapes this: a reply that makes any check
+        fail unexpectedly (an error other than :class:`ReplyValidationError`)
+        is dropped too, with the error named, and the round goes on.
+        """
         expected = self.reply_shapes()
         updates: list[ClientUpdate] = []
         dropped: list[str] = []
@@ -658,6 +814,17 @@ class FedLRStrategy(FedAvg):
                 updates.append(self.validate_reply(message, expected))
             except ReplyValidationError as exc:
                 dropped.append(str(exc))
+            except Exception as exc:  # untrusted input: never crash
+                node = _node_of(message)
+                dropped.append(
+                    str(
+                        ReplyValidationError(
+                            node,
+                            f"reply could not be checked: {type(exc).__name__}: "
+                            f"{_short(str(exc))}",
+                        )
+                    )
+                )
         updates.sort(key=lambda u: (u.partition_id, u.node_id))
         return updates, dropped
 
@@ -680,13 +847,20 @@ class FedLRStrategy(FedAvg):
         if num is None:
             raise ReplyValidationError(node, f"missing '{self.weighted_by_key}'")
         if (
-            isinstance(num, list)
+            isinstance(num, (list, bool))
+            or not isinstance(num, (int, float))
             or not math.isfinite(float(num))
             or float(num) < 1
             or float(num) != int(num)
         ):
             raise ReplyValidationError(
                 node, f"'{self.weighted_by_key}' must be a positive integer, got {num}"
+            )
+        if self.max_num_examples is not None and num > self.max_num_examples:
+            raise ReplyValidationError(
+                node,
+                f"'{self.weighted_by_key}' = {num:.6g} exceeds max-num-examples "
+                f"{self.max_num_examples}",
             )
         return metrics, int(num)
 
@@ -746,8 +920,18 @@ class FedLRStrategy(FedAvg):
         scalars = {
             k: float(v)
             for k, v in metrics.items()
-            if k != self.weighted_by_key and isinstance(v, (int, float))
+            if k != self.weighted_by_key
+            and isinstance(v, (int, float))
+            and not isinstance(v, bool)
         }
+        partition = scalars.get(PARTITION_ID)
+        if partition is not None and not (
+            math.isfinite(partition) and partition >= 0 and partition == int(partition)
+        ):
+            raise ReplyValidationError(
+                node,
+                f"'{PARTITION_ID}' must be a non-negative integer, got {partition}",
+            )
         return ClientUpdate(
             node_id=node,
             arrays=arrays,

@@ -195,7 +195,7 @@ class FedSpec(SvdLoraStrategy):
         self.check_ranks(updates)
         state = dict(current)
         state.update(self.weighted_means(updates, self.layout.keys(Role.HEAD)))
-        weights = [u.num_examples for u in updates]
+        weights = [u.weight for u in updates]
         rank = self.rank
         # 1. Factored SVD of every layer's mean of products (all kr triplets).
         svds = {

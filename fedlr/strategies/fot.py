@@ -66,6 +66,7 @@ from fedlr.linalg.fot import (
 )
 from fedlr.options import Options, option, require
 from fedlr.payloads import GPSE
+from fedlr.robust import ParameterSpace, UpdateSpace
 from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
 from fedlr.strategies.registry import register_method
 
@@ -405,6 +406,22 @@ class FOT(FedAvgContinual):
         )
         self.eps = min(1.0, self.eps + self.eps_inc)
         return added
+
+    def robust_space(self, current: Mapping[str, torch.Tensor]) -> UpdateSpace:
+        """The clients' weight changes, each projected layer's off its basis.
+
+        What FOT would publish of a client's update is its projection: a
+        change inside the protected span is removed anyway and does not count
+        towards the norm robust options measure.
+        """
+
+        def project(key: str, delta: torch.Tensor) -> torch.Tensor:
+            layer = key.removesuffix(".weight")
+            if key.endswith(".weight") and layer in self.dims:
+                return project_update(delta, self.bases.get(layer))
+            return delta
+
+        return ParameterSpace(current, transform=project)
 
     def aggregate_updates(
         self,

@@ -77,7 +77,7 @@ class GlobalSVD(PersonalLoraStrategy):
         self.check_ranks(updates)
         state = dict(current)
         state.update(self.weighted_means(updates, self.layout.keys(Role.HEAD)))
-        weights = [u.num_examples for u in updates]
+        weights = [u.weight for u in updates]
         personal: dict[int, dict[str, torch.Tensor]] = {u.node_id: {} for u in updates}
         layers: dict[str, tuple[float, float]] = {}
         for m in self.layout.modules:

@@ -24,6 +24,7 @@ from fedlr.errors import UnsupportedModelError
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.linalg import StackedResidual, stacked_residual
 from fedlr.options import Options
+from fedlr.robust import ProductSpace, UpdateSpace
 from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
 
 __all__ = ["LoraStrategy"]
@@ -106,6 +107,14 @@ class LoraStrategy(FedLRStrategy):
     def reply_shapes(self) -> dict[str, tuple[int, ...]]:
         return self.layout.shapes(*self.train_roles)
 
+    def robust_space(self, current: Mapping[str, torch.Tensor]) -> UpdateSpace:
+        """Each adapted layer's product change ``B_i A_i - B A``, from the factors.
+
+        A factor the client does not send (FFA-LoRA's A, FedSA's B) is the
+        global one; the head's change is measured as parameters.
+        """
+        return ProductSpace(current, [(m.a_key, m.b_key) for m in self.layout.modules])
+
     def round_config(self, server_round: int) -> dict[str, Any]:
         config: dict[str, Any] = {
             protocol.TRAIN_ROLES: protocol.encode_roles(self.train_roles)
@@ -123,7 +132,7 @@ class LoraStrategy(FedLRStrategy):
 
         Built once per layer and shared by :meth:`gap_report` and FedEx's fold.
         """
-        weights = [u.num_examples for u in updates]
+        weights = [u.weight for u in updates]
         return {
             module.name: stacked_residual(
                 [u.arrays[module.b_key] for u in updates],

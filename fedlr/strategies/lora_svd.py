@@ -53,7 +53,6 @@ from fedlr.strategies.lora import LoraStrategy
 __all__ = ["PersonalLoraStrategy", "SvdLoraStrategy"]
 
 
-
 class SvdLoraStrategy(LoraStrategy):
     """A LoRA strategy of the SVD family.
 
@@ -155,7 +154,7 @@ class SvdLoraStrategy(LoraStrategy):
             stacked factors ``[w_1 B_1, ..., w_k B_k, -B_agg]`` and
             ``[A_1; ...; A_k; A_agg]`` (two thin QRs, no dense product).
         """
-        weights = [u.num_examples for u in updates]
+        weights = [u.weight for u in updates]
         layers: dict[str, tuple[float, float]] = {}
         for name, (bs, as_) in client_factors.items():
             left, right = mean_of_products_factors(bs, as_, weights)
@@ -362,7 +361,7 @@ class PersonalLoraStrategy(SvdLoraStrategy):
         gap divides by ``sqrt(sum_i w_i ||B_i A_i||_F^2)``; both come from the
         clients' ``B_i^T B_i`` (r x r), the server never sees ``B_i``.
         """
-        w = normalise_weights([u.num_examples for u in updates], len(updates))
+        w = normalise_weights([u.weight for u in updates], len(updates))
         layers: dict[str, tuple[float, float]] = {}
         for module in self.layout.modules:
             change_sq = 0.0

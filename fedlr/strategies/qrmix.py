@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Self
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
@@ -41,6 +41,7 @@ from fedlr.image_task import EigenOptions
 from fedlr.linalg.qrmix import ClientEigen, fc_flatten, fc_unflatten, qrmix_update
 from fedlr.options import Options, option, require
 from fedlr.payloads import QRMIX
+from fedlr.robust import ParameterSpace, UpdateSpace
 from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
 from fedlr.strategies.registry import register_method
 
@@ -148,6 +149,18 @@ class VisionFedAvg(FedLRStrategy):
             }
         )
         return state, report
+
+
+class _EigenHeadSpace(ParameterSpace):
+    """Stage-2 updates: moving the head's arrays moves the ``eigen`` delta too."""
+
+    def shrink(self, update: ClientUpdate, factor: float) -> ClientUpdate:
+        moved = super().shrink(update, factor)
+        eigen = record_to_state(update.content.array_records[protocol.EIGEN])
+        eigen["delta"] = (eigen["delta"].double() * factor).to(eigen["delta"].dtype)
+        content = RecordDict(dict(update.content))
+        content[protocol.EIGEN] = ArrayRecord(eigen)
+        return dataclasses.replace(moved, content=content)
 
 
 @dataclass(frozen=True)
@@ -316,6 +329,14 @@ class QRMix(VisionFedAvg):
             update = dataclasses.replace(update, nbytes=update.nbytes + eigen_bytes)
         return update
 
+    def robust_space(self, current: Mapping[str, torch.Tensor]) -> UpdateSpace:
+        """The change of the reply's arrays; in stage 2 moving one also scales
+        its ``eigen`` record's ``delta`` (the head's change), which stage 2's
+        least squares consumes."""
+        if self._stage == 2:
+            return _EigenHeadSpace(current)
+        return super().robust_space(current)
+
     def parse_eigen(self, update: ClientUpdate) -> ClientEigen:
         """Check and unpack a stage-2 reply's ``eigen`` record."""
         node = update.node_id
@@ -365,7 +386,7 @@ class QRMix(VisionFedAvg):
         payloads = [self.parse_eigen(u) for u in updates]
         step = qrmix_update(
             payloads,
-            [u.num_examples for u in updates],
+            [u.weight for u in updates],
             tau=self.tau,
             gamma=self.gamma,
             form=self.form,

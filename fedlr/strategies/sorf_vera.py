@@ -159,7 +159,7 @@ class SorfVeRA(ProjectionChecked):
         return mean_lambda_d_rot(
             [u.arrays[module.d_scale_key] for u in updates],
             [u.arrays[module.d_angles_key] for u in updates],
-            [u.num_examples for u in updates],
+            [u.weight for u in updates],
             module.rank,
         )
 
@@ -169,7 +169,7 @@ class SorfVeRA(ProjectionChecked):
         updates: list[ClientUpdate],
         current: dict[str, torch.Tensor],
     ) -> tuple[dict[str, torch.Tensor], RoundReport]:
-        weights = [u.num_examples for u in updates]
+        weights = [u.weight for u in updates]
         state = dict(current)
         for key in self.layout.keys(Role.HEAD):
             state[key] = weighted_mean([u.arrays[key] for u in updates], weights)

@@ -295,7 +295,7 @@ class VeraStrategy(ProjectionChecked):
         The relative gap divides by the norm of the mean client update; both
         come from stacked factors.
         """
-        weights = [u.num_examples for u in updates]
+        weights = [u.weight for u in updates]
         layers: dict[str, tuple[float, float]] = {}
         for m in self.layout.modules:
             a, b = self.projections(m.d_out, m.d_in)
@@ -326,7 +326,7 @@ class FedAvgVeRA(VeraStrategy):
         updates: list[ClientUpdate],
         current: dict[str, torch.Tensor],
     ) -> tuple[dict[str, torch.Tensor], RoundReport]:
-        weights = [u.num_examples for u in updates]
+        weights = [u.weight for u in updates]
         state = dict(current)
         for key in self.layout.keys(*self.train_roles):
             state[key] = weighted_mean([u.arrays[key] for u in updates], weights)
@@ -382,7 +382,7 @@ class VeraFedEx(FedAvgVeRA):
         current: dict[str, torch.Tensor],
     ) -> tuple[dict[str, torch.Tensor], RoundReport]:
         state, report = super().aggregate_updates(server_round, updates, current)
-        weights = [u.num_examples for u in updates]
+        weights = [u.weight for u in updates]
         for m in self.layout.modules:
             if m.base_key not in current:
                 raise KeyError(

@@ -164,7 +164,7 @@ BAD_CASES = {
     "int dtype": lambda c: (
         {**c, "head.b": torch.zeros(2, dtype=torch.int64)},
         {"num-examples": 3},
-        "floating point",
+        "dtype .int64., expected one of",
     ),
     "no num-examples": lambda c: (c, {"train-loss": 1.0}, "missing 'num-examples'"),
     "zero num-examples": lambda c: (c, {"num-examples": 0}, "positive integer"),

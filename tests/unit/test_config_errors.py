@@ -47,6 +47,12 @@ AT_PARSE: dict[str, tuple[object, str]] = {
     "output-dir": ("relative", "absolute path"),
     "round-timeout": (0.0, "finite and > 0"),
     "keep-checkpoints": (0, "must be >= 1"),
+    "robust": ("krum", "must be one of"),
+    "clip-norm": (-1.0, "must be >= 0"),
+    "trim-fraction": (0.5, r"in \[0, 0.5\)"),
+    "max-client-weight": (0.0, r"in \(0, 1\]"),
+    "max-num-examples": (-1, "must be >= 0"),
+    "max-update-ratio": (float("nan"), "finite and >= 0"),
     "fedspec-threshold": (1.0, r"in \[0, 1\)"),
     "fedspec-max-rank": (0, "must be >= 1"),
     "proximal-mu": (float("inf"), "finite and >= 0"),
@@ -150,3 +156,23 @@ def test_run_directories_are_created_exclusively(tmp_path):
     # Both in the same second: the second run gets a suffix (a new second
     # would give a new stamp instead; either way the folders differ).
     assert second.name == f"{first.name}-2" or second.name[:-4] != first.name[:-4]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "sampled"),
+    [({"min-replies": 4}, 3), ({"min-replies": 2, "fraction-train": 0.4}, 1)],
+)
+def test_min_replies_above_the_sampled_nodes_stops_before_training(
+    tmp_path, assets, overrides, sampled
+):
+    from fedlr.server_apps.runner import run_server
+
+    config = tiny_run_config(tmp_path, **overrides)
+    grid = InProcessGrid(_never_called, num_nodes=3, run_config=config)
+    context = Context(
+        run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config=config
+    )
+    with pytest.raises(ConfigError, match=f"samples {sampled} of the 3 connected"):
+        run_server(grid, context)
+    assert grid.messages_sent == 0
+    assert not list(tmp_path.glob("*/results.csv"))

@@ -1,0 +1,607 @@
+"""Robust aggregation: norm clipping, geometric median, client trimming, weight caps.
+
+Every fedlr method combines its clients' replies as a weighted function of
+their updates. This module changes *which* updates go in and *with what
+weight*, in the method's own update space, before the method's kernel runs:
+
+``norm-clip``
+    A client whose update norm exceeds ``clip-norm`` (0: the round's median
+    update norm) is moved towards the current global state until its norm is
+    the bound (Sun et al., 2019, norm bounding). Defends against boosted
+    (scaled) updates; a bounded attacker still pulls the model.
+``median``
+    The weights become those of the geometric median of the updates
+    (Weiszfeld's algorithm on the updates' Gram matrix; robust federated
+    aggregation by the geometric median): the method aggregates a convex
+    combination of the clients that *is* the geometric median of their
+    updates. Breakdown point 1/2.
+``trimmed-mean``
+    The ``trim-fraction`` of clients farthest from the geometric median (at
+    least one when ``k >= 3``, never half) are left out and the others keep
+    their weights: a client-level trimmed mean, which, unlike a
+    coordinate-wise one, is defined for factor pairs whose coordinates are
+    only meaningful together.
+
+and, with any rule, ``max-client-weight`` caps each client's share of the
+total weight (water-filling), so no claimed example count buys the model.
+
+The update space is the method's (:class:`UpdateSpace`): for the LoRA family
+the change of each adapted layer's product ``B_i A_i - B A`` (computed from
+the factors' r x r Gram blocks, never a dense d_out x d_in matrix,
+:class:`ProductSpace`), for every other family the change of the arrays the
+client sends (:class:`ParameterSpace`, optionally mapped, e.g. FOT's
+projection off the protected bases).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from fedlr.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fedlr.strategies.base import ClientUpdate
+
+__all__ = [
+    "ROBUST_RULES",
+    "ParameterSpace",
+    "ProductSpace",
+    "RobustConfig",
+    "RobustOutcome",
+    "UpdateSpace",
+    "cap_shares",
+    "geometric_median_weights",
+    "robust_aggregate",
+]
+
+ROBUST_RULES = ("none", "norm-clip", "trimmed-mean", "median")
+"""Values of the ``robust`` run-config key."""
+
+_GRAM_CHUNK_BYTES = 64 * 2**20
+"""Memory a chunk of the factored Gram may take (float64)."""
+
+
+@dataclass(frozen=True)
+class RobustConfig:
+    """The robust-aggregation options of a strategy.
+
+    Parameters
+    ----------
+    rule : {"none", "norm-clip", "trimmed-mean", "median"}
+    clip_norm : float, default 0.0
+        ``norm-clip``'s bound on a client's update norm; 0 uses the round's
+        median update norm.
+    trim_fraction : float, default 0.2
+        ``trimmed-mean``: share of the clients left out, in [0, 0.5).
+    max_client_weight : float, default 1.0
+        Cap on any client's share of the total weight, in (0, 1]; 1 is no cap.
+
+    Raises
+    ------
+    ConfigError
+        Naming the run-config key of a bad value.
+    """
+
+    rule: str = "none"
+    clip_norm: float = 0.0
+    trim_fraction: float = 0.2
+    max_client_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.rule not in ROBUST_RULES:
+            raise ConfigError(
+                "robust", f"must be one of {list(ROBUST_RULES)}, got {self.rule!r}"
+            )
+        if not (math.isfinite(self.clip_norm) and self.clip_norm >= 0):
+            raise ConfigError("clip-norm", f"must be >= 0, got {self.clip_norm}")
+        if not 0.0 <= self.trim_fraction < 0.5:
+            raise ConfigError(
+                "trim-fraction", f"must be in [0, 0.5), got {self.trim_fraction}"
+            )
+        if not 0.0 < self.max_client_weight <= 1.0:
+            raise ConfigError(
+                "max-client-weight",
+                f"must be in (0, 1], got {self.max_client_weight}",
+            )
+
+    @property
+    def active(self) -> bool:
+        """Whether aggregation differs from the method's plain weighted one."""
+        return self.rule != "none" or self.max_client_weight < 1.0
+
+
+@dataclass
+class RobustOutcome:
+    """What :func:`robust_aggregate` did to a round's updates.
+
+    Attributes
+    ----------
+    updates : list of ClientUpdate
+        The updates to aggregate (trimmed ones removed, clipped ones moved,
+        ``weight`` set).
+    reasons : list of str
+        One line per clipped, trimmed or capped client, naming its node.
+    metrics : dict of str to float
+        ``robust-clipped``, ``robust-trimmed``, ``robust-capped`` and
+        ``robust-max-share`` (the largest weight share after the rule).
+    """
+
+    updates: list[ClientUpdate]
+    reasons: list[str] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class UpdateSpace(ABC):
+    """The space in which a method's client updates are measured and moved.
+
+    A client's update ``u_i`` is its reply's change against the round's
+    reference (the global state sent). Subclasses give the Gram matrix of
+    the updates and a way to move one update towards the reference.
+    """
+
+    @abstractmethod
+    def gram(self, updates: Sequence[ClientUpdate]) -> torch.Tensor:
+        """``G[i, j] = <u_i, u_j>``, (k, k) float64."""
+
+    @abstractmethod
+    def norm(self, update: ClientUpdate) -> float:
+        """``||u||`` of one update."""
+
+    @abstractmethod
+    def shrink(self, update: ClientUpdate, factor: float) -> ClientUpdate:
+        """The update with its arrays moved to ``ref + factor * (x - ref)``."""
+
+    linear: bool = True
+    """Whether ``norm(shrink(u, g)) == g * norm(u)`` (else clipping bisects)."""
+
+
+def _arrays_towards(
+    arrays: Mapping[str, torch.Tensor],
+    reference: Mapping[str, torch.Tensor],
+    factor: float,
+) -> dict[str, torch.Tensor]:
+    moved = {}
+    for key, x in arrays.items():
+        ref = reference.get(key)
+        base = (
+            ref.to(torch.float64)
+            if ref is not None
+            else torch.zeros_like(x, dtype=torch.float64)
+        )
+        moved[key] = (base + factor * (x.to(torch.float64) - base)).to(x.dtype)
+    return moved
+
+
+class ParameterSpace(UpdateSpace):
+    """Updates as the change of the reply's arrays, ``x_i - x_ref``.
+
+    Parameters
+    ----------
+    reference : mapping of str to torch.Tensor
+        The round's global state; a reply key it lacks counts from zero.
+    keys : sequence of str, optional
+        The reply keys measured (default: every key of the reply).
+    transform : callable, optional
+        ``transform(key, delta) -> tensor``, a linear map applied to each
+        key's change before it is measured (FOT: the projection off the
+        protected bases).
+    """
+
+    def __init__(
+        self,
+        reference: Mapping[str, torch.Tensor],
+        keys: Sequence[str] | None = None,
+        transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        self.reference = reference
+        self.keys = None if keys is None else list(keys)
+        self.transform = transform
+
+    def vector(self, update: ClientUpdate) -> torch.Tensor:
+        """The update as one float64 vector."""
+        parts = []
+        keys = self.keys if self.keys is not None else sorted(update.arrays)
+        for key in keys:
+            x = update.arrays[key].to(torch.float64)
+            ref = self.reference.get(key)
+            delta = x - ref.to(torch.float64) if ref is not None else x
+            if self.transform is not None:
+                delta = self.transform(key, delta)
+            parts.append(delta.reshape(-1))
+        if not parts:
+            return torch.zeros(0, dtype=torch.float64)
+        return torch.cat(parts)
+
+    def gram(self, updates: Sequence[ClientUpdate]) -> torch.Tensor:
+        vectors = torch.stack([self.vector(u) for u in updates])
+        return vectors @ vectors.T
+
+    def norm(self, update: ClientUpdate) -> float:
+        return float(torch.linalg.vector_norm(self.vector(update)))
+
+    def shrink(self, update: ClientUpdate, factor: float) -> ClientUpdate:
+        keys = self.keys if self.keys is not None else list(update.arrays)
+        moved = _arrays_towards(
+            {k: update.arrays[k] for k in keys}, self.reference, factor
+        )
+        return replace(update, arrays={**update.arrays, **moved})
+
+
+class ProductSpace(UpdateSpace):
+    """LoRA updates as the change of each layer's product, ``B_i A_i - B A``.
+
+    Inner products come from the factors alone: for two products,
+    ``<B_1 A_1, B_2 A_2>_F = sum((B_1^T B_2) * (A_1 A_2^T))``, an r x r
+    computation per pair (O(r^2 (d_in + d_out))), never a d_out x d_in matrix.
+    A factor the reply does not carry (FFA-LoRA's frozen A, FedSA's kept B) is
+    the reference's. Keys outside the pairs (the head) are measured as in
+    :class:`ParameterSpace`. Moving an update interpolates its factors, so
+    its product-space norm is not linear in the factor: clipping bisects.
+
+    Parameters
+    ----------
+    reference : mapping of str to torch.Tensor
+        The round's global state.
+    pairs : sequence of (str, str)
+        ``(a_key, b_key)`` of every adapted layer.
+    """
+
+    linear = False
+
+    def __init__(
+        self,
+        reference: Mapping[str, torch.Tensor],
+        pairs: Sequence[tuple[str, str]],
+    ) -> None:
+        self.reference = reference
+        self.pairs = list(pairs)
+        paired = {key for pair in self.pairs for key in pair}
+        self._paired = paired
+
+    def _factor(self, update: ClientUpdate, key: str) -> torch.Tensor:
+        value = update.arrays.get(key)
+        if value is None:
+            value = self.reference[key]
+        return value.to(torch.float64)
+
+    def _reference_pair(
+        self, a_key: str, b_key: str
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(A, B)`` of the reference, or None when it lacks one (zero product)."""
+        if a_key not in self.reference or b_key not in self.reference:
+            return None
+        a = self.reference[a_key].to(torch.float64)
+        b = self.reference[b_key].to(torch.float64)
+        if a.shape[0] != b.shape[1]:
+            return None
+        return a, b
+
+    def _rest(self, update: ClientUpdate) -> ParameterSpace:
+        keys = sorted(k for k in update.arrays if k not in self._paired)
+        return ParameterSpace(self.reference, keys)
+
+    def gram(self, updates: Sequence[ClientUpdate]) -> torch.Tensor:
+        k = len(updates)
+        total = torch.zeros(k, k, dtype=torch.float64)
+        for a_key, b_key in self.pairs:
+            bs = [self._factor(u, b_key) for u in updates]
+            as_ = [self._factor(u, a_key) for u in updates]
+            ref = self._reference_pair(a_key, b_key)
+            if ref is None:
+                total += _product_gram(bs, as_)
+                continue
+            bs.append(ref[1])
+            as_.append(ref[0])
+            p = _product_gram(bs, as_)
+            # <u_i, u_j> with u_i = P_i - P_ref.
+            total += p[:k, :k] - p[:k, k : k + 1] - p[k : k + 1, :k] + p[k, k]
+        if updates:
+            total += self._rest(updates[0]).gram(updates)
+        return total
+
+    def norm(self, update: ClientUpdate) -> float:
+        sq = 0.0
+        for a_key, b_key in self.pairs:
+            b, a = self._factor(update, b_key), self._factor(update, a_key)
+            sq += _inner(b, a, b, a)
+            ref = self._reference_pair(a_key, b_key)
+            if ref is not None:
+                a0, b0 = ref
+                sq += -2 * _inner(b, a, b0, a0) + _inner(b0, a0, b0, a0)
+        rest = self._rest(update).norm(update)
+        return math.sqrt(max(sq, 0.0) + rest * rest)
+
+    def shrink(self, update: ClientUpdate, factor: float) -> ClientUpdate:
+        moved = _arrays_towards(update.arrays, self.reference, factor)
+        return replace(update, arrays=moved)
+
+
+def _inner(
+    b1: torch.Tensor, a1: torch.Tensor, b2: torch.Tensor, a2: torch.Tensor
+) -> float:
+    """``<B_1 A_1, B_2 A_2>_F`` from the factors."""
+    return float(((b1.T @ b2) * (a1 @ a2.T)).sum())
+
+
+def _product_gram(
+    bs: Sequence[torch.Tensor], as_: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    """``G[i, j] = <B_i A_i, B_j A_j>_F`` for n factor pairs, (n, n) float64.
+
+    Rows are computed in chunks so that no intermediate exceeds
+    :data:`_GRAM_CHUNK_BYTES`; ranks may differ between pairs.
+    """
+    n = len(bs)
+    ranks = [int(b.shape[1]) for b in bs]
+    offsets = [0]
+    for r in ranks:
+        offsets.append(offsets[-1] + r)
+    big_b = torch.cat(list(bs), dim=1)  # (d_out, sum r)
+    big_a = torch.cat(list(as_), dim=0)  # (sum r, d_in)
+    width = offsets[-1]
+    out = torch.zeros(n, n, dtype=torch.float64)
+    rows_per_chunk = max(1, _GRAM_CHUNK_BYTES // (16 * max(width, 1)))
+    i = 0
+    while i < n:
+        j = i
+        while j < n and offsets[j + 1] - offsets[i] <= rows_per_chunk:
+            j += 1
+        j = max(j, i + 1)
+        lo, hi = offsets[i], offsets[j]
+        gb = big_b[:, lo:hi].T @ big_b  # (chunk r, width)
+        ga = big_a[lo:hi] @ big_a.T
+        prod = gb * ga
+        for row in range(i, j):
+            r0, r1 = offsets[row] - lo, offsets[row + 1] - lo
+            block = prod[r0:r1]
+            out[row] = torch.stack(
+                [block[:, offsets[c] : offsets[c + 1]].sum() for c in range(n)]
+            )
+        i = j
+    return out
+
+
+def geometric_median_weights(
+    gram: torch.Tensor,
+    weights: Sequence[float],
+    *,
+    iterations: int = 200,
+    tol: float = 1e-10,
+) -> torch.Tensor:
+    """Convex weights ``alpha`` with ``sum alpha_i u_i`` the geometric median.
+
+    Weiszfeld's algorithm for ``argmin_z sum_i w_i ||u_i - z||`` on the Gram
+    matrix of the updates: ``z = sum alpha_i u_i`` stays in their span, and
+    ``||u_j - z||^2 = G_jj - 2 (G alpha)_j + alpha^T G alpha``.
+
+    Parameters
+    ----------
+    gram : torch.Tensor
+        (k, k) Gram matrix of the updates.
+    weights : sequence of float
+        Positive client weights.
+
+    Returns
+    -------
+    torch.Tensor
+        (k,) float64, non-negative, summing to 1.
+    """
+    w = torch.as_tensor(list(weights), dtype=torch.float64)
+    w = w / w.sum()
+    g = gram.to(torch.float64)
+    scale = math.sqrt(max(float(torch.diagonal(g).mean()), 0.0)) or 1.0
+    floor = 1e-12 * scale
+    alpha = w.clone()
+    for _ in range(iterations):
+        dist = _distances(g, alpha).clamp_min(floor)
+        new = w / dist
+        new = new / new.sum()
+        if float((new - alpha).abs().max()) < tol:
+            alpha = new
+            break
+        alpha = new
+    return alpha
+
+
+def _distances(gram: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """``||u_j - sum_i alpha_i u_i||`` for every j."""
+    g_alpha = gram @ alpha
+    sq = torch.diagonal(gram) - 2 * g_alpha + alpha @ g_alpha
+    return sq.clamp_min(0.0).sqrt()
+
+
+def cap_shares(weights: Sequence[float], cap: float) -> torch.Tensor:
+    """Shares of the total weight with none above ``cap`` (water-filling).
+
+    Capped clients get exactly ``cap``; the rest of the total is shared by
+    the others in proportion to their weights. When ``cap * k < 1`` no
+    feasible capping exists and the shares are equal.
+
+    Returns
+    -------
+    torch.Tensor
+        (k,) float64 shares summing to 1.
+    """
+    w = torch.as_tensor(list(weights), dtype=torch.float64)
+    k = len(w)
+    if cap * k < 1.0:
+        return torch.full((k,), 1.0 / k, dtype=torch.float64)
+    shares = w / w.sum()
+    capped = torch.zeros(k, dtype=torch.bool)
+    for _ in range(k):
+        over = (shares > cap + 1e-15) & ~capped
+        if not bool(over.any()):
+            break
+        capped |= over
+        free = ~capped
+        remaining = 1.0 - cap * int(capped.sum())
+        shares = torch.where(capped, torch.full_like(shares, cap), shares)
+        free_total = float(w[free].sum())
+        if free_total > 0:
+            shares[free] = remaining * w[free] / free_total
+    return shares
+
+
+def robust_aggregate(
+    updates: Sequence[ClientUpdate],
+    space: UpdateSpace,
+    config: RobustConfig,
+) -> RobustOutcome:
+    """Apply ``config``'s rule and weight cap to a round's validated updates.
+
+    Parameters
+    ----------
+    updates : sequence of ClientUpdate
+        Validated updates, ``weight`` = ``num_examples``.
+    space : UpdateSpace
+        The method's update space for this round.
+    config : RobustConfig
+
+    Returns
+    -------
+    RobustOutcome
+        The updates to aggregate, with ``weight`` scaled so that the total
+        stays ``sum num_examples`` of the kept clients.
+    """
+    kept = list(updates)
+    reasons: list[str] = []
+    metrics = {
+        "robust-clipped": 0.0,
+        "robust-trimmed": 0.0,
+        "robust-capped": 0.0,
+    }
+    if not kept:
+        return RobustOutcome(kept, reasons, metrics)
+    weights = torch.as_tensor([u.weight for u in kept], dtype=torch.float64)
+    if config.rule == "norm-clip":
+        kept, clip_reasons = _clip(kept, space, config.clip_norm)
+        reasons += clip_reasons
+        metrics["robust-clipped"] = float(len(clip_reasons))
+    elif config.rule in ("median", "trimmed-mean") and len(kept) > 1:
+        kept, weights, excluded = _finite_only(kept, weights, space)
+        reasons += excluded
+        metrics["robust-trimmed"] = float(len(excluded))
+        if len(kept) > 1:
+            gram = space.gram(kept)
+            alpha = geometric_median_weights(gram, weights.tolist())
+            if config.rule == "median":
+                plain = weights / weights.sum()
+                for update, before, after in zip(kept, plain, alpha, strict=True):
+                    if float(after) < 0.5 * float(before):
+                        reasons.append(
+                            f"node {update.node_id}: weight share {float(before):.4g} "
+                            f"-> {float(after):.4g} (far from the geometric median)"
+                        )
+                weights = alpha * weights.sum()
+            else:
+                trimmed_reasons, keep_idx = _trim(kept, gram, alpha, config)
+                reasons += trimmed_reasons
+                kept = [kept[i] for i in keep_idx]
+                weights = weights[keep_idx]
+                metrics["robust-trimmed"] += float(len(trimmed_reasons))
+    total = float(weights.sum())
+    shares = weights / total
+    if config.max_client_weight < 1.0:
+        capped = cap_shares(weights.tolist(), config.max_client_weight)
+        for update, before, after in zip(kept, shares, capped, strict=True):
+            if float(after) < float(before) - 1e-12:
+                reasons.append(
+                    f"node {update.node_id}: weight share {float(before):.4g} capped "
+                    f"at {float(after):.4g} (max-client-weight)"
+                )
+                metrics["robust-capped"] += 1
+        shares = capped
+    metrics["robust-max-share"] = float(shares.max())
+    new = [
+        replace(u, weight=float(s) * total) for u, s in zip(kept, shares, strict=True)
+    ]
+    return RobustOutcome(new, reasons, metrics)
+
+
+def _finite_only(
+    updates: list[ClientUpdate], weights: torch.Tensor, space: UpdateSpace
+) -> tuple[list[ClientUpdate], torch.Tensor, list[str]]:
+    """Leave out updates whose norm is not finite in float64 (nothing to rank)."""
+    norms = [space.norm(u) for u in updates]
+    keep = [i for i, n in enumerate(norms) if math.isfinite(n)]
+    reasons = [
+        f"node {updates[i].node_id}: left out (update norm {norms[i]} is not finite)"
+        for i in range(len(updates))
+        if i not in keep
+    ]
+    if not keep:  # nothing finite to rank: keep all, the round check decides
+        return updates, weights, []
+    return [updates[i] for i in keep], weights[keep], reasons
+
+
+def _trim(
+    updates: list[ClientUpdate],
+    gram: torch.Tensor,
+    alpha: torch.Tensor,
+    config: RobustConfig,
+) -> tuple[list[str], list[int]]:
+    """Reasons for, and the indices kept after, trimming the farthest clients."""
+    dist = _distances(gram, alpha)
+    k = len(updates)
+    n_trim = min(math.ceil(config.trim_fraction * k - 1e-9), (k - 1) // 2)
+    order = sorted(range(k), key=lambda i: (-float(dist[i]), i))
+    trimmed = set(order[:n_trim])
+    reasons = [
+        f"node {updates[i].node_id}: trimmed (distance {float(dist[i]):.4g} from "
+        f"the geometric median, among the {n_trim} farthest)"
+        for i in sorted(trimmed)
+    ]
+    return reasons, [i for i in range(k) if i not in trimmed]
+
+
+def _clip(
+    updates: list[ClientUpdate], space: UpdateSpace, bound: float
+) -> tuple[list[ClientUpdate], list[str]]:
+    norms = [space.norm(u) for u in updates]
+    if bound <= 0:
+        finite = [n for n in norms if math.isfinite(n)] or [0.0]
+        bound = float(torch.tensor(finite, dtype=torch.float64).median())
+    out: list[ClientUpdate] = []
+    reasons: list[str] = []
+    for update, norm in zip(updates, norms, strict=True):
+        if norm <= bound * (1 + 1e-9) or norm == 0:
+            out.append(update)
+            continue
+        if not math.isfinite(norm):
+            factor, moved = 0.0, space.shrink(update, 0.0)
+        elif space.linear:
+            factor = bound / norm
+            moved = space.shrink(update, factor)
+        else:
+            factor, moved = _bisect(update, space, bound, norm)
+        out.append(moved)
+        reasons.append(
+            f"node {update.node_id}: update norm {norm:.4g} clipped to "
+            f"{space.norm(moved):.4g} (clip-norm {bound:.4g}, factor {factor:.4g})"
+        )
+    return out, reasons
+
+
+def _bisect(
+    update: ClientUpdate, space: UpdateSpace, bound: float, norm: float
+) -> tuple[float, ClientUpdate]:
+    """The largest factor found whose moved update has norm <= ``bound``."""
+    lo, hi = 0.0, min(1.0, 2 * bound / norm)
+    best = space.shrink(update, lo)
+    hi_update = space.shrink(update, hi)
+    if space.norm(hi_update) <= bound:
+        return hi, hi_update
+    for _ in range(40):
+        mid = 0.5 * (lo + hi)
+        moved = space.shrink(update, mid)
+        if space.norm(moved) <= bound:
+            lo, best = mid, moved
+        else:
+            hi = mid
+    return lo, best
