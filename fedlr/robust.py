@@ -10,11 +10,11 @@ weight*, in the method's own update space, before the method's kernel runs:
     the bound (Sun et al., 2019, norm bounding). Defends against boosted
     (scaled) updates; a bounded attacker still pulls the model.
 ``median``
-    The weights become those of the geometric median of the updates
-    (Weiszfeld's algorithm on the updates' Gram matrix; robust federated
-    aggregation by the geometric median): the method aggregates a convex
-    combination of the clients that *is* the geometric median of their
-    updates. Breakdown point 1/2.
+    The weights become those of the (unweighted) geometric median of the
+    updates (Weiszfeld's algorithm on the updates' Gram matrix): the method
+    aggregates a convex combination of the clients that *is* the geometric
+    median of their updates, whatever example counts they claim. Breakdown
+    point 1/2.
 ``trimmed-mean``
     The ``trim-fraction`` of clients farthest from the geometric median (at
     least one when ``k >= 3``, never half) are left out and the others keep
@@ -62,6 +62,12 @@ __all__ = [
 
 ROBUST_RULES = ("none", "norm-clip", "trimmed-mean", "median")
 """Values of the ``robust`` run-config key."""
+
+_NEGLIGIBLE_SHARE = 1e-6
+"""``median``: a client whose geometric-median weight is below this share is
+left out rather than kept at a tiny weight (a method whose aggregate is not
+linear in the client's arrays, e.g. a product of two of them, would still feel
+a huge update through a tiny weight)."""
 
 _GRAM_CHUNK_BYTES = 64 * 2**20
 """Memory a chunk of the factored Gram may take (float64)."""
@@ -261,8 +267,6 @@ class ProductSpace(UpdateSpace):
     ) -> None:
         self.reference = reference
         self.pairs = list(pairs)
-        paired = {key for pair in self.pairs for key in pair}
-        self._paired = paired
 
     def _factor(self, update: ClientUpdate, key: str) -> torch.Tensor:
         value = update.arrays.get(key)
@@ -282,14 +286,25 @@ class ProductSpace(UpdateSpace):
             return None
         return a, b
 
+    def _measurable(self, update: ClientUpdate) -> list[tuple[str, str]]:
+        """Pairs whose two factors are known (sent, or in the reference)."""
+        return [
+            pair
+            for pair in self.pairs
+            if all(k in update.arrays or k in self.reference for k in pair)
+        ]
+
     def _rest(self, update: ClientUpdate) -> ParameterSpace:
-        keys = sorted(k for k in update.arrays if k not in self._paired)
+        """The reply's other arrays, and the sent factor of a pair whose other
+        factor the server never sees (FedSA's kept B), as parameters."""
+        paired = {k for pair in self._measurable(update) for k in pair}
+        keys = sorted(k for k in update.arrays if k not in paired)
         return ParameterSpace(self.reference, keys)
 
     def gram(self, updates: Sequence[ClientUpdate]) -> torch.Tensor:
         k = len(updates)
         total = torch.zeros(k, k, dtype=torch.float64)
-        for a_key, b_key in self.pairs:
+        for a_key, b_key in self._measurable(updates[0]) if updates else []:
             bs = [self._factor(u, b_key) for u in updates]
             as_ = [self._factor(u, a_key) for u in updates]
             ref = self._reference_pair(a_key, b_key)
@@ -307,7 +322,7 @@ class ProductSpace(UpdateSpace):
 
     def norm(self, update: ClientUpdate) -> float:
         sq = 0.0
-        for a_key, b_key in self.pairs:
+        for a_key, b_key in self._measurable(update):
             b, a = self._factor(update, b_key), self._factor(update, a_key)
             sq += _inner(b, a, b, a)
             ref = self._reference_pair(a_key, b_key)
@@ -371,14 +386,16 @@ def geometric_median_weights(
     gram: torch.Tensor,
     weights: Sequence[float],
     *,
-    iterations: int = 200,
-    tol: float = 1e-10,
+    iterations: int = 500,
+    tol: float = 1e-9,
 ) -> torch.Tensor:
     """Convex weights ``alpha`` with ``sum alpha_i u_i`` the geometric median.
 
     Weiszfeld's algorithm for ``argmin_z sum_i w_i ||u_i - z||`` on the Gram
     matrix of the updates: ``z = sum alpha_i u_i`` stays in their span, and
-    ``||u_j - z||^2 = G_jj - 2 (G alpha)_j + alpha^T G alpha``.
+    ``||u_j - z||^2 = G_jj - 2 (G alpha)_j + alpha^T G alpha``. It starts at
+    the weighted medoid and stops when no weight changes by more than ``tol``
+    relative to itself.
 
     Parameters
     ----------
@@ -395,17 +412,29 @@ def geometric_median_weights(
     w = torch.as_tensor(list(weights), dtype=torch.float64)
     w = w / w.sum()
     g = gram.to(torch.float64)
-    scale = math.sqrt(max(float(torch.diagonal(g).mean()), 0.0)) or 1.0
-    floor = 1e-12 * scale
-    alpha = w.clone()
+    diag = torch.diagonal(g)
+    # Start from the weighted medoid: distances between clients need only
+    # G_ii + G_jj - 2 G_ij, so an update far larger than the others cannot
+    # swamp the honest ones' distances by cancellation (starting from the
+    # mean would put every client at the attacker's scale).
+    pair = (diag[:, None] + diag[None, :] - 2 * g).clamp_min(0.0).sqrt()
+    medoid = int(torch.argmin(pair @ w))
+    # ... then the weighted mean of the closer half of the clients to it: not
+    # a data point (where Weiszfeld's step is undefined) and free of outliers.
+    near = torch.argsort(pair[medoid])[: max(2, (len(w) + 1) // 2)]
+    alpha = torch.zeros_like(w)
+    alpha[near] = w[near] / w[near].sum()
+    finite = diag[torch.isfinite(diag)]
+    scale = math.sqrt(max(float(finite.median()), 0.0)) if finite.numel() else 1.0
+    floor = 1e-12 * (scale or 1.0)
     for _ in range(iterations):
         dist = _distances(g, alpha).clamp_min(floor)
         new = w / dist
         new = new / new.sum()
-        if float((new - alpha).abs().max()) < tol:
-            alpha = new
-            break
+        change = float(((new - alpha).abs() / new.clamp_min(1e-300)).max())
         alpha = new
+        if change < tol:
+            break
     return alpha
 
 
@@ -489,16 +518,31 @@ def robust_aggregate(
         metrics["robust-trimmed"] = float(len(excluded))
         if len(kept) > 1:
             gram = space.gram(kept)
-            alpha = geometric_median_weights(gram, weights.tolist())
+            # Unweighted: a client's claimed example count must not move the
+            # median (cap weights with max-client-weight).
+            alpha = geometric_median_weights(gram, [1.0] * len(kept))
             if config.rule == "median":
                 plain = weights / weights.sum()
-                for update, before, after in zip(kept, plain, alpha, strict=True):
-                    if float(after) < 0.5 * float(before):
+                negligible = alpha < _NEGLIGIBLE_SHARE
+                for update, before, after, out in zip(
+                    kept, plain, alpha, negligible, strict=True
+                ):
+                    if bool(out):
+                        reasons.append(
+                            f"node {update.node_id}: left out (weight share "
+                            f"{float(after):.3g} at the geometric median)"
+                        )
+                    elif float(after) < 0.5 / len(kept):
                         reasons.append(
                             f"node {update.node_id}: weight share {float(before):.4g} "
                             f"-> {float(after):.4g} (far from the geometric median)"
                         )
-                weights = alpha * weights.sum()
+                total_before = weights.sum()
+                keep_idx = [i for i in range(len(kept)) if not bool(negligible[i])]
+                kept = [kept[i] for i in keep_idx]
+                alpha = alpha[keep_idx]
+                weights = alpha / alpha.sum() * total_before
+                metrics["robust-trimmed"] += float(int(negligible.sum()))
             else:
                 trimmed_reasons, keep_idx = _trim(kept, gram, alpha, config)
                 reasons += trimmed_reasons

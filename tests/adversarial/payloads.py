@@ -326,7 +326,7 @@ PAYLOADS: dict[str, Payload] = {
             "has dtype '>f4'",
         ),
         Payload("structured-dtype", "drop", _structured, "payload holds"),
-        Payload("object-dtype-pickle", "drop", _object_array, "payload holds|O"),
+        Payload("object-dtype-pickle", "drop", _object_array, "payload holds|carries"),
         Payload("pickle-bomb", "drop", _pickle_bomb, r"carries \d+ bytes|decode"),
         Payload(
             "int-dtype",
