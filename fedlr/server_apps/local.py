@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from flwr.app import Context, RecordDict
+from flwr.clientapp import ClientApp
 
 from fedlr.flower.grid import InProcessGrid, ReplyHook
 from fedlr.strategies.registry import resolve
@@ -32,6 +33,7 @@ def run_in_process(
     num_nodes: int | None = None,
     run_id: int = 1,
     reply_hook: ReplyHook | None = None,
+    client_app: ClientApp | None = None,
 ) -> Path:
     """Run a whole federation in this process; return its results directory.
 
@@ -48,14 +50,21 @@ def run_in_process(
     reply_hook : callable, optional
         Passed to :class:`~fedlr.flower.InProcessGrid` (tests use it to lose
         or corrupt replies).
+    client_app : flwr.clientapp.ClientApp, optional
+        The app every node runs; default fedlr's own
+        (:mod:`fedlr.client_apps.app`).
 
     Raises
     ------
     fedlr.errors.ConfigError
         On an unknown key or a bad value, before any client is built.
     """
-    from fedlr.client_apps.app import app as client_app
     from fedlr.server_apps.runner import run_server
+
+    if client_app is None:
+        from fedlr.client_apps.app import app as fedlr_app
+
+        client_app = fedlr_app
 
     config = resolve(run_config).to_mapping()
     nodes = int(config["num-partitions"]) if num_nodes is None else num_nodes

@@ -171,6 +171,12 @@ def _scaled(factor: float) -> Transform:
     return transform
 
 
+def _boosted_claim(message: Message, current: dict[str, torch.Tensor]) -> list[Message]:
+    """The attack of issue 14: the update boosted 50x, claiming 1e15 examples."""
+    (boosted,) = _scaled(50.0)(message, current)
+    return _with_metrics(boosted, num_examples=10**15)
+
+
 def _error(message: Message, current: dict[str, torch.Tensor]) -> list[Message]:
     instruction = _INSTRUCTIONS[int(message.metadata.src_node_id)]
     return [Message(Error(code=0, reason="attacker"), reply_to=instruction)]
@@ -466,6 +472,12 @@ PAYLOADS: dict[str, Payload] = {
             "num-examples-1e15",
             "drop",
             lambda m, c: _with_metrics(m, num_examples=10**15),
+            "exceeds max-num-examples",
+        ),
+        Payload(
+            "boosted-50x-claiming-1e15",
+            "drop",
+            _boosted_claim,
             "exceeds max-num-examples",
         ),
         Payload(
