@@ -50,6 +50,7 @@ _LAZY = {
     "InProcessGrid": "fedlr.flower",
     "ClientRound": "fedlr.client",
     "apply_round": "fedlr.client",
+    "RobustConfig": "fedlr.robust",
     "SorfVeraSettings": "fedlr.adapters",
     "build_sorf_vera_model": "fedlr.adapters",
 }

@@ -120,3 +120,22 @@ def test_trimmed_mean_removes_the_poisoner(tmp_path, references):
     got = _final(run_dir)
     for key in want:
         assert torch.allclose(got[key], want[key], rtol=1e-5, atol=1e-6), key
+
+
+def test_checkpoint_arrays_that_do_not_fit_the_layout_are_refused(tmp_path):
+    """A checkpoint re-saved (valid hash) with an array of another shape is
+    refused when resuming, naming the layout, before any round runs."""
+    from fedlr.checkpoint import load_checkpoint, save_checkpoint
+    from fedlr.errors import CheckpointError
+
+    config = _config("fedex-lora", tmp_path, **{"num-server-rounds": 1})
+    run_dir = run_in_process(config)
+    payload = load_checkpoint(run_dir)
+    key = sorted(payload["arrays"])[0]
+    payload["arrays"][key] = torch.zeros(3, 3)
+    save_checkpoint(run_dir, payload, keep=2)
+    resumed = {**config, "num-server-rounds": 2, "resume-from": str(run_dir)}
+    with pytest.raises(CheckpointError, match="do not fit this run's layout"):
+        run_in_process(resumed)
+    frame = pd.read_csv(run_dir / "results.csv")
+    assert frame["round"].tolist() == [1]
