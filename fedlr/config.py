@@ -53,6 +53,10 @@ class RunConfig(Options):
     eval_batch_size: int = field(
         default=64, metadata={"help": "batch size of the server's evaluation"}
     )
+    eval_every: int = field(
+        default=1,
+        metadata={"help": "server evaluation every n rounds (and always the last)"},
+    )
     max_length: int = field(default=64, metadata={"help": "tokens per example"})
     model: str = field(
         default="minilm",
@@ -196,6 +200,7 @@ class RunConfig(Options):
             "min_replies",
             "classes_per_partition",
             "keep_checkpoints",
+            "eval_every",
         )
         for name in positive_ints:
             if getattr(self, name) < 1:

@@ -121,6 +121,9 @@ def gpse_plan(method: MethodConfig) -> ServerPlan:
             protocol.BATCH_SIZE: config.batch_size,
         },
         columns=COLUMNS,
+        needs_evaluation=lambda r: (
+            strategy.task_of(r)[1] == options.rounds_per_task - 1
+        ),
         description=(
             f"{config.model} on {config.dataset}: {options.num_tasks} tasks x "
             f"{options.rounds_per_task} rounds, device {device}"

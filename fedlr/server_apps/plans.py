@@ -71,6 +71,9 @@ class ServerPlan:
         examples a client holds when the data is cut into that many
         partitions, when the plan knows the partitions; the default
         ``max-num-examples`` (a reply claiming more is dropped).
+    needs_evaluation : callable, optional
+        ``needs_evaluation(server_round) -> bool``: rounds the plan must
+        evaluate whatever ``eval-every`` says (a continual run's task ends).
     """
 
     strategy: FedLRStrategy
@@ -83,6 +86,7 @@ class ServerPlan:
     save_state: Callable[[], dict[str, Any]] | None = None
     load_state: Callable[[dict[str, Any]], None] | None = None
     largest_partition: Callable[[int], int] | None = None
+    needs_evaluation: Callable[[int], bool] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 

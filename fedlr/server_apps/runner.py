@@ -147,8 +147,23 @@ def run_server(grid: Grid, context: Context) -> Path:
     initial_metrics: dict[str, float] = {}
     copied = tuple(c for c in writer.columns if c not in {"round", "method"})
 
+    def should_evaluate(server_round: int) -> bool:
+        return (
+            server_round % config.eval_every == 0
+            or server_round == config.num_server_rounds
+            or (
+                plan.needs_evaluation is not None
+                and plan.needs_evaluation(server_round)
+            )
+        )
+
     def evaluate_round(server_round: int, arrays: ArrayRecord) -> None:
-        result = plan.evaluate(server_round, record_to_state(arrays))
+        started = time.perf_counter()
+        if server_round == 0 or should_evaluate(server_round):
+            result = plan.evaluate(server_round, record_to_state(arrays))
+        else:
+            result = {"accuracy": math.nan, "loss": math.nan}
+        eval_seconds = time.perf_counter() - started
         accuracy, loss = float(result["accuracy"]), float(result["loss"])
         if server_round == 0:
             log(INFO, "fedlr: initial accuracy %.4f, loss %.4f", accuracy, loss)
@@ -162,6 +177,16 @@ def run_server(grid: Grid, context: Context) -> Path:
         row: dict[str, Any] = {k: m[k] for k in copied if k in m}
         row.update({k: v for k, v in result.items() if k in copied})
         row.update({"round": server_round, "seconds": seconds})
+        row.update(
+            {
+                "train-seconds": strategy.last_timing.get("train-seconds", math.nan),
+                "aggregate-seconds": strategy.last_timing.get(
+                    "aggregate-seconds", math.nan
+                ),
+                "eval-seconds": eval_seconds
+                + strategy.last_timing.get("federated-eval-seconds", 0.0),
+            }
+        )
         writer.append(row, layers=report.layers)
         extras = " ".join(
             f"{c} {row[c]:.4g}"

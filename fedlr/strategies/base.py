@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from abc import abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -248,6 +249,7 @@ class FedLRStrategy(FedAvg):
         self.rejected_rounds = 0
         self.last_rejection: str | None = None
         self.last_robust: list[str] = []
+        self.last_timing: dict[str, float] = {}
         self._current: ArrayRecord | None = None
         self._bytes_down = 0
         self._sent: list[int] | None = None
@@ -445,16 +447,23 @@ class FedLRStrategy(FedAvg):
         instruction but did not reply within ``timeout`` are reported as
         dropped (``no reply``) by :meth:`aggregate_train` either way.
 
+        ``last_timing`` holds the round's wall-clock seconds: ``train-seconds``
+        (instructions out, replies in), ``aggregate-seconds`` (validation and
+        the kernel) and ``federated-eval-seconds``.
+
         Returns
         -------
         ArrayRecord
             The next global arrays.
         """
+        start = time.perf_counter()
         sent = self.configure_train(server_round, arrays, train_config, grid)
         replies = grid.send_and_receive(messages=sent, timeout=timeout)
+        trained = time.perf_counter()
         new_arrays, _ = self.aggregate_train(server_round, replies)
         if new_arrays is not None:
             arrays = new_arrays
+        aggregated = time.perf_counter()
         messages = list(
             self.configure_evaluate(
                 server_round, arrays, evaluate_config or ConfigRecord(), grid
@@ -463,6 +472,11 @@ class FedLRStrategy(FedAvg):
         if messages:
             evaluations = grid.send_and_receive(messages=messages, timeout=timeout)
             self.aggregate_evaluate(server_round, evaluations)
+        self.last_timing = {
+            "train-seconds": trained - start,
+            "aggregate-seconds": aggregated - trained,
+            "federated-eval-seconds": time.perf_counter() - aggregated,
+        }
         return arrays
 
     # ------------------------------------------------------------ Flower hooks

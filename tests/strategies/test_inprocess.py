@@ -65,6 +65,18 @@ def test_in_process_run_writes_one_row_per_round(tmp_path, assets, method, caplo
     assert has_base == (method == "fedex-lora")
 
 
+def test_eval_every_skips_server_evaluation_but_not_the_last_round(tmp_path, assets):
+    run_dir = _run(tmp_path, **{"num-server-rounds": 3, "eval-every": 2})
+    frame = pd.read_csv(run_dir / "results.csv")
+    assert frame["accuracy"].isna().tolist() == [True, False, False]
+    assert frame["eval-seconds"].iloc[0] < frame["eval-seconds"].iloc[1]
+    parts = frame[["train-seconds", "aggregate-seconds", "eval-seconds"]]
+    assert (parts > 0).all().all()
+    # the three parts are the round's time, up to logging and the CSV write
+    assert (parts.sum(axis=1) <= frame["seconds"] + 1e-6).all()
+    assert (parts.sum(axis=1) >= 0.8 * frame["seconds"]).all()
+
+
 def test_fedex_sends_base_weights_down(tmp_path, assets):
     avg = pd.read_csv(_run(tmp_path / "a", method="fedavg-lora") / "results.csv")
     fedex = pd.read_csv(_run(tmp_path / "b", method="fedex-lora") / "results.csv")
