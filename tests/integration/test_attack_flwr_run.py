@@ -66,6 +66,10 @@ def _config(method: str, out: Path) -> dict:
     if "num-server-rounds" not in case.overrides:
         config["num-server-rounds"] = 2
     config["num-partitions"] = NODES
+    if case.family != "text":
+        # six clients hold fewer examples each than the three of CASES: a
+        # smaller step keeps the honest clients' SGD finite
+        config["lr"] = 0.02
     return config
 
 
