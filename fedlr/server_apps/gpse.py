@@ -121,6 +121,10 @@ def gpse_plan(method: MethodConfig) -> ServerPlan:
             protocol.BATCH_SIZE: config.batch_size,
         },
         columns=COLUMNS,
+        largest_partition=lambda n: max(
+            stream_from_config(config, options, n).split(t)[1].largest_partition
+            for t in range(options.num_tasks)
+        ),
         needs_evaluation=lambda r: (
             strategy.task_of(r)[1] == options.rounds_per_task - 1
         ),
