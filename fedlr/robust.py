@@ -172,12 +172,14 @@ def _arrays_towards(
     reference: Mapping[str, torch.Tensor],
     factor: float,
 ) -> dict[str, torch.Tensor]:
+    """``ref + factor * (x - ref)`` per key; a key whose reference is absent or
+    of another shape (never broadcast) moves from zero."""
     moved = {}
     for key, x in arrays.items():
         ref = reference.get(key)
         base = (
             ref.to(torch.float64)
-            if ref is not None
+            if ref is not None and ref.shape == x.shape
             else torch.zeros_like(x, dtype=torch.float64)
         )
         moved[key] = (base + factor * (x.to(torch.float64) - base)).to(x.dtype)
@@ -216,7 +218,10 @@ class ParameterSpace(UpdateSpace):
         for key in keys:
             x = update.arrays[key].to(torch.float64)
             ref = self.reference.get(key)
-            delta = x - ref.to(torch.float64) if ref is not None else x
+            if ref is not None and ref.shape == x.shape:
+                delta = x - ref.to(torch.float64)
+            else:
+                delta = x
             if self.transform is not None:
                 delta = self.transform(key, delta)
             parts.append(delta.reshape(-1))
@@ -393,9 +398,12 @@ def geometric_median_weights(
 
     Weiszfeld's algorithm for ``argmin_z sum_i w_i ||u_i - z||`` on the Gram
     matrix of the updates: ``z = sum alpha_i u_i`` stays in their span, and
-    ``||u_j - z||^2 = G_jj - 2 (G alpha)_j + alpha^T G alpha``. It starts at
-    the weighted medoid and stops when no weight changes by more than ``tol``
-    relative to itself.
+    ``||u_j - z||^2 = G_jj - 2 (G alpha)_j + alpha^T G alpha``. A median
+    that is a client's own point (Kuhn's criterion, :func:`_vertex_median`)
+    is returned exactly; otherwise it starts at the weighted medoid and stops
+    when no weight changes by more than ``tol`` relative to itself. Close to
+    (not at) a client's point Weiszfeld converges slowly: ``iterations`` then
+    bounds the accuracy.
 
     Parameters
     ----------
@@ -427,6 +435,9 @@ def geometric_median_weights(
     finite = diag[torch.isfinite(diag)]
     scale = math.sqrt(max(float(finite.median()), 0.0)) if finite.numel() else 1.0
     floor = 1e-12 * (scale or 1.0)
+    vertex = _vertex_median(g, pair, w, floor)
+    if vertex is not None:
+        return vertex
     for _ in range(iterations):
         dist = _distances(g, alpha).clamp_min(floor)
         new = w / dist
@@ -436,6 +447,29 @@ def geometric_median_weights(
         if change < tol:
             break
     return alpha
+
+
+def _vertex_median(
+    gram: torch.Tensor, pair: torch.Tensor, w: torch.Tensor, floor: float
+) -> torch.Tensor | None:
+    """Weights at the data point that is the geometric median, if one is.
+
+    Kuhn's criterion: ``x_m`` is the median iff the others' pull on it,
+    ``||sum_{i: x_i != x_m} w_i (x_i - x_m) / ||x_i - x_m|| ||``, is at most
+    the weight at ``x_m``; Weiszfeld's iterates only approach such a point
+    sublinearly. A tie (two clients, or an even count on a line: a segment
+    of medians) is left to Weiszfeld, which stays inside the segment.
+    """
+    at = pair <= floor  # (k, k): clients at x_m, x_m itself included
+    c = torch.where(at, 0.0, w[None, :] / pair.clamp_min(floor))
+    beta = c - torch.diag(c.sum(dim=1))  # row m: the pull as sum beta_i x_i
+    pull = ((beta @ gram) * beta).sum(dim=1).clamp_min(0.0).sqrt()
+    own = (at * w[None, :]).sum(dim=1)
+    wins = pull < own * (1 - 1e-9)  # NaN (a non-finite Gram) never wins
+    if not bool(wins.any()):
+        return None
+    m = int(torch.argmax(torch.where(wins, own - pull, -math.inf)))
+    return torch.where(at[m], w, 0.0) / own[m]
 
 
 def _distances(gram: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
@@ -622,6 +656,8 @@ def _clip(
         elif space.linear:
             factor = bound / norm
             moved = space.shrink(update, factor)
+            if space.norm(moved) > bound * (1 + 1e-9):  # rounded in float32
+                factor, moved = _bisect(update, space, bound, norm)
         else:
             factor, moved = _bisect(update, space, bound, norm)
         out.append(moved)
