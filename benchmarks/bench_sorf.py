@@ -14,21 +14,39 @@
 2. A forward (and a forward + backward) pass of MiniLM with SORF-VeRA layers
    against the same model with peft's VeRA at the same rank, batch 16 x 64
    tokens; the ratio SORF-VeRA / VeRA.
+3. The server refit of one square layer (:func:`fedlr.linalg.refit_layer`,
+   rank 16, float32 tensors as the strategy passes them) with the FWHT fit of
+   ``b`` (:func:`fedlr.linalg.fit_b`: CGLS, or closed form when ``d_out`` is
+   a power of two) against the same refit with the former dense fit
+   (``_fit_b_dense``: ``d x d`` normal equations and an eigendecomposition),
+   in the same process, alternating; the ratio dense / FWHT and the largest
+   relative difference of the refit ``b``.
 
-Run: ``python -m benchmarks.bench_sorf`` (or ``make bench``).
+Run: ``python -m benchmarks.bench_sorf [apply] [forward] [refit]`` (no
+argument: all three; or ``make bench``).
 """
 
 from __future__ import annotations
 
 import ctypes
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
-from fedlr.linalg.sorf import fwht, sorf_apply, sorf_signs
+from fedlr.linalg.sorf import (
+    _fit_b_dense,
+    build_lambda_d_rot,
+    fwht,
+    sorf_apply,
+    sorf_signs,
+)
+from fedlr.linalg.sorf_refit import LayerRefit, refit_layer
 
 N, BATCH = 4096, 64
+REFIT_DIMS = (768, 3072, 4000, 4096)
+REFIT_RANK = 16
 
 
 def _time(fn: Callable[[], object], repeat: int) -> float:
@@ -202,9 +220,77 @@ def forward_case(rank: int = 16) -> dict[str, float]:
     }
 
 
-def main() -> None:
-    """Print both tables."""
-    a = sorf_apply_case()
+def refit_case(d: int, rank: int = REFIT_RANK, rounds: int = 0) -> dict[str, float]:
+    """One layer's refit (d_out = d_in = ``d``) with the FWHT and the dense ``fit_b``.
+
+    ``A`` and ``B`` Kaiming-uniform (float32) as the adapter draws them,
+    ``b`` and the averaged ``Lambda_d`` random; ``b`` in float64 so that the
+    refit ``b`` is returned unrounded and the two fits can be compared beyond
+    float32 (the refit computes in float64 either way). Each side runs once
+    per round, the two alternating (:func:`_paired`); best of ``rounds``
+    (default 3 up to ``d = 1024``, else 1: the dense fit takes seconds).
+    """
+    from fedlr.adapters.sorf_vera import layer_signs, shared_sorf_projections
+
+    a, b = shared_sorf_projections(rank, d, d, seed=0)
+    gen = torch.Generator().manual_seed(d)
+    b_real = 1.0 + 0.1 * torch.randn(d // 2, generator=gen, dtype=torch.float64)
+    b_imag = 0.1 * torch.randn(d // 2, generator=gen, dtype=torch.float64)
+    angles = 0.3 * torch.randn(rank * (rank - 1) // 2, generator=gen)
+    scales = torch.tensor([0.05])
+    lam = build_lambda_d_rot(scales, angles, rank) + 0.01 * torch.randn(
+        rank, rank, generator=gen
+    )  # a mean of clients' matrices is no longer a scaled rotation
+    signs = layer_signs(d, 0)
+    out: dict[str, LayerRefit] = {}
+
+    def fast() -> object:
+        out["fast"] = refit_layer(lam, b_real, b_imag, a, b, signs)
+        return out["fast"]
+
+    def dense() -> object:
+        out["dense"] = refit_layer(
+            lam, b_real, b_imag, a, b, signs, b_solver=_fit_b_dense
+        )
+        return out["dense"]
+
+    t_fast, t_dense = _paired(fast, dense, rounds or (3 if d <= 1024 else 1), 1)
+    new = torch.cat([out["fast"].b_real, out["fast"].b_imag]).double()
+    old = torch.cat([out["dense"].b_real, out["dense"].b_imag]).double()
+    return {
+        "d": d,
+        "rank": rank,
+        "fast_s": t_fast,
+        "dense_s": t_dense,
+        "speedup": t_dense / t_fast,
+        "b_rel_diff": float((new - old).norm() / old.norm()),
+        "gap_rel_diff": abs(out["fast"].gap - out["dense"].gap) / out["dense"].gap,
+        "b_residual": out["fast"].b_residual,
+    }
+
+
+def main(cases: Sequence[str] = ("apply", "forward", "refit")) -> None:
+    """Print the tables of ``cases`` (``apply``, ``forward``, ``refit``)."""
+    if "apply" in cases:
+        _print_apply(sorf_apply_case())
+    if "forward" in cases:
+        _print_forward(forward_case())
+    if "refit" in cases:
+        print(
+            f"SORF-VeRA refit of one layer, d_out = d_in = d, rank {REFIT_RANK}, "
+            f"FWHT fit_b vs dense fit_b ({torch.get_num_threads()} threads)"
+        )
+        for d in REFIT_DIMS:
+            r = refit_case(d)
+            print(
+                f"  d = {r['d']:5d}: FWHT {1e3 * r['fast_s']:8.1f} ms | dense "
+                f"{1e3 * r['dense_s']:9.1f} ms (x{r['speedup']:.0f}) | b rel diff "
+                f"{r['b_rel_diff']:.1e} | gap rel diff {r['gap_rel_diff']:.1e} | "
+                f"b-residual {r['b_residual']:.3f}"
+            )
+
+
+def _print_apply(a: dict[str, float]) -> None:
     print(
         f"SORF apply, n = {N}, batch {BATCH} "
         f"(float32, {torch.get_num_threads()} threads)"
@@ -227,7 +313,9 @@ def main() -> None:
         f"{a['fwht_peak_mib']:.1f} MiB, dense {a['dense_peak_mib']:.1f} MiB "
         f"(dense S alone: {N * N * 4 / 2**20:.0f} MiB)"
     )
-    f = forward_case()
+
+
+def _print_forward(f: dict[str, float]) -> None:
     print(f"MiniLM, batch 16 x 64 tokens, rank {f['rank']}: SORF-VeRA vs peft VeRA")
     print(
         f"  forward {f['sorf_forward_ms']:.1f} vs {f['vera_forward_ms']:.1f} ms "
@@ -238,4 +326,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:] or ("apply", "forward", "refit"))

@@ -22,9 +22,11 @@ with frozen random ``A`` (r, d_in) and ``B`` (d_out, r) shared by every client,
 
 The server refits ``b`` and ``(m, theta)`` from the truncated SVD of the
 aggregated update: :func:`fit_b` solves the least-squares problem
-``min_b ||S Gamma(b) B - T||_F`` directly (the truncated ``S`` is singular for
-most ``d`` that are not powers of two), :func:`fit_d` takes the polar factor of
-``V_r^T pinv(A)`` and decomposes it into Givens angles.
+``min_b ||S Gamma(b) B - T||_F`` for its minimum-norm solution (the truncated
+``S`` is singular for most ``d`` that are not powers of two) with ``S``
+applied by FWHT: in closed form when ``d`` is a power of two, by conjugate
+gradients (CGLS) otherwise, no ``d x d`` matrix; :func:`fit_d` takes the polar
+factor of ``V_r^T pinv(A)`` and decomposes it into Givens angles.
 
 Every function acts on the last dimension of its input as on column vectors:
 ``sorf_apply(signs, v)`` returns ``S v`` for each row ``v`` of a batch.
@@ -32,6 +34,7 @@ Every function acts on the last dimension of its input as on column vectors:
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -480,12 +483,248 @@ class BFit:
     fitted : (d, r) torch.Tensor, float64
         ``S Gamma(b) B`` at the fitted ``b`` (the product the residual
         measures), for callers that need it again.
+    iterations : int
+        Conjugate-gradient iterations (0 when ``d`` is a power of two: closed
+        form).
+    normal_residual : float
+        ``||J^T (T - S Gamma(b) B)|| / ||J^T T||`` with ``J`` the design
+        matrix of the unknowns ``(a, c)``: the relative residual of the normal
+        equations (0 for a zero right-hand side).
     """
 
     b_real: torch.Tensor
     b_imag: torch.Tensor
     residual: float
     fitted: torch.Tensor
+    iterations: int = 0
+    normal_residual: float = 0.0
+
+
+_LOG = logging.getLogger("fedlr")
+_CG_RTOL = 64 * torch.finfo(torch.float64).eps
+_CG_PATIENCE = 50  # least iterations without a new smallest normal residual
+
+
+def _check_b_shapes(d: int, b_matrix: torch.Tensor, target: torch.Tensor) -> None:
+    if d % 2:
+        raise ShapeMismatchError(f"Gamma(b) needs an even d_out, got {d}")
+    if b_matrix.ndim != 2 or b_matrix.shape[0] != d or target.shape != b_matrix.shape:
+        raise ShapeMismatchError(
+            f"B {tuple(b_matrix.shape)} and T {tuple(target.shape)} must both be "
+            f"({d}, r)"
+        )
+
+
+@dataclass(frozen=True)
+class _BDesign:
+    """The design operator ``J: (a, c) -> S Gamma(a + ic) B`` and its transpose.
+
+    Everything in float64, rows as columns: ``J`` maps the ``d`` unknowns to
+    an (r, d) array whose row ``l`` is column ``l`` of ``S Gamma(b) B``. One
+    application of ``J`` or ``J^T`` is one SORF transform of ``r`` vectors,
+    ``O(r n log n)``.
+    """
+
+    signs: SorfSigns
+    b_t: torch.Tensor  # (r, d), B^T
+    b_even: torch.Tensor  # (r, d/2), rows 2j of B
+    b_odd: torch.Tensor  # (r, d/2), rows 2j+1 of B
+
+    @classmethod
+    def build(cls, signs: SorfSigns, b_matrix: torch.Tensor) -> _BDesign:
+        b_t = b_matrix.T.contiguous()
+        return cls(
+            signs=signs,
+            b_t=b_t,
+            b_even=b_t[:, 0::2].contiguous(),
+            b_odd=b_t[:, 1::2].contiguous(),
+        )
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """``J x``, x = (a, c) of shape (d,): (r, d) rows of ``S Gamma(b) B``."""
+        m = x.numel() // 2
+        s = self.signs
+        cols = gamma_apply(x[:m], x[m:], self.b_t)
+        return _sign_hadamard_chain(cols, s.d3, s.d2, s.d1, s.d)
+
+    def apply_t(self, z: torch.Tensor) -> torch.Tensor:
+        """``J^T z`` for (r, d) rows ``z``: ``(a, c)`` of shape (d,).
+
+        ``Y = S^T Z``; then ``a_j = sum_l (Y_2j B_2j + Y_2j+1 B_2j+1)`` and
+        ``c_j = sum_l (Y_2j+1 B_2j - Y_2j B_2j+1)`` (the transpose of the
+        2x2 blocks).
+        """
+        s = self.signs
+        y = _sign_hadamard_chain(z, s.d1, s.d2, s.d3, s.d)
+        y_even, y_odd = y[:, 0::2], y[:, 1::2]
+        a = (y_even * self.b_even + y_odd * self.b_odd).sum(0)
+        c = (y_odd * self.b_even - y_even * self.b_odd).sum(0)
+        return torch.cat([a, c])
+
+    def pair_energy(self) -> torch.Tensor:
+        """``rho_j^2 = ||B_2j||^2 + ||B_2j+1||^2``, (d/2,).
+
+        ``J^T J = diag(rho^2, rho^2)`` (over ``(a, c)``) when ``S`` is
+        orthogonal: each 2x2 block ``[[B_2j, -B_2j+1], [B_2j+1, B_2j]]`` is
+        ``rho_j`` times an isometry.
+        """
+        return (self.b_even.square() + self.b_odd.square()).sum(0)
+
+
+def _cgls(
+    design: _BDesign,
+    target_rows: torch.Tensor,
+    rhs: torch.Tensor,
+    rtol: float,
+    max_iter: int,
+) -> tuple[torch.Tensor, int, bool]:
+    """Minimum-norm least squares ``min ||J x - T||`` by CGLS from ``x = 0``.
+
+    Conjugate gradients on the normal equations ``J^T J x = J^T T`` in the
+    stable CGLS form (Hestenes-Stiefel; Bjorck, *Numerical Methods for Least
+    Squares Problems*, 1996, sec. 7.4). Started from 0, every iterate lies in
+    the Krylov space of ``J^T J`` on ``rhs = J^T T``, inside ``range(J^T) =
+    null(J)^perp``: the limit is the minimum-norm solution ``pinv(J) T``
+    also when ``J`` is rank deficient. No preconditioner: a diagonal one
+    would converge to the minimum of a weighted norm instead.
+
+    Stops when ``||J^T r_k|| <= rtol max(||J^T T||, ||J|| ||r_k||)`` (the
+    second term is the test of LSQR, Paige and Saunders 1982, for an
+    inconsistent problem; ``||J|| <= max_j rho_j`` since ``||S|| <= 1``); or
+    after ``d`` iterations (at least ``_CG_PATIENCE``) without a new smallest
+    ``||J^T r_k||`` (the normal residual of CG is not monotone, and stalls at
+    its rounding floor); or after ``max_iter``. Returns the iterate with the
+    smallest normal residual, the iterations run and whether the test was met.
+    """
+    d = design.b_t.shape[1]
+    x = torch.zeros(d, dtype=target_rows.dtype, device=target_rows.device)
+    resid = target_rows.clone()
+    grad = rhs
+    grad_sq = float(grad @ grad)
+    grad0 = math.sqrt(grad_sq)
+    if grad0 == 0.0:
+        return x, 0, True
+    norm_j = math.sqrt(float(design.pair_energy().max()))
+    patience = max(_CG_PATIENCE, d)
+    best, best_x, stale, converged = grad0, x.clone(), 0, False
+    direction = grad.clone()
+    k = 0
+    while k < max_iter and not converged and stale < patience:
+        k += 1
+        q = design.apply(direction)
+        q_sq = float((q * q).sum())
+        if q_sq == 0.0:  # direction in null(J): nothing left to reduce
+            break
+        alpha = grad_sq / q_sq
+        x.add_(direction, alpha=alpha)
+        resid.sub_(q, alpha=alpha)
+        grad = design.apply_t(resid)
+        new_sq = float(grad @ grad)
+        norm = math.sqrt(new_sq)
+        if norm < best:
+            best, stale = norm, 0
+            best_x.copy_(x)
+        else:
+            stale += 1
+        resid_norm = float(torch.linalg.vector_norm(resid))
+        converged = norm <= rtol * max(grad0, norm_j * resid_norm)
+        direction = grad + (new_sq / grad_sq) * direction
+        grad_sq = new_sq
+    return best_x, k, converged
+
+
+def fit_b(
+    signs: SorfSigns,
+    b_matrix: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    rtol: float = _CG_RTOL,
+    max_iter: int | None = None,
+) -> BFit:
+    """Minimum-norm least-squares ``b`` of ``min_b ||S Gamma(b) B - T||_F``.
+
+    ``Gamma(b) B`` is linear in the ``d`` unknowns ``x = (a, c)``: write it
+    ``J x`` with the design operator ``J`` (``d r x d``). Its column pair
+    ``(a_j, c_j)`` touches rows ``2j, 2j+1`` of ``Gamma(b) B`` only, through
+    ``[[B_2j, -B_2j+1], [B_2j+1, B_2j]]``, which is ``rho_j`` times an
+    isometry (``rho_j^2 = ||B_2j||^2 + ||B_2j+1||^2``). ``J`` and ``J^T`` are
+    applied by FWHT (``O(r n log n)`` each, no ``d x d`` matrix):
+
+    1. ``d`` a power of two: ``S`` is orthogonal, so ``J^T J = diag(rho^2)``
+       and ``x = J^T T / rho^2`` in closed form (pairs with
+       ``rho_j^2 <= eps d max rho^2`` get 0, the minimum-norm choice).
+    2. Otherwise the truncated ``S`` is often singular: CGLS from ``x = 0``
+       (conjugate gradients on ``J^T J x = J^T T``), which converges to the
+       minimum-norm solution ``pinv(J) T``, as :func:`_fit_b_dense` (the
+       dense normal equations and an eigendecomposition) returns. Each
+       iteration costs two SORF transforms of ``r`` vectors; the iterations
+       grow with the condition number of ``J`` on its range (about 30 for
+       ``r = 16`` and a random ``B``, a few hundred for ``r = 1``), at most
+       ``max_iter``.
+
+    Parameters
+    ----------
+    signs : SorfSigns
+        ``S`` of size ``d``.
+    b_matrix : (d, r) torch.Tensor
+        The frozen ``B``.
+    target : (d, r) torch.Tensor
+        ``T = U_r diag(Sigma_r)``.
+    rtol : float
+        Stop when ``||J^T r|| <= rtol max(||J^T T||, ||J|| ||r||)`` with
+        ``r = T - J x`` (see :func:`_cgls`); the default ``64 eps`` gives
+        ``x`` to about ``cond(J)^2 rtol`` relative.
+    max_iter : int, optional
+        Iteration cap (default ``4 d + 100``). If it or the rounding floor
+        stops the iteration above ``rtol``, a warning is logged and the
+        iterate with the smallest normal residual is returned.
+
+    Returns
+    -------
+    BFit
+        In ``target``'s dtype; computed in float64.
+    """
+    d = signs.d
+    _check_b_shapes(d, b_matrix, target)
+    f64 = torch.float64
+    s = signs.to(f64, target.device)
+    design = _BDesign.build(s, b_matrix.to(device=target.device, dtype=f64))
+    t_rows = target.to(f64).T.contiguous()  # (r, d)
+    rhs = design.apply_t(t_rows)  # J^T T
+    iterations = 0
+    if d == s.n:
+        # 1. S orthogonal: J^T J = diag(rho^2, rho^2), one transform.
+        rho_sq = design.pair_energy()
+        cutoff = float(rho_sq.max()) * d * torch.finfo(f64).eps
+        inv = torch.where(rho_sq > cutoff, 1.0 / rho_sq.clamp_min(cutoff), 0.0)
+        sol = rhs * torch.cat([inv, inv])
+    else:
+        # 2. CGLS from 0: the minimum-norm solution.
+        cap = 4 * d + 100 if max_iter is None else max_iter
+        sol, iterations, converged = _cgls(design, t_rows, rhs, rtol, cap)
+        if not converged:
+            _LOG.warning(
+                "fit_b: CGLS stopped after %d iterations above rtol %.1e "
+                "(d=%d, r=%d); returning the best iterate",
+                iterations,
+                rtol,
+                d,
+                t_rows.shape[0],
+            )
+    a, c = sol[: d // 2], sol[d // 2 :]
+    fitted_rows = design.apply(sol)
+    rhs_norm = float(torch.linalg.vector_norm(rhs))
+    normal = float(torch.linalg.vector_norm(design.apply_t(t_rows - fitted_rows)))
+    t_norm = float(torch.linalg.vector_norm(t_rows))
+    err = float(torch.linalg.vector_norm(fitted_rows - t_rows))
+    return BFit(
+        b_real=a.to(target.dtype),
+        b_imag=c.to(target.dtype),
+        residual=err / t_norm if t_norm > 0 else 0.0,
+        fitted=fitted_rows.T,
+        iterations=iterations,
+        normal_residual=normal / rhs_norm if rhs_norm > 0 else 0.0,
+    )
 
 
 def _pair_swap(x: torch.Tensor) -> torch.Tensor:
@@ -504,44 +743,23 @@ def _tie(
     return out
 
 
-def fit_b(signs: SorfSigns, b_matrix: torch.Tensor, target: torch.Tensor) -> BFit:
-    """Least-squares ``b`` of ``min_b ||S Gamma(b) B - T||_F``.
+def _fit_b_dense(
+    signs: SorfSigns, b_matrix: torch.Tensor, target: torch.Tensor
+) -> BFit:
+    """Reference :func:`fit_b` on the dense ``d x d`` normal equations.
 
-    ``Gamma(b) B = diag(alpha) B + diag(gamma) B~`` with ``alpha_{2j} =
-    alpha_{2j+1} = a_j``, ``gamma_{2j} = -c_j``, ``gamma_{2j+1} = c_j`` and
-    ``B~`` the rows of ``B`` swapped in pairs, so the residual is linear in
-    the ``d`` unknowns ``(a, c)``. With ``K = S^T S`` (``d`` FWHT applications,
-    no ``n x n`` matrix) the normal equations of ``u = (alpha, gamma)`` are
+    For tests and benchmarks only: ``O(d^3)`` time and ``O(d^2)`` memory (the
+    implementation :func:`fit_b` replaced). With ``K = S^T S`` (``d`` FWHT
+    applications) the normal equations of ``u = (alpha, gamma)``,
+    ``Gamma(b) B = diag(alpha) B + diag(gamma) B~`` (``B~``: rows swapped in
+    pairs, ``alpha_2j = alpha_2j+1 = a_j``, ``gamma = (-c_j, c_j)``), are
     ``[[K o BB^T, K o BB~^T], [K o B~B^T, K o B~B~^T]] u = (rowsum(S^T T o B),
-    rowsum(S^T T o B~))`` (``o`` the entrywise product), projected onto the
-    tied ``(a, c)`` coordinates: a ``d x d`` symmetric system, solved by an
-    eigendecomposition with cut-off ``eps * d * lambda_max`` (the
-    minimum-norm solution when it is singular). When ``d`` is a power of two
-    ``S`` is orthogonal and this equals the per-block 2x2 least squares on
-    ``S^{-1} T``.
-
-    Parameters
-    ----------
-    signs : SorfSigns
-        ``S`` of size ``d``.
-    b_matrix : (d, r) torch.Tensor
-        The frozen ``B``.
-    target : (d, r) torch.Tensor
-        ``T = U_r diag(Sigma_r)``.
-
-    Returns
-    -------
-    BFit
-        In ``target``'s dtype; computed in float64.
+    rowsum(S^T T o B~))`` (``o`` entrywise), tied to ``(a, c)`` by even/odd
+    slicing: a ``d x d`` symmetric system, solved by an eigendecomposition with
+    cut-off ``eps * d * lambda_max`` (the minimum-norm solution when singular).
     """
     d = signs.d
-    if d % 2:
-        raise ShapeMismatchError(f"Gamma(b) needs an even d_out, got {d}")
-    if b_matrix.ndim != 2 or b_matrix.shape[0] != d or target.shape != b_matrix.shape:
-        raise ShapeMismatchError(
-            f"B {tuple(b_matrix.shape)} and T {tuple(target.shape)} must both be "
-            f"({d}, r)"
-        )
+    _check_b_shapes(d, b_matrix, target)
     f64 = torch.float64
     s = signs.to(f64, target.device)
     bm = b_matrix.to(f64)
