@@ -1,4 +1,8 @@
-"""Run every benchmark: ``python -m benchmarks`` (``make bench``)."""
+"""Run every benchmark: ``python -m benchmarks`` (``make bench``).
+
+``FEDLR_BENCH_QUICK=1`` shortens the slow ones (bench_scale stops at 100
+clients).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ from benchmarks import (
     bench_fot,
     bench_lowrank,
     bench_qrmix,
+    bench_scale,
     bench_sorf,
     bench_svd,
     bench_svd_family,
@@ -18,6 +23,7 @@ BENCHMARKS = (
     bench_sorf,
     bench_qrmix,
     bench_fot,
+    bench_scale,
 )
 
 

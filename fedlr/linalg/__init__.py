@@ -4,6 +4,16 @@ Each module holds one family of kernels with the shapes in its docstrings;
 this package re-exports every module's public names (its ``__all__``).
 """
 
+from fedlr.linalg.cost import (
+    DEFAULT_COST_MODEL,
+    DENSE,
+    FACTORED,
+    GRAM,
+    RANDOMIZED,
+    CostModel,
+    PathChoice,
+    PathCost,
+)
 from fedlr.linalg.fot import (
     ResidualSketch,
     conv_activations,
@@ -19,9 +29,12 @@ from fedlr.linalg.fot import (
     weighted_residual_fraction,
 )
 from fedlr.linalg.lowrank import (
+    GapNorms,
     StackedResidual,
+    check_factors,
     factored_frobenius_norm,
     fold_residual,
+    gap_summary,
     mean_of_products_factors,
     normalise_weights,
     residual_factors,
@@ -37,6 +50,12 @@ from fedlr.linalg.qrmix import (
     fc_unflatten,
     qrmix_update,
     subspace_iteration,
+)
+from fedlr.linalg.randomized import (
+    randomized_svd_of_mean,
+    randomized_updates_svd,
+    svd_of_mean,
+    updates_svd,
 )
 from fedlr.linalg.sorf import (
     BFit,
@@ -66,6 +85,15 @@ from fedlr.linalg.sorf_refit import (
     refit_layer,
     sorf_left,
 )
+from fedlr.linalg.streaming import (
+    FrobeniusEstimate,
+    ProductSum,
+    StreamedResidual,
+    aggregate_gap,
+    dense_mean_of_products,
+    estimate_frobenius_sq,
+    work_dtype,
+)
 from fedlr.linalg.svd import (
     TruncatedSVD,
     adaptive_rank,
@@ -87,23 +115,39 @@ from fedlr.linalg.vera import (
 )
 
 __all__ = [
+    "DEFAULT_COST_MODEL",
+    "DENSE",
+    "FACTORED",
+    "GRAM",
     "QRMIX_FORMS",
+    "RANDOMIZED",
     "BFit",
     "ClientEigen",
+    "CostModel",
     "DFit",
+    "FrobeniusEstimate",
+    "GapNorms",
     "GivensPlan",
     "LayerRefit",
+    "PathChoice",
+    "PathCost",
     "PolarFactor",
+    "ProductSum",
     "ResidualSketch",
     "SorfSigns",
     "StackedResidual",
+    "StreamedResidual",
     "TruncatedSVD",
     "adaptive_rank",
+    "aggregate_gap",
     "build_lambda_d_rot",
+    "check_factors",
     "conv_activations",
     "decompose_orthogonal",
     "dense_activations",
+    "dense_mean_of_products",
     "energy_rank",
+    "estimate_frobenius_sq",
     "expand_basis",
     "factored_frobenius_norm",
     "factored_svd",
@@ -119,6 +163,7 @@ __all__ = [
     "fwht",
     "gamma_apply",
     "gamma_apply_t",
+    "gap_summary",
     "givens_pair_indices",
     "givens_plan",
     "local_svd_factors",
@@ -134,6 +179,8 @@ __all__ = [
     "project_update",
     "projection_residual_norm",
     "qrmix_update",
+    "randomized_svd_of_mean",
+    "randomized_updates_svd",
     "refit_layer",
     "require_common_rank",
     "residual_factors",
@@ -146,12 +193,15 @@ __all__ = [
     "stacked_residual",
     "stacked_updates_svd",
     "subspace_iteration",
+    "svd_of_mean",
     "tail_fraction",
     "tightened_threshold",
     "truncate",
     "truncated_svd_of_mean",
+    "updates_svd",
     "vera_factors",
     "vera_residual_factors",
     "weighted_mean",
     "weighted_residual_fraction",
+    "work_dtype",
 ]

@@ -21,7 +21,8 @@ References
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,9 +30,12 @@ import torch
 from fedlr.errors import ShapeMismatchError
 
 __all__ = [
+    "GapNorms",
     "StackedResidual",
+    "check_factors",
     "factored_frobenius_norm",
     "fold_residual",
+    "gap_summary",
     "mean_of_products_factors",
     "normalise_weights",
     "residual_factors",
@@ -40,6 +44,9 @@ __all__ = [
 ]
 
 _COMPUTE_DTYPE = torch.float64
+
+MEAN_CHUNK_BYTES = 64 * 2**20
+"""Largest float64 group :func:`weighted_mean` stacks at once (bytes)."""
 
 
 def _work_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -96,9 +103,25 @@ def _check_same_shapes(tensors: Sequence[torch.Tensor], what: str) -> torch.Size
     return shape
 
 
-def _check_factors(
+def check_factors(
     bs: Sequence[torch.Tensor], as_: Sequence[torch.Tensor]
 ) -> tuple[int, int, int]:
+    """Check k LoRA factor pairs agree in shape; return ``(d_out, r, d_in)``.
+
+    Parameters
+    ----------
+    bs : k tensors of shape (d_out, r)
+    as_ : k tensors of shape (r, d_in)
+
+    Raises
+    ------
+    ShapeMismatchError
+        Naming the shapes, if the lists differ in length, a factor is not
+        2-D, two clients' factors differ in shape, or ``B`` and ``A`` disagree
+        on ``r``.
+    ValueError
+        If no factors are given.
+    """
     if len(bs) != len(as_):
         raise ShapeMismatchError(f"{len(bs)} B factors but {len(as_)} A factors")
     b_shape = _check_same_shapes(bs, "B")
@@ -116,26 +139,43 @@ def _check_factors(
 
 
 def weighted_mean(
-    tensors: Sequence[torch.Tensor], weights: Sequence[float] | torch.Tensor
+    tensors: Sequence[torch.Tensor],
+    weights: Sequence[float] | torch.Tensor,
+    *,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Weighted mean of same-shaped tensors, computed in float64.
+    """Weighted mean of same-shaped tensors, accumulated in float64 in place.
+
+    One float64 accumulator of the tensors' shape; clients are added a group
+    at a time (``acc += sum_{i in group} w_i t_i``), each group's float64 copy
+    at most :data:`MEAN_CHUNK_BYTES`: the extra memory does not grow with
+    ``k`` (no float64 copy of every client tensor), and the number of torch
+    calls grows with the number of groups, not of clients.
 
     Parameters
     ----------
     tensors : sequence of k tensors of one shape
     weights : (k,) sequence of float
         Normalised internally (see :func:`normalise_weights`).
+    dtype : torch.dtype, optional
+        Of the result; default the first tensor's.
 
     Returns
     -------
     torch.Tensor
-        ``sum_i w_i t_i`` in the first tensor's dtype and device.
+        ``sum_i w_i t_i`` on the first tensor's device.
     """
     _check_same_shapes(tensors, "tensor")
-    w = normalise_weights(weights, len(tensors)).to(tensors[0].device)
-    stacked = torch.stack([t.to(_COMPUTE_DTYPE) for t in tensors])
-    mean = torch.tensordot(w, stacked, dims=1)
-    return mean.to(tensors[0].dtype)
+    w = normalise_weights(weights, len(tensors))
+    first = tensors[0]
+    acc = torch.zeros(first.shape, dtype=_COMPUTE_DTYPE, device=first.device)
+    per_tensor = max(1, first.numel() * 8)
+    step = max(1, MEAN_CHUNK_BYTES // per_tensor)
+    for start in range(0, len(tensors), step):
+        group = [t.to(first.device) for t in tensors[start : start + step]]
+        stacked = torch.stack(group).to(_COMPUTE_DTYPE)
+        acc.add_(torch.tensordot(w[start : start + step].to(first.device), stacked, 1))
+    return acc.to(first.dtype if dtype is None else dtype)
 
 
 def mean_of_products_factors(
@@ -158,7 +198,7 @@ def mean_of_products_factors(
     right : (k r, d_in) torch.Tensor, float64
         ``[A_1; ...; A_k]``.
     """
-    _check_factors(bs, as_)
+    check_factors(bs, as_)
     w = normalise_weights(weights, len(bs))
     left = torch.cat(
         [float(wi) * b.to(_COMPUTE_DTYPE) for wi, b in zip(w, bs, strict=True)], dim=1
@@ -191,6 +231,67 @@ def residual_factors(
     """
     residual = stacked_residual(bs, as_, weights)
     return residual.left, residual.right
+
+
+@dataclass(frozen=True)
+class GapNorms:
+    """One layer's Frobenius gap and the norm it is relative to.
+
+    Attributes
+    ----------
+    gap : float
+        ``||Delta_agg - Delta_ref||_F`` (or its estimate).
+    reference : float
+        ``||Delta_ref||_F`` (or its estimate).
+    estimated : bool
+        True when the numbers come from a randomized estimator
+        (:func:`fedlr.linalg.estimate_frobenius_sq`), not an exact computation.
+    gap_sq_error : float
+        Bound on ``|gap^2 - true gap^2|`` (``CostModel.error_sigmas`` standard
+        errors of the estimator, estimated from its probes); 0 when exact.
+    """
+
+    gap: float
+    reference: float
+    estimated: bool = False
+    gap_sq_error: float = 0.0
+
+    @property
+    def pair(self) -> tuple[float, float]:
+        """``(gap, reference)``, as :meth:`RoundReport.from_layers` takes them."""
+        return self.gap, self.reference
+
+
+def gap_summary(norms: Iterable[GapNorms]) -> dict[str, float]:
+    """Report metrics saying whether, and how far, a round's gap is estimated.
+
+    Parameters
+    ----------
+    norms : iterable of GapNorms
+        Every layer's gap.
+
+    Returns
+    -------
+    dict of str to float
+        ``gap-estimated``: 1.0 if any layer's gap is estimated, else 0.0.
+        ``gap-error-bound``: bound on ``|true - reported| / reported`` for the
+        total ``frobenius-gap = sqrt(sum gap^2)``. With the reported
+        ``G^2 = sum gap^2`` and ``E = sqrt(sum gap_sq_error^2)`` (layers'
+        estimates are independent), the true ``G'^2`` is within ``G^2 +- E``,
+        so ``|G' - G| / G <= 1 - sqrt(1 - E / G^2)`` (1.0 if ``E >= G^2``);
+        0.0 when every layer is exact.
+    """
+    items = list(norms)
+    estimated = any(n.estimated for n in items)
+    gap_sq = sum(n.gap * n.gap for n in items)
+    error = math.sqrt(sum(n.gap_sq_error**2 for n in items))
+    if error <= 0.0:
+        bound = 0.0
+    elif error >= gap_sq:
+        bound = 1.0
+    else:
+        bound = 1.0 - math.sqrt(1.0 - error / gap_sq)
+    return {"gap-estimated": 1.0 if estimated else 0.0, "gap-error-bound": bound}
 
 
 @dataclass(frozen=True)
@@ -232,6 +333,10 @@ class StackedResidual:
             factored_frobenius_norm(self.left, self.right),
             factored_frobenius_norm(*self.mean_of_products),
         )
+
+    def gap_norms(self) -> GapNorms:
+        """:meth:`norms` as an exact :class:`GapNorms`."""
+        return GapNorms(*self.norms())
 
     def fold(self, base_weight: torch.Tensor, scaling: float) -> torch.Tensor:
         """``W0 + scaling * (M - B_bar A_bar)`` as one GEMM.
@@ -290,8 +395,8 @@ def stacked_residual(
     """
     left, right = mean_of_products_factors(bs, as_, weights)
     w = normalise_weights(weights, len(bs))
-    b_bar = torch.tensordot(w, torch.stack([b.to(_COMPUTE_DTYPE) for b in bs]), dims=1)
-    a_bar = torch.tensordot(w, torch.stack([a.to(_COMPUTE_DTYPE) for a in as_]), dims=1)
+    b_bar = weighted_mean(bs, w, dtype=_COMPUTE_DTYPE)
+    a_bar = weighted_mean(as_, w, dtype=_COMPUTE_DTYPE)
     return StackedResidual(
         left=torch.cat([left, -b_bar], dim=1),
         right=torch.cat([right, a_bar], dim=0),
@@ -357,7 +462,7 @@ def fold_residual(
         not modified. The stacked factors are formed in float64; the single
         GEMM runs in float64 if any input is float64, else in float32.
     """
-    d_out, _, d_in = _check_factors(bs, as_)
+    d_out, _, d_in = check_factors(bs, as_)
     if tuple(base_weight.shape) != (d_out, d_in):
         raise ShapeMismatchError(
             f"base weight has shape {tuple(base_weight.shape)}, factors give "

@@ -23,13 +23,18 @@ devices.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from fedlr.errors import RankMismatchError, ShapeMismatchError
-from fedlr.linalg.lowrank import mean_of_products_factors, normalise_weights
+from fedlr.linalg.lowrank import (
+    check_factors,
+    mean_of_products_factors,
+    normalise_weights,
+)
 
 __all__ = [
     "TruncatedSVD",
@@ -60,14 +65,33 @@ class TruncatedSVD:
     vh : (r, n) torch.Tensor
         Right singular vectors as rows (orthonormal rows).
     singular_values : (q,) torch.Tensor
-        Every singular value the factored form determines (``q = min(m, n, p)``),
-        descending; ``s == singular_values[:r]``.
+        Every singular value the computation determined, descending;
+        ``s == singular_values[:r]``. Exact paths give all
+        ``q = min(m, n, p)``; a randomized one gives the leading ``l``
+        (its sketch size) and puts the rest of the energy in
+        ``residual_energy``.
+    residual_energy : float, default 0.0
+        ``||M||_F^2 - sum(singular_values^2)``: energy outside the computed
+        singular values (0 for exact paths).
+    energy_error : float, default 0.0
+        Bound on the error of ``residual_energy`` when it is estimated
+        (``energy_estimated``), in the same squared units; 0 otherwise.
+    energy_estimated : bool, default False
+        Whether ``residual_energy`` is a randomized estimate.
+    randomized : bool, default False
+        Whether the subspace came from a randomized range finder (then ``s``
+        are lower bounds of the true singular values, close to them when the
+        spectrum decays).
     """
 
     u: torch.Tensor
     s: torch.Tensor
     vh: torch.Tensor
     singular_values: torch.Tensor
+    residual_energy: float = 0.0
+    energy_error: float = 0.0
+    energy_estimated: bool = False
+    randomized: bool = False
 
     @property
     def rank(self) -> int:
@@ -77,18 +101,29 @@ class TruncatedSVD:
     @property
     def total_energy(self) -> float:
         """``sum sigma^2`` over all singular values (``||M||_F^2``)."""
-        return float((self.singular_values.double() ** 2).sum())
+        return float((self.singular_values.double() ** 2).sum()) + self.residual_energy
+
+    def energy_beyond(self, rank: int) -> float:
+        """``sum_{j >= rank} sigma_j^2``: squared error of the rank-``rank`` cut."""
+        if rank < 0:
+            raise ValueError(f"rank must be >= 0, got {rank}")
+        tail = float((self.singular_values[rank:].double() ** 2).sum())
+        return tail + self.residual_energy
+
+    def tail_fraction_at(self, rank: int) -> float:
+        """``energy_beyond(rank) / total_energy`` (0 for a zero matrix)."""
+        total = self.total_energy
+        return self.energy_beyond(rank) / total if total > 0 else 0.0
 
     @property
     def tail_energy(self) -> float:
         """``sum sigma^2`` of the discarded singular values (squared error)."""
-        return float((self.singular_values[self.rank :].double() ** 2).sum())
+        return self.energy_beyond(self.rank)
 
     @property
     def tail_fraction(self) -> float:
         """``tail_energy / total_energy`` (0 for a zero matrix)."""
-        total = self.total_energy
-        return self.tail_energy / total if total > 0 else 0.0
+        return self.tail_fraction_at(self.rank)
 
     def split_sqrt(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Balanced factors ``(U sqrt(S), sqrt(S) V^T)``, shapes (m, r), (r, n)."""
@@ -228,11 +263,8 @@ def truncate(svd: TruncatedSVD, rank: int) -> TruncatedSVD:
     if rank < 1:
         raise ValueError(f"rank must be >= 1, got {rank}")
     keep = min(rank, svd.rank)
-    return TruncatedSVD(
-        u=svd.u[:, :keep],
-        s=svd.s[:keep].clone(),
-        vh=svd.vh[:keep],
-        singular_values=svd.singular_values,
+    return dataclasses.replace(
+        svd, u=svd.u[:, :keep], s=svd.s[:keep].clone(), vh=svd.vh[:keep]
     )
 
 
@@ -357,13 +389,27 @@ def stacked_updates_svd(
         X = [sqrt(w_1) Delta_1^T, ..., sqrt(w_k) Delta_k^T]      (d_in, k d_out)
           = [A_1^T, ..., A_k^T] @ blockdiag(sqrt(w_i) B_i^T)
 
-    is a product of a (d_in, k r) and a (k r, k d_out) factor, so its rank-``rank``
-    truncated SVD ``U S V^T`` comes from :func:`factored_svd` without forming
-    any (d_out, d_in) matrix. The shared factor is ``A = sqrt(S) U^T``
+    is a product of a (d_in, k r) and a (k r, k d_out) factor. Its rank-``rank``
+    truncated SVD ``U S V^T`` is exact and factored, without forming any
+    (d_out, d_in) matrix or the block-diagonal factor:
+
+    1. thin QR ``[A_1^T, ..., A_k^T] = Q_1 R_1`` (d_in, m), (m, k r),
+       ``m = min(d_in, k r)``;
+    2. each client's own thin QR ``B_i = Q_{B_i} R_{B_i}``, so that
+       ``blockdiag(sqrt(w_i) B_i^T) = blockdiag(sqrt(w_i) R_{B_i}^T)
+       blockdiag(Q_{B_i})^T`` with orthonormal ``blockdiag(Q_{B_i})``;
+    3. the SVD of the core ``C = [sqrt(w_i) R_1[:, block i] R_{B_i}^T]_i``
+       (m, k min(d_out, r)), ``C = U_c S V_c^T``;
+    4. ``U = Q_1 U_c`` and client ``i``'s block of ``V`` is
+       ``Q_{B_i} V_c[block i]``.
+
+    Memory is ``O(d_in k r + m k r)``, not the ``O(k^2 r d_out)`` of the
+    block-diagonal factor. The shared factor is ``A = sqrt(S) U^T``
     (rank, d_in); client ``i`` gets ``B_i' = V_i sqrt(S) / sqrt(w_i)``
-    (d_out, rank), ``V_i`` its block of rows of ``V``. Then
-    ``sum_i w_i ||Delta_i - B_i' A||_F^2`` is the discarded energy of ``X``
-    (Eckart-Young: the best such pair of factors).
+    (d_out, rank). Then ``sum_i w_i ||Delta_i - B_i' A||_F^2`` is the
+    discarded energy of ``X`` (Eckart-Young: the best such pair of factors).
+    For many clients, :func:`fedlr.linalg.updates_svd` picks a cheaper path by
+    a cost model.
 
     Parameters
     ----------
@@ -382,23 +428,70 @@ def stacked_updates_svd(
     svd : TruncatedSVD
         Of ``X``; ``svd.tail_energy`` is the weighted squared gap.
     """
+    w = _positive_weights(bs, as_, weights)
+    if rank < 1:
+        raise ValueError(f"rank must be >= 1, got {rank}")
+    k, d_out, r = len(bs), int(bs[0].shape[0]), int(bs[0].shape[1])
+    roots = w.sqrt()
+    # 1. QR of the stacked input-side factors.
+    q1, r1 = torch.linalg.qr(torch.cat([a.double().T for a in as_], dim=1))
+    m = int(r1.shape[0])
+    # 2. Every client's QR of B_i at once (batched), 3. the core's blocks.
+    qb, rb = torch.linalg.qr(torch.stack(list(bs)).double())  # (k, d_out, m_b)
+    width = int(qb.shape[2])
+    blocks = r1.reshape(m, k, r).transpose(0, 1) @ (
+        roots[:, None, None] * rb.transpose(1, 2)
+    )  # (k, m, m_b)
+    core = blocks.transpose(0, 1).reshape(m, k * width)
+    uc, s, vch = torch.linalg.svd(core, full_matrices=False)
+    keep = min(rank, s.numel())
+    # 4. Back to the full spaces.
+    u = q1 @ uc[:, :keep]
+    vh_blocks = vch[:keep].reshape(keep, k, width).transpose(0, 1) @ qb.transpose(
+        1, 2
+    )  # (k, keep, d_out)
+    vh = vh_blocks.transpose(0, 1).reshape(keep, k * d_out)
+    u, vh = fix_signs(u, vh)
+    svd = TruncatedSVD(u=u, s=s[:keep].clone(), vh=vh, singular_values=s)
+    root = svd.s.sqrt()
+    a_shared = root[:, None] * svd.u.T
+    blocks_t = svd.vh.reshape(keep, k, d_out).permute(1, 2, 0)  # (k, d_out, keep)
+    b_list = list(((blocks_t * root) / roots[:, None, None]).unbind(0))
+    return a_shared, b_list, svd
+
+
+def _positive_weights(
+    bs: Sequence[torch.Tensor],
+    as_: Sequence[torch.Tensor],
+    weights: Sequence[float] | torch.Tensor,
+) -> torch.Tensor:
+    """Normalised Global-SVD client weights, checked positive, and the factors' shapes.
+
+    Parameters
+    ----------
+    bs : k tensors (d_out, r)
+    as_ : k tensors (r, d_in)
+    weights : (k,) sequence of float
+
+    Returns
+    -------
+    (k,) torch.Tensor
+        float64 weights summing to one.
+
+    Raises
+    ------
+    ShapeMismatchError
+        If the factor lists differ in length, are empty, or disagree in shape.
+    ValueError
+        If a weight is not positive.
+    """
     if len(bs) != len(as_) or not bs:
         raise ShapeMismatchError(f"{len(bs)} B factors but {len(as_)} A factors")
+    check_factors(bs, as_)
     w = normalise_weights(weights, len(bs))
     if bool((w <= 0).any()):
         raise ValueError(f"every client weight must be positive, got {w.tolist()}")
-    d_out = int(bs[0].shape[0])
-    left = torch.cat([a.double().T for a in as_], dim=1)
-    blocks = [w[i].sqrt() * b.double().T for i, b in enumerate(bs)]
-    right = torch.block_diag(*blocks)
-    svd = factored_svd(left, right, rank=rank)
-    root = svd.s.sqrt()
-    a_shared = root[:, None] * svd.u.T
-    b_list = [
-        (svd.vh[:, i * d_out : (i + 1) * d_out].T * root) / w[i].sqrt()
-        for i in range(len(bs))
-    ]
-    return a_shared, b_list, svd
+    return w
 
 
 def local_svd_factors(

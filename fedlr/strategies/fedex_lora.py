@@ -10,9 +10,14 @@ LoRA scaling ``s = alpha / r``, to the frozen base weight of each adapted
 layer: ``W0 <- W0 + s Delta_res``. Then ``W0 + s B_bar A_bar`` equals
 ``W0 + s sum_i w_i B_i A_i``: the aggregation is exact. peft's ``B @ A`` already
 has ``nn.Linear``'s (out, in) shape, so no transpose is applied. The residual
-is a product of stacked factors applied as one GEMM
-(:meth:`fedlr.linalg.StackedResidual.fold`), built once per layer and shared
-with the gap report; the new base weights are sent to the clients next round.
+is built once per layer and shared with the gap report
+(:meth:`~fedlr.strategies.lora.LoraStrategy.layer_residuals`): with few
+clients a product of stacked factors applied as one GEMM
+(:meth:`fedlr.linalg.StackedResidual.fold`); with many, the centred form
+``sum_i w_i (B_i - B_bar)(A_i - A_bar)`` accumulated in place, a chunk of
+clients per GEMM, into one ``d_out x d_in`` buffer that also gives the exact
+gap (:meth:`fedlr.linalg.StreamedResidual.fold`), linear in the number of
+clients. The new base weights are sent to the clients next round.
 
 References
 ----------

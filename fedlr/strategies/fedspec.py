@@ -1,8 +1,10 @@
 """FedSpec: the best rank-r factors of the mean of products, with adaptive rank.
 
 With client weights ``w_i`` the ideal aggregate is
-``M = sum_i w_i B_i A_i``. Its truncated SVD ``M ~ U_r S_r V_r^T`` (from the
-stacked factors, :func:`fedlr.linalg.truncated_svd_of_mean`) gives the
+``M = sum_i w_i B_i A_i``. Its truncated SVD ``M ~ U_r S_r V_r^T``
+(:func:`fedlr.linalg.svd_of_mean`: from the stacked factors while ``k r`` is
+small, else a dense in-place sum for small layers or a randomized range finder
+over the clients, chosen by a cost model) gives the
 balanced factors
 
     B = U_r sqrt(S_r),    A = sqrt(S_r) V_r^T,
@@ -22,6 +24,12 @@ factors are already cut at the new rank ``r'``. If ``M`` has fewer than
 peft scales ``B A`` by ``alpha / r``; so that the model's update
 ``(alpha / r') B A`` equals ``(alpha / r) M_{r'}``, both factors are multiplied
 by ``sqrt(r' / r)``.
+
+With many clients the SVD may be randomized: ``svd-randomized`` is then 1.0,
+and the tail energy (hence ``tail-energy``, the rank rule's input, and the
+gap) includes a Hutch++ estimate of the energy outside the sketched subspace:
+``gap-estimated`` is 1.0 and ``gap-error-bound`` bounds the relative error of
+``frobenius-gap`` (three standard errors of the estimate).
 
 References
 ----------
@@ -45,11 +53,13 @@ from fedlr.adapters.roles import AdapterLayout, Role
 from fedlr.config import RunConfig
 from fedlr.errors import ConfigError
 from fedlr.linalg import (
+    DEFAULT_COST_MODEL,
+    GapNorms,
     adaptive_rank,
+    gap_summary,
     pad_factors,
-    tail_fraction,
+    svd_of_mean,
     truncate,
-    truncated_svd_of_mean,
 )
 from fedlr.options import NoOptions, Options, option, require
 from fedlr.payloads import LORA
@@ -117,7 +127,12 @@ class FedSpec(SvdLoraStrategy):
         Other parameters: see :class:`~fedlr.strategies.lora_svd.SvdLoraStrategy`.
     """
 
-    extra_columns: ClassVar[tuple[str, ...]] = ("tail-energy",)
+    extra_columns: ClassVar[tuple[str, ...]] = (
+        "tail-energy",
+        "gap-estimated",
+        "gap-error-bound",
+        "svd-randomized",
+    )
 
     def __init__(
         self,
@@ -197,22 +212,28 @@ class FedSpec(SvdLoraStrategy):
         state.update(self.weighted_means(updates, self.layout.keys(Role.HEAD)))
         weights = [u.weight for u in updates]
         rank = self.rank
-        # 1. Factored SVD of every layer's mean of products (all kr triplets).
+        # 1. Truncated SVD of every layer's mean of products, at the largest rank
+        #    the rule can reach; the path (factored QR, dense, randomized) is the
+        #    cost model's (fedlr.linalg.svd_of_mean), exact while that is cheap.
+        reach = max(rank, min(rank + 2, self.max_rank))
         svds = {
-            m.name: truncated_svd_of_mean(
+            m.name: svd_of_mean(
                 [u.arrays[m.b_key] for u in updates],
                 [u.arrays[m.a_key] for u in updates],
                 weights,
+                reach,
+                cost=DEFAULT_COST_MODEL,
+                seed=self.seed + server_round,
             )
             for m in self.layout.modules
         }
         # 2. Rank rule on the largest tail fraction at the current rank.
-        tail = max(tail_fraction(s.singular_values, rank) for s in svds.values())
+        tail = max(s.tail_fraction_at(rank) for s in svds.values())
         new_rank = adaptive_rank(rank, min(tail, 1.0), self.threshold, self.max_rank)
         new_layout = layout_at_rank(self.layout, new_rank)
         gain = math.sqrt(new_rank / rank)  # (alpha / r') B A == (alpha / r) M_r'
         # 3. Balanced factors of the rank-r' truncation, padded if needed.
-        layers: dict[str, tuple[float, float]] = {}
+        gaps: dict[str, GapNorms] = {}
         for m, new_m in zip(self.layout.modules, new_layout.modules, strict=True):
             cut = truncate(svds[m.name], new_rank)
             b, a = cut.split_sqrt()
@@ -221,12 +242,21 @@ class FedSpec(SvdLoraStrategy):
             del state[m.b_key], state[m.a_key]
             state[new_m.b_key] = (gain * b).to(dtype)
             state[new_m.a_key] = (gain * a).to(dtype)
-            layers[m.name] = (math.sqrt(cut.tail_energy), math.sqrt(cut.total_energy))
+            gaps[m.name] = GapNorms(
+                math.sqrt(max(cut.tail_energy, 0.0)),
+                math.sqrt(max(cut.total_energy, 0.0)),
+                estimated=cut.energy_estimated,
+                gap_sq_error=cut.energy_error,
+            )
         if new_rank != rank:
             log(INFO, "fedspec round %d: rank %d -> %d", server_round, rank, new_rank)
         self.layout = new_layout
         self.rank_history.append(new_rank)
-        report = self._report(layers)
+        report = self._report(
+            {name: g.pair for name, g in gaps.items()},
+            **gap_summary(gaps.values()),
+            **{"svd-randomized": float(any(v.randomized for v in svds.values()))},
+        )
         report.metrics["tail-energy"] = tail
         log(
             INFO,

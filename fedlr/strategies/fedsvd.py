@@ -11,7 +11,10 @@ with ``A`` fixed, and send ``B_i``. Since ``A`` is common,
 so the product is unchanged while ``A`` is re-orthonormalised along the
 directions the clients' updates actually use. The SVD comes from thin QRs of
 ``B_bar`` (d_out, r) and ``A^T`` (d_in, r) and an (r, r) core; nothing of size
-d_out x d_in is formed.
+d_out x d_in is formed, and nothing grows with the number of clients but the
+mean of ``B``. The gap report uses the same fact: every client shares ``A``, so
+``sum_i w_i B_i A = B_bar A`` and the gap is exact from ``2 r``-wide factors
+whatever the number of clients (:func:`fedlr.linalg.aggregate_gap`).
 
 References
 ----------

@@ -11,12 +11,15 @@ client's ``lora_B = V_k[block i] sqrt(S_k)``.
 ``global-svd``: clients train ``lora_A`` and ``lora_B`` and send both. The
 server stacks the transposed updates side by side,
 ``X = [sqrt(w_1) Delta_1^T, ..., sqrt(w_k) Delta_k^T]`` (d_in x k d_out), takes
-the rank-``r`` truncated SVD from the stacked factors
-(:func:`fedlr.linalg.stacked_updates_svd`), broadcasts the shared ``lora_A``
+the rank-``r`` truncated SVD (:func:`fedlr.linalg.updates_svd`: from the stacked
+factors with per-client blocks while ``k r`` is small, else from the Gram
+operator ``X X^T = sum_i A_i^T (w_i B_i^T B_i) A_i``, dense and exact for small
+``d_in`` or by randomized subspace iteration, chosen by a cost model; the
+report's ``svd-randomized`` says which), broadcasts the shared ``lora_A``
 and sends each client its own block of ``lora_B`` (an ArrayRecord
 ``personal``, stored in the client's ``context.state``). Then
 ``sum_i w_i ||Delta_i - B_i' A'||_F^2`` is the discarded energy of ``X``: the
-Frobenius gap reported per layer.
+Frobenius gap reported per layer (exact for the factors sent, on every path).
 
 ``local-svd``: each client takes the SVD of its own update,
 ``Delta_i^T = U_i S_i V_i^T``, keeps ``lora_B = V_i sqrt(S_i)`` in its state and
@@ -40,7 +43,7 @@ import torch
 
 from fedlr import protocol
 from fedlr.adapters.roles import Role
-from fedlr.linalg import pad_factors, stacked_updates_svd
+from fedlr.linalg import DEFAULT_COST_MODEL, pad_factors, updates_svd
 from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.lora_svd import PersonalLoraStrategy
@@ -64,6 +67,10 @@ class GlobalSVD(PersonalLoraStrategy):
     Parameters: see :class:`~fedlr.strategies.lora_svd.PersonalLoraStrategy`.
     """
 
+    extra_columns: ClassVar[tuple[str, ...]] = (
+        *PersonalLoraStrategy.extra_columns,
+        "svd-randomized",
+    )
     send_roles: ClassVar[tuple[Role, ...]] = (Role.LORA_A, Role.HEAD)
     train_roles: ClassVar[tuple[Role, ...]] = (Role.LORA_A, Role.LORA_B, Role.HEAD)
     keep_roles: ClassVar[tuple[Role, ...]] = ()
@@ -80,13 +87,17 @@ class GlobalSVD(PersonalLoraStrategy):
         weights = [u.weight for u in updates]
         personal: dict[int, dict[str, torch.Tensor]] = {u.node_id: {} for u in updates}
         layers: dict[str, tuple[float, float]] = {}
+        randomized = False
         for m in self.layout.modules:
-            a, bs, svd = stacked_updates_svd(
+            a, bs, svd = updates_svd(
                 [u.arrays[m.b_key] for u in updates],
                 [u.arrays[m.a_key] for u in updates],
                 weights,
                 m.rank,
+                cost=DEFAULT_COST_MODEL,
+                seed=self.seed + server_round,
             )
+            randomized = randomized or svd.randomized
             dtype = current[m.a_key].dtype
             padded = [
                 pad_factors(b, a, m.rank, seed=self.seed + server_round) for b in bs
@@ -96,7 +107,8 @@ class GlobalSVD(PersonalLoraStrategy):
                 personal[u.node_id][m.b_key] = b.to(dtype)
             layers[m.name] = (math.sqrt(svd.tail_energy), math.sqrt(svd.total_energy))
         self.personal.update(personal)
-        return state, self.with_personal_count(updates, self._report(layers))
+        report = self._report(layers, **{"svd-randomized": float(randomized)})
+        return state, self.with_personal_count(updates, report)
 
 
 @register_method(

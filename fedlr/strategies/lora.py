@@ -22,7 +22,15 @@ from fedlr.adapters.roles import AdaptedModel, AdapterLayout, Role
 from fedlr.config import RunConfig
 from fedlr.errors import UnsupportedModelError
 from fedlr.flower.records import record_to_state, state_to_record
-from fedlr.linalg import StackedResidual, stacked_residual
+from fedlr.linalg import (
+    DEFAULT_COST_MODEL,
+    FACTORED,
+    StackedResidual,
+    StreamedResidual,
+    check_factors,
+    gap_summary,
+    stacked_residual,
+)
 from fedlr.options import Options
 from fedlr.robust import ProductSpace, UpdateSpace
 from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
@@ -127,37 +135,53 @@ class LoraStrategy(FedLRStrategy):
     # ----------------------------------------------------------------- helpers
     def layer_residuals(
         self, updates: list[ClientUpdate]
-    ) -> dict[str, StackedResidual]:
-        """Each layer's FedEx residual ``sum_i w_i B_i A_i - B_bar A_bar``, stacked.
+    ) -> dict[str, StackedResidual | StreamedResidual]:
+        """Each layer's FedEx residual ``sum_i w_i B_i A_i - B_bar A_bar``.
 
         Built once per layer and shared by :meth:`gap_report` and FedEx's fold.
+        The cost model (:meth:`fedlr.linalg.CostModel.residual`) keeps the
+        stacked factors (:func:`fedlr.linalg.stacked_residual`, exact QR norms)
+        while they are cheap, and streams the clients otherwise
+        (:class:`fedlr.linalg.StreamedResidual`: in-place fold with exact
+        norms, or a flagged Hutch++ estimate when there is no fold).
         """
         weights = [u.weight for u in updates]
-        return {
-            module.name: stacked_residual(
-                [u.arrays[module.b_key] for u in updates],
-                [u.arrays[module.a_key] for u in updates],
-                weights,
-            )
-            for module in self.layout.modules
-        }
+        residuals: dict[str, StackedResidual | StreamedResidual] = {}
+        for module in self.layout.modules:
+            bs = [u.arrays[module.b_key] for u in updates]
+            as_ = [u.arrays[module.a_key] for u in updates]
+            d_out, rank, d_in = check_factors(bs, as_)
+            path = DEFAULT_COST_MODEL.residual(len(bs), rank, d_out, d_in).path
+            if path == FACTORED:
+                residuals[module.name] = stacked_residual(bs, as_, weights)
+            else:
+                residuals[module.name] = StreamedResidual(
+                    bs, as_, weights, cost=DEFAULT_COST_MODEL
+                )
+        return residuals
 
     def gap_report(
         self,
         updates: list[ClientUpdate],
-        residuals: Mapping[str, StackedResidual] | None = None,
+        residuals: Mapping[str, StackedResidual | StreamedResidual] | None = None,
     ) -> RoundReport:
         """Frobenius gap ``||sum_i w_i B_i A_i - B_bar A_bar||_F`` per layer and total.
 
-        The relative gap divides by ``||sum_i w_i B_i A_i||_F``. Both are computed
-        from stacked factors (no dense product per client): ``residuals``, from
-        :meth:`layer_residuals` (built here when not given).
+        The relative gap divides by ``||sum_i w_i B_i A_i||_F``. Both come from
+        ``residuals`` (:meth:`layer_residuals`, built here when not given),
+        never from a dense product per client. ``gap-estimated`` (1.0 when a
+        layer's gap is a randomized estimate, with many clients and no fold)
+        and ``gap-error-bound`` (a bound on the relative error of
+        ``frobenius-gap``, 0 when exact) say how it was measured
+        (:func:`fedlr.linalg.gap_summary`).
         """
         if residuals is None:
             residuals = self.layer_residuals(updates)
+        norms = {m.name: residuals[m.name].gap_norms() for m in self.layout.modules}
         return RoundReport.from_layers(
-            {m.name: residuals[m.name].norms() for m in self.layout.modules},
+            {name: n.pair for name, n in norms.items()},
             rank=float(self.rank),
+            **gap_summary(norms.values()),
         )
 
     # ------------------------------------------------------ plug-in users

@@ -40,8 +40,9 @@ from fedlr.config import RunConfig
 from fedlr.errors import ReplyValidationError
 from fedlr.flower.records import record_nbytes, record_to_state
 from fedlr.linalg import (
-    factored_frobenius_norm,
-    mean_of_products_factors,
+    DEFAULT_COST_MODEL,
+    aggregate_gap,
+    gap_summary,
     normalise_weights,
     personal_change,
     require_common_rank,
@@ -141,7 +142,7 @@ class SvdLoraStrategy(LoraStrategy):
         Parameters
         ----------
         updates : sequence of ClientUpdate
-            For the weights (num-examples).
+            For the weights (``weight``).
         client_factors : mapping of layer name to (k B_i (d_out, r), k A_i (r, d_in))
         aggregate : mapping of layer name to (B_agg (d_out, r'), A_agg (r', d_in))
             The aggregate's update in the same units as ``B_i A_i``.
@@ -149,27 +150,35 @@ class SvdLoraStrategy(LoraStrategy):
         Returns
         -------
         RoundReport
-            ``frobenius-gap``, ``relative-gap`` (over ``||sum_i w_i B_i A_i||``)
-            and ``rank``; per-layer gaps. The difference is the product of the
-            stacked factors ``[w_1 B_1, ..., w_k B_k, -B_agg]`` and
-            ``[A_1; ...; A_k; A_agg]`` (two thin QRs, no dense product).
+            ``frobenius-gap``, ``relative-gap`` (over ``||sum_i w_i B_i A_i||``),
+            ``rank``, ``gap-estimated`` and ``gap-error-bound``; per-layer
+            gaps. No dense product per client: when every client shares ``A``
+            (FedSVD, FFA-LoRA) the mean is ``B_bar A`` exactly, whatever ``k``;
+            otherwise :func:`fedlr.linalg.aggregate_gap` picks the stacked
+            factors' QR norms, an in-place dense sum, or a flagged estimate.
         """
         weights = [u.weight for u in updates]
-        layers: dict[str, tuple[float, float]] = {}
-        for name, (bs, as_) in client_factors.items():
-            left, right = mean_of_products_factors(bs, as_, weights)
-            b_agg, a_agg = aggregate[name]
-            ideal = factored_frobenius_norm(left, right)
-            gap = factored_frobenius_norm(
-                torch.cat([left, -b_agg.to(left.dtype)], dim=1),
-                torch.cat([right, a_agg.to(right.dtype)], dim=0),
+        norms = {
+            name: aggregate_gap(
+                bs,
+                as_,
+                weights,
+                *aggregate[name],
+                cost=DEFAULT_COST_MODEL,
+                seed=self.seed,
             )
-            layers[name] = (gap, ideal)
-        return self._report(layers)
+            for name, (bs, as_) in client_factors.items()
+        }
+        return self._report(
+            {name: n.pair for name, n in norms.items()},
+            **gap_summary(norms.values()),
+        )
 
-    def _report(self, layers: Mapping[str, tuple[float, float]]) -> RoundReport:
-        """Totals from per-layer (gap, reference norm) pairs, and ``rank``."""
-        return RoundReport.from_layers(layers, rank=float(self.rank))
+    def _report(
+        self, layers: Mapping[str, tuple[float, float]], **metrics: float
+    ) -> RoundReport:
+        """Totals from per-layer (gap, reference norm) pairs, ``rank``, ``metrics``."""
+        return RoundReport.from_layers(layers, rank=float(self.rank), **metrics)
 
     def averaged(
         self, updates: Sequence[ClientUpdate], current: Mapping[str, torch.Tensor]
