@@ -51,7 +51,11 @@ class RunConfig(Options):
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     batch_size: int = field(default=16, metadata={"help": "client batch size"})
     eval_batch_size: int = field(
-        default=64, metadata={"help": "batch size of the server's evaluation"}
+        default=64,
+        metadata={
+            "help": "batch size of evaluations (0: the largest that fits, halved on "
+            "out-of-memory)"
+        },
     )
     eval_every: int = field(
         default=1,
@@ -194,7 +198,6 @@ class RunConfig(Options):
             "num_server_rounds",
             "local_steps",
             "batch_size",
-            "eval_batch_size",
             "lora_rank",
             "num_partitions",
             "min_replies",
@@ -233,6 +236,10 @@ class RunConfig(Options):
         if not 0.0 < self.fraction_train <= 1.0:
             raise ConfigError(
                 "fraction-train", f"must be in (0, 1], got {self.fraction_train}"
+            )
+        if self.eval_batch_size < 0:
+            raise ConfigError(
+                "eval-batch-size", f"must be >= 0, got {self.eval_batch_size}"
             )
         if self.max_eval_examples < 0:
             raise ConfigError(

@@ -31,6 +31,7 @@ from fedlr.data.partition import FederatedSplit
 from fedlr.errors import ConfigError, ShapeMismatchError
 from fedlr.models.vision import VISION_MODELS, VisionModel, build_vision_model
 from fedlr.options import Options, option, require
+from fedlr.train import in_batches
 
 __all__ = [
     "NORMALISATION",
@@ -380,12 +381,15 @@ def evaluate_images(
         return math.nan, math.nan
     device = device or torch.device("cpu")
     model.to(device).eval()
-    correct = 0
-    loss_sum = 0.0
-    for start in range(0, len(data), batch_size):
-        x = data.x[start : start + batch_size].to(device)
-        y = data.y[start : start + batch_size].to(device)
+    totals = [0, 0.0]  # correct, loss sum
+
+    def step(start: int, stop: int) -> None:
+        x = data.x[start:stop].to(device)
+        y = data.y[start:stop].to(device)
         logits = model(x)
-        loss_sum += float(torch.nn.functional.cross_entropy(logits, y, reduction="sum"))
-        correct += int((logits.argmax(-1) == y).sum())
-    return correct / len(data), loss_sum / len(data)
+        loss = float(torch.nn.functional.cross_entropy(logits, y, reduction="sum"))
+        totals[0] += int((logits.argmax(-1) == y).sum())
+        totals[1] += loss
+
+    in_batches(len(data), batch_size, step)
+    return totals[0] / len(data), totals[1] / len(data)

@@ -6,6 +6,7 @@ Nothing here knows about Flower: the client apps call :func:`train_steps` and
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -14,6 +15,8 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from fedlr.errors import ConfigError
+
+_LOG = logging.getLogger("fedlr")
 
 __all__ = [
     "EncodedText",
@@ -235,15 +238,50 @@ def evaluate(
     if len(data) == 0:
         return math.nan, math.nan
     model.to(device).eval()
-    correct = 0
-    loss_sum = 0.0
+    totals = [0, 0.0]  # correct, loss sum
     # Batches of similar length waste no compute on padding; the result does
     # not depend on the order.
     order = sorted(range(len(data)), key=lambda i: len(data.input_ids[i]))
-    for start in range(0, len(data), batch_size):
-        idx = order[start : start + batch_size]
+
+    def step(start: int, stop: int) -> None:
+        idx = order[start:stop]
         batch = {k: v.to(device) for k, v in data.batch(idx).items()}
         out = model(**batch)
-        loss_sum += float(out.loss) * len(idx)
-        correct += int((out.logits.argmax(-1) == batch["labels"]).sum())
-    return correct / len(data), loss_sum / len(data)
+        loss = float(out.loss) * len(idx)
+        totals[0] += int((out.logits.argmax(-1) == batch["labels"]).sum())
+        totals[1] += loss
+
+    in_batches(len(data), batch_size, step)
+    return totals[0] / len(data), totals[1] / len(data)
+
+
+AUTO_EVAL_BATCH = 1024
+"""The first batch size tried by ``eval-batch-size = 0`` (halved on OOM)."""
+
+
+def in_batches(n: int, batch_size: int, step: Callable[[int, int], None]) -> int:
+    """Call ``step(start, stop)`` over ``range(n)`` in batches; the size used.
+
+    ``batch_size = 0`` chooses the largest batch that fits: it starts at
+    ``min(n, AUTO_EVAL_BATCH)`` and halves the batch whenever the device runs
+    out of memory (``torch.OutOfMemoryError``), retrying the same batch, so
+    ``step`` must only accumulate once it has succeeded. A fixed
+    ``batch_size`` never changes and an OOM propagates.
+    """
+    size = batch_size or max(1, min(n, AUTO_EVAL_BATCH))
+    start = 0
+    with torch.no_grad():
+        while start < n:
+            stop = min(start + size, n)
+            try:
+                step(start, stop)
+            except torch.OutOfMemoryError:
+                if batch_size or size == 1:
+                    raise
+                size //= 2
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                _LOG.info("evaluation batch halved to %d (out of memory)", size)
+                continue
+            start = stop
+    return size

@@ -111,7 +111,7 @@ def train_message(message: Message, context: Context) -> Message:
             bases,
             sketch_dim=config_int(round_config, protocol.SKETCH_DIM, 0),
             seed=(config.seed * 1_000_003 + pid) * 1_009 + gpse_task,
-            batch_size=config.eval_batch_size,
+            batch_size=config.eval_batch_size or 256,
         )
         sketch_arrays = {}
         for layer, sketch in sketches.items():

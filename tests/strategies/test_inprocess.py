@@ -66,7 +66,9 @@ def test_in_process_run_writes_one_row_per_round(tmp_path, assets, method, caplo
 
 
 def test_eval_every_skips_server_evaluation_but_not_the_last_round(tmp_path, assets):
-    run_dir = _run(tmp_path, **{"num-server-rounds": 3, "eval-every": 2})
+    run_dir = _run(
+        tmp_path, **{"num-server-rounds": 3, "eval-every": 2, "eval-batch-size": 0}
+    )
     frame = pd.read_csv(run_dir / "results.csv")
     assert frame["accuracy"].isna().tolist() == [True, False, False]
     assert frame["eval-seconds"].iloc[0] < frame["eval-seconds"].iloc[1]

@@ -27,7 +27,7 @@ AT_PARSE: dict[str, tuple[object, str]] = {
     "lr-decay": (1.5, r"in \(0, 1\]"),
     "weight-decay": (1.0, r"in \[0, 1\)"),
     "batch-size": (0, "must be >= 1"),
-    "eval-batch-size": (0, "must be >= 1"),
+    "eval-batch-size": (-1, "must be >= 0"),
     "eval-every": (0, "must be >= 1"),
     "max-length": (4, r"in \[8, 4096\]"),
     "pooling": ("max", "not one of mean, cls"),
