@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -226,6 +227,17 @@ def train_loss_of(metrics: Mapping[str, object]) -> float:
     return math.nan
 
 
+@contextmanager
+def _undecodable(where: str) -> Iterator[None]:
+    """Turn any error of reading ``.npy`` bytes into a ProtocolError."""
+    try:
+        yield
+    except Exception as exc:  # a malformed .npy raises many kinds of error
+        raise ProtocolError(
+            f"{where} does not decode: {type(exc).__name__}: {exc}"
+        ) from None
+
+
 def decode_array(array: object, shape: tuple[int, ...], *, where: str) -> torch.Tensor:
     """Decode one untrusted reply array, checking everything before decoding it.
 
@@ -282,30 +294,27 @@ def decode_array(array: object, shape: tuple[int, ...], *, where: str) -> torch.
             f"{MAX_HEADER_BYTES}"
         )
     stream = io.BytesIO(data)
-    try:
+    with _undecodable(where):
         version = np.lib.format.read_magic(stream)
-        if version == (1, 0):
-            header = np.lib.format.read_array_header_1_0(stream)
-        else:
-            header = np.lib.format.read_array_header_2_0(stream)
-        dtype = np.dtype(header[2])
-        if (
-            tuple(header[0]) != tuple(shape)
-            or dtype.name != str(array.dtype)
-            or not dtype.isnative
-        ):
-            raise ProtocolError(
-                f"{where}'s payload holds {dtype.str} {tuple(header[0])}, not the "
-                f"declared native {array.dtype} {tuple(shape)}"
-            )
-        stream.seek(0)
-        values = np.load(stream, allow_pickle=False)
-    except ProtocolError:
-        raise
-    except Exception as exc:  # a malformed .npy raises many kinds of error
+        read_header = (
+            np.lib.format.read_array_header_1_0
+            if version == (1, 0)
+            else np.lib.format.read_array_header_2_0
+        )
+        header_shape, _, descr = read_header(stream)
+        dtype = np.dtype(descr)
+    if (
+        tuple(header_shape) != tuple(shape)
+        or dtype.name != str(array.dtype)
+        or not dtype.isnative
+    ):
         raise ProtocolError(
-            f"{where} does not decode: {type(exc).__name__}: {exc}"
-        ) from None
+            f"{where}'s payload holds {dtype.str} {tuple(header_shape)}, not the "
+            f"declared native {array.dtype} {tuple(shape)}"
+        )
+    stream.seek(0)
+    with _undecodable(where):
+        values = np.load(stream, allow_pickle=False)
     if values.shape != tuple(shape) or values.dtype != dtype:
         raise ProtocolError(f"{where} decodes to {values.dtype} {values.shape}")
     tensor = torch.from_numpy(np.ascontiguousarray(values))
