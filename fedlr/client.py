@@ -31,6 +31,13 @@ What :func:`apply_round` does with the instruction (:mod:`fedlr.protocol`):
   values, then the node's personal arrays: an ArrayRecord ``personal`` in the
   instruction (Global SVD), kept in ``context.state``, or the ``keep-roles``
   a previous round left there (FedSA-LoRA, Local SVD);
+* **base weights** (FedEx-LoRA, VeRA-FedEx): dense base weights in
+  ``arrays`` are kept in ``context.state`` with their ``base-version``; an
+  instruction without them brings the kept ones up to date with its
+  ``base-delta`` changes and checks them against ``base-check``
+  (:func:`fedlr.downlink.receive_base`; a node that cannot raises
+  :class:`~fedlr.errors.BaseOutOfSyncError` and is sent dense weights next
+  time);
 * **what trains**: freezes every parameter except those of ``train-roles``
   and ``keep-roles`` (:meth:`ClientRound.parameters`); FedProx's
   ``proximal-mu`` becomes :meth:`ClientRound.penalty`.
@@ -41,8 +48,9 @@ factors first), the ``keep-roles`` stored in ``context.state`` (and FedSA's
 ``personal-gram``, ``B^T B`` per layer, as an extra record), and one
 MetricRecord with ``num-examples``, the user's metrics unchanged, and the
 protocol's own (``partition-id``, ``personal-loaded``, VeRA's
-``projection-seed`` and ``projection-rank``). For an ``evaluate`` message the
-reply is one MetricRecord: ``num-examples`` and the user's metrics.
+``projection-seed`` and ``projection-rank``, FedEx's ``base-held``). For an
+``evaluate`` message the reply is one MetricRecord: ``num-examples`` and the
+user's metrics.
 """
 
 from __future__ import annotations
@@ -76,7 +84,8 @@ from fedlr.adapters.plugin import (
 )
 from fedlr.adapters.roles import AdaptedModel, AdapterLayout, Role, RoleLayout
 from fedlr.adapters.sorf_vera import SorfVeraLayout
-from fedlr.adapters.vera import VeraLayout, check_projection
+from fedlr.adapters.vera import VeraLayout, VeraModel, check_projection
+from fedlr.downlink import Projections, receive_base
 from fedlr.errors import ProtocolError
 from fedlr.flower.records import (
     array_record,
@@ -105,6 +114,7 @@ _RESERVED = (
     protocol.PERSONAL_LOADED,
     protocol.PROJECTION_SEED,
     protocol.PROJECTION_RANK,
+    protocol.BASE_HELD,
 )
 """Reply metrics the helpers write; a user's metrics may not carry them."""
 
@@ -133,6 +143,9 @@ class ClientRound:
         Whether personal arrays (kept or received) were loaded.
     changes : tuple of LoraLayerChange
         LoRA layers rebuilt at another rank or given another scaling.
+    base_version : int or None
+        The version of the base weights loaded (FedEx methods), kept in
+        ``context.state``; ``None`` when the strategy does not version them.
     """
 
     model: torch.nn.Module
@@ -144,6 +157,7 @@ class ClientRound:
     keep_roles: tuple[Role, ...]
     personal_loaded: bool
     changes: tuple[LoraLayerChange, ...] = ()
+    base_version: int | None = None
     _penalty: Callable[[], torch.Tensor] | None = field(default=None, repr=False)
 
     # ------------------------------------------------------------ the round
@@ -252,6 +266,8 @@ class ClientRound:
             values[protocol.PROJECTION_RANK] = int(layout.rank)
         elif self.keep_roles or self.personal_split or self.personal_loaded:
             values[protocol.PERSONAL_LOADED] = int(self.personal_loaded)
+        if self.base_version is not None:
+            values[protocol.BASE_HELD] = int(self.base_version)
         trained = self.adapted.state(self.train_roles + self.keep_roles)
         if bool(self.config.get(protocol.CLIENT_SVD, False)):
             if not isinstance(layout, AdapterLayout):
@@ -316,6 +332,9 @@ def apply_round(
     ProtocolError
         If the ConfigRecord names roles the model does not have, or a
         ``lora-rank`` / ``lora-alpha`` that is not positive.
+    BaseOutOfSyncError
+        If the instruction sends base-weight changes this node cannot apply
+        (its kept base weights are lost, too old, or drifted).
     UnknownKeyError, ShapeMismatchError
         If the received arrays do not fit the model (another architecture, or
         another rank where the strategy does not send ``lora-rank``).
@@ -347,6 +366,16 @@ def apply_round(
     received = record_to_state(array_record(content, protocol.ARRAYS))
     view.layout.check_shapes({k: v.shape for k, v in received.items()})
     state.update(received)
+    base = receive_base(
+        received,
+        content,
+        config,
+        context.state,
+        view.layout.keys(Role.BASE),
+        _projections(view),
+    )
+    if base is not None:
+        state.update(base[0])
     if protocol.PERSONAL in content.array_records:
         context.state[protocol.PERSONAL] = content.array_records[protocol.PERSONAL]
     loaded = False
@@ -387,8 +416,17 @@ def apply_round(
         keep_roles=keep,
         personal_loaded=loaded,
         changes=tuple(changes),
+        base_version=None if base is None else base[1],
         _penalty=penalty,
     )
+
+
+def _projections(view: AdaptedModel) -> Projections | None:
+    """A VeRA model's shared projections of a layer, for base-weight changes."""
+    if not isinstance(view, VeraModel):
+        return None
+    a, b = view.projection_a, view.projection_b
+    return lambda d_out, d_in: (a[:, :d_in], b[:d_out])
 
 
 def _is_train(message: Message) -> bool:

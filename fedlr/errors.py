@@ -73,6 +73,16 @@ class ProtocolError(FedLRError, ValueError):
     """
 
 
+class BaseOutOfSyncError(ProtocolError):
+    """A node cannot rebuild the base weights a FedEx instruction needs.
+
+    It keeps none (its state was lost), older ones than the changes sent start
+    from, or its result fails the server's checksum
+    (:func:`fedlr.downlink.receive_base`). The node's reply is an error; the
+    server drops it and sends that node the dense base weights next time.
+    """
+
+
 class NoValidRepliesError(FedLRError, RuntimeError):
     """Fewer valid replies arrived than the strategy needs to aggregate.
 

@@ -16,6 +16,9 @@ ArrayRecord ``arrays``      the global arrays the method sends, keyed as the
                             adapter layout
 ArrayRecord ``personal``    a node's own factors (Global SVD), optional
 ArrayRecord ``bases``       FOT's per-layer bases, optional
+ArrayRecord ``base-delta``  FedEx: the base-weight changes the node missed, in
+                            factored form, instead of the base weights in
+                            ``arrays`` (:mod:`fedlr.downlink`), optional
 ConfigRecord ``config``     ``server-round``, ``lr``, ``local-steps``,
                             ``batch-size``, ``train-roles`` and the method's
                             own keys below
@@ -28,7 +31,8 @@ ArrayRecord ``arrays``      exactly the arrays of ``train-roles``
 ArrayRecord (extra)         ``personal-gram``, ``eigen``, ``sketches`` when the
                             method asks for them
 MetricRecord ``metrics``    ``num-examples`` (the client's weight),
-                            ``train-loss`` and any metrics of the user's own
+                            ``train-loss``, FedEx's ``base-held`` and any
+                            metrics of the user's own
 ==========================  ==================================================
 
 docs/architecture.md ("The record contract") has the full table.
@@ -51,6 +55,11 @@ from fedlr.errors import ProtocolError
 __all__ = [
     "ARRAYS",
     "BASES",
+    "BASE_CHECK",
+    "BASE_DELTA",
+    "BASE_HELD",
+    "BASE_STATE",
+    "BASE_VERSION",
     "BATCH_SIZE",
     "CLIENT_SVD",
     "CONFIG",
@@ -111,6 +120,12 @@ SKETCHES = "sketches"
 """FOT reply ArrayRecord of GPSE activation sketches, keyed by layer."""
 BASES = "bases"
 """FOT instruction ArrayRecord of the current bases, keyed by layer."""
+BASE_DELTA = "base-delta"
+"""FedEx instruction ArrayRecord: the base-weight changes a node missed, in
+factored form (:mod:`fedlr.downlink`), sent instead of the dense base weights."""
+BASE_STATE = "fedlr-base"
+"""Name under which a client keeps its base weights (an ArrayRecord) and
+their version (a ConfigRecord) in ``context.state``."""
 
 # ------------------------------------------------------------ config keys
 SERVER_ROUND = "server-round"
@@ -146,6 +161,12 @@ SKETCH_DIM = "sketch-dim"
 """FOT: columns of the random projection of the activations."""
 QRMIX_STAGE = "qrmix-stage"
 """QR-Mix: 1 (FedAvg warm-up) or 2 (head from the clients' eigenpairs)."""
+BASE_VERSION = "base-version"
+"""FedEx: the version of the base weights this instruction carries (dense in
+``arrays``, or reached from the node's stored ones by ``base-delta``)."""
+BASE_CHECK = "base-check"
+"""FedEx: per base key (layout order), a checksum of the base weights at
+``base-version`` (:func:`fedlr.downlink.checksum`)."""
 PROXIMAL_MU = "proximal-mu"
 """FedProx: weight ``mu`` of the clients' proximal term
 ``(mu / 2) ||theta - theta_global||^2`` over the trained parameters."""
@@ -161,6 +182,9 @@ PARTITION_ID = "partition-id"
 PERSONAL_LOADED = "personal-loaded"
 GPSE_EXAMPLES = "gpse-examples"
 """FOT reply metric: examples behind the sketches."""
+BASE_HELD = "base-held"
+"""FedEx reply metric: the ``base-version`` the node now keeps in its state
+(a node that sends it is sent factored changes from then on)."""
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 """Dtypes a reply's arrays may have."""

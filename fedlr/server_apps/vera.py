@@ -83,7 +83,8 @@ def vera_plan(method: MethodConfig) -> ServerPlan:
     options = VeraOptions.of(method.options)
     vm = build_vera_text_model(method.run, options)
     strategy = strategy_cls.from_run_config(method.run, vm, options)
-    return _plan(method.run, vm, strategy, (), options.vera_lr)
+    columns = tuple(getattr(strategy, "extra_columns", ()))
+    return _plan(method.run, vm, strategy, columns, options.vera_lr)
 
 
 def sorf_vera_plan(method: MethodConfig) -> ServerPlan:

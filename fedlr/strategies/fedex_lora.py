@@ -27,14 +27,19 @@ References
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from fedlr.adapters.roles import Role
+from fedlr.config import RunConfig
+from fedlr.downlink import lowrank_delta
+from fedlr.linalg import StackedResidual
+from fedlr.options import Options
 from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
+from fedlr.strategies.fedex_downlink import DownlinkOptions, FactoredDownlink
 from fedlr.strategies.registry import register_method
 
 __all__ = ["FedExLoRA"]
@@ -43,14 +48,30 @@ __all__ = ["FedExLoRA"]
 @register_method(
     "fedex-lora",
     payload=LORA,
+    options=DownlinkOptions,
     summary="FedAvg of A, B plus the exact residual folded into W0",
 )
-class FedExLoRA(FedAvgLoRA):
+class FedExLoRA(FactoredDownlink, FedAvgLoRA):
     """FedAvg-LoRA whose residual is folded into the base weights.
 
-    Parameters: see :class:`~fedlr.strategies.lora.LoraStrategy`. The global arrays
-    must include the base weights (role ``base``) of every adapted layer.
+    Parameters
+    ----------
+    layout : AdapterLayout
+    fedex_downlink : {"factored", "dense"}, default "factored"
+        How the new base weights reach the nodes
+        (:class:`~fedlr.strategies.fedex_downlink.FactoredDownlink`).
+    **kwargs
+        Other parameters: see :class:`~fedlr.strategies.lora.LoraStrategy`.
+
+    The global arrays must include the base weights (role ``base``) of every
+    adapted layer.
     """
+
+    @classmethod
+    def strategy_kwargs(
+        cls, config: RunConfig, options: Options | None
+    ) -> dict[str, Any]:
+        return {"fedex_downlink": DownlinkOptions.of(options).fedex_downlink}
 
     send_roles: ClassVar[tuple[Role, ...]] = (
         Role.LORA_A,
@@ -76,7 +97,19 @@ class FedExLoRA(FedAvgLoRA):
         state = dict(current)
         state.update(self.weighted_means(updates, self.layout.keys(*self.train_roles)))
         for module in self.layout.modules:
-            state[module.base_key] = residuals[module.name].fold(
-                current[module.base_key], module.scaling
+            residual = residuals[module.name]
+            base = current[module.base_key]
+            delta = (
+                lowrank_delta(
+                    residual.left, residual.right, module.scaling, dtype=base.dtype
+                )
+                if self.factored and isinstance(residual, StackedResidual)
+                else None
             )
-        return state, self.gap_report(updates, residuals)
+            state[module.base_key] = self.fold_base(
+                module.base_key,
+                base,
+                delta,
+                lambda r=residual, w=base, s=module.scaling: r.fold(w, s),
+            )
+        return state, self.publish_base(state, self.gap_report(updates, residuals))

@@ -48,6 +48,7 @@ from fedlr.adapters.plugin import (
 from fedlr.adapters.roles import AdaptedModel, Role, RoleLayout
 from fedlr.adapters.vera import VeraLayout, VeraModel
 from fedlr.config import RunConfig
+from fedlr.downlink import vera_delta
 from fedlr.errors import ReplyValidationError
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.linalg import factored_frobenius_norm, weighted_mean
@@ -55,6 +56,11 @@ from fedlr.linalg.vera import fold_vera_residual, vera_residual_factors
 from fedlr.options import Options, option, require
 from fedlr.payloads import VERA
 from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
+from fedlr.strategies.fedex_downlink import (
+    DOWNLINK_HELP,
+    FactoredDownlink,
+    check_downlink,
+)
 from fedlr.strategies.registry import register_method
 from fedlr.vera_tasks import VeraOptions
 
@@ -281,7 +287,7 @@ class VeraStrategy(ProjectionChecked):
 
     def round_config(self, server_round: int) -> dict[str, Any]:
         return {
-            "train-roles": ",".join(role.value for role in self.train_roles),
+            protocol.TRAIN_ROLES: protocol.encode_roles(self.train_roles),
             **self.projection_config(),
         }
 
@@ -338,9 +344,11 @@ class VeraFedExOptions(VeraOptions):
     """VeRA-FedEx's run-config keys (the ``vera`` payload's and its own)."""
 
     fedex_lr: float = option(1.0, "vera-fedex: fraction of the residual folded into W0")
+    fedex_downlink: str = option("factored", DOWNLINK_HELP)
 
     def check(self) -> None:
         super().check()
+        check_downlink(self.fedex_downlink)
         require(
             math.isfinite(self.fedex_lr) and 0 < self.fedex_lr <= 1,
             "fedex-lr",
@@ -354,16 +362,27 @@ class VeraFedExOptions(VeraOptions):
     options=VeraFedExOptions,
     summary="FedAvg of VeRA's lambdas plus the exact residual folded into W0",
 )
-class VeraFedEx(FedAvgVeRA):
+class VeraFedEx(FactoredDownlink, FedAvgVeRA):
     """FedAvg-VeRA whose residual (times ``fedex_lr``) is folded into ``W0``.
 
-    Parameters: see :class:`VeraStrategy`. The global arrays must include the
-    base weights (role ``base``) of every adapted layer.
+    The new base weights reach the nodes through the factored downlink
+    (:class:`~fedlr.strategies.fedex_downlink.FactoredDownlink`): the
+    residual is ``s (B o M) A`` with ``M = sum_i w_i b_i d_i^T - b_bar
+    d_bar^T``, so only the factors of ``M`` (d_out x (k - 1) and r x (k - 1),
+    from a factored SVD of the sum) travel (:func:`fedlr.downlink.vera_delta`).
+
+    Parameters: see :class:`VeraStrategy`, and ``fedex_downlink``
+    (``"factored"`` or ``"dense"``). The global arrays must include the base
+    weights (role ``base``) of every adapted layer.
     """
 
     @classmethod
     def strategy_kwargs(cls, options: Options | None) -> dict[str, Any]:
-        return {"fedex_lr": VeraFedExOptions.of(options).fedex_lr}
+        own = VeraFedExOptions.of(options)
+        return {"fedex_lr": own.fedex_lr, "fedex_downlink": own.fedex_downlink}
+
+    def delta_projections(self) -> Any:
+        return self.projections
 
     def options(self) -> dict[str, Any]:
         return {**super().options(), "fedex_lr": self.fedex_lr}
@@ -389,15 +408,30 @@ class VeraFedEx(FedAvgVeRA):
                     f"global arrays lack the base weight '{m.base_key}' that "
                     "VeRA-FedEx folds the residual into"
                 )
-            a, b = self.projections(m.d_out, m.d_in)
-            state[m.base_key] = fold_vera_residual(
-                current[m.base_key],
-                [u.arrays[m.lambda_b_key] for u in updates],
-                [u.arrays[m.lambda_d_key] for u in updates],
-                a,
-                b,
-                weights,
-                scaling=m.scaling,
-                step=self.fedex_lr,
+            lambda_bs = [u.arrays[m.lambda_b_key] for u in updates]
+            lambda_ds = [u.arrays[m.lambda_d_key] for u in updates]
+            base = current[m.base_key]
+            delta = (
+                vera_delta(
+                    lambda_bs,
+                    lambda_ds,
+                    weights,
+                    m.scaling * self.fedex_lr,
+                    m.d_in,
+                    dtype=base.dtype,
+                )
+                if self.factored
+                else None
             )
-        return state, report
+            a, b = self.projections(m.d_out, m.d_in)
+            state[m.base_key] = self.fold_base(
+                m.base_key,
+                base,
+                delta,
+                lambda w=base, bs=lambda_bs, ds=lambda_ds, a=a, b=b, s=m.scaling: (
+                    fold_vera_residual(
+                        w, bs, ds, a, b, weights, scaling=s, step=self.fedex_lr
+                    )
+                ),
+            )
+        return state, self.publish_base(state, report)

@@ -109,6 +109,7 @@ def test_fedex_builds_each_layers_stacked_factors_once(
     assert len(calls) == len(LAYOUT.modules)
     # Same numbers as the gap of plain FedAvg and an exact fold.
     calls.clear()
+    assert report.metrics.pop("dense-base-sends") == 0.0  # no instruction sent
     assert report == FedAvgLoRA(layout=LAYOUT).gap_report(updates)
     w = torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=F64) / 10
     for m in LAYOUT.modules:

@@ -45,7 +45,8 @@ def test_in_process_run_writes_one_row_per_round(tmp_path, assets, method, caplo
     ]
     assert all("accuracy" in m and "gap" in m for m in progress)
     frame = pd.read_csv(run_dir / "results.csv")
-    assert list(frame.columns) == list(COLUMNS)
+    extra = ["dense-base-sends"] if method == "fedex-lora" else []
+    assert list(frame.columns) == list(COLUMNS) + extra
     assert frame["round"].tolist() == [1, 2, 3]
     assert (frame["method"] == method).all()
     assert frame["accuracy"].between(0, 1).all()
@@ -81,11 +82,23 @@ def test_eval_every_skips_server_evaluation_but_not_the_last_round(tmp_path, ass
 
 def test_fedex_sends_base_weights_down(tmp_path, assets):
     avg = pd.read_csv(_run(tmp_path / "a", method="fedavg-lora") / "results.csv")
-    fedex = pd.read_csv(_run(tmp_path / "b", method="fedex-lora") / "results.csv")
-    # 4 adapted 32x32 layers of float32 per client, 3 clients.
-    extra = fedex["bytes-down"] - avg["bytes-down"]
-    assert (extra >= 3 * 4 * 32 * 32 * 4).all()
-    assert (fedex["bytes-up"] == avg["bytes-up"]).all()
+    dense = pd.read_csv(
+        _run(tmp_path / "b", method="fedex-lora", **{"fedex-downlink": "dense"})
+        / "results.csv"
+    )
+    factored = pd.read_csv(_run(tmp_path / "c", method="fedex-lora") / "results.csv")
+    # 4 adapted 32x32 layers of float32 per client, 3 clients (each array
+    # also carries its .npy header).
+    base = 3 * 4 * 32 * 32 * 4
+    assert (dense["bytes-down"] - avg["bytes-down"]).between(base, base * 1.05).all()
+    assert (dense["bytes-up"] == avg["bytes-up"]).all()
+    # Factored: round 1 is dense (no node keeps base weights yet); round 2
+    # sends each node round 1's residual, of rank <= (3 - 1) x 4 = 8:
+    # 8 x (32 + 32) floats per layer.
+    assert factored["bytes-down"][0] == dense["bytes-down"][0]
+    assert factored["dense-base-sends"].tolist() == [3, 0]
+    extra = factored["bytes-down"][1] - avg["bytes-down"][1]
+    assert 0 < extra <= 3 * 4 * 8 * 64 * 4 < base
 
 
 def test_same_config_gives_bitwise_same_weights(tmp_path, assets):

@@ -309,8 +309,8 @@ def _run(tmp_path, **overrides):
 def test_in_process_rounds(tmp_path, assets, method):
     run_dir, _ = _run(tmp_path, method=method)
     frame = pd.read_csv(run_dir / "results.csv")
-    extra = ["b-residual", "d-residual"] if method == "sorf-vera" else []
-    assert list(frame.columns) == list(COLUMNS) + extra
+    extra = {"sorf-vera": ["b-residual", "d-residual"], "vera-fedex": ["dense-base-sends"]}
+    assert list(frame.columns) == list(COLUMNS) + extra.get(method, [])
     assert frame["round"].tolist() == [1, 2]
     assert (frame["clients"] == 3).all() and (frame["dropped"] == 0).all()
     assert frame["accuracy"].between(0, 1).all()

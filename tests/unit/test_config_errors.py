@@ -78,6 +78,7 @@ AT_PARSE: dict[str, tuple[object, str]] = {
     "vera-d-initial": (float("inf"), "must be finite"),
     "vera-lr": (0.0, "finite and > 0"),
     "fedex-lr": (1.5, r"in \(0, 1\]"),
+    "fedex-downlink": ("sparse", r"one of \['factored', 'dense'\]"),
     "sorf-rank": (65, "must be <= 64"),
     "sorf-d-scale-initial": (float("nan"), "must be finite"),
 }

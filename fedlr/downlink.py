@@ -1,0 +1,597 @@
+"""The factored FedEx downlink: base-weight changes as low-rank factors.
+
+FedEx-LoRA and VeRA-FedEx fold each round's residual into the frozen base
+weights, so the base weights change every round. Sent dense, they dominate the
+traffic (7.38 MB down against 0.30 MB up per client on the default run). But
+one round's change has low rank:
+
+* FedEx-LoRA: ``s (sum_i w_i B_i A_i - B_bar A_bar)`` has rank at most
+  ``(k - 1) r`` (it equals ``s sum_i w_i (B_i - B_bar)(A_i - A_bar)``);
+* VeRA-FedEx: ``s (B o M) A`` with the shared projections ``A`` (r, d_in) and
+  ``B`` (d_out, r), ``o`` the elementwise product and
+  ``M = sum_i w_i b_i d_i^T - b_bar d_bar^T`` (d_out x r, rank at most
+  ``k - 1``), so only ``M``'s factors travel.
+
+The server recompresses the sum by a factored SVD (:func:`lowrank_delta`,
+:func:`vera_delta`): what is sent is the SVD of the aggregate, never a
+client's own factors. Singular values below the float32 rounding of the
+stacked factors (``eps32 ||left||_F ||right||_F``) are dropped.
+
+Versions. The server numbers the base weights it publishes
+(:class:`BaseLedger`). A node that keeps the base weights of version ``v``
+(:func:`receive_base`, in ``context.state``) and said so (reply metric
+``base-held``) is sent the changes ``v+1 .. t`` (ArrayRecord ``base-delta``)
+instead of the dense weights, when they are smaller; a node the server knows
+nothing about, or one that missed more changes than the dense weights weigh,
+is sent the dense weights. Both sides apply a change with the same function
+(:meth:`BaseDelta.apply`: float64 accumulation, rounded to the base's dtype),
+so the node's base weights are the server's. Each instruction carries a
+checksum of the base weights it leads to (``base-check``,
+:func:`checksum`); a node whose result differs by more than
+``CHECK_TOLERANCE`` of the weights' norm raises
+:class:`~fedlr.errors.BaseOutOfSyncError`, the server drops that reply and
+sends the node dense weights the next time it is sampled.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, cast
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+
+from fedlr import protocol
+from fedlr.errors import BaseOutOfSyncError, ShapeMismatchError
+from fedlr.flower.records import config_int, record_to_state, state_to_record
+from fedlr.linalg.lowrank import normalise_weights
+from fedlr.linalg.svd import factored_svd
+
+__all__ = [
+    "CHECK_TOLERANCE",
+    "LOWRANK",
+    "VERA",
+    "BaseDelta",
+    "BaseLedger",
+    "checksum",
+    "decode_steps",
+    "encode_steps",
+    "lowrank_delta",
+    "receive_base",
+    "vera_delta",
+]
+
+LOWRANK = "lowrank"
+"""``W <- W + left @ right``; left (d_out, q), right (q, d_in)."""
+VERA = "vera"
+"""``W <- W + (B o (left @ right)) @ A``; left (d_out, q), right (q, r), with
+the layer's shared projections ``B`` (d_out, r) and ``A`` (r, d_in)."""
+_KINDS = (LOWRANK, VERA)
+
+CHECK_TOLERANCE = 1e-5
+"""A node's base weight ``W`` passes the checksum when
+``|checksum(W) - expected| <= CHECK_TOLERANCE * ||W||_F``. A random-sign
+projection of a difference ``E`` has size about ``||E||_F``, so drifts above
+about this fraction of the weights' norm are caught."""
+
+_VERSION_RECORD = f"{protocol.BASE_STATE}-version"
+"""The ConfigRecord in ``context.state`` with the stored base weights' version."""
+
+_F32_EPS = float(torch.finfo(torch.float32).eps)
+
+Projections = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+"""``projections(d_out, d_in) -> (A[:, :d_in], B[:d_out])`` of a VeRA layer."""
+
+
+@dataclass(frozen=True)
+class BaseDelta:
+    """One layer's change of base weight, in factored form.
+
+    Attributes
+    ----------
+    kind : str
+        :data:`LOWRANK` or :data:`VERA`.
+    left : (d_out, q) torch.Tensor
+    right : (q, d_in) or (q, r) torch.Tensor
+        ``q`` is the change's rank (0 for no change).
+    """
+
+    kind: str
+    left: torch.Tensor
+    right: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ValueError(f"unknown base-delta kind {self.kind!r}")
+        if (
+            self.left.ndim != 2
+            or self.right.ndim != 2
+            or self.left.shape[1] != self.right.shape[0]
+        ):
+            raise ShapeMismatchError(
+                f"base-delta factors {tuple(self.left.shape)} and "
+                f"{tuple(self.right.shape)} do not multiply"
+            )
+
+    @property
+    def rank(self) -> int:
+        """``q``."""
+        return int(self.left.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the two factors on the wire."""
+        return sum(t.numel() * t.element_size() for t in (self.left, self.right))
+
+    def apply(
+        self, base: torch.Tensor, projections: Projections | None = None
+    ) -> torch.Tensor:
+        """``base`` plus the change, accumulated in float64, in ``base``'s dtype.
+
+        The server and the nodes call this same function on the same inputs.
+
+        Raises
+        ------
+        ShapeMismatchError
+            If the factors do not fit ``base`` (or the projections).
+        ValueError
+            If a VeRA change is applied without ``projections``.
+        """
+        d_out, d_in = (int(n) for n in base.shape)
+        left = self.left.to(torch.float64)
+        right = self.right.to(torch.float64)
+        if left.shape[0] != d_out:
+            raise ShapeMismatchError(
+                f"base-delta left factor {tuple(left.shape)} does not fit a base "
+                f"weight of shape {(d_out, d_in)}"
+            )
+        if self.kind == LOWRANK:
+            if right.shape[1] != d_in:
+                raise ShapeMismatchError(
+                    f"base-delta right factor {tuple(right.shape)} does not fit a "
+                    f"base weight of shape {(d_out, d_in)}"
+                )
+            change = left @ right
+        else:
+            if projections is None:
+                raise ValueError("a VeRA base-delta needs the layer's projections")
+            a, b = projections(d_out, d_in)
+            if tuple(b.shape) != (d_out, right.shape[1]) or a.shape[1] != d_in:
+                raise ShapeMismatchError(
+                    f"base-delta factors {tuple(left.shape)}, {tuple(right.shape)} "
+                    f"do not fit the projections A {tuple(a.shape)}, "
+                    f"B {tuple(b.shape)}"
+                )
+            change = (b.to(torch.float64) * (left @ right)) @ a.to(torch.float64)
+        return (base.to(torch.float64) + change).to(base.dtype)
+
+
+def _recompress(
+    left: torch.Tensor, right: torch.Tensor, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scaling * left @ right`` as ``(U S scaling, V^T)`` at its numerical rank.
+
+    Singular values at or below ``eps32 ||left||_F ||right||_F`` (the float32
+    rounding of the factors' product) are dropped.
+    """
+    left = left.to(torch.float64)
+    right = right.to(torch.float64)
+    svd = factored_svd(left, right)
+    scale = float(torch.linalg.matrix_norm(left)) * float(
+        torch.linalg.matrix_norm(right)
+    )
+    keep = int((svd.s > _F32_EPS * scale).sum())
+    return svd.u[:, :keep] * (svd.s[:keep] * scaling), svd.vh[:keep]
+
+
+def _smaller(delta: BaseDelta, d_out: int, d_in: int, itemsize: int) -> bool:
+    return delta.nbytes < d_out * d_in * itemsize
+
+
+def lowrank_delta(
+    left: torch.Tensor,
+    right: torch.Tensor,
+    scaling: float,
+    *,
+    dtype: torch.dtype = torch.float32,
+) -> BaseDelta | None:
+    """FedEx-LoRA's change ``scaling * left @ right``, recompressed.
+
+    Parameters
+    ----------
+    left : (d_out, p) torch.Tensor
+    right : (p, d_in) torch.Tensor
+        Stacked factors of the residual
+        (:class:`fedlr.linalg.StackedResidual`).
+    scaling : float
+        The LoRA scaling ``alpha / r``.
+    dtype : torch.dtype, default float32
+        The factors' dtype on the wire (the base weights').
+
+    Returns
+    -------
+    BaseDelta or None
+        ``None`` when the factors would not be smaller than the dense weight.
+    """
+    d_out, d_in = int(left.shape[0]), int(right.shape[1])
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if left.shape[1] * (d_out + d_in) >= d_out * d_in * 2:
+        return None  # even at half the stacked rank it would not pay
+    u, vh = _recompress(left, right, scaling)
+    delta = BaseDelta(LOWRANK, u.to(dtype).contiguous(), vh.to(dtype).contiguous())
+    return delta if _smaller(delta, d_out, d_in, itemsize) else None
+
+
+def vera_delta(
+    lambda_bs: Sequence[torch.Tensor],
+    lambda_ds: Sequence[torch.Tensor],
+    weights: Sequence[float] | torch.Tensor,
+    scaling: float,
+    d_in: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+) -> BaseDelta | None:
+    """VeRA-FedEx's change ``scaling (B o M) A``: the factors of ``M``.
+
+    ``M = sum_i w_i b_i d_i^T - b_bar d_bar^T`` (d_out x r), from the stacked
+    ``[w_1 b_1, ..., w_k b_k, -b_bar]`` and ``[d_1, ..., d_k, d_bar]``.
+
+    Parameters
+    ----------
+    lambda_bs : k tensors of shape (d_out,)
+    lambda_ds : k tensors of shape (r,)
+    weights : (k,) sequence of float
+        Normalised internally.
+    scaling : float
+        The adapter's scaling times the fold's step (``fedex-lr``).
+    d_in : int
+        The layer's input size (to compare with the dense weight).
+    dtype : torch.dtype, default float32
+
+    Returns
+    -------
+    BaseDelta or None
+        ``None`` when the factors would not be smaller than the dense weight.
+    """
+    w = normalise_weights(weights, len(lambda_bs)).to(torch.float64)
+    bs = torch.stack([b.to(torch.float64) for b in lambda_bs], dim=1)
+    ds = torch.stack([d.to(torch.float64) for d in lambda_ds], dim=1)
+    b_bar = bs @ w
+    d_bar = ds @ w
+    left = torch.cat([bs * w, -b_bar[:, None]], dim=1)
+    right = torch.cat([ds, d_bar[:, None]], dim=1).T
+    u, vh = _recompress(left, right, scaling)
+    delta = BaseDelta(VERA, u.to(dtype).contiguous(), vh.to(dtype).contiguous())
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return delta if _smaller(delta, int(left.shape[0]), d_in, itemsize) else None
+
+
+@lru_cache(maxsize=64)
+def _probe(key: str, shape: tuple[int, ...]) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+    signs = torch.randint(0, 2, shape, generator=generator, dtype=torch.int8)
+    return signs.to(torch.float64).mul_(2.0).sub_(1.0)
+
+
+def checksum(key: str, weight: torch.Tensor) -> float:
+    """``sum(W * P)`` in float64, ``P`` a random-sign pattern seeded by ``key``.
+
+    Tolerant of rounding (compare with :data:`CHECK_TOLERANCE` times
+    ``||W||_F``), unlike a hash of the bytes.
+    """
+    w = weight.detach().to("cpu", torch.float64)
+    return float((w * _probe(key, tuple(w.shape))).sum())
+
+
+def _matches(key: str, weight: torch.Tensor, expected: float) -> bool:
+    norm = float(torch.linalg.vector_norm(weight.detach().to(torch.float64)))
+    return abs(checksum(key, weight) - expected) <= CHECK_TOLERANCE * max(norm, 1e-30)
+
+
+# ------------------------------------------------------------------ records
+def encode_steps(steps: Sequence[tuple[int, Mapping[str, BaseDelta]]]) -> ArrayRecord:
+    """The ArrayRecord ``base-delta`` of consecutive changes.
+
+    Keys are ``<version>:<kind>:<base key>:left`` and ``...:right``, where
+    ``version`` is the version the change leads to.
+    """
+    arrays: dict[str, torch.Tensor] = {}
+    for version, deltas in steps:
+        for key, delta in deltas.items():
+            prefix = f"{version}:{delta.kind}:{key}"
+            arrays[f"{prefix}:left"] = delta.left
+            arrays[f"{prefix}:right"] = delta.right
+    return state_to_record(arrays)
+
+
+def decode_steps(record: ArrayRecord) -> dict[int, dict[str, BaseDelta]]:
+    """The changes of an ArrayRecord ``base-delta``, by the version they lead to.
+
+    Raises
+    ------
+    ProtocolError
+        If a key is malformed or a change lacks a factor.
+    """
+    parts: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
+    for name, tensor in record_to_state(record).items():
+        try:
+            version_text, kind, rest = name.split(":", 2)
+            key, side = rest.rsplit(":", 1)
+            version = int(version_text)
+        except ValueError:
+            raise BaseOutOfSyncError(f"malformed base-delta key {name!r}") from None
+        if kind not in _KINDS or side not in ("left", "right"):
+            raise BaseOutOfSyncError(f"malformed base-delta key {name!r}")
+        parts.setdefault((version, kind, key), {})[side] = tensor
+    steps: dict[int, dict[str, BaseDelta]] = {}
+    for (version, kind, key), sides in parts.items():
+        if set(sides) != {"left", "right"}:
+            raise BaseOutOfSyncError(f"base-delta {version}:{key} lacks a factor")
+        steps.setdefault(version, {})[key] = BaseDelta(
+            kind, sides["left"], sides["right"]
+        )
+    return steps
+
+
+# ------------------------------------------------------------------ client
+def receive_base(
+    received: Mapping[str, torch.Tensor],
+    content: RecordDict,
+    config: ConfigRecord,
+    state: RecordDict,
+    keys: Sequence[str],
+    projections: Projections | None = None,
+) -> tuple[dict[str, torch.Tensor], int] | None:
+    """A node's base weights for this instruction, and their version.
+
+    Dense base weights in ``received`` are taken as they are; otherwise the
+    node's stored ones (``state``, i.e. ``context.state``) are brought to
+    ``base-version`` by the instruction's ``base-delta`` changes (those it
+    does not hold yet) and checked against ``base-check``. Either way they
+    are stored back in ``state``.
+
+    Parameters
+    ----------
+    received : mapping of str to torch.Tensor
+        The instruction's ``arrays``.
+    content : RecordDict
+        The instruction.
+    config : ConfigRecord
+        The instruction's ConfigRecord.
+    state : RecordDict
+        The node's ``context.state``.
+    keys : sequence of str
+        The model's base-weight keys (layout order).
+    projections : callable, optional
+        A VeRA model's shared projections, for :data:`VERA` changes.
+
+    Returns
+    -------
+    (dict of str to torch.Tensor, int) or None
+        ``None`` when the instruction carries no ``base-version`` (the
+        server sends dense base weights every round, or none).
+
+    Raises
+    ------
+    BaseOutOfSyncError
+        If the node cannot reach ``base-version`` (it keeps no base weights,
+        or older ones than the changes start from) or the result fails the
+        checksum.
+    """
+    if protocol.BASE_VERSION not in config or not keys:
+        return None
+    target = config_int(config, protocol.BASE_VERSION)
+    if all(key in received for key in keys):
+        base = {key: received[key] for key in keys}
+        _store(state, base, target)
+        return base, target
+    stored = state.array_records.get(protocol.BASE_STATE)
+    meta = state.config_records.get(_VERSION_RECORD)
+    if stored is None or meta is None:
+        raise BaseOutOfSyncError(
+            f"the server sent changes to base weights version {target}, but this "
+            "node keeps no base weights (its state was lost); it is sent the "
+            "dense weights next time"
+        )
+    base = record_to_state(stored)
+    held = config_int(meta, "version")
+    steps = (
+        decode_steps(content.array_records[protocol.BASE_DELTA])
+        if protocol.BASE_DELTA in content.array_records
+        else {}
+    )
+    for version in sorted(steps):
+        if version <= held:
+            continue
+        if version != held + 1:
+            raise BaseOutOfSyncError(
+                f"this node keeps base weights version {held}; the changes sent "
+                f"start at {min(steps) - 1}"
+            )
+        deltas = steps[version]
+        if set(deltas) != set(keys):
+            raise BaseOutOfSyncError(
+                f"base-delta {version} changes {sorted(deltas)}, not the model's "
+                f"base weights {list(keys)}"
+            )
+        for key, delta in deltas.items():
+            base[key] = delta.apply(base[key], projections)
+        held = version
+    if held != target:
+        raise BaseOutOfSyncError(
+            f"this node keeps base weights version {held}, the round needs {target}"
+        )
+    expected = config.get(protocol.BASE_CHECK)
+    if isinstance(expected, list) and len(expected) == len(keys):
+        bad = [
+            key
+            for key, value in zip(keys, expected, strict=True)
+            if not _matches(key, base[key], float(cast(float, value)))
+        ]
+        if bad:
+            raise BaseOutOfSyncError(
+                f"base weights version {target} fail the checksum on {bad}; "
+                "this node's copy drifted from the server's"
+            )
+    _store(state, base, target)
+    return base, target
+
+
+def _store(state: RecordDict, base: Mapping[str, torch.Tensor], version: int) -> None:
+    state[protocol.BASE_STATE] = state_to_record(base)
+    state[_VERSION_RECORD] = ConfigRecord({"version": int(version)})
+
+
+# ------------------------------------------------------------------ server
+@dataclass
+class _Step:
+    version: int
+    deltas: dict[str, BaseDelta] | None  # None: only the dense weights reach it
+    nbytes: int
+
+
+@dataclass
+class BaseLedger:
+    """The server's record of base-weight versions and who holds which.
+
+    Parameters
+    ----------
+    keys : list of str
+        The base-weight keys, in layout order.
+
+    Attributes
+    ----------
+    version : int
+        The version of the current global base weights.
+    checks : list of float
+        Their checksums (:func:`checksum`), in ``keys`` order.
+    held : dict of int to int
+        The version each node said it keeps (``base-held``).
+    """
+
+    keys: list[str]
+    version: int = 0
+    checks: list[float] | None = None
+    dense_nbytes: int = 0
+    held: dict[int, int] = field(default_factory=dict)
+    steps: list[_Step] = field(default_factory=list)
+
+    def sync(self, base: Mapping[str, torch.Tensor]) -> None:
+        """Adopt this round's global base weights.
+
+        The ones :meth:`publish` recorded keep their version; any others
+        (the first round, a run resumed from arrays the ledger has not seen)
+        start a new version that every node is sent dense.
+        """
+        checks = [checksum(k, base[k]) for k in self.keys]
+        if self.checks is not None and checks == self.checks:
+            return
+        if self.checks is not None:
+            self.version += 1
+            self.steps.clear()
+            self.held.clear()
+        self.checks = checks
+        self.dense_nbytes = sum(
+            base[k].numel() * base[k].element_size() for k in self.keys
+        )
+
+    def publish(
+        self, deltas: Mapping[str, BaseDelta] | None, base: Mapping[str, torch.Tensor]
+    ) -> None:
+        """Record the next version: ``base``, reached by ``deltas`` (or only dense)."""
+        self.version += 1
+        if deltas is not None and set(deltas) != set(self.keys):
+            deltas = None
+        nbytes = sum(d.nbytes for d in deltas.values()) if deltas is not None else 0
+        self.steps.append(_Step(self.version, dict(deltas) if deltas else None, nbytes))
+        # Keep the newest changes that together still weigh less than dense.
+        kept: list[_Step] = []
+        total = 0
+        for step in reversed(self.steps):
+            if step.deltas is None or total + step.nbytes >= self.dense_nbytes:
+                break
+            kept.append(step)
+            total += step.nbytes
+        self.steps = kept[::-1]
+        self.checks = [checksum(k, base[k]) for k in self.keys]
+
+    def confirm(self, node: int, version: float) -> None:
+        """Record that ``node`` keeps ``version``.
+
+        Raises
+        ------
+        ValueError
+            If ``version`` is not an integer in ``[0, self.version]``.
+        """
+        if not (
+            math.isfinite(version)
+            and version == int(version)
+            and 0 <= version <= self.version
+        ):
+            raise ValueError(
+                f"'{protocol.BASE_HELD}' must be a published version in "
+                f"[0, {self.version}], got {version}"
+            )
+        self.held[node] = int(version)
+
+    def forget(self, node: int) -> None:
+        """The node is sent dense weights next time."""
+        self.held.pop(node, None)
+
+    def plan(self, node: int) -> list[tuple[int, dict[str, BaseDelta]]] | None:
+        """The changes to send ``node`` (``[]``: it is current), or ``None``: dense."""
+        held = self.held.get(node)
+        if held is None or held > self.version:
+            return None
+        if held == self.version:
+            return []
+        chain = [s for s in self.steps if s.version > held]
+        if (
+            not chain
+            or chain[0].version != held + 1
+            or sum(s.nbytes for s in chain) >= self.dense_nbytes
+        ):
+            return None
+        return [(s.version, s.deltas) for s in chain if s.deltas is not None]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "checks": list(self.checks) if self.checks is not None else None,
+            "dense-nbytes": self.dense_nbytes,
+            "held": dict(self.held),
+            "steps": [
+                {
+                    "version": s.version,
+                    "nbytes": s.nbytes,
+                    "deltas": {
+                        k: {"kind": d.kind, "left": d.left, "right": d.right}
+                        for k, d in (s.deltas or {}).items()
+                    },
+                }
+                for s in self.steps
+            ],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.version = int(state["version"])
+        checks = state["checks"]
+        self.checks = [float(c) for c in checks] if checks is not None else None
+        self.dense_nbytes = int(state["dense-nbytes"])
+        self.held = {int(n): int(v) for n, v in state["held"].items()}
+        self.steps = [
+            _Step(
+                int(s["version"]),
+                {
+                    k: BaseDelta(d["kind"], d["left"], d["right"])
+                    for k, d in s["deltas"].items()
+                }
+                or None,
+                int(s["nbytes"]),
+            )
+            for s in state["steps"]
+        ]

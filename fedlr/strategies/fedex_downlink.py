@@ -1,0 +1,231 @@
+"""The FedEx methods' factored downlink, on the server (:mod:`fedlr.downlink`).
+
+:class:`FactoredDownlink` is mixed into FedEx-LoRA and VeRA-FedEx: it keeps a
+:class:`~fedlr.downlink.BaseLedger`, tells every instruction the version and
+checksum of the base weights it leads to, and, per node, replaces the dense
+base weights with the changes the node missed when it keeps the earlier ones
+and the changes are smaller. A node's ``base-held`` reply metric is checked
+like every other number a client sends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.serverapp import Grid
+
+from fedlr import protocol
+from fedlr.adapters.roles import Role
+from fedlr.downlink import BaseDelta, BaseLedger, encode_steps
+from fedlr.errors import ReplyValidationError
+from fedlr.flower.records import record_nbytes, record_to_state
+from fedlr.options import NoOptions, option, require
+from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
+
+__all__ = [
+    "DOWNLINKS",
+    "DOWNLINK_HELP",
+    "DownlinkOptions",
+    "FactoredDownlink",
+    "check_downlink",
+]
+
+DOWNLINKS = ("factored", "dense")
+
+DOWNLINK_HELP = (
+    "fedex-lora / vera-fedex: 'factored' sends a node that keeps the base "
+    "weights only the changes it missed, as low-rank factors (dense weights "
+    "when smaller or when the node keeps none); 'dense' sends the base "
+    "weights every round"
+)
+
+
+def check_downlink(value: str) -> None:
+    """Raise :class:`~fedlr.errors.ConfigError` unless ``value`` is a downlink."""
+    require(
+        value in DOWNLINKS,
+        "fedex-downlink",
+        f"must be one of {list(DOWNLINKS)}, got {value!r}",
+    )
+
+
+@dataclass(frozen=True)
+class DownlinkOptions(NoOptions):
+    """FedEx-LoRA's run-config key."""
+
+    fedex_downlink: str = option("factored", DOWNLINK_HELP)
+
+    def check(self) -> None:
+        check_downlink(self.fedex_downlink)
+
+
+class FactoredDownlink(FedLRStrategy):
+    """Send the base weights' changes, not the base weights, where it pays.
+
+    A subclass folds a change into each base weight with :meth:`fold_base`
+    (which also records the change in factored form when there is one) and
+    calls :meth:`publish_base` at the end of ``aggregate_updates``.
+
+    Parameters
+    ----------
+    fedex_downlink : {"factored", "dense"}, default "factored"
+    **kwargs
+        Other parameters: see :class:`~fedlr.strategies.base.FedLRStrategy`.
+    """
+
+    extra_columns: ClassVar[tuple[str, ...]] = ("dense-base-sends",)
+
+    def __init__(self, *, fedex_downlink: str = "factored", **kwargs: Any) -> None:
+        check_downlink(fedex_downlink)
+        super().__init__(**kwargs)
+        self.fedex_downlink = fedex_downlink
+        self.ledger = BaseLedger(list(self.base_keys()))
+        self._deltas: dict[str, BaseDelta] | None = {}
+        self._dense_sends = 0
+
+    # ------------------------------------------------------------ subclass API
+    def base_keys(self) -> list[str]:
+        """The base-weight keys, in layout order."""
+        return list(self.layout.keys(Role.BASE))  # type: ignore[attr-defined]
+
+    @property
+    def factored(self) -> bool:
+        """Whether changes are sent factored (``fedex-downlink = factored``)."""
+        return self.fedex_downlink == "factored"
+
+    def fold_base(
+        self,
+        key: str,
+        base: torch.Tensor,
+        delta: BaseDelta | None,
+        dense: Any,
+    ) -> torch.Tensor:
+        """The new base weight: ``delta`` applied, or ``dense()`` without one.
+
+        With a factored downlink and a ``delta``, the server's new weight is
+        :meth:`BaseDelta.apply` of it, the function every node applies, so the
+        nodes' copies are the server's. Without one the round's change reaches
+        the nodes only as dense weights.
+        """
+        if self.factored and delta is not None:
+            if self._deltas is not None:
+                self._deltas[key] = delta
+            return delta.apply(base, self.delta_projections())
+        self._deltas = None
+        return dense()
+
+    def delta_projections(self) -> Any:
+        """``projections(d_out, d_in)`` for VeRA changes; ``None`` for LoRA."""
+        return None
+
+    def publish_base(
+        self, state: Mapping[str, torch.Tensor], report: RoundReport
+    ) -> RoundReport:
+        """Record this round's new base weights as the next version."""
+        if self.factored:
+            self.ledger.publish(self._deltas, state)
+        self._deltas = {}
+        report.metrics["dense-base-sends"] = float(self._dense_sends)
+        return report
+
+    def options(self) -> dict[str, Any]:
+        return {**super().options(), "fedex_downlink": self.fedex_downlink}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "downlink": self.ledger.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        rest = dict(state)
+        ledger = rest.pop("downlink", None)
+        super().load_state_dict(rest)
+        if ledger is not None:
+            self.ledger.load_state_dict(ledger)
+
+    # ------------------------------------------------------------ Flower hooks
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """The base messages, each node's base weights as dense or changes."""
+        self._deltas = {}
+        messages = super().configure_train(server_round, arrays, config, grid)
+        return self._per_node(messages, arrays, count=True)
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        messages = super().configure_evaluate(server_round, arrays, config, grid)
+        return self._per_node(messages, arrays, count=False)
+
+    def _per_node(
+        self, messages: Iterable[Message], arrays: ArrayRecord, *, count: bool
+    ) -> list[Message]:
+        messages = list(messages)
+        if count:
+            self._dense_sends = len(messages)
+        if not self.factored or not messages:
+            return messages
+        keys = self.base_keys()
+        self.ledger.sync(record_to_state(ArrayRecord({k: arrays[k] for k in keys})))
+        light = ArrayRecord({k: arrays[k] for k in arrays if k not in set(keys)})
+        dense_nbytes = sum(len(arrays[k].data) for k in keys)
+        out: list[Message] = []
+        dense = 0
+        for message in messages:
+            node = int(message.metadata.dst_node_id)
+            content = RecordDict(dict(message.content.items()))
+            base_config = content.config_records.get(self.configrecord_key)
+            config = ConfigRecord(dict(base_config or {}))
+            config[protocol.BASE_VERSION] = self.ledger.version
+            config[protocol.BASE_CHECK] = list(self.ledger.checks or [])
+            content[self.configrecord_key] = config
+            plan = self.ledger.plan(node)
+            if plan is None:
+                dense += 1
+            else:
+                content[self.arrayrecord_key] = light
+                extra = 0
+                if plan:
+                    record = encode_steps(plan)
+                    content[protocol.BASE_DELTA] = record
+                    extra = record_nbytes(record)
+                if count:
+                    self._bytes_down += extra - dense_nbytes
+            out.append(
+                Message(
+                    content=content,
+                    message_type=message.metadata.message_type,
+                    dst_node_id=node,
+                )
+            )
+        if count:
+            self._dense_sends = dense
+        return out
+
+    def validate_reply(
+        self, message: Message, expected: Mapping[str, tuple[int, ...]]
+    ) -> ClientUpdate:
+        """Base checks, then the node's ``base-held`` (a published version).
+
+        A node whose reply fails, or that does not say which base weights it
+        keeps, is sent the dense ones next time.
+        """
+        node = int(message.metadata.src_node_id)
+        try:
+            update = super().validate_reply(message, expected)
+        except Exception:
+            self.ledger.forget(node)
+            raise
+        held = update.metrics.get(protocol.BASE_HELD)
+        if held is None or not self.factored:
+            self.ledger.forget(node)
+            return update
+        try:
+            self.ledger.confirm(node, held)
+        except ValueError as exc:
+            self.ledger.forget(node)
+            raise ReplyValidationError(node, str(exc)) from None
+        return update
