@@ -74,6 +74,15 @@ class RunConfig(Options):
         metadata={"help": "classifier head: mean (masked mean pooling) or cls"},
     )
     lora_rank: int = field(default=8, metadata={"help": "LoRA rank r"})
+    client_ranks: str = field(
+        default="",
+        metadata={
+            "help": "comma-separated LoRA ranks cycled over the partitions "
+            "(partition p trains rank ranks[p % len]) for the methods that "
+            "accept heterogeneous ranks (flexlora, hetlora, flora); empty: "
+            "every client trains lora-rank"
+        },
+    )
     lora_alpha: float = field(
         default=16.0, metadata={"help": "LoRA alpha; scaling is alpha / r"}
     )
@@ -287,6 +296,7 @@ class RunConfig(Options):
         return RobustConfig(
             rule=self.robust,
             clip_norm=self.clip_norm,
+        self.rank_list  # noqa: B018 (validates client-ranks)
             trim_fraction=self.trim_fraction,
             max_client_weight=self.max_client_weight,
         )
@@ -299,6 +309,40 @@ class RunConfig(Options):
     @property
     def output_path(self) -> Path:
         """Absolute results directory."""
+    @property
+    def rank_list(self) -> tuple[int, ...]:
+        """``client-ranks`` as integers (empty: every client at ``lora-rank``).
+
+        Raises
+        ------
+        ConfigError
+            If an entry is not a positive integer.
+        """
+        ranks: list[int] = []
+        for text in self.client_ranks.split(","):
+            if not text.strip():
+                continue
+            try:
+                rank = int(text)
+            except ValueError:
+                raise ConfigError(
+                    "client-ranks", f"'{text.strip()}' is not an integer"
+                ) from None
+            if rank < 1:
+                raise ConfigError("client-ranks", f"ranks must be >= 1, got {rank}")
+            ranks.append(rank)
+        return tuple(ranks)
+
+    def rank_for(self, partition: int) -> int:
+        """The LoRA rank partition ``partition`` trains."""
+        ranks = self.rank_list
+        return ranks[partition % len(ranks)] if ranks else self.lora_rank
+
+    @property
+    def global_rank(self) -> int:
+        """The server's adapter rank: the largest client rank, or ``lora-rank``."""
+        return max(self.rank_list, default=self.lora_rank)
+
         if self.output_dir:
             return Path(self.output_dir).expanduser()
         return Path.home() / "fedlr-outputs"

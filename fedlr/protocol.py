@@ -69,6 +69,7 @@ __all__ = [
     "GPSE_EXAMPLES",
     "GPSE_TASK",
     "KEEP_ROLES",
+    "LEADING_RANK",
     "LOCAL_STEPS",
     "LORA_ALPHA",
     "LORA_RANK",
@@ -167,6 +168,10 @@ BASE_VERSION = "base-version"
 BASE_CHECK = "base-check"
 """FedEx: per base key (layout order), a checksum of the base weights at
 ``base-version`` (:func:`fedlr.downlink.checksum`)."""
+LEADING_RANK = "leading-rank"
+"""Heterogeneous ranks: the global ``A``, ``B`` may be wider than the node's
+rank ``r``; keep their leading ``r`` components scaled by
+``sqrt(r / r_received)``."""
 PROXIMAL_MU = "proximal-mu"
 """FedProx: weight ``mu`` of the clients' proximal term
 ``(mu / 2) ||theta - theta_global||^2`` over the trained parameters."""

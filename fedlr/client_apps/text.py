@@ -94,10 +94,16 @@ class TextClient(Generic[O]):
         self._models: dict[tuple[object, ...], AdaptedModel] = {}
 
     def model(self, config: RunConfig, options: O) -> AdaptedModel:
-        """The process's model for this run (a Ray actor serves many nodes)."""
+        """The process's model for this run (a Ray actor serves many nodes).
+
+        One model per configuration, at most one per client rank (4 at most
+        kept; the oldest goes first).
+        """
         key = tuple(sorted({**config.to_mapping(), **options.to_mapping()}.items()))
         if key not in self._models:
-            self._models.clear()  # one model per process at a time
+            keep = min(max(len(config.rank_list), 1), 4)
+            while len(self._models) >= keep:
+                self._models.pop(next(iter(self._models)))
             self._models[key] = self.build(config, options)
         return self._models[key]
 
@@ -107,7 +113,10 @@ class TextClient(Generic[O]):
         config = RunConfig.from_mapping(context.run_config)
         options = self.options.from_run_config(context.run_config)
         pid, num = partition_of(context, config)
-        job = apply_round(self.model(config, options), message, context)
+        model_config = config
+        if config.rank_list:  # heterogeneous ranks: this partition's own rank
+            model_config = config.replace(lora_rank=config.rank_for(pid))
+        job = apply_round(self.model(model_config, options), message, context)
         return config, options, job, pid, num
 
     def train(self, message: Message, context: Context) -> Message:

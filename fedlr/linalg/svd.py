@@ -24,6 +24,7 @@ devices.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -114,6 +115,22 @@ class TruncatedSVD:
         """``energy_beyond(rank) / total_energy`` (0 for a zero matrix)."""
         total = self.total_energy
         return self.energy_beyond(rank) / total if total > 0 else 0.0
+
+    def sigma_fraction_at(self, rank: int) -> float:
+        """``sum_{j >= rank} sigma_j / sum_j sigma_j`` (0 for a zero matrix).
+
+        The rank rule of the FedSpec source sums singular values, not their
+        squares. Energy outside the computed values (a randomized path)
+        counts as ``sqrt(residual_energy)``, the least singular-value sum it
+        can have.
+        """
+        if rank < 0:
+            raise ValueError(f"rank must be >= 0, got {rank}")
+        values = self.singular_values.double()
+        unseen = math.sqrt(max(self.residual_energy, 0.0))
+        total = float(values.sum()) + unseen
+        tail = float(values[rank:].sum()) + unseen
+        return tail / total if total > 0 else 0.0
 
     @property
     def tail_energy(self) -> float:

@@ -19,6 +19,7 @@ import torch
 from fedlr import protocol
 from fedlr.adapters import Role, adapter_state
 from fedlr.adapters.lora import LoraModel
+from fedlr.errors import ConfigError
 from fedlr.server_apps.plans import ServerPlan, check_strategy
 from fedlr.strategies.lora import LoraStrategy
 from fedlr.strategies.lora_svd import PersonalLoraStrategy, SvdLoraStrategy
@@ -41,6 +42,15 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
     config, spec = method.run, method.spec
     check_strategy(spec, LoraStrategy)
     strategy_cls: type[LoraStrategy] = spec.strategy  # type: ignore[assignment]
+    if config.rank_list:
+        if not getattr(strategy_cls, "heterogeneous_ranks", False):
+            raise ConfigError(
+                "client-ranks",
+                f"method '{spec.name}' trains one rank on every client; "
+                "heterogeneous ranks need flexlora, hetlora or flora",
+            )
+        # The server's adapters have the largest client rank.
+        config = config.replace(lora_rank=config.global_rank)
     task = TextTask(config)
     models: dict[int, LoraModel] = {config.lora_rank: task.build_lora_model()}
     lm = models[config.lora_rank]

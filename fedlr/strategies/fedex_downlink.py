@@ -83,9 +83,16 @@ class FactoredDownlink(FedLRStrategy):
         check_downlink(fedex_downlink)
         super().__init__(**kwargs)
         self.fedex_downlink = fedex_downlink
-        self.ledger = BaseLedger(list(self.base_keys()))
+        self._ledger: BaseLedger | None = None
         self._deltas: dict[str, BaseDelta] | None = {}
         self._dense_sends = 0
+
+    @property
+    def ledger(self) -> BaseLedger:
+        """The versions of the base weights and who keeps which."""
+        if self._ledger is None:  # the layout is set after this __init__ runs
+            self._ledger = BaseLedger(list(self.base_keys()))
+        return self._ledger
 
     # ------------------------------------------------------------ subclass API
     def base_keys(self) -> list[str]:

@@ -13,7 +13,9 @@ the best rank-``r`` approximation of ``M`` in Frobenius norm (Eckart-Young);
 the gap ``||M - B A||_F`` is ``sqrt(sum_{j>r} sigma_j^2)``.
 
 Adaptive rank: with the tail fraction ``tau = sum_{j>r} sigma_j^2 /
-sum_j sigma_j^2`` at the current rank (the largest over the adapted layers),
+sum_j sigma_j^2`` at the current rank (the largest over the adapted layers;
+``energy="sigma"`` uses ``sum_{j>r} sigma_j / sum_j sigma_j`` instead, the
+FedSpec source's rule, which grows the rank sooner on a flat tail),
 ``tau > threshold`` grows the rank to ``min(r + 2, max_rank)``; it never
 decreases (:func:`fedlr.linalg.adaptive_rank`). When it grows, this round's
 factors are already cut at the new rank ``r'``. If ``M`` has fewer than
@@ -67,7 +69,10 @@ from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.lora_svd import SvdLoraStrategy
 from fedlr.strategies.registry import register_method
 
-__all__ = ["FedSpec", "FedSpecOptions", "layout_at_rank"]
+__all__ = ["ENERGY_RULES", "FedSpec", "FedSpecOptions", "layout_at_rank"]
+
+ENERGY_RULES = ("sigma2", "sigma")
+"""What the rank rule sums over the tail: squared singular values or the values."""
 
 
 def layout_at_rank(layout: AdapterLayout, rank: int) -> AdapterLayout:
@@ -91,8 +96,19 @@ class FedSpecOptions(NoOptions):
         "exceeds this",
     )
     fedspec_max_rank: int = option(16, "fedspec: cap of the adaptive rank")
+    fedspec_energy: str = option(
+        "sigma2",
+        "fedspec: the tail fraction the rank rule compares with the threshold: "
+        "'sigma2' (squared singular values, the energy) or 'sigma' (singular "
+        "values, as the FedSpec source)",
+    )
 
     def check(self) -> None:
+        require(
+            self.fedspec_energy in ENERGY_RULES,
+            "fedspec-energy",
+            f"must be one of {list(ENERGY_RULES)}, got {self.fedspec_energy!r}",
+        )
         require(
             0.0 <= self.fedspec_threshold < 1.0,
             "fedspec-threshold",
@@ -123,6 +139,10 @@ class FedSpec(SvdLoraStrategy):
         Tail energy fraction above which the rank grows.
     max_rank : int, default 16
         Cap of the rank; at most the smallest side of an adapted layer.
+    energy : {"sigma2", "sigma"}, default "sigma2"
+        The tail fraction of the rank rule: of the squared singular values
+        (energy, the Frobenius gap's) or of the singular values (the FedSpec
+        source's rule).
     **kwargs
         Other parameters: see :class:`~fedlr.strategies.lora_svd.SvdLoraStrategy`.
     """
@@ -140,8 +160,13 @@ class FedSpec(SvdLoraStrategy):
         layout: AdapterLayout,
         threshold: float = 0.05,
         max_rank: int = 16,
+        energy: str = "sigma2",
         **kwargs: Any,
     ) -> None:
+        if energy not in ENERGY_RULES:
+            raise ValueError(
+                f"energy must be one of {list(ENERGY_RULES)}, got {energy!r}"
+            )
         super().__init__(layout=layout, **kwargs)
         narrow = min(min(m.d_in, m.d_out) for m in layout.modules)
         if max_rank < self.rank:
@@ -159,6 +184,7 @@ class FedSpec(SvdLoraStrategy):
             raise ValueError("FedSpec needs one LoRA rank for every layer")
         self.threshold = threshold
         self.max_rank = max_rank
+        self.energy = energy
         self.rank_history: list[int] = []
 
     def state_dict(self) -> dict[str, Any]:
@@ -187,6 +213,7 @@ class FedSpec(SvdLoraStrategy):
             **super().strategy_kwargs(config, options),
             "threshold": opts.fedspec_threshold,
             "max_rank": opts.fedspec_max_rank,
+            "energy": opts.fedspec_energy,
         }
 
     def round_config(self, server_round: int) -> dict[str, Any]:
@@ -199,6 +226,7 @@ class FedSpec(SvdLoraStrategy):
             **super().options(),
             "threshold": self.threshold,
             "max_rank": self.max_rank,
+            "energy": self.energy,
         }
 
     def aggregate_updates(
@@ -228,7 +256,12 @@ class FedSpec(SvdLoraStrategy):
             for m in self.layout.modules
         }
         # 2. Rank rule on the largest tail fraction at the current rank.
-        tail = max(s.tail_fraction_at(rank) for s in svds.values())
+        tail = max(
+            s.tail_fraction_at(rank)
+            if self.energy == "sigma2"
+            else s.sigma_fraction_at(rank)
+            for s in svds.values()
+        )
         new_rank = adaptive_rank(rank, min(tail, 1.0), self.threshold, self.max_rank)
         new_layout = layout_at_rank(self.layout, new_rank)
         gain = math.sqrt(new_rank / rank)  # (alpha / r') B A == (alpha / r) M_r'

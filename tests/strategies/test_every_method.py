@@ -113,6 +113,25 @@ def lora_products(strategy: Any, state: Mapping[str, torch.Tensor], node: int) -
     return out
 
 
+def fresh_adapter_products(
+    strategy: Any, state: Mapping[str, torch.Tensor], node: int
+) -> State:
+    """FLoRA: ``W0 (+ (alpha / r) B A`` where a trained adapter is present).
+
+    The server sends no adapter (every client starts a fresh one, ``B = 0``),
+    so its effective model is ``W0`` with the sum of the updates folded in.
+    """
+    out: State = {}
+    for m in strategy.layout.modules:
+        weight = state[m.base_key].double()
+        if m.a_key in state and m.b_key in state:
+            a, b = state[m.a_key].double(), state[m.b_key].double()
+            weight = weight + (m.scaling * m.rank / a.shape[0]) * (b @ a)
+        out[m.name] = weight
+    out.update({k: state[k].double() for k in strategy.layout.keys(Role.HEAD)})
+    return out
+
+
 def _dense_gamma(b_real: torch.Tensor, b_imag: torch.Tensor) -> torch.Tensor:
     """``Gamma(b)``: 2x2 blocks ``[[a, -c], [c, a]]`` of ``b_j = a_j + i c_j``."""
     g = torch.zeros(2 * b_real.numel(), 2 * b_real.numel(), dtype=F64)
@@ -274,6 +293,10 @@ CASES: dict[str, Case] = {
         Case("local-svd", TEXT, raw, extras=personal_gram),
         # the server holds each node's lora_B until it delivers it
         Case("global-svd", TEXT, lora_products, state_matters=True),
+        # heterogeneous-rank methods, here with every client at one rank
+        Case("flexlora", TEXT, lora_products),
+        Case("hetlora", TEXT, lora_products),
+        Case("flora", TEXT, fresh_adapter_products),
         Case("fedavg-vera", TEXT, raw, VERA_RANKS, projection_echo),
         Case(
             "vera-fedex",

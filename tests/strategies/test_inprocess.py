@@ -94,11 +94,11 @@ def test_fedex_sends_base_weights_down(tmp_path, assets):
     assert (dense["bytes-up"] == avg["bytes-up"]).all()
     # Factored: round 1 is dense (no node keeps base weights yet); round 2
     # sends each node round 1's residual, of rank <= (3 - 1) x 4 = 8:
-    # 8 x (32 + 32) floats per layer.
+    # 8 x (32 + 32) floats per layer, in two arrays with .npy headers.
     assert factored["bytes-down"][0] == dense["bytes-down"][0]
     assert factored["dense-base-sends"].tolist() == [3, 0]
     extra = factored["bytes-down"][1] - avg["bytes-down"][1]
-    assert 0 < extra <= 3 * 4 * 8 * 64 * 4 < base
+    assert 0 < extra <= 3 * 4 * (8 * 64 * 4 + 2 * 128) < base
 
 
 def test_same_config_gives_bitwise_same_weights(tmp_path, assets):

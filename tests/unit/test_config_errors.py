@@ -32,6 +32,7 @@ AT_PARSE: dict[str, tuple[object, str]] = {
     "max-length": (4, r"in \[8, 4096\]"),
     "pooling": ("max", "not one of mean, cls"),
     "lora-rank": (0, "must be >= 1"),
+    "client-ranks": ("2,x", "not an integer"),
     "lora-alpha": (-1.0, "finite and > 0"),
     "lora-dropout": (1.0, r"in \[0, 1\)"),
     "target-modules": (",", "names no module"),
@@ -80,6 +81,7 @@ AT_PARSE: dict[str, tuple[object, str]] = {
     "fedex-lr": (1.5, r"in \(0, 1\]"),
     "fedex-downlink": ("sparse", r"one of \['factored', 'dense'\]"),
     "sorf-rank": (65, "must be <= 64"),
+    "fedspec-energy": ("sigma3", r"one of \['sigma2', 'sigma'\]"),
     "sorf-d-scale-initial": (float("nan"), "must be finite"),
 }
 

@@ -1,0 +1,411 @@
+"""Methods for clients with different LoRA ranks: FlexLoRA, HetLoRA, FLoRA.
+
+Client ``i`` trains rank ``r_i`` (``client-ranks``, cycled over the
+partitions) with scaling ``s_i = alpha / r_i``; the server's adapters have
+the largest rank ``R``. The ideal aggregate is ``M = sum_i w_i s_i B_i A_i``
+(:mod:`fedlr.linalg.hetero`). The strategies differ in what each client gets
+back:
+
+* ``flexlora`` (Bai et al., NeurIPS 2024): the truncated SVD of ``M``; a
+  client of rank ``r`` receives its best rank-``r`` approximation;
+* ``hetlora`` (Cho et al., 2024): the weighted mean of the zero-padded
+  factors; a client of rank ``r`` receives the leading ``r`` components;
+* ``flora`` (Wang et al., NeurIPS 2024): ``M`` exactly, folded into the
+  base weights (through the factored downlink of
+  :mod:`fedlr.strategies.fedex_downlink`); every client starts a fresh
+  adapter at its own rank each round.
+
+The protocol: the global ``A``, ``B`` are at rank ``R``; the ConfigRecord
+says ``leading-rank``, so a node of rank ``r`` keeps their leading ``r``
+components, scaled by ``sqrt(r / R)`` (then ``(alpha / r) B A`` is the
+leading part of ``(alpha / R) B_R A_R``; :func:`fedlr.client.apply_round`).
+Once a node has replied, the server knows its rank and sends it only those
+``r`` components. Replies are validated at the rank their ``A`` declares,
+which must be one of the ``client-ranks``; a reply whose layers disagree on
+the rank is dropped naming the key.
+
+Each round reports, per rank, the Frobenius gap of what a client of that rank
+receives against ``M`` (``gap-rank-<r>``), and the mean bytes down and up per
+client of that rank; ``frobenius-gap`` is the weighted root mean square over
+the round's clients of their received gaps (per layer in ``layers.csv``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.serverapp import Grid
+
+from fedlr import protocol
+from fedlr.adapters.roles import AdapterLayout, Role
+from fedlr.config import RunConfig
+from fedlr.downlink import lowrank_delta
+from fedlr.errors import ReplyValidationError
+from fedlr.flower.records import record_nbytes
+from fedlr.linalg import (
+    factored_frobenius_norm,
+    factors_for_rank,
+    flexlora_factors,
+    hetlora_factors,
+    received_gap,
+    stacked_update,
+)
+from fedlr.options import Options
+from fedlr.payloads import LORA
+from fedlr.strategies.base import ClientUpdate, RoundReport
+from fedlr.strategies.fedex_downlink import DownlinkOptions, FactoredDownlink
+from fedlr.strategies.fedspec import layout_at_rank
+from fedlr.strategies.lora import LoraStrategy
+from fedlr.strategies.registry import register_method
+
+__all__ = ["FLoRA", "FlexLoRA", "HetLoRA", "HeteroRankLoRA"]
+
+
+class HeteroRankLoRA(LoraStrategy):
+    """Base of the LoRA methods whose clients train different ranks.
+
+    Parameters
+    ----------
+    layout : AdapterLayout
+        At the largest client rank.
+    client_ranks : sequence of int, optional
+        The ranks clients may train; default: the layout's rank only.
+    **kwargs
+        Other parameters: see :class:`~fedlr.strategies.lora.LoraStrategy`.
+    """
+
+    heterogeneous_ranks: ClassVar[bool] = True
+
+    def __init__(
+        self, *, layout: AdapterLayout, client_ranks: Sequence[int] = (), **kwargs: Any
+    ) -> None:
+        super().__init__(layout=layout, **kwargs)
+        if len({m.rank for m in layout.modules}) != 1:
+            raise ValueError(f"{type(self).__name__} needs one rank for every layer")
+        ranks = tuple(sorted({int(r) for r in client_ranks})) or (self.rank,)
+        if ranks[0] < 1 or ranks[-1] != self.rank:
+            raise ValueError(
+                f"client ranks {list(ranks)} must be >= 1 with the largest equal "
+                f"to the layout's rank {self.rank}"
+            )
+        if self.robust.active:
+            raise ValueError(
+                f"{type(self).__name__}: robust aggregation of clients with "
+                "different ranks is not supported"
+            )
+        self.client_ranks = ranks
+        self.node_ranks: dict[int, int] = {}
+        self.extra_columns: tuple[str, ...] = (
+            *getattr(type(self), "extra_columns", ()),
+            *(f"gap-rank-{r}" for r in ranks),
+            *(f"bytes-down-rank-{r}" for r in ranks),
+            *(f"bytes-up-rank-{r}" for r in ranks),
+        )
+        self._down_by_rank: dict[int, list[int]] = {}
+
+    @classmethod
+    def strategy_kwargs(
+        cls, config: RunConfig, options: Options | None
+    ) -> dict[str, Any]:
+        return {"client_ranks": config.rank_list or (config.lora_rank,)}
+
+    def options(self) -> dict[str, Any]:
+        return {**super().options(), "client_ranks": list(self.client_ranks)}
+
+    def round_config(self, server_round: int) -> dict[str, Any]:
+        config = super().round_config(server_round)
+        config[protocol.LEADING_RANK] = True
+        return config
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "node-ranks": dict(self.node_ranks)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        rest = dict(state)
+        self.node_ranks = {
+            int(n): int(r) for n, r in rest.pop("node-ranks", {}).items()
+        }
+        super().load_state_dict(rest)
+
+    # ------------------------------------------------------------ helpers
+    def alpha(self) -> float:
+        """The LoRA alpha every client's scaling ``alpha / r`` uses."""
+        m = self.layout.modules[0]
+        return m.scaling * m.rank
+
+    def scalings(self, updates: Sequence[ClientUpdate]) -> list[float]:
+        """Each update's scaling ``alpha / r_i``."""
+        key = self.layout.modules[0].a_key
+        return [self.alpha() / int(u.arrays[key].shape[0]) for u in updates]
+
+    def rank_report(
+        self,
+        updates: Sequence[ClientUpdate],
+        layers: Mapping[str, tuple[dict[int, float], float]],
+        **metrics: float,
+    ) -> RoundReport:
+        """The round's report from each layer's ``({rank: gap}, ||M||_F)``."""
+        key = self.layout.modules[0].a_key
+        ranks = [int(u.arrays[key].shape[0]) for u in updates]
+        total = sum(u.weight for u in updates)
+        w = [u.weight / total for u in updates]
+        pairs = {
+            name: (
+                math.sqrt(
+                    sum(wi * gaps[r] ** 2 for wi, r in zip(w, ranks, strict=True))
+                ),
+                norm,
+            )
+            for name, (gaps, norm) in layers.items()
+        }
+        report = RoundReport.from_layers(pairs, rank=float(self.rank), **metrics)
+        for r in self.client_ranks:
+            report.metrics[f"gap-rank-{r}"] = math.sqrt(
+                sum(gaps[r] ** 2 for gaps, _ in layers.values())
+            )
+            sent = self._down_by_rank.get(r, [])
+            report.metrics[f"bytes-down-rank-{r}"] = (
+                float(sum(sent)) / len(sent) if sent else 0.0
+            )
+            up = [u.nbytes for u, ri in zip(updates, ranks, strict=True) if ri == r]
+            report.metrics[f"bytes-up-rank-{r}"] = (
+                float(sum(up)) / len(up) if up else 0.0
+            )
+        return report
+
+    # ------------------------------------------------------------ Flower hooks
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Base messages; a node of known rank ``r`` gets only ``r`` components."""
+        messages = list(super().configure_train(server_round, arrays, config, grid))
+        self._down_by_rank = {}
+        out: list[Message] = []
+        for message in messages:
+            node = int(message.metadata.dst_node_id)
+            rank = self.node_ranks.get(node, self.rank)
+            key = self.arrayrecord_key
+            if rank != self.rank and key in message.content.array_records:
+                content = RecordDict(dict(message.content.items()))
+                full = content.array_records[key]
+                record = self._at_rank(full, rank)
+                content[key] = record
+                self._bytes_down += record_nbytes(record) - record_nbytes(full)
+                message = Message(
+                    content=content,
+                    message_type=message.metadata.message_type,
+                    dst_node_id=node,
+                )
+            nbytes = sum(
+                record_nbytes(r) for r in message.content.array_records.values()
+            )
+            self._down_by_rank.setdefault(rank, []).append(nbytes)
+            out.append(message)
+        return out
+
+    def _at_rank(self, record: ArrayRecord, rank: int) -> ArrayRecord:
+        """The leading ``rank`` components of the global A, B, rescaled."""
+        gain = math.sqrt(rank / self.rank)
+        kept: dict[str, Any] = {}
+        for key in record:
+            kept[key] = record[key]
+        for m in self.layout.modules:
+            if m.a_key in record:
+                a = torch.from_numpy(record[m.a_key].numpy())
+                kept[m.a_key] = _array(gain * a[:rank])
+            if m.b_key in record:
+                b = torch.from_numpy(record[m.b_key].numpy())
+                kept[m.b_key] = _array(gain * b[:, :rank])
+        return ArrayRecord(kept)
+
+    def validate_reply(
+        self, message: Message, expected: Mapping[str, tuple[int, ...]]
+    ) -> ClientUpdate:
+        """Check a reply at the rank its first ``A`` (or ``B``) declares."""
+        node = int(message.metadata.src_node_id)
+        rank = self._declared_rank(message)
+        if rank is None:
+            return super().validate_reply(message, expected)
+        if rank not in self.client_ranks:
+            raise ReplyValidationError(
+                node,
+                f"rank {rank} is not one of the client ranks {list(self.client_ranks)}",
+            )
+        shapes = layout_at_rank(self.layout, rank).shapes(*self.train_roles)
+        update = super().validate_reply(message, shapes)
+        self.node_ranks[node] = rank
+        return update
+
+    def _declared_rank(self, message: Message) -> int | None:
+        if message.has_error():
+            return None
+        record = message.content.array_records.get(self.arrayrecord_key)
+        if record is None:
+            return None
+        m = self.layout.modules[0]
+        for key, axis in ((m.a_key, 0), (m.b_key, 1)):
+            if key in record:
+                shape = list(record[key].shape)
+                if len(shape) == 2 and isinstance(shape[axis], int):
+                    return int(shape[axis])
+        return None
+
+
+def _array(tensor: torch.Tensor) -> Array:
+    return Array(tensor.contiguous().numpy())
+
+
+@register_method(
+    "flexlora",
+    payload=LORA,
+    summary="heterogeneous ranks: truncated SVD of the mean of products; each "
+    "client gets its best approximation at its own rank",
+)
+class FlexLoRA(HeteroRankLoRA):
+    """FlexLoRA: each client receives the best rank-``r_i`` approximation of ``M``.
+
+    Parameters: see :class:`HeteroRankLoRA`.
+    """
+
+    def aggregate_updates(
+        self,
+        server_round: int,
+        updates: list[ClientUpdate],
+        current: dict[str, torch.Tensor],
+    ) -> tuple[dict[str, torch.Tensor], RoundReport]:
+        state = dict(current)
+        state.update(self.weighted_means(updates, self.layout.keys(Role.HEAD)))
+        weights = [u.weight for u in updates]
+        scalings = self.scalings(updates)
+        layers: dict[str, tuple[dict[int, float], float]] = {}
+        for m in self.layout.modules:
+            b_t, a_t, svd = flexlora_factors(
+                [u.arrays[m.b_key] for u in updates],
+                [u.arrays[m.a_key] for u in updates],
+                scalings,
+                weights,
+                self.rank,
+            )
+            b, a = factors_for_rank(b_t, a_t, self.rank, m.scaling)
+            state[m.b_key] = b.to(current[m.b_key].dtype)
+            state[m.a_key] = a.to(current[m.a_key].dtype)
+            gaps = {
+                r: math.sqrt(max(svd.energy_beyond(r), 0.0)) for r in self.client_ranks
+            }
+            layers[m.name] = (gaps, math.sqrt(max(svd.total_energy, 0.0)))
+        return state, self.rank_report(updates, layers)
+
+
+@register_method(
+    "hetlora",
+    payload=LORA,
+    summary="heterogeneous ranks: mean of the zero-padded factors; each client "
+    "keeps the leading components at its own rank",
+)
+class HetLoRA(HeteroRankLoRA):
+    """HetLoRA: zero-padding aggregation, truncation to each client's rank.
+
+    Parameters: see :class:`HeteroRankLoRA`.
+    """
+
+    def aggregate_updates(
+        self,
+        server_round: int,
+        updates: list[ClientUpdate],
+        current: dict[str, torch.Tensor],
+    ) -> tuple[dict[str, torch.Tensor], RoundReport]:
+        state = dict(current)
+        state.update(self.weighted_means(updates, self.layout.keys(Role.HEAD)))
+        weights = [u.weight for u in updates]
+        scalings = self.scalings(updates)
+        layers: dict[str, tuple[dict[int, float], float]] = {}
+        for m in self.layout.modules:
+            bs = [u.arrays[m.b_key] for u in updates]
+            as_ = [u.arrays[m.a_key] for u in updates]
+            b_t, a_t = hetlora_factors(bs, as_, scalings, weights, self.rank)
+            b, a = factors_for_rank(b_t, a_t, self.rank, m.scaling)
+            state[m.b_key] = b.to(current[m.b_key].dtype)
+            state[m.a_key] = a.to(current[m.a_key].dtype)
+            left, right = stacked_update(bs, as_, scalings, weights)
+            gaps = {
+                r: received_gap(left, right, b_t, a_t, r) for r in self.client_ranks
+            }
+            layers[m.name] = (gaps, factored_frobenius_norm(left, right))
+        return state, self.rank_report(updates, layers)
+
+
+@register_method(
+    "flora",
+    payload=LORA,
+    options=DownlinkOptions,
+    summary="heterogeneous ranks: the exact sum of products (stacked factors) "
+    "folded into W0; fresh adapters at each client's rank every round",
+)
+class FLoRA(HeteroRankLoRA, FactoredDownlink):
+    """FLoRA: stack the clients' factors, fold the exact sum into ``W0``.
+
+    Sends the head and the base weights (``A``, ``B`` never travel down:
+    every client starts from its model's seeded initial adapter at its own
+    rank, ``B = 0``), so every client receives ``M`` exactly: the gap is 0.
+
+    Parameters: see :class:`HeteroRankLoRA` and ``fedex_downlink``.
+    """
+
+    send_roles: ClassVar[tuple[Role, ...]] = (Role.HEAD, Role.BASE)
+
+    @classmethod
+    def strategy_kwargs(
+        cls, config: RunConfig, options: Options | None
+    ) -> dict[str, Any]:
+        return {
+            **super().strategy_kwargs(config, options),
+            "fedex_downlink": DownlinkOptions.of(options).fedex_downlink,
+        }
+
+    def aggregate_updates(
+        self,
+        server_round: int,
+        updates: list[ClientUpdate],
+        current: dict[str, torch.Tensor],
+    ) -> tuple[dict[str, torch.Tensor], RoundReport]:
+        for m in self.layout.modules:
+            if m.base_key not in current:
+                raise KeyError(
+                    f"global arrays lack the base weight '{m.base_key}' that FLoRA "
+                    "folds the sum of the updates into"
+                )
+        state = dict(current)
+        state.update(self.weighted_means(updates, self.layout.keys(Role.HEAD)))
+        weights = [u.weight for u in updates]
+        scalings = self.scalings(updates)
+        layers: dict[str, tuple[dict[int, float], float]] = {}
+        for m in self.layout.modules:
+            left, right = stacked_update(
+                [u.arrays[m.b_key] for u in updates],
+                [u.arrays[m.a_key] for u in updates],
+                scalings,
+                weights,
+            )
+            base = current[m.base_key]
+            delta = (
+                lowrank_delta(left, right, 1.0, dtype=base.dtype)
+                if self.factored
+                else None
+            )
+            state[m.base_key] = self.fold_base(
+                m.base_key,
+                base,
+                delta,
+                lambda w=base, x=left, y=right: torch.addmm(
+                    w.to(torch.float64), x, y
+                ).to(w.dtype),
+            )
+            layers[m.name] = (
+                {r: 0.0 for r in self.client_ranks},
+                factored_frobenius_norm(left, right),
+            )
+        return state, self.publish_base(state, self.rank_report(updates, layers))
