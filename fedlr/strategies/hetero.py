@@ -41,7 +41,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from fedlr import protocol
-from fedlr.adapters.roles import AdapterLayout, Role
+from fedlr.adapters.roles import AdapterLayout, LoraModule, Role
 from fedlr.config import RunConfig
 from fedlr.downlink import lowrank_delta
 from fedlr.errors import ReplyValidationError
@@ -177,6 +177,67 @@ class HeteroRankLoRA(LoraStrategy):
             )
         return report
 
+    # ------------------------------------------------------------ aggregation
+    def aggregate_updates(
+        self,
+        server_round: int,
+        updates: list[ClientUpdate],
+        current: dict[str, torch.Tensor],
+    ) -> tuple[dict[str, torch.Tensor], RoundReport]:
+        """Head averaged; each layer by :meth:`aggregate_layer`."""
+        state = dict(current)
+        state.update(self.weighted_means(updates, self.layout.keys(Role.HEAD)))
+        weights = [u.weight for u in updates]
+        scalings = self.scalings(updates)
+        layers: dict[str, tuple[dict[int, float], float]] = {}
+        for m in self.layout.modules:
+            layers[m.name] = self.aggregate_layer(
+                m,
+                [u.arrays[m.b_key] for u in updates],
+                [u.arrays[m.a_key] for u in updates],
+                scalings,
+                weights,
+                current,
+                state,
+            )
+        return state, self.finish_report(state, self.rank_report(updates, layers))
+
+    def aggregate_layer(
+        self,
+        module: LoraModule,
+        bs: list[torch.Tensor],
+        as_: list[torch.Tensor],
+        scalings: list[float],
+        weights: list[float],
+        current: Mapping[str, torch.Tensor],
+        state: dict[str, torch.Tensor],
+    ) -> tuple[dict[int, float], float]:
+        """Write one layer's new global arrays into ``state``.
+
+        Returns the gap of what a client of each rank receives against
+        ``M = sum_i w_i s_i B_i A_i``, and ``||M||_F``.
+        """
+        raise NotImplementedError
+
+    def finish_report(
+        self, state: Mapping[str, torch.Tensor], report: RoundReport
+    ) -> RoundReport:
+        """The round's report, after every layer (FLoRA publishes W0 here)."""
+        return report
+
+    def set_factors(
+        self,
+        module: LoraModule,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        current: Mapping[str, torch.Tensor],
+        state: dict[str, torch.Tensor],
+    ) -> None:
+        """Global rank-R ``B``, ``A`` from update-space factors ``B~``, ``A~``."""
+        b, a = factors_for_rank(b, a, self.rank, module.scaling)
+        state[module.b_key] = b.to(current[module.b_key].dtype)
+        state[module.a_key] = a.to(current[module.a_key].dtype)
+
     # ------------------------------------------------------------ Flower hooks
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -271,33 +332,20 @@ class FlexLoRA(HeteroRankLoRA):
     Parameters: see :class:`HeteroRankLoRA`.
     """
 
-    def aggregate_updates(
+    def aggregate_layer(
         self,
-        server_round: int,
-        updates: list[ClientUpdate],
-        current: dict[str, torch.Tensor],
-    ) -> tuple[dict[str, torch.Tensor], RoundReport]:
-        state = dict(current)
-        state.update(self.weighted_means(updates, self.layout.keys(Role.HEAD)))
-        weights = [u.weight for u in updates]
-        scalings = self.scalings(updates)
-        layers: dict[str, tuple[dict[int, float], float]] = {}
-        for m in self.layout.modules:
-            b_t, a_t, svd = flexlora_factors(
-                [u.arrays[m.b_key] for u in updates],
-                [u.arrays[m.a_key] for u in updates],
-                scalings,
-                weights,
-                self.rank,
-            )
-            b, a = factors_for_rank(b_t, a_t, self.rank, m.scaling)
-            state[m.b_key] = b.to(current[m.b_key].dtype)
-            state[m.a_key] = a.to(current[m.a_key].dtype)
-            gaps = {
-                r: math.sqrt(max(svd.energy_beyond(r), 0.0)) for r in self.client_ranks
-            }
-            layers[m.name] = (gaps, math.sqrt(max(svd.total_energy, 0.0)))
-        return state, self.rank_report(updates, layers)
+        module: LoraModule,
+        bs: list[torch.Tensor],
+        as_: list[torch.Tensor],
+        scalings: list[float],
+        weights: list[float],
+        current: Mapping[str, torch.Tensor],
+        state: dict[str, torch.Tensor],
+    ) -> tuple[dict[int, float], float]:
+        b, a, svd = flexlora_factors(bs, as_, scalings, weights, self.rank)
+        self.set_factors(module, b, a, current, state)
+        gaps = {r: math.sqrt(max(svd.energy_beyond(r), 0.0)) for r in self.client_ranks}
+        return gaps, math.sqrt(max(svd.total_energy, 0.0))
 
 
 @register_method(
@@ -312,30 +360,21 @@ class HetLoRA(HeteroRankLoRA):
     Parameters: see :class:`HeteroRankLoRA`.
     """
 
-    def aggregate_updates(
+    def aggregate_layer(
         self,
-        server_round: int,
-        updates: list[ClientUpdate],
-        current: dict[str, torch.Tensor],
-    ) -> tuple[dict[str, torch.Tensor], RoundReport]:
-        state = dict(current)
-        state.update(self.weighted_means(updates, self.layout.keys(Role.HEAD)))
-        weights = [u.weight for u in updates]
-        scalings = self.scalings(updates)
-        layers: dict[str, tuple[dict[int, float], float]] = {}
-        for m in self.layout.modules:
-            bs = [u.arrays[m.b_key] for u in updates]
-            as_ = [u.arrays[m.a_key] for u in updates]
-            b_t, a_t = hetlora_factors(bs, as_, scalings, weights, self.rank)
-            b, a = factors_for_rank(b_t, a_t, self.rank, m.scaling)
-            state[m.b_key] = b.to(current[m.b_key].dtype)
-            state[m.a_key] = a.to(current[m.a_key].dtype)
-            left, right = stacked_update(bs, as_, scalings, weights)
-            gaps = {
-                r: received_gap(left, right, b_t, a_t, r) for r in self.client_ranks
-            }
-            layers[m.name] = (gaps, factored_frobenius_norm(left, right))
-        return state, self.rank_report(updates, layers)
+        module: LoraModule,
+        bs: list[torch.Tensor],
+        as_: list[torch.Tensor],
+        scalings: list[float],
+        weights: list[float],
+        current: Mapping[str, torch.Tensor],
+        state: dict[str, torch.Tensor],
+    ) -> tuple[dict[int, float], float]:
+        b, a = hetlora_factors(bs, as_, scalings, weights, self.rank)
+        self.set_factors(module, b, a, current, state)
+        left, right = stacked_update(bs, as_, scalings, weights)
+        gaps = {r: received_gap(left, right, b, a, r) for r in self.client_ranks}
+        return gaps, factored_frobenius_norm(left, right)
 
 
 @register_method(
@@ -366,46 +405,35 @@ class FLoRA(HeteroRankLoRA, FactoredDownlink):
             "fedex_downlink": DownlinkOptions.of(options).fedex_downlink,
         }
 
-    def aggregate_updates(
+    def aggregate_layer(
         self,
-        server_round: int,
-        updates: list[ClientUpdate],
-        current: dict[str, torch.Tensor],
-    ) -> tuple[dict[str, torch.Tensor], RoundReport]:
-        for m in self.layout.modules:
-            if m.base_key not in current:
-                raise KeyError(
-                    f"global arrays lack the base weight '{m.base_key}' that FLoRA "
-                    "folds the sum of the updates into"
-                )
-        state = dict(current)
-        state.update(self.weighted_means(updates, self.layout.keys(Role.HEAD)))
-        weights = [u.weight for u in updates]
-        scalings = self.scalings(updates)
-        layers: dict[str, tuple[dict[int, float], float]] = {}
-        for m in self.layout.modules:
-            left, right = stacked_update(
-                [u.arrays[m.b_key] for u in updates],
-                [u.arrays[m.a_key] for u in updates],
-                scalings,
-                weights,
+        module: LoraModule,
+        bs: list[torch.Tensor],
+        as_: list[torch.Tensor],
+        scalings: list[float],
+        weights: list[float],
+        current: Mapping[str, torch.Tensor],
+        state: dict[str, torch.Tensor],
+    ) -> tuple[dict[int, float], float]:
+        base = current.get(module.base_key)
+        if base is None:
+            raise KeyError(
+                f"global arrays lack the base weight '{module.base_key}' that "
+                "FLoRA folds the sum of the updates into"
             )
-            base = current[m.base_key]
-            delta = (
-                lowrank_delta(left, right, 1.0, dtype=base.dtype)
-                if self.factored
-                else None
-            )
-            state[m.base_key] = self.fold_base(
-                m.base_key,
-                base,
-                delta,
-                lambda w=base, x=left, y=right: torch.addmm(
-                    w.to(torch.float64), x, y
-                ).to(w.dtype),
-            )
-            layers[m.name] = (
-                {r: 0.0 for r in self.client_ranks},
-                factored_frobenius_norm(left, right),
-            )
-        return state, self.publish_base(state, self.rank_report(updates, layers))
+        left, right = stacked_update(bs, as_, scalings, weights)
+        delta = (
+            lowrank_delta(left, right, 1.0, dtype=base.dtype) if self.factored else None
+        )
+        state[module.base_key] = self.fold_base(
+            module.base_key,
+            base,
+            delta,
+            lambda: torch.addmm(base.to(torch.float64), left, right).to(base.dtype),
+        )
+        return {r: 0.0 for r in self.client_ranks}, factored_frobenius_norm(left, right)
+
+    def finish_report(
+        self, state: Mapping[str, torch.Tensor], report: RoundReport
+    ) -> RoundReport:
+        return self.publish_base(state, report)

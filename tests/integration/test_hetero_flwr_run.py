@@ -1,0 +1,56 @@
+"""Slow: clients of ranks {2, 4, 8, 16} through the real `flwr run` CLI."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from tests.conftest import ROOT, tiny_run_config
+from tests.integration.test_simulation import flwr_home  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.slow
+
+RANKS = (2, 4, 8, 16)
+
+
+def test_every_heterogeneous_rank_method_runs_under_flwr_run(
+    tmp_path,
+    assets,
+    flwr_home,  # noqa: F811
+):
+    """Four SuperNodes, one rank each, 2 rounds per method; one SuperLink."""
+    from fedlr.flower.launch import flwr_run
+
+    for method in ("flexlora", "hetlora", "flora"):
+        output = tmp_path / method
+        config = tiny_run_config(
+            output,
+            method=method,
+            **{
+                "client-ranks": ",".join(map(str, RANKS)),
+                "num-server-rounds": 2,
+                "local-steps": 2,
+                "max-eval-examples": 64,
+            },
+        )
+        config.pop("num-partitions")  # the node config says how many (4)
+        outcome = flwr_run(
+            ROOT,
+            flwr_home=flwr_home,
+            run_config=config,
+            federation_config={"num-supernodes": 4},
+            timeout=600,
+        )
+        assert outcome.status == "finished:completed", method
+        (results,) = output.glob("*/results.csv")
+        frame = pd.read_csv(results)
+        assert frame["clients"].tolist() == [4, 4], method
+        assert (frame["dropped"] == 0).all(), method
+        assert (frame["rank"] == 16).all()
+        # every rank took part: its clients sent bytes up each round
+        for rank in RANKS:
+            assert (frame[f"bytes-up-rank-{rank}"] > 0).all(), (method, rank)
+        if method == "flora":
+            assert (frame["frobenius-gap"] == 0).all()
+        else:
+            assert (frame["gap-rank-2"] >= frame["gap-rank-16"]).all()
