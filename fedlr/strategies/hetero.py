@@ -302,17 +302,30 @@ class HeteroRankLoRA(LoraStrategy):
         return update
 
     def _declared_rank(self, message: Message) -> int | None:
+        """The rank the reply's first ``A`` (else ``B``) declares, unread.
+
+        ``None`` (validate at the global rank, naming the shape) unless the
+        declared shape is a LoRA factor of the layer at some rank
+        ``1 .. min(d_out, d_in)``.
+        """
         if message.has_error():
             return None
         record = message.content.array_records.get(self.arrayrecord_key)
         if record is None:
             return None
         m = self.layout.modules[0]
-        for key, axis in ((m.a_key, 0), (m.b_key, 1)):
+        widest = min(m.d_out, m.d_in)
+        for key, axis, side in ((m.a_key, 0, m.d_in), (m.b_key, 1, m.d_out)):
             if key in record:
                 shape = list(record[key].shape)
-                if len(shape) == 2 and isinstance(shape[axis], int):
+                if (
+                    len(shape) == 2
+                    and all(isinstance(n, int) for n in shape)
+                    and shape[1 - axis] == side
+                    and 1 <= shape[axis] <= widest
+                ):
                     return int(shape[axis])
+                return None
         return None
 
 

@@ -46,6 +46,9 @@ from tests.strategies.test_every_method import (  # noqa: F401 (fixture)
 )
 
 ATTACKER = 1000
+HETERO_RANKS = ("flexlora", "flora")
+"""Heterogeneous-rank methods: replies validated at the rank they declare
+(robust aggregation is refused for them, so only the drop path applies)."""
 FAMILIES = (
     "fedex-lora",
     "fedavg-lora",
@@ -124,7 +127,7 @@ def _distance(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> f
 
 
 @pytest.mark.parametrize("payload", DROP)
-@pytest.mark.parametrize("method", FAMILIES)
+@pytest.mark.parametrize("method", (*FAMILIES, *HETERO_RANKS))
 def test_malformed_reply_is_dropped_and_the_round_goes_on(method, payload, plans):  # noqa: F811
     p = PAYLOADS[payload]
     strategy, new, metrics, _ = _round(method, plans, p)

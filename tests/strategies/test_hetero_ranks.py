@@ -69,3 +69,30 @@ def test_a_reply_at_another_rank_is_dropped(tmp_path, caplog):
 def test_a_one_rank_method_refuses_client_ranks(tmp_path):
     with pytest.raises(ConfigError, match="client-ranks"):
         _run(tmp_path, "fedavg-lora")
+
+
+def test_a_reply_whose_layers_disagree_on_the_rank_is_dropped(tmp_path, caplog):
+    """Layer 0 declares the node's rank 16; the last layer is cut to rank 2."""
+
+    def mixed(partition: int, instruction: Message, reply: Message) -> Message:
+        if partition == 3 and not reply.has_error():
+            arrays = reply.content.array_records["arrays"]
+            a_key = [k for k in arrays if k.endswith("lora_A.weight")][-1]
+            b_key = a_key.replace("lora_A", "lora_B")
+            arrays[a_key] = type(arrays[a_key])(arrays[a_key].numpy()[:2])
+            arrays[b_key] = type(arrays[b_key])(arrays[b_key].numpy()[:, :2])
+        return reply
+
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        frame = _run(tmp_path, "hetlora", reply_hook=mixed)
+    assert (frame["dropped"] == 1).all()
+    dropped = [m for m in caplog.messages if "dropped a reply" in m]
+    assert len(dropped) == 2
+    for message in dropped:
+        assert "node 1003" in message and a_key_of(message).endswith("lora_A.weight")
+        assert "has shape (2, 32), expected (16, 32)" in message
+
+
+def a_key_of(message: str) -> str:
+    """The array key a drop reason names (the second quoted string)."""
+    return message.split("'")[3]
