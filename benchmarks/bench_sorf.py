@@ -21,14 +21,23 @@
    (``_fit_b_dense``: ``d x d`` normal equations and an eigendecomposition),
    in the same process, alternating; the ratio dense / FWHT and the largest
    relative difference of the refit ``b``.
+4. The sign choice of the singular pairs before the refit
+   (:func:`fedlr.linalg.sorf_refit.choose_pair_signs`): the mean relative
+   refit gap ``||Delta W_new - Delta W||_F / ||Delta W||_F`` over seeded
+   layers with the former fixed rule (``"peak"``), the default search
+   (``"gap"``: float32 Jacobi model), and the search on the exact float64
+   model; the time of the search alone against one refit (alternating, best
+   call); and, on a small layer, the range over all ``2^r`` patterns by brute
+   force.
 
-Run: ``python -m benchmarks.bench_sorf [apply] [forward] [refit]`` (no
-argument: all three; or ``make bench``).
+Run: ``python -m benchmarks.bench_sorf [apply] [forward] [refit] [signs]`` (no
+argument: all four; or ``make bench``).
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -36,17 +45,31 @@ from collections.abc import Callable, Sequence
 import torch
 
 from fedlr.linalg.sorf import (
+    PolarFactor,
+    SorfSigns,
     _fit_b_dense,
     build_lambda_d_rot,
     fwht,
+    polar_factor,
+    polar_target,
     sorf_apply,
     sorf_signs,
 )
-from fedlr.linalg.sorf_refit import LayerRefit, refit_layer
+from fedlr.linalg.sorf_pair_signs import SignSearch, choose_pair_signs
+from fedlr.linalg.sorf_refit import (
+    LayerRefit,
+    mean_lambda_d_rot,
+    refit_layer,
+    sorf_left,
+)
+from fedlr.linalg.svd import TruncatedSVD, factored_svd
 
 N, BATCH = 4096, 64
 REFIT_DIMS = (768, 3072, 4000, 4096)
 REFIT_RANK = 16
+# (d_out, d_in, rank, layers): the default model's 12 query/value layers,
+# a wider one, and the small shapes of the cross-check (exhaustive search)
+SIGN_CASES = ((384, 384, 16, 12), (768, 768, 16, 6), (24, 24, 6, 20), (16, 16, 6, 20))
 
 
 def _time(fn: Callable[[], object], repeat: int) -> float:
@@ -269,8 +292,144 @@ def refit_case(d: int, rank: int = REFIT_RANK, rounds: int = 0) -> dict[str, flo
     }
 
 
-def main(cases: Sequence[str] = ("apply", "forward", "refit")) -> None:
-    """Print the tables of ``cases`` (``apply``, ``forward``, ``refit``)."""
+SignLayer = tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, SorfSigns
+]
+
+
+def _sign_layer(
+    d_out: int, d_in: int, rank: int, seed: int, clients: int = 4
+) -> SignLayer:
+    """One seeded layer: the adapter's ``A``, ``B``, ``S``; random ``b``, ``Lambda``.
+
+    ``Lambda_bar`` is the mean of ``clients`` scaled rotations (small scale
+    and angles, as after a few local steps from ``m = 0``); ``b`` is near
+    its initial ``1 + 0i``.
+    """
+    from fedlr.adapters.sorf_vera import layer_signs, shared_sorf_projections
+
+    a, b = shared_sorf_projections(rank, d_in, d_out, seed=0)
+    gen = torch.Generator().manual_seed(1000 * d_out + seed)
+    b_real = 1.0 + 0.1 * torch.randn(d_out // 2, generator=gen)
+    b_imag = 0.1 * torch.randn(d_out // 2, generator=gen)
+    scales = [0.05 * torch.rand(1, generator=gen) for _ in range(clients)]
+    angles = [
+        0.3 * torch.randn(rank * (rank - 1) // 2, generator=gen) for _ in range(clients)
+    ]
+    lam = mean_lambda_d_rot(scales, angles, [1.0] * clients, rank)
+    return lam, b_real, b_imag, a, b, layer_signs(d_out, 0)
+
+
+def _svd_and_polar(layer: SignLayer) -> tuple[TruncatedSVD, PolarFactor]:
+    """The rank-r SVD of a layer's averaged update and the polar factor."""
+    lam, b_real, b_imag, a, b, signs = layer
+    f64 = torch.float64
+    svd = factored_svd(
+        sorf_left(signs.to(f64), b_real, b_imag, b.to(f64)),
+        lam.to(f64) @ a.to(f64),
+        rank=a.shape[0],
+    )
+    return svd, polar_factor(polar_target(a, svd.vh))
+
+
+def signs_case(
+    d_out: int, d_in: int, rank: int, layers: int, rounds: int = 3
+) -> dict[str, float]:
+    """Mean relative refit gap under each sign rule, and the search's time.
+
+    For each of ``layers`` seeded layers: the refit with the ``"peak"`` rule,
+    with ``"gap"`` (default :class:`SignSearch`) and with the exact model
+    (:meth:`SignSearch.exact`). Times on the first layer: the default search
+    alone (:func:`choose_pair_signs`, from the layer's SVD and polar factor)
+    against one refit (``"peak"``), alternating (:func:`_paired`), best call;
+    the search on the exact model (best of two). Above the exhaustive bound
+    also the exhaustive search on the same model: its time, and on how many
+    layers the descent found its optimum.
+    """
+    search = SignSearch()
+    gaps: dict[str, list[float]] = {"peak": [], "gap": [], "exact": []}
+    flipped: list[int] = []
+    greedy_optimal = 0
+    for seed in range(layers):
+        layer = _sign_layer(d_out, d_in, rank, seed)
+        peak = refit_layer(*layer)
+        fast = refit_layer(*layer, sign_search="gap")
+        exact = refit_layer(*layer, sign_search="gap", search=SignSearch.exact())
+        for key, fit in (("peak", peak), ("gap", fast), ("exact", exact)):
+            gaps[key].append(fit.gap / fit.target_norm)
+        assert fast.pair_signs is not None and peak.pair_signs is not None
+        flipped.append(int((fast.pair_signs != peak.pair_signs).sum()))
+        if rank > search.exhaustive_rank:
+            every = SignSearch(exhaustive_rank=rank)
+            best = choose_pair_signs(
+                *_svd_and_polar(layer), layer[3], layer[4], layer[5], search=every
+            )
+            assert fast.sign_choice is not None
+            greedy_optimal += fast.sign_choice.gap <= best.gap * (1 + 1e-9)
+    layer = _sign_layer(d_out, d_in, rank, 0)
+    svd, polar = _svd_and_polar(layer)
+    a, b, signs = layer[3], layer[4], layer[5]
+    t_search, t_refit = _paired(
+        lambda: choose_pair_signs(svd, polar, a, b, signs, search=search),
+        lambda: refit_layer(*layer),
+        rounds,
+        3,
+    )
+    t_exact = _time(
+        lambda: choose_pair_signs(svd, polar, a, b, signs, search=SignSearch.exact()),
+        2,
+    )
+    t_every = math.nan
+    if rank > search.exhaustive_rank:
+        every = SignSearch(exhaustive_rank=rank)
+        t_every = _time(
+            lambda: choose_pair_signs(svd, polar, a, b, signs, search=every), 2
+        )
+    choice = choose_pair_signs(svd, polar, a, b, signs, search=search)
+    mean = {k: sum(v) / len(v) for k, v in gaps.items()}
+    worse = [g > p * (1 + 1e-9) for g, p in zip(gaps["gap"], gaps["peak"], strict=True)]
+    return {
+        "d_out": d_out,
+        "d_in": d_in,
+        "rank": rank,
+        "layers": layers,
+        "peak": mean["peak"],
+        "gap": mean["gap"],
+        "exact": mean["exact"],
+        "worse": sum(worse),
+        "flipped": sum(flipped) / len(flipped),
+        "exhaustive": float(choice.exhaustive),
+        "patterns": choice.patterns,
+        "search_ms": 1e3 * t_search,
+        "refit_ms": 1e3 * t_refit,
+        "exhaustive_ms": 1e3 * t_every,
+        "exact_ms": 1e3 * t_exact,
+        "greedy_optimal": greedy_optimal,
+    }
+
+
+def brute_force_range(
+    d_out: int = 24, d_in: int = 24, rank: int = 6, seed: int = 0
+) -> dict[str, float]:
+    """Relative refit gap of all ``2^r`` patterns of one layer, and of the rules."""
+    layer = _sign_layer(d_out, d_in, rank, seed)
+    gaps = []
+    for bits in range(2**rank):
+        eps = torch.tensor([-1.0 if bits >> j & 1 else 1.0 for j in range(rank)])
+        fit = refit_layer(*layer, pair_signs=eps)
+        gaps.append(fit.gap / fit.target_norm)
+    peak = refit_layer(*layer)
+    fast = refit_layer(*layer, sign_search="gap")
+    return {
+        "min": min(gaps),
+        "max": max(gaps),
+        "peak": peak.gap / peak.target_norm,
+        "gap": fast.gap / fast.target_norm,
+    }
+
+
+def main(cases: Sequence[str] = ("apply", "forward", "refit", "signs")) -> None:
+    """Print the tables of ``cases`` (``apply``, ``forward``, ``refit``, ``signs``)."""
     if "apply" in cases:
         _print_apply(sorf_apply_case())
     if "forward" in cases:
@@ -288,6 +447,38 @@ def main(cases: Sequence[str] = ("apply", "forward", "refit")) -> None:
                 f"{r['b_rel_diff']:.1e} | gap rel diff {r['gap_rel_diff']:.1e} | "
                 f"b-residual {r['b_residual']:.3f}"
             )
+    if "signs" in cases:
+        _print_signs()
+
+
+def _print_signs() -> None:
+    print(
+        "SORF-VeRA refit: signs of the singular pairs, mean relative refit gap "
+        f"(peak rule vs gap search), {torch.get_num_threads()} threads"
+    )
+    for d_out, d_in, rank, layers in SIGN_CASES:
+        c = signs_case(d_out, d_in, rank, layers)
+        how = "exhaustive" if c["exhaustive"] else "greedy"
+        print(
+            f"  {d_out:4d} x {d_in:4d}, r = {rank:2d}, {layers:2d} layers: peak "
+            f"{c['peak']:.4f} | gap {c['gap']:.4f} (exact model {c['exact']:.4f}; "
+            f"worse than peak on {c['worse']:.0f}) | {c['flipped']:.1f} pairs "
+            f"flipped | search ({how}, {c['patterns']:.0f} patterns) "
+            f"{c['search_ms']:.1f} ms vs refit {c['refit_ms']:.1f} ms "
+            f"(x{c['search_ms'] / c['refit_ms']:.2f}); on the exact model "
+            f"{c['exact_ms']:.1f} ms"
+        )
+        if not c["exhaustive"]:
+            print(
+                f"      all {2 ** (rank - 1)} patterns on the same model: "
+                f"{c['exhaustive_ms']:.0f} ms; the descent found that optimum on "
+                f"{c['greedy_optimal']:.0f} of {layers} layers"
+            )
+    b = brute_force_range()
+    print(
+        f"  24 x 24, r = 6, all 64 patterns: gap {b['min']:.4f} .. {b['max']:.4f}; "
+        f"peak rule {b['peak']:.4f}, gap search {b['gap']:.4f}"
+    )
 
 
 def _print_apply(a: dict[str, float]) -> None:
@@ -326,4 +517,4 @@ def _print_forward(f: dict[str, float]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ("apply", "forward", "refit"))
+    main(sys.argv[1:] or ("apply", "forward", "refit", "signs"))

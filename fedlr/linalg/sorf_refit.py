@@ -15,17 +15,25 @@ and ``theta`` with ``b`` frozen; the server
    ``V_r^T pinv(A)``) and ``b`` (:func:`~fedlr.linalg.sorf.fit_b`, the
    minimum-norm least squares on ``||S Gamma(b) B - U_r Sigma_r||_F`` by
    FWHT: closed form when ``d_out`` is a power of two, CGLS otherwise). The
-   sign of the last singular pair is chosen so that the polar factor is a
+   signs of the singular pairs are chosen so that the polar factor is a
    rotation (``det = +1``), which ``G(theta)`` can represent.
 
+Singular pairs are defined up to sign, and the refit is not sign-invariant;
+:mod:`fedlr.linalg.sorf_pair_signs` chooses the pattern with the smallest refit
+gap (``sign_search="gap"``) or keeps the fixed rule of
+:func:`~fedlr.linalg.svd.fix_signs` (``"peak"``).
+
 :func:`refit_layer` does steps 2-3 for one layer. It takes the layer's SORF
-signs from the caller and computes the polar factor once: flipping the last
-singular pair negates the last row of ``V_r^T pinv(A)`` and so of its polar
-factor (:meth:`~fedlr.linalg.sorf.PolarFactor.negate_last_row`), with the
-same singular values. Cost per layer: ``O((d_out + d_in) r^2)`` for the
+signs from the caller and computes the polar factor once: flipping pairs by
+``D`` negates rows of ``V_r^T pinv(A)`` and the same rows of its polar factor
+(as :meth:`~fedlr.linalg.sorf.PolarFactor.negate_last_row` does for the
+last), with the same singular values. Cost per layer: ``O((d_out + d_in) r^2)`` for the
 factored SVD and the polar factor, and ``O(k r n log n)`` for ``b`` (``k``
 CGLS iterations, about 30 at ``r = 16``; ``n`` the padded ``d_out``); no
-``d_out x d_out`` or ``d_out x d_in`` matrix.
+``d_out x d_out`` or ``d_out x d_in`` matrix. The sign search adds
+``O((1 + 2 k') r^2 n log n + r^4 d_out)`` for the model (``k'`` CG
+iterations, 0 when ``d_out`` is a power of two) and ``O(r^4)`` per pattern
+evaluated.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from fedlr.errors import ShapeMismatchError
 from fedlr.linalg.lowrank import factored_frobenius_norm, normalise_weights
 from fedlr.linalg.sorf import (
     BFit,
+    PolarFactor,
     SorfSigns,
     build_lambda_d_rot,
     fit_b,
@@ -48,6 +57,12 @@ from fedlr.linalg.sorf import (
     polar_factor,
     polar_target,
     sorf_apply,
+)
+from fedlr.linalg.sorf_pair_signs import (
+    SIGN_RULES,
+    SignChoice,
+    SignSearch,
+    choose_pair_signs,
 )
 from fedlr.linalg.svd import factored_svd
 
@@ -72,6 +87,13 @@ class LayerRefit:
         :func:`~fedlr.linalg.sorf.fit_d`.
     gap, target_norm : float
         ``||Delta W_new - Delta W||_F`` and ``||Delta W||_F``.
+    pair_signs : (r,) torch.Tensor or None
+        ``eps``, float64 entries ``+-1``: the refit used ``U_r diag(eps)`` and
+        ``diag(eps) V_r^T``, with ``U_r, V_r`` as
+        :func:`~fedlr.linalg.svd.factored_svd` returns them (signs of
+        :func:`~fedlr.linalg.svd.fix_signs`); ``None`` for a zero update.
+    sign_choice : SignChoice or None
+        The search's record when ``sign_search="gap"`` chose ``eps``.
     """
 
     b_real: torch.Tensor
@@ -82,6 +104,8 @@ class LayerRefit:
     d_residual: float
     gap: float
     target_norm: float
+    pair_signs: torch.Tensor | None = None
+    sign_choice: SignChoice | None = None
 
 
 def sorf_left(
@@ -151,6 +175,9 @@ def refit_layer(
     signs: SorfSigns,
     *,
     b_solver: BSolver = fit_b,
+    sign_search: str = "peak",
+    search: SignSearch | None = None,
+    pair_signs: torch.Tensor | None = None,
 ) -> LayerRefit:
     """Truncated SVD of ``S Gamma(b) B Lambda_bar A`` and the refit of ``b``, ``d``.
 
@@ -170,6 +197,18 @@ def refit_layer(
         ``(signs, B, T) -> BFit``, the least-squares fit of ``b``;
         :func:`~fedlr.linalg.sorf.fit_b` unless a benchmark or test passes the
         dense reference.
+    sign_search : {"peak", "gap"}
+        How the signs of the singular pairs are chosen
+        (:func:`choose_pair_signs`): ``"peak"`` (default here, the reference
+        rule of the tests) or ``"gap"`` (the smallest modelled refit gap; the
+        strategy's default).
+    search : SignSearch, optional
+        Settings of ``"gap"``.
+    pair_signs : (r,) torch.Tensor, optional
+        An explicit ``eps`` (entries ``+-1``, relative to the signs of
+        :func:`~fedlr.linalg.svd.factored_svd`) instead of ``sign_search``;
+        the last pair is flipped when ``eps`` would make the polar factor a
+        reflection, as the peak rule does.
 
     Returns
     -------
@@ -181,6 +220,9 @@ def refit_layer(
     ------
     ShapeMismatchError
         If the shapes disagree.
+    ValueError
+        For an unknown ``sign_search`` or ``pair_signs`` entries other than
+        ``+-1``.
     """
     r = int(a_matrix.shape[0])
     d_out = int(b_matrix.shape[0])
@@ -195,6 +237,17 @@ def refit_layer(
             f"SORF refit shapes disagree: Lambda_bar {tuple(lambda_bar.shape)}, A "
             f"{tuple(a_matrix.shape)}, B {tuple(b_matrix.shape)}, S of size "
             f"{signs.d}; expected (r, r), (r, d_in), (d_out, r), d_out"
+        )
+    if sign_search not in SIGN_RULES:
+        raise ValueError(
+            f"sign_search must be one of {SIGN_RULES}, got {sign_search!r}"
+        )
+    if pair_signs is not None and (
+        pair_signs.shape != (r,) or not bool((pair_signs.abs() == 1).all())
+    ):
+        raise ValueError(
+            f"pair_signs must be ({r},) entries +-1, got shape "
+            f"{tuple(pair_signs.shape)}"
         )
     dtype = b_real.dtype
     s64 = signs.to(F64)
@@ -215,13 +268,25 @@ def refit_layer(
             gap=target_norm,
             target_norm=target_norm,
         )
-    # 2. Polar factor of V_r^T pinv(A), once; a reflection is turned into a
-    #    rotation by negating the last singular pair (same product).
-    u, vh = svd.u.clone(), svd.vh.clone()
-    polar = polar_factor(polar_target(a_matrix, vh))
-    if float(torch.linalg.det(polar.o)) < 0:
-        u[:, -1], vh[-1] = -u[:, -1], -vh[-1]
-        polar = polar.negate_last_row()
+    # 2. Polar factor of V_r^T pinv(A), once: flipping the pairs by
+    #    D = diag(eps) gives the polar factor D O with the same singular
+    #    values. eps makes D O a rotation (the peak rule flips the last pair
+    #    of a reflection; the gap rule searches the admissible patterns).
+    polar = polar_factor(polar_target(a_matrix, svd.vh))
+    choice: SignChoice | None = None
+    if pair_signs is None:
+        choice = choose_pair_signs(
+            svd, polar, a_matrix, b64, s64, rule=sign_search, search=search
+        )
+        eps = choice.signs.to(svd.u.device)
+        if sign_search == "peak":
+            choice = None
+    else:
+        eps = pair_signs.to(device=svd.u.device, dtype=F64).clone()
+        if float(eps.prod()) * float(torch.linalg.det(polar.o)) < 0:
+            eps[-1] = -eps[-1]
+    u, vh = svd.u * eps, svd.vh * eps[:, None]
+    polar = PolarFactor(o=eps[:, None] * polar.o, singular_values=polar.singular_values)
     # 3. Refit d from the polar factor, b by least squares.
     d_fit = fit_d(a_matrix, vh, polar=polar)
     b_fit = b_solver(s64, b64, u * svd.s)
@@ -239,4 +304,6 @@ def refit_layer(
         d_residual=d_fit.residual,
         gap=gap,
         target_norm=target_norm,
+        pair_signs=eps,
+        sign_choice=choice,
     )

@@ -13,9 +13,13 @@ m G(theta)`` (see :mod:`fedlr.adapters.sorf_vera`). Clients train ``m`` and
    matrix);
 3. refits ``d`` (``fit_d``: polar factor of ``V_r^T pinv(A)``, Givens angles,
    ``m`` = mean polar singular value) and ``b`` (``fit_b``: least squares on
-   ``||S Gamma(b) B - U_r Sigma_r||_F``). The sign of the last singular pair is
-   chosen so that the polar factor is a rotation (``det = +1``), which
-   ``G(theta)`` can represent;
+   ``||S Gamma(b) B - U_r Sigma_r||_F``). The refit depends on the signs of
+   the singular pairs (``U_r Sigma_r V_r^T`` does not): ``sign_search="gap"``
+   (default) picks the pattern with the smallest refit gap among those whose
+   polar factor is a rotation (``det = +1``, which ``G(theta)`` can
+   represent), ``"peak"`` keeps the fixed rule (each ``u_j`` with a positive
+   peak, the last pair flipped for a reflection); see
+   :func:`fedlr.linalg.sorf_refit.choose_pair_signs`;
 4. sends the new ``b`` (frozen on clients) and ``d`` next round.
 
 Steps 1-3 are the kernels :func:`fedlr.linalg.mean_lambda_d_rot` and
@@ -41,6 +45,7 @@ from fedlr.adapters.sorf_vera import SorfVeraLayout, SorfVeraModule, layer_signs
 from fedlr.adapters.vera import VeraModel
 from fedlr.config import RunConfig
 from fedlr.linalg import mean_lambda_d_rot, refit_layer, weighted_mean
+from fedlr.linalg.sorf_pair_signs import SIGN_RULES
 from fedlr.options import Options
 from fedlr.payloads import SORF_VERA
 from fedlr.strategies.base import ClientUpdate, RoundReport
@@ -64,6 +69,11 @@ class SorfVeRA(ProjectionChecked):
     layout : SorfVeraLayout
     projection_a : (r, max d_in) torch.Tensor
     projection_b : (max d_out, r) torch.Tensor
+    sign_search : {"gap", "peak"}, default "gap"
+        Signs of the singular pairs before the refit: ``"gap"`` minimises the
+        refit gap (all ``2^(r-1)`` admissible patterns up to ``r = 12``,
+        steepest descent over pair flips from four seeded starts above,
+        on a float32 model of the gap); ``"peak"``, the former fixed rule.
     **kwargs
         Other parameters: see :class:`~fedlr.strategies.base.FedLRStrategy`.
     """
@@ -88,9 +98,14 @@ class SorfVeRA(ProjectionChecked):
         layout: SorfVeraLayout,
         projection_a: torch.Tensor,
         projection_b: torch.Tensor,
+        sign_search: str = "gap",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        if sign_search not in SIGN_RULES:
+            raise ValueError(
+                f"sign_search must be one of {SIGN_RULES}, got {sign_search!r}"
+            )
         r = layout.rank
         if (
             projection_a.shape[0] != r
@@ -113,6 +128,7 @@ class SorfVeRA(ProjectionChecked):
         self.projection_b = projection_b
         self.projection_seed = layout.projection_seed
         self.projection_rank = layout.rank
+        self.sign_search = sign_search
 
     @classmethod
     def from_run_config(
@@ -138,11 +154,12 @@ class SorfVeRA(ProjectionChecked):
         log(
             INFO,
             "\t├──> SorfVeRA: %d layers, rank %d (%d Givens angles), projection "
-            "seed %d",
+            "seed %d, pair signs by %s",
             len(self.layout.modules),
             self.layout.rank,
             self.layout.rank * (self.layout.rank - 1) // 2,
             self.layout.projection_seed,
+            self.sign_search,
         )
         super().summary()
 
@@ -184,6 +201,7 @@ class SorfVeRA(ProjectionChecked):
                 self.projection_a[:, : m.d_in],
                 self.projection_b[: m.d_out],
                 layer_signs(m.d_out, self.projection_seed),
+                sign_search=self.sign_search,
             )
             state[m.b_real_key] = fit.b_real
             state[m.b_imag_key] = fit.b_imag

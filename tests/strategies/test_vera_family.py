@@ -309,7 +309,10 @@ def _run(tmp_path, **overrides):
 def test_in_process_rounds(tmp_path, assets, method):
     run_dir, _ = _run(tmp_path, method=method)
     frame = pd.read_csv(run_dir / "results.csv")
-    extra = {"sorf-vera": ["b-residual", "d-residual"], "vera-fedex": ["dense-base-sends"]}
+    extra = {
+        "sorf-vera": ["b-residual", "d-residual"],
+        "vera-fedex": ["dense-base-sends"],
+    }
     assert list(frame.columns) == list(COLUMNS) + extra.get(method, [])
     assert frame["round"].tolist() == [1, 2]
     assert (frame["clients"] == 3).all() and (frame["dropped"] == 0).all()
