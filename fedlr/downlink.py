@@ -12,6 +12,14 @@ one round's change has low rank:
   ``M = sum_i w_i b_i d_i^T - b_bar d_bar^T`` (d_out x r, rank at most
   ``k - 1``), so only ``M``'s factors travel.
 
+A ``Conv1D`` layer (GPT-2; peft's ``fan_in_fan_out``) stores ``W0`` as
+(d_in, d_out), so its change is the transpose. A FedEx-LoRA change is then
+sent as the swapped pair ``(right^T, left^T)`` of kind :data:`LOWRANK` (still
+``W += left @ right`` on the stored weight); a VeRA change cannot be swapped
+(its projections ``B``, ``A`` are fixed), so it carries ``transposed=True``,
+written in its ArrayRecord keys as the kind ``vera-t``
+(:data:`TRANSPOSED_SUFFIX`): ``W += ((B o (left @ right)) @ A)^T``.
+
 The server recompresses the sum by a factored SVD (:func:`lowrank_delta`,
 :func:`vera_delta`): what is sent is the SVD of the aggregate, never a
 client's own factors. Singular values below the float32 rounding of the
@@ -54,6 +62,7 @@ from fedlr.linalg.svd import factored_svd
 __all__ = [
     "CHECK_TOLERANCE",
     "LOWRANK",
+    "TRANSPOSED_SUFFIX",
     "VERA",
     "BaseDelta",
     "BaseLedger",
@@ -71,6 +80,9 @@ VERA = "vera"
 """``W <- W + (B o (left @ right)) @ A``; left (d_out, q), right (q, r), with
 the layer's shared projections ``B`` (d_out, r) and ``A`` (r, d_in)."""
 _KINDS = (LOWRANK, VERA)
+TRANSPOSED_SUFFIX = "-t"
+"""Appended to the kind in a ``base-delta`` key (``vera-t``) for a change that
+is applied transposed (:attr:`BaseDelta.transposed`)."""
 
 CHECK_TOLERANCE = 1e-5
 """A node's base weight ``W`` passes the checksum when
@@ -98,11 +110,17 @@ class BaseDelta:
     left : (d_out, q) torch.Tensor
     right : (q, d_in) or (q, r) torch.Tensor
         ``q`` is the change's rank (0 for no change).
+    transposed : bool, default False
+        The base weight is stored (d_in, d_out) (a ``Conv1D``): the change
+        above is added transposed. Used for :data:`VERA` changes; a
+        :data:`LOWRANK` change of such a layer is sent as the swapped pair
+        instead, which needs no flag.
     """
 
     kind: str
     left: torch.Tensor
     right: torch.Tensor
+    transposed: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -142,18 +160,23 @@ class BaseDelta:
             If a VeRA change is applied without ``projections``.
         """
         d_out, d_in = (int(n) for n in base.shape)
+        if self.transposed:
+            d_out, d_in = d_in, d_out
+        stored = f"{tuple(int(n) for n in base.shape)}" + (
+            " (applied transposed)" if self.transposed else ""
+        )
         left = self.left.to(torch.float64)
         right = self.right.to(torch.float64)
         if left.shape[0] != d_out:
             raise ShapeMismatchError(
                 f"base-delta left factor {tuple(left.shape)} does not fit a base "
-                f"weight of shape {(d_out, d_in)}"
+                f"weight of shape {stored}"
             )
         if self.kind == LOWRANK:
             if right.shape[1] != d_in:
                 raise ShapeMismatchError(
                     f"base-delta right factor {tuple(right.shape)} does not fit a "
-                    f"base weight of shape {(d_out, d_in)}"
+                    f"base weight of shape {stored}"
                 )
             change = left @ right
         else:
@@ -167,6 +190,8 @@ class BaseDelta:
                     f"B {tuple(b.shape)}"
                 )
             change = (b.to(torch.float64) * (left @ right)) @ a.to(torch.float64)
+        if self.transposed:
+            change = change.T
         return (base.to(torch.float64) + change).to(base.dtype)
 
 
@@ -234,6 +259,7 @@ def vera_delta(
     d_in: int,
     *,
     dtype: torch.dtype = torch.float32,
+    transposed: bool = False,
 ) -> BaseDelta | None:
     """VeRA-FedEx's change ``scaling (B o M) A``: the factors of ``M``.
 
@@ -251,6 +277,9 @@ def vera_delta(
     d_in : int
         The layer's input size (to compare with the dense weight).
     dtype : torch.dtype, default float32
+    transposed : bool, default False
+        The layer stores ``W0`` as (d_in, d_out) (a ``Conv1D``): the change is
+        marked :attr:`BaseDelta.transposed`.
 
     Returns
     -------
@@ -265,7 +294,9 @@ def vera_delta(
     left = torch.cat([bs * w, -b_bar[:, None]], dim=1)
     right = torch.cat([ds, d_bar[:, None]], dim=1).T
     u, vh = _recompress(left, right, scaling)
-    delta = BaseDelta(VERA, u.to(dtype).contiguous(), vh.to(dtype).contiguous())
+    delta = BaseDelta(
+        VERA, u.to(dtype).contiguous(), vh.to(dtype).contiguous(), transposed
+    )
     itemsize = torch.empty((), dtype=dtype).element_size()
     return delta if _smaller(delta, int(left.shape[0]), d_in, itemsize) else None
 
@@ -297,12 +328,14 @@ def encode_steps(steps: Sequence[tuple[int, Mapping[str, BaseDelta]]]) -> ArrayR
     """The ArrayRecord ``base-delta`` of consecutive changes.
 
     Keys are ``<version>:<kind>:<base key>:left`` and ``...:right``, where
-    ``version`` is the version the change leads to.
+    ``version`` is the version the change leads to and ``kind`` ends in
+    :data:`TRANSPOSED_SUFFIX` for a transposed change.
     """
     arrays: dict[str, torch.Tensor] = {}
     for version, deltas in steps:
         for key, delta in deltas.items():
-            prefix = f"{version}:{delta.kind}:{key}"
+            kind = delta.kind + (TRANSPOSED_SUFFIX if delta.transposed else "")
+            prefix = f"{version}:{kind}:{key}"
             arrays[f"{prefix}:left"] = delta.left
             arrays[f"{prefix}:right"] = delta.right
     return state_to_record(arrays)
@@ -324,7 +357,10 @@ def decode_steps(record: ArrayRecord) -> dict[int, dict[str, BaseDelta]]:
             version = int(version_text)
         except ValueError:
             raise BaseOutOfSyncError(f"malformed base-delta key {name!r}") from None
-        if kind not in _KINDS or side not in ("left", "right"):
+        if kind.removesuffix(TRANSPOSED_SUFFIX) not in _KINDS or side not in (
+            "left",
+            "right",
+        ):
             raise BaseOutOfSyncError(f"malformed base-delta key {name!r}")
         parts.setdefault((version, kind, key), {})[side] = tensor
     steps: dict[int, dict[str, BaseDelta]] = {}
@@ -332,7 +368,10 @@ def decode_steps(record: ArrayRecord) -> dict[int, dict[str, BaseDelta]]:
         if set(sides) != {"left", "right"}:
             raise BaseOutOfSyncError(f"base-delta {version}:{key} lacks a factor")
         steps.setdefault(version, {})[key] = BaseDelta(
-            kind, sides["left"], sides["right"]
+            kind.removesuffix(TRANSPOSED_SUFFIX),
+            sides["left"],
+            sides["right"],
+            kind.endswith(TRANSPOSED_SUFFIX),
         )
     return steps
 
@@ -569,7 +608,12 @@ class BaseLedger:
                     "version": s.version,
                     "nbytes": s.nbytes,
                     "deltas": {
-                        k: {"kind": d.kind, "left": d.left, "right": d.right}
+                        k: {
+                            "kind": d.kind,
+                            "left": d.left,
+                            "right": d.right,
+                            "transposed": d.transposed,
+                        }
                         for k, d in (s.deltas or {}).items()
                     },
                 }
@@ -587,7 +631,12 @@ class BaseLedger:
             _Step(
                 int(s["version"]),
                 {
-                    k: BaseDelta(d["kind"], d["left"], d["right"])
+                    k: BaseDelta(
+                        d["kind"],
+                        d["left"],
+                        d["right"],
+                        bool(d.get("transposed", False)),
+                    )
                     for k, d in s["deltas"].items()
                 }
                 or None,

@@ -214,7 +214,8 @@ class UnsupportedModelError(FedLRError, TypeError):
 
     The helpers (:mod:`fedlr.client`, a strategy's ``for_model``,
     ``initial_arrays`` and ``load_into``) take a peft ``PeftModel`` with LoRA
-    (``LoraConfig``) or VeRA (``VeraConfig``) on ``nn.Linear`` layers, or a
+    (``LoraConfig``) or VeRA (``VeraConfig``) on ``nn.Linear`` or
+    ``transformers`` ``Conv1D`` (GPT-2) layers, or a
     fedlr :class:`~fedlr.adapters.AdaptedModel` (e.g. SORF-VeRA's
     ``build_sorf_vera_model``). The message says what the model was and what
     was expected.

@@ -19,6 +19,7 @@ from peft.tuners.lora import LoraLayer
 from peft.utils import ModulesToSaveWrapper, get_peft_model_state_dict
 from peft.utils import set_peft_model_state_dict as _set_peft_state
 
+from fedlr.adapters.orientation import stores_fan_in_fan_out, targets_fan_in_fan_out
 from fedlr.adapters.roles import AdaptedModel, AdapterLayout, LoraModule, Role
 from fedlr.errors import ConfigError, ShapeMismatchError
 
@@ -46,7 +47,8 @@ class LoraSettings:
     dropout : float
         Dropout on the LoRA branch input.
     target_modules : tuple of str
-        Names of the ``nn.Linear`` modules to adapt (peft's ``target_modules``).
+        Names of the ``nn.Linear`` (or GPT-2 ``Conv1D``) modules to adapt
+        (peft's ``target_modules``).
     """
 
     rank: int = 8
@@ -76,7 +78,9 @@ def apply_lora(
     Parameters
     ----------
     model : torch.nn.Module
-        Any module with ``nn.Linear`` layers named as in the targets.
+        Any module with ``nn.Linear`` or ``transformers`` ``Conv1D`` layers
+        named as in the targets. When every target is a ``Conv1D`` (GPT-2),
+        peft's ``fan_in_fan_out`` is set (it stores ``W0`` as (d_in, d_out)).
     settings : LoraSettings
     head_modules : tuple of str
         Modules trained in full and saved with the adapter (peft's
@@ -89,6 +93,8 @@ def apply_lora(
     ConfigError
         (a ValueError) for key ``lora-rank`` if a target is narrower than the
         rank.
+    UnsupportedModelError
+        If a target is neither ``nn.Linear`` nor ``Conv1D``.
     """
     config = LoraConfig(
         r=settings.rank,
@@ -97,16 +103,20 @@ def apply_lora(
         target_modules=list(settings.target_modules),
         modules_to_save=list(head_modules),
     )
+    if targets_fan_in_fan_out(model, config):
+        config.fan_in_fan_out = True  # GPT-2's Conv1D; peft would warn and set it
     peft_model = get_peft_model(model, config)
-    for module in peft_model.modules():
+    for name, module in peft_model.named_modules():
         if isinstance(module, LoraLayer):
-            base = cast(torch.nn.Linear, module.get_base_layer())
-            narrow = min(base.in_features, base.out_features)
+            stores_fan_in_fan_out(module.get_base_layer(), name=name)
+            d_in = int(cast(int, module.in_features))  # peft: Linear's or Conv1D's
+            d_out = int(cast(int, module.out_features))
+            narrow = min(d_in, d_out)
             if settings.rank > narrow:
                 raise ConfigError(
                     "lora-rank",
                     f"rank {settings.rank} exceeds the smaller side {narrow} of a "
-                    f"target layer ({base.out_features} x {base.in_features})",
+                    f"target layer ({d_out} x {d_in})",
                 )
     return peft_model
 
@@ -127,7 +137,15 @@ def lora_layout(model: PeftModel) -> AdapterLayout:
     -------
     AdapterLayout
         Keys are those of ``get_peft_model_state_dict`` for A, B and the head,
-        and of ``model.named_parameters()`` for the base weights.
+        and of ``model.named_parameters()`` for the base weights. A layer
+        over a ``Conv1D`` has ``fan_in_fan_out`` (``W0`` is (d_in, d_out)).
+
+    Raises
+    ------
+    UnsupportedModelError
+        If an adapted layer is neither ``nn.Linear`` nor ``Conv1D``.
+    ShapeMismatchError
+        If a base weight's shape does not fit its ``A`` and ``B``.
     """
     adapter = model.active_adapter
     peft_keys = _storage_to_name(get_peft_model_state_dict(model).items())
@@ -145,19 +163,26 @@ def lora_layout(model: PeftModel) -> AdapterLayout:
         if isinstance(module, LoraLayer) and adapter in module.lora_A:
             a = cast(torch.Tensor, module.lora_A[adapter].weight)
             b = cast(torch.Tensor, module.lora_B[adapter].weight)
-            base = cast(torch.Tensor, module.get_base_layer().weight)
-            modules.append(
-                LoraModule(
-                    name=name,
-                    a_key=key_of(a, peft_keys, f"{name} A"),
-                    b_key=key_of(b, peft_keys, f"{name} B"),
-                    base_key=key_of(base, param_keys, f"{name} base weight"),
-                    scaling=float(module.scaling[adapter]),
-                    d_out=int(b.shape[0]),
-                    d_in=int(a.shape[1]),
-                    rank=int(a.shape[0]),
-                )
+            base_layer = module.get_base_layer()
+            base = cast(torch.Tensor, base_layer.weight)
+            lora_module = LoraModule(
+                name=name,
+                a_key=key_of(a, peft_keys, f"{name} A"),
+                b_key=key_of(b, peft_keys, f"{name} B"),
+                base_key=key_of(base, param_keys, f"{name} base weight"),
+                scaling=float(module.scaling[adapter]),
+                d_out=int(b.shape[0]),
+                d_in=int(a.shape[1]),
+                rank=int(a.shape[0]),
+                fan_in_fan_out=stores_fan_in_fan_out(base_layer, name=name),
             )
+            if tuple(base.shape) != lora_module.shape_of(Role.BASE):
+                raise ShapeMismatchError(
+                    f"layer '{name}': base weight {tuple(base.shape)} does not fit "
+                    f"A {tuple(a.shape)} and B {tuple(b.shape)} "
+                    f"(fan_in_fan_out={lora_module.fan_in_fan_out})"
+                )
+            modules.append(lora_module)
         elif isinstance(module, ModulesToSaveWrapper) and adapter in (
             module.modules_to_save
         ):

@@ -203,8 +203,10 @@ def check_layout(
     Raises
     ------
     ShapeMismatchError
-        Naming up to three keys missing on either side, or the first key whose
-        shape differs.
+        Naming up to three keys missing on either side, the first key whose
+        shape differs, or (with ``Role.BASE`` among ``roles``) the first layer
+        stored the other way round (``nn.Linear`` against ``Conv1D``:
+        ``fan_in_fan_out``).
     """
     roles = tuple(roles)
     want, have = expected.shapes(*roles), got.shapes(*roles)
@@ -222,6 +224,24 @@ def check_layout(
                 f"{what}: '{key}' has shape {tuple(have[key])}, the strategy's "
                 f"layout declares {tuple(shape)}"
             )
+    if Role.BASE not in roles:  # the orientation matters only for W0
+        return
+    want_t, have_t = _orientations(expected), _orientations(got)
+    for name in sorted(want_t.keys() & have_t.keys()):
+        if want_t[name] != have_t[name]:
+            raise ShapeMismatchError(
+                f"{what}: layer '{name}' has fan_in_fan_out={have_t[name]}, the "
+                f"strategy's layout declares {want_t[name]} (nn.Linear stores "
+                "W0 as (d_out, d_in), Conv1D as (d_in, d_out))"
+            )
+
+
+def _orientations(layout: RoleLayout) -> dict[str, bool]:
+    """``fan_in_fan_out`` of every module of a LoRA or VeRA layout, by name."""
+    modules = getattr(layout, "modules", ())
+    return {
+        m.name: bool(m.fan_in_fan_out) for m in modules if hasattr(m, "fan_in_fan_out")
+    }
 
 
 def vera_view(

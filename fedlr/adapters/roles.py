@@ -33,7 +33,8 @@ class Role(enum.Enum):
     HEAD = "head"
     """Trainable task head (classifier), averaged like FedAvg."""
     BASE = "base"
-    """Frozen base weight ``W0`` (d_out, d_in) of an adapted layer."""
+    """Frozen base weight ``W0`` of an adapted layer: (d_out, d_in), or
+    (d_in, d_out) for a ``Conv1D`` (the module's ``fan_in_fan_out``)."""
     VERA_LAMBDA_B = "vera_lambda_b"
     """VeRA output scaling vector ``b`` (d_out,)."""
     VERA_LAMBDA_D = "vera_lambda_d"
@@ -130,18 +131,27 @@ class AdaptedModel(ABC):
 
 @dataclass(frozen=True)
 class LoraModule:
-    """One adapted ``nn.Linear``: ``W = W0 + scaling * B @ A``.
+    """One adapted linear layer: ``W = W0 + scaling * B @ A``.
+
+    For ``nn.Linear`` ``W0`` is stored (d_out, d_in); for GPT-2's ``Conv1D``
+    (peft's ``fan_in_fan_out``) it is stored (d_in, d_out) and the layer's
+    weight is ``W0 + scaling * (B @ A)^T``. ``d_out`` and ``d_in`` keep their
+    meaning either way; only ``W0``'s shape (:meth:`shape_of`) and any change
+    folded into it (:meth:`as_stored`) are transposed.
 
     Attributes
     ----------
     name : str
         Module path in the model.
     a_key, b_key, base_key : str
-        Keys of ``A`` (r, d_in), ``B`` (d_out, r) and ``W0`` (d_out, d_in).
+        Keys of ``A`` (r, d_in), ``B`` (d_out, r) and ``W0`` (d_out, d_in), or
+        (d_in, d_out) with ``fan_in_fan_out``.
     scaling : float
         LoRA scaling ``alpha / r`` (or ``alpha / sqrt(r)`` with rsLoRA).
     d_out, d_in, rank : int
         Shapes.
+    fan_in_fan_out : bool, default False
+        Whether ``W0`` is stored (d_in, d_out) (a ``Conv1D``).
     """
 
     name: str
@@ -152,17 +162,40 @@ class LoraModule:
     d_out: int
     d_in: int
     rank: int
+    fan_in_fan_out: bool = False
 
     def shape_of(self, role: Role) -> tuple[int, int]:
         """Expected shape of the tensor with ``role`` in this module."""
         shapes = {
             Role.LORA_A: (self.rank, self.d_in),
             Role.LORA_B: (self.d_out, self.rank),
-            Role.BASE: (self.d_out, self.d_in),
+            Role.BASE: (
+                (self.d_in, self.d_out)
+                if self.fan_in_fan_out
+                else (self.d_out, self.d_in)
+            ),
         }
         if role not in shapes:
             raise KeyError(f"a LoRA module has no tensor with role {role.value}")
         return shapes[role]
+
+    def as_stored(
+        self, left: torch.Tensor, right: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Factors of the change ``left @ right`` (d_out, d_in) as ``W0`` stores it.
+
+        Parameters
+        ----------
+        left : (d_out, p) torch.Tensor
+        right : (p, d_in) torch.Tensor
+
+        Returns
+        -------
+        (torch.Tensor, torch.Tensor)
+            ``(left, right)`` themselves, or ``(right^T, left^T)`` (views)
+            with ``fan_in_fan_out``: their product is ``(left @ right)^T``.
+        """
+        return (right.T, left.T) if self.fan_in_fan_out else (left, right)
 
 
 @dataclass(frozen=True)

@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.nn import functional
+from transformers.pytorch_utils import Conv1D
 
 from fedlr.adapters.roles import Role, RoleLayout
 from fedlr.adapters.vera import VeraModel, live_parameters
-from fedlr.errors import ShapeMismatchError
+from fedlr.errors import ShapeMismatchError, UnsupportedModelError
 from fedlr.linalg.sorf import (
     SorfSigns,
     build_lambda_d_rot,
@@ -266,7 +267,20 @@ def apply_sorf_vera(
     ------
     ValueError
         If no ``nn.Linear`` matches the targets.
+    UnsupportedModelError
+        If a target is a GPT-2 ``Conv1D`` (its (d_in, d_out) weight is not
+        supported by SORF-VeRA's wrapping layer; use LoRA or VeRA there).
     """
+    conv1d = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, Conv1D) and _matches(name, settings.target_modules)
+    ]
+    if conv1d:
+        raise UnsupportedModelError(
+            f"SORF-VeRA wraps nn.Linear layers only; targets {conv1d[:3]} are "
+            "transformers Conv1D layers (use LoRA or VeRA for them)"
+        )
     targets = [
         (name, module)
         for name, module in model.named_modules()

@@ -23,6 +23,7 @@ from peft import PeftModel, VeraConfig, get_peft_model
 from peft.tuners.vera import VeraLayer
 from peft.utils import ModulesToSaveWrapper, get_peft_model_state_dict
 
+from fedlr.adapters.orientation import stores_fan_in_fan_out, targets_fan_in_fan_out
 from fedlr.adapters.roles import AdaptedModel, Role, RoleLayout
 from fedlr.errors import ProjectionMismatchError
 
@@ -76,14 +77,20 @@ class VeraSettings:
 class VeraModule:
     """One adapted ``nn.Linear``: ``W = W0 + diag(b) B[:d_out] diag(d) A[:, :d_in]``.
 
+    Over GPT-2's ``Conv1D`` (``fan_in_fan_out``) ``W0`` is stored (d_in, d_out)
+    and the change is transposed: ``W0 + (diag(b) B diag(d) A)^T``.
+
     Attributes
     ----------
     name : str
     lambda_b_key, lambda_d_key, base_key : str
-        Keys of ``b`` (d_out,), ``d`` (r,) and ``W0`` (d_out, d_in).
+        Keys of ``b`` (d_out,), ``d`` (r,) and ``W0`` (d_out, d_in), or
+        (d_in, d_out) with ``fan_in_fan_out``.
     d_out, d_in, rank : int
     scaling : float
         1 for peft's VeRA (it has no alpha).
+    fan_in_fan_out : bool, default False
+        Whether ``W0`` is stored (d_in, d_out) (a ``Conv1D``).
     """
 
     name: str
@@ -94,6 +101,14 @@ class VeraModule:
     d_in: int
     rank: int
     scaling: float = 1.0
+    fan_in_fan_out: bool = False
+
+    @property
+    def base_shape(self) -> tuple[int, int]:
+        """``W0``'s stored shape."""
+        return (
+            (self.d_in, self.d_out) if self.fan_in_fan_out else (self.d_out, self.d_in)
+        )
 
 
 @dataclass(frozen=True)
@@ -117,7 +132,7 @@ class VeraLayout(RoleLayout):
         for m in self.modules:
             yield Role.VERA_LAMBDA_B, m.lambda_b_key, (m.d_out,)
             yield Role.VERA_LAMBDA_D, m.lambda_d_key, (m.rank,)
-            yield Role.BASE, m.base_key, (m.d_out, m.d_in)
+            yield Role.BASE, m.base_key, m.base_shape
         for key, shape in self.head_shapes.items():
             yield Role.HEAD, key, tuple(shape)
 
@@ -148,6 +163,8 @@ def apply_vera(
 ) -> PeftModel:
     """Wrap ``model`` with VeRA adapters; the head stays trainable.
 
+    When every target is a GPT-2 ``Conv1D``, peft's ``fan_in_fan_out`` is set.
+
     Raises
     ------
     ValueError
@@ -162,6 +179,8 @@ def apply_vera(
         d_initial=settings.d_initial,
         modules_to_save=list(head_modules),
     )
+    if targets_fan_in_fan_out(model, config):
+        config.fan_in_fan_out = True  # GPT-2's Conv1D; peft would warn and set it
     return get_peft_model(model, config)
 
 
@@ -197,6 +216,11 @@ def vera_layout(model: PeftModel, settings: VeraSettings) -> VeraLayout:
         Built by :func:`apply_vera`.
     settings : VeraSettings
         The settings it was built with.
+
+    Raises
+    ------
+    UnsupportedModelError
+        If an adapted layer is neither ``nn.Linear`` nor ``Conv1D``.
     """
     adapter = model.active_adapter
     peft_ptr = {t.data_ptr(): k for k, t in get_peft_model_state_dict(model).items()}
@@ -205,7 +229,7 @@ def vera_layout(model: PeftModel, settings: VeraSettings) -> VeraLayout:
     head: dict[str, tuple[int, ...]] = {}
     for name, module in model.named_modules():
         if isinstance(module, VeraLayer) and adapter in module.vera_lambda_b:
-            base = cast(torch.nn.Linear, module.get_base_layer())
+            base = module.get_base_layer()
             lb = module.vera_lambda_b[adapter]
             ld = module.vera_lambda_d[adapter]
             modules.append(
@@ -213,10 +237,11 @@ def vera_layout(model: PeftModel, settings: VeraSettings) -> VeraLayout:
                     name=name,
                     lambda_b_key=peft_ptr[lb.data_ptr()],
                     lambda_d_key=peft_ptr[ld.data_ptr()],
-                    base_key=param_ptr[base.weight.data_ptr()],
-                    d_out=int(base.out_features),
-                    d_in=int(base.in_features),
+                    base_key=param_ptr[cast(torch.Tensor, base.weight).data_ptr()],
+                    d_out=int(module.out_features),
+                    d_in=int(module.in_features),
                     rank=int(ld.numel()),
+                    fan_in_fan_out=stores_fan_in_fan_out(base, name=name),
                 )
             )
         elif isinstance(module, ModulesToSaveWrapper) and adapter in (

@@ -2,8 +2,9 @@
 
 A LoRA client ``i`` holds ``B_i`` of shape ``(d_out, r)`` and ``A_i`` of shape
 ``(r, d_in)`` (``nn.Linear``'s ``(out, in)`` layout, so ``B_i @ A_i`` has the
-weight's shape and needs no transpose). With client weights ``w_i`` summing to
-one, the ideal aggregate is the mean of products
+weight's shape and needs no transpose; GPT-2's ``Conv1D`` stores the weight
+``(in, out)``, and the folds take ``transposed=True`` for it). With client
+weights ``w_i`` summing to one, the ideal aggregate is the mean of products
 
     M = sum_i w_i B_i A_i = [w_1 B_1, ..., w_k B_k] @ [A_1; ...; A_k],
 
@@ -338,26 +339,36 @@ class StackedResidual:
         """:meth:`norms` as an exact :class:`GapNorms`."""
         return GapNorms(*self.norms())
 
-    def fold(self, base_weight: torch.Tensor, scaling: float) -> torch.Tensor:
+    def fold(
+        self, base_weight: torch.Tensor, scaling: float, *, transposed: bool = False
+    ) -> torch.Tensor:
         """``W0 + scaling * (M - B_bar A_bar)`` as one GEMM.
 
         Parameters
         ----------
         base_weight : (d_out, d_in) torch.Tensor
+            Or (d_in, d_out) with ``transposed``.
         scaling : float
+        transposed : bool, default False
+            ``W0`` is stored (d_in, d_out) (GPT-2's ``Conv1D``, peft's
+            ``fan_in_fan_out``): fold ``scaling * (M - B_bar A_bar)^T``, the
+            GEMM ``right^T @ left^T``.
 
         Returns
         -------
-        (d_out, d_in) torch.Tensor
-            In ``base_weight``'s dtype and device; the input is not modified.
-            The GEMM runs in float64 if the base weight or any client factor is
-            float64, else in float32.
+        torch.Tensor
+            ``base_weight``'s shape, dtype and device; the input is not
+            modified. The GEMM runs in float64 if the base weight or any client
+            factor is float64, else in float32.
         """
-        shape = (int(self.left.shape[0]), int(self.right.shape[1]))
+        left, right = self.left, self.right
+        if transposed:
+            left, right = right.T, left.T
+        shape = (int(left.shape[0]), int(right.shape[1]))
         if tuple(base_weight.shape) != shape:
             raise ShapeMismatchError(
                 f"base weight has shape {tuple(base_weight.shape)}, factors give "
-                f"{shape}"
+                f"{shape}" + (" (transposed)" if transposed else "")
             )
         dtype = (
             torch.float64
@@ -366,8 +377,8 @@ class StackedResidual:
         )
         folded = torch.addmm(
             base_weight.to(dtype),
-            self.left.to(dtype),
-            self.right.to(dtype),
+            left.to(dtype),
+            right.to(dtype),
             alpha=float(scaling),
         )
         return folded.to(base_weight.dtype)
@@ -438,6 +449,8 @@ def fold_residual(
     as_: Sequence[torch.Tensor],
     weights: Sequence[float] | torch.Tensor,
     scaling: float,
+    *,
+    transposed: bool = False,
 ) -> torch.Tensor:
     """FedEx-LoRA: fold ``scaling * (sum_i w_i B_i A_i - B_bar A_bar)`` into ``W0``.
 
@@ -448,24 +461,31 @@ def fold_residual(
     Parameters
     ----------
     base_weight : (d_out, d_in) torch.Tensor
-        The frozen base weight ``W0`` of the adapted ``nn.Linear``.
+        The frozen base weight ``W0`` of the adapted ``nn.Linear``; (d_in,
+        d_out) with ``transposed``.
     bs : k tensors of shape (d_out, r)
     as_ : k tensors of shape (r, d_in)
     weights : (k,) sequence of float
     scaling : float
         The LoRA scaling ``alpha / r``.
+    transposed : bool, default False
+        ``W0`` is a ``Conv1D``'s (d_in, d_out) weight (peft's
+        ``fan_in_fan_out``): the residual is folded in transposed.
 
     Returns
     -------
-    (d_out, d_in) torch.Tensor
-        The new base weight, in ``base_weight``'s dtype and device. The input is
-        not modified. The stacked factors are formed in float64; the single
-        GEMM runs in float64 if any input is float64, else in float32.
+    torch.Tensor
+        The new base weight, in ``base_weight``'s shape, dtype and device. The
+        input is not modified. The stacked factors are formed in float64; the
+        single GEMM runs in float64 if any input is float64, else in float32.
     """
     d_out, _, d_in = check_factors(bs, as_)
-    if tuple(base_weight.shape) != (d_out, d_in):
+    shape = (d_in, d_out) if transposed else (d_out, d_in)
+    if tuple(base_weight.shape) != shape:
         raise ShapeMismatchError(
             f"base weight has shape {tuple(base_weight.shape)}, factors give "
-            f"({d_out}, {d_in})"
+            f"{shape}" + (" (transposed)" if transposed else "")
         )
-    return stacked_residual(bs, as_, weights).fold(base_weight, scaling)
+    return stacked_residual(bs, as_, weights).fold(
+        base_weight, scaling, transposed=transposed
+    )

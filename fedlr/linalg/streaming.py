@@ -625,25 +625,32 @@ class StreamedResidual:
         """``(gap, reference)`` of :meth:`gap_norms`."""
         return self.gap_norms().pair
 
-    def fold(self, base_weight: torch.Tensor, scaling: float) -> torch.Tensor:
+    def fold(
+        self, base_weight: torch.Tensor, scaling: float, *, transposed: bool = False
+    ) -> torch.Tensor:
         """``W0 + scaling X`` with one buffer; records the exact norms.
 
         Parameters
         ----------
         base_weight : (d_out, d_in) torch.Tensor
+            Or (d_in, d_out) with ``transposed``.
         scaling : float
+        transposed : bool, default False
+            ``W0`` is stored (d_in, d_out) (GPT-2's ``Conv1D``, peft's
+            ``fan_in_fan_out``): ``W0 + scaling X^T``.
 
         Returns
         -------
-        (d_out, d_in) torch.Tensor
-            In ``base_weight``'s dtype and device; the input is not modified.
-            Accumulated in float64 if the base weight or any client factor is
-            float64, else in float32.
+        torch.Tensor
+            ``base_weight``'s shape, dtype and device; the input is not
+            modified. Accumulated in float64 if the base weight or any client
+            factor is float64, else in float32.
         """
-        if tuple(base_weight.shape) != self.shape:
+        shape = self.shape[::-1] if transposed else self.shape
+        if tuple(base_weight.shape) != shape:
             raise ShapeMismatchError(
                 f"base weight has shape {tuple(base_weight.shape)}, factors give "
-                f"{self.shape}"
+                f"{shape}" + (" (transposed)" if transposed else "")
             )
         dtype = (
             torch.float64
@@ -652,8 +659,11 @@ class StreamedResidual:
         )
         x = self.centered.dense(dtype)
         self._norms = self._exact_norms(x)
+        if transposed:
+            x = x.T  # a view: the buffer is reused, then made contiguous below
         x.mul_(float(scaling)).add_(base_weight.to(x.device, dtype))
-        return x.to(base_weight.dtype)
+        folded = x.to(base_weight.dtype)
+        return folded.contiguous() if transposed else folded
 
 
 def _weighted_sum(tensors: Sequence[torch.Tensor], w: torch.Tensor) -> torch.Tensor:

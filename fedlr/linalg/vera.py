@@ -126,6 +126,7 @@ def fold_vera_residual(
     *,
     scaling: float = 1.0,
     step: float = 1.0,
+    transposed: bool = False,
 ) -> torch.Tensor:
     """VeRA-FedEx: ``W0 + step * scaling * residual`` in one GEMM.
 
@@ -136,6 +137,7 @@ def fold_vera_residual(
     Parameters
     ----------
     base_weight : (d_out, d_in) torch.Tensor
+        Or (d_in, d_out) with ``transposed``.
     lambda_bs : k tensors of shape (d_out,)
     lambda_ds : k tensors of shape (r,)
     a_matrix : (r, d_in) torch.Tensor
@@ -145,11 +147,16 @@ def fold_vera_residual(
         The adapter's scaling (1 for peft's VeRA).
     step : float, default 1.0
         ``fedex-lr``: the fraction of the residual folded in.
+    transposed : bool, default False
+        ``W0`` is a ``Conv1D``'s (d_in, d_out) weight (peft's
+        ``fan_in_fan_out``): the residual is folded in transposed.
 
     Returns
     -------
-    (d_out, d_in) torch.Tensor
-        In ``base_weight``'s dtype; the input is not modified.
+    torch.Tensor
+        In ``base_weight``'s shape and dtype; the input is not modified.
     """
     bs, as_ = _client_factors(lambda_bs, lambda_ds, a_matrix, b_matrix)
-    return fold_residual(base_weight, bs, as_, weights, scaling * step)
+    return fold_residual(
+        base_weight, bs, as_, weights, scaling * step, transposed=transposed
+    )

@@ -8,9 +8,12 @@ With client weights ``w_i`` (num-examples, normalised), FedAvg gives
 has rank at most ``(k+1) r`` and is not trainable, so it is added, times the
 LoRA scaling ``s = alpha / r``, to the frozen base weight of each adapted
 layer: ``W0 <- W0 + s Delta_res``. Then ``W0 + s B_bar A_bar`` equals
-``W0 + s sum_i w_i B_i A_i``: the aggregation is exact. peft's ``B @ A`` already
-has ``nn.Linear``'s (out, in) shape, so no transpose is applied. The residual
-is built once per layer and shared with the gap report
+``W0 + s sum_i w_i B_i A_i``: the aggregation is exact. peft's ``B @ A`` has
+``nn.Linear``'s (out, in) shape, so it is added as it is; a GPT-2 ``Conv1D``
+stores ``W0`` as (in, out) (``LoraModule.fan_in_fan_out``), and for that
+layer, and only that one, the residual is added transposed,
+``W0 <- W0 + s Delta_res^T`` (the factored downlink sends the swapped pair of
+factors). The residual is built once per layer and shared with the gap report
 (:meth:`~fedlr.strategies.lora.LoraStrategy.layer_residuals`): with few
 clients a product of stacked factors applied as one GEMM
 (:meth:`fedlr.linalg.StackedResidual.fold`); with many, the centred form
@@ -101,7 +104,9 @@ class FedExLoRA(FactoredDownlink, FedAvgLoRA):
             base = current[module.base_key]
             delta = (
                 lowrank_delta(
-                    residual.left, residual.right, module.scaling, dtype=base.dtype
+                    *module.as_stored(residual.left, residual.right),
+                    module.scaling,
+                    dtype=base.dtype,
                 )
                 if self.factored and isinstance(residual, StackedResidual)
                 else None
@@ -110,6 +115,8 @@ class FedExLoRA(FactoredDownlink, FedAvgLoRA):
                 module.base_key,
                 base,
                 delta,
-                lambda r=residual, w=base, s=module.scaling: r.fold(w, s),
+                lambda r=residual, w=base, m=module: r.fold(
+                    w, m.scaling, transposed=m.fan_in_fan_out
+                ),
             )
         return state, self.publish_base(state, self.gap_report(updates, residuals))

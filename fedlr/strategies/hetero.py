@@ -434,7 +434,9 @@ class FLoRA(HeteroRankLoRA, FactoredDownlink):
                 f"global arrays lack the base weight '{module.base_key}' that "
                 "FLoRA folds the sum of the updates into"
             )
-        left, right = stacked_update(bs, as_, scalings, weights)
+        # M = left @ right is (d_out, d_in); a Conv1D stores W0 as (d_in, d_out):
+        # fold and send M^T there (the Frobenius norm is the same).
+        left, right = module.as_stored(*stacked_update(bs, as_, scalings, weights))
         delta = (
             lowrank_delta(left, right, 1.0, dtype=base.dtype) if self.factored else None
         )

@@ -12,7 +12,9 @@ Frobenius gap between them is logged every round.
 ``vera-fedex`` folds that residual, times ``fedex-lr``, into each adapted
 layer's frozen base weight (one GEMM on stacked factors, see
 :func:`fedlr.linalg.vera.fold_vera_residual`) and sends the new base weights
-down. With ``fedex-lr = 1`` the aggregation is exact.
+down. With ``fedex-lr = 1`` the aggregation is exact. A GPT-2 ``Conv1D``
+layer stores ``W0`` as (d_in, d_out) (``VeraModule.fan_in_fan_out``); its
+residual is folded in transposed.
 
 The server puts ``projection-seed`` and ``projection-rank`` in every round's
 ConfigRecord; clients check them against what they built (a mismatch raises
@@ -419,6 +421,7 @@ class VeraFedEx(FactoredDownlink, FedAvgVeRA):
                     m.scaling * self.fedex_lr,
                     m.d_in,
                     dtype=base.dtype,
+                    transposed=m.fan_in_fan_out,
                 )
                 if self.factored
                 else None
@@ -428,9 +431,17 @@ class VeraFedEx(FactoredDownlink, FedAvgVeRA):
                 m.base_key,
                 base,
                 delta,
-                lambda w=base, bs=lambda_bs, ds=lambda_ds, a=a, b=b, s=m.scaling: (
+                lambda w=base, bs=lambda_bs, ds=lambda_ds, a=a, b=b, m=m: (
                     fold_vera_residual(
-                        w, bs, ds, a, b, weights, scaling=s, step=self.fedex_lr
+                        w,
+                        bs,
+                        ds,
+                        a,
+                        b,
+                        weights,
+                        scaling=m.scaling,
+                        step=self.fedex_lr,
+                        transposed=m.fan_in_fan_out,
                     )
                 ),
             )
