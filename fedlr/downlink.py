@@ -47,7 +47,6 @@ import math
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any, cast
 
 import torch
@@ -86,9 +85,9 @@ is applied transposed (:attr:`BaseDelta.transposed`)."""
 
 CHECK_TOLERANCE = 1e-5
 """A node's base weight ``W`` passes the checksum when
-``|checksum(W) - expected| <= CHECK_TOLERANCE * ||W||_F``. A random-sign
-projection of a difference ``E`` has size about ``||E||_F``, so drifts above
-about this fraction of the weights' norm are caught."""
+``|checksum(W) - expected| <= CHECK_TOLERANCE * ||W||_F``. The checksum of a
+difference ``E`` has size about ``||E||_F``, so drifts above about this
+fraction of the weights' norm are caught."""
 
 _VERSION_RECORD = f"{protocol.BASE_STATE}-version"
 """The ConfigRecord in ``context.state`` with the stored base weights' version."""
@@ -301,25 +300,36 @@ def vera_delta(
     return delta if _smaller(delta, int(left.shape[0]), d_in, itemsize) else None
 
 
-@lru_cache(maxsize=64)
-def _probe(key: str, shape: tuple[int, ...]) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(zlib.crc32(key.encode()))
-    signs = torch.randint(0, 2, shape, generator=generator, dtype=torch.int8)
-    return signs.to(torch.float64).mul_(2.0).sub_(1.0)
+_CHUNK_ROWS = 1024
+"""Rows of a weight converted to float64 at a time by :func:`checksum`."""
+
+
 
 
 def checksum(key: str, weight: torch.Tensor) -> float:
-    """``sum(W * P)`` in float64, ``P`` a random-sign pattern seeded by ``key``.
+    """``u^T W v`` in float64, ``u``, ``v`` standard normal vectors seeded by ``key``.
 
     Tolerant of rounding (compare with :data:`CHECK_TOLERANCE` times
-    ``||W||_F``), unlike a hash of the bytes.
+    ``||W||_F``), unlike a hash of the bytes: for a difference ``E`` the
+    checksums differ by ``u^T E v``, whose mean square is ``||E||_F^2``.
+    ``O(d_out d_in)`` time, ``O(d_out + d_in)`` memory besides one float64
+    block of :data:`_CHUNK_ROWS` rows.
     """
-    w = weight.detach().to("cpu", torch.float64)
-    return float((w * _probe(key, tuple(w.shape))).sum())
+    w = weight.detach().to("cpu")
+    if w.ndim != 2:
+        w = w.reshape(w.shape[0], -1) if w.ndim else w.reshape(1, 1)
+    generator = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+    u = torch.randn(int(w.shape[0]), generator=generator, dtype=torch.float64)
+    v = torch.randn(int(w.shape[1]), generator=generator, dtype=torch.float64)
+    total = 0.0
+    for start in range(0, int(w.shape[0]), _CHUNK_ROWS):
+        block = w[start : start + _CHUNK_ROWS].to(torch.float64)
+        total += float(u[start : start + _CHUNK_ROWS] @ (block @ v))
+    return total
 
 
 def _matches(key: str, weight: torch.Tensor, expected: float) -> bool:
-    norm = float(torch.linalg.vector_norm(weight.detach().to(torch.float64)))
+    norm = float(torch.linalg.vector_norm(weight.detach(), dtype=torch.float64))
     return abs(checksum(key, weight) - expected) <= CHECK_TOLERANCE * max(norm, 1e-30)
 
 
