@@ -300,9 +300,9 @@ def run_sweep(
         :func:`fedlr.server_apps.local.run_in_process` (same ServerApp and ClientApp,
         same numbers, no SuperLink or Ray start-up per cell).
     client_gpus : float
-        ``backend.client-resources.num-gpus`` for the ``flwr`` engine, e.g.
-        0.25 for four clients per GPU; the ``device`` key (``auto``) then picks
-        CUDA, MPS or the CPU on each client.
+        ``client-resources-num-gpus`` (federation config) for the ``flwr``
+        engine, e.g. 0.25 for four clients per GPU; the ``device`` key
+        (``auto``) then picks CUDA, MPS or the CPU on each client.
     """
     if engine not in ENGINES:
         raise ConfigError("--engine", f"'{engine}' is not one of {', '.join(ENGINES)}")
@@ -316,7 +316,7 @@ def run_sweep(
     nodes = num_supernodes or int(base.get("num-partitions", 4))
     federation: dict[str, Any] = {"num-supernodes": nodes}
     if client_gpus:
-        federation["backend.client-resources.num-gpus"] = client_gpus
+        federation["client-resources-num-gpus"] = client_gpus
     run_dirs: list[Path] = []
     failures: dict[str, str] = {}
     total = len(methods) * len(seeds)

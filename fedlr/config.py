@@ -105,6 +105,13 @@ class RunConfig(Options):
         default=4,
         metadata={"help": "partitions when a node's config does not say (simulation)"},
     )
+    min_partition_size: int = field(
+        default=10,
+        metadata={
+            "help": "fewest training rows a partition may have; the split fails "
+            "below it (many partitions of a small data set need less)"
+        },
+    )
     eval_fraction: float = field(
         default=0.2, metadata={"help": "held-out fraction for the server's evaluation"}
     )
@@ -211,6 +218,7 @@ class RunConfig(Options):
             "num_partitions",
             "min_replies",
             "classes_per_partition",
+            "min_partition_size",
             "keep_checkpoints",
             "eval_every",
         )
@@ -288,6 +296,7 @@ class RunConfig(Options):
                 f"must be finite and >= 0, got {self.max_update_ratio}",
             )
         self.robust_config  # noqa: B018 (validates robust, clip-norm, ...)
+        self.rank_list  # noqa: B018 (validates client-ranks)
 
     # ---------------------------------------------------------------- derived
     @property
@@ -296,19 +305,10 @@ class RunConfig(Options):
         return RobustConfig(
             rule=self.robust,
             clip_norm=self.clip_norm,
-        self.rank_list  # noqa: B018 (validates client-ranks)
             trim_fraction=self.trim_fraction,
             max_client_weight=self.max_client_weight,
         )
 
-    @property
-    def targets(self) -> tuple[str, ...]:
-        """``target-modules`` split into names."""
-        return tuple(t.strip() for t in self.target_modules.split(",") if t.strip())
-
-    @property
-    def output_path(self) -> Path:
-        """Absolute results directory."""
     @property
     def rank_list(self) -> tuple[int, ...]:
         """``client-ranks`` as integers (empty: every client at ``lora-rank``).
@@ -343,6 +343,14 @@ class RunConfig(Options):
         """The server's adapter rank: the largest client rank, or ``lora-rank``."""
         return max(self.rank_list, default=self.lora_rank)
 
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """``target-modules`` split into names."""
+        return tuple(t.strip() for t in self.target_modules.split(",") if t.strip())
+
+    @property
+    def output_path(self) -> Path:
+        """Absolute results directory."""
         if self.output_dir:
             return Path(self.output_dir).expanduser()
         return Path.home() / "fedlr-outputs"

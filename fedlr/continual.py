@@ -370,6 +370,7 @@ def stream_from_config(
         dirichlet_alpha=config.dirichlet_alpha,
         classes_per_partition=config.classes_per_partition,
         eval_fraction=config.eval_fraction,
+        min_partition_size=config.min_partition_size,
     )
     return ContinualStream(
         config.dataset,

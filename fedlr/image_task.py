@@ -181,6 +181,7 @@ def _split(
     dirichlet_alpha: float,
     classes_per_partition: int,
     eval_fraction: float,
+    min_partition_size: int = 10,
 ) -> FederatedSplit:
     return split_dataset(
         load_dataset(dataset, seed=seed),
@@ -191,6 +192,7 @@ def _split(
             dirichlet_alpha=dirichlet_alpha,
             classes_per_partition=classes_per_partition,
             eval_fraction=eval_fraction,
+            min_partition_size=min_partition_size,
         ),
     )
 
@@ -260,6 +262,7 @@ class ImageTask:
             c.dirichlet_alpha,
             c.classes_per_partition,
             c.eval_fraction,
+            c.min_partition_size,
         )
 
     def _rows(self, rows: NDArray[np.int64]) -> ImageData:

@@ -44,6 +44,7 @@ def _split(
     dirichlet_alpha: float,
     classes_per_partition: int,
     eval_fraction: float,
+    min_partition_size: int = 10,
 ) -> FederatedSplit:
     data = load_dataset(dataset, seed=seed)
     return split_dataset(
@@ -55,6 +56,7 @@ def _split(
             dirichlet_alpha=dirichlet_alpha,
             classes_per_partition=classes_per_partition,
             eval_fraction=eval_fraction,
+            min_partition_size=min_partition_size,
         ),
     )
 
@@ -95,6 +97,7 @@ class TextTask:
             c.dirichlet_alpha,
             c.classes_per_partition,
             c.eval_fraction,
+            c.min_partition_size,
         )
 
     def encode(self, texts: list[str], labels: list[int]) -> EncodedText:

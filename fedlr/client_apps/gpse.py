@@ -70,6 +70,7 @@ def _stream(config: RunConfig, options: ContinualOptions, num: int) -> Continual
         config.partitioner,
         config.dirichlet_alpha,
         config.classes_per_partition,
+        config.min_partition_size,
         config.eval_fraction,
         config.seed,
         num,

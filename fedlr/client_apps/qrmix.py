@@ -68,6 +68,7 @@ def _partition(config: RunConfig, pid: int, num: int) -> ImageData:
         config.partitioner,
         config.dirichlet_alpha,
         config.classes_per_partition,
+        config.min_partition_size,
         config.eval_fraction,
         pid,
         num,

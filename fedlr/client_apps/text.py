@@ -46,6 +46,7 @@ def _partition(config: RunConfig, pid: int, num: int, part: str) -> EncodedText:
         config.partitioner,
         config.dirichlet_alpha,
         config.classes_per_partition,
+        config.min_partition_size,
         config.eval_fraction,
         config.max_length,
         config.max_eval_examples,

@@ -458,7 +458,8 @@ def _partition_rows(
                     f"{cfg.min_partition_size} of {len(train_rows)} training rows "
                     f"with dirichlet_alpha={cfg.dirichlet_alpha} (seed {cfg.seed}); "
                     "lower min_partition_size or raise dirichlet_alpha "
-                    "(or use fewer partitions)"
+                    "(run config: min-partition-size, dirichlet-alpha), or use "
+                    "fewer partitions or partitioner='iid'"
                 ) from err
             raise
 
@@ -517,7 +518,7 @@ def split_dataset(ds: datasets.Dataset, cfg: PartitionConfig) -> FederatedSplit:
             f"partition {smallest} has {sizes[smallest]} rows, below "
             f"min_partition_size={cfg.min_partition_size} ({cfg.partitioner}, "
             f"{len(train_rows)} training rows); use fewer partitions or lower "
-            "min_partition_size"
+            "min_partition_size (run config: min-partition-size)"
         )
     unassigned = len(train_rows) - sum(sizes)
     if unassigned:

@@ -402,8 +402,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--run-config", default="", help="extra `key=value ...` overrides (TOML)"
     )
-    parser.add_argument("--client-cpus", type=float, default=0.0)
-    parser.add_argument("--client-gpus", type=float, default=0.0)
+    parser.add_argument(
+        "--client-cpus",
+        type=int,
+        default=0,
+        help="CPUs Ray reserves per simulated client (an integer in Flower 1.41's "
+        "federation config; 0: Flower's default, 2)",
+    )
+    parser.add_argument(
+        "--client-gpus",
+        type=float,
+        default=0.0,
+        help="share of a GPU Ray reserves per simulated client (0: none)",
+    )
     parser.add_argument(
         "--keep-superlink",
         action="store_true",
@@ -415,9 +426,9 @@ def main(argv: list[str] | None = None) -> int:
         "num-supernodes": args.num_supernodes
     }
     if args.client_cpus:
-        federation["backend.client-resources.num-cpus"] = args.client_cpus
+        federation["client-resources-num-cpus"] = args.client_cpus
     if args.client_gpus:
-        federation["backend.client-resources.num-gpus"] = args.client_gpus
+        federation["client-resources-num-gpus"] = args.client_gpus
     home = Path(args.flwr_home).resolve()
     try:
         outcome = flwr_run(

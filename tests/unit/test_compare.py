@@ -240,5 +240,5 @@ def test_flwr_engine_passes_the_gpu_share_and_nodes_to_flwr_run(tmp_path, monkey
     for _, federation in calls:
         assert federation == {
             "num-supernodes": 3,
-            "backend.client-resources.num-gpus": 0.25,
+            "client-resources-num-gpus": 0.25,
         }

@@ -40,6 +40,7 @@ AT_PARSE: dict[str, tuple[object, str]] = {
     "dirichlet-alpha": (0.0, "finite and > 0"),
     "classes-per-partition": (0, "must be >= 1"),
     "num-partitions": (0, "must be >= 1"),
+    "min-partition-size": (0, "must be >= 1"),
     "eval-fraction": (0.0, r"in \(0, 1\)"),
     "max-eval-examples": (-1, "must be >= 0"),
     "fraction-train": (1.5, r"in \(0, 1\]"),
@@ -80,8 +81,8 @@ AT_PARSE: dict[str, tuple[object, str]] = {
     "vera-lr": (0.0, "finite and > 0"),
     "fedex-lr": (1.5, r"in \(0, 1\]"),
     "fedex-downlink": ("sparse", r"one of \['factored', 'dense'\]"),
-    "sorf-rank": (65, "must be <= 64"),
     "fedspec-energy": ("sigma3", r"one of \['sigma2', 'sigma'\]"),
+    "sorf-rank": (65, "must be <= 64"),
     "sorf-d-scale-initial": (float("nan"), "must be finite"),
 }
 
