@@ -304,8 +304,6 @@ _CHUNK_ROWS = 1024
 """Rows of a weight converted to float64 at a time by :func:`checksum`."""
 
 
-
-
 def checksum(key: str, weight: torch.Tensor) -> float:
     """``u^T W v`` in float64, ``u``, ``v`` standard normal vectors seeded by ``key``.
 
@@ -434,6 +432,11 @@ def receive_base(
     if protocol.BASE_VERSION not in config or not keys:
         return None
     target = config_int(config, protocol.BASE_VERSION)
+    if target < 0:  # the server expects changes not to pay: keep no copy
+        for name in (protocol.BASE_STATE, _VERSION_RECORD):
+            if name in state:
+                del state[name]
+        return None
     if all(key in received for key in keys):
         base = {key: received[key] for key in keys}
         _store(state, base, target)
@@ -518,6 +521,9 @@ class BaseLedger:
         The version of the current global base weights.
     checks : list of float
         Their checksums (:func:`checksum`), in ``keys`` order.
+    last_change_nbytes : float or None
+        Bytes of the last published change (``inf``: it reached the nodes
+        only as dense weights); ``None`` before the first.
     held : dict of int to int
         The version each node said it keeps (``base-held``).
     """
@@ -526,6 +532,7 @@ class BaseLedger:
     version: int = 0
     checks: list[float] | None = None
     dense_nbytes: int = 0
+    last_change_nbytes: float | None = None
     held: dict[int, int] = field(default_factory=dict)
     steps: list[_Step] = field(default_factory=list)
 
@@ -543,6 +550,7 @@ class BaseLedger:
             self.version += 1
             self.steps.clear()
             self.held.clear()
+            self.last_change_nbytes = None
         self.checks = checks
         self.dense_nbytes = sum(
             base[k].numel() * base[k].element_size() for k in self.keys
@@ -556,6 +564,7 @@ class BaseLedger:
         if deltas is not None and set(deltas) != set(self.keys):
             deltas = None
         nbytes = sum(d.nbytes for d in deltas.values()) if deltas is not None else 0
+        self.last_change_nbytes = float(nbytes) if deltas is not None else math.inf
         self.steps.append(_Step(self.version, dict(deltas) if deltas else None, nbytes))
         # Keep the newest changes that together still weigh less than dense.
         kept: list[_Step] = []
@@ -612,6 +621,7 @@ class BaseLedger:
             "version": self.version,
             "checks": list(self.checks) if self.checks is not None else None,
             "dense-nbytes": self.dense_nbytes,
+            "last-change-nbytes": self.last_change_nbytes,
             "held": dict(self.held),
             "steps": [
                 {
@@ -636,6 +646,8 @@ class BaseLedger:
         checks = state["checks"]
         self.checks = [float(c) for c in checks] if checks is not None else None
         self.dense_nbytes = int(state["dense-nbytes"])
+        last = state.get("last-change-nbytes")
+        self.last_change_nbytes = None if last is None else float(last)
         self.held = {int(n): int(v) for n, v in state["held"].items()}
         self.steps = [
             _Step(

@@ -164,7 +164,9 @@ QRMIX_STAGE = "qrmix-stage"
 """QR-Mix: 1 (FedAvg warm-up) or 2 (head from the clients' eigenpairs)."""
 BASE_VERSION = "base-version"
 """FedEx: the version of the base weights this instruction carries (dense in
-``arrays``, or reached from the node's stored ones by ``base-delta``)."""
+``arrays``, or reached from the node's stored ones by ``base-delta``); -1:
+keep no copy (the server expects changes not to pay: nodes are sampled too
+rarely, or a change is not smaller than the weights)."""
 BASE_CHECK = "base-check"
 """FedEx: per base key (layout order), a checksum of the base weights at
 ``base-version`` (:func:`fedlr.downlink.checksum`)."""

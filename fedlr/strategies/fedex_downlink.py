@@ -10,6 +10,7 @@ like every other number a client sends.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -86,6 +87,7 @@ class FactoredDownlink(FedLRStrategy):
         self._ledger: BaseLedger | None = None
         self._deltas: dict[str, BaseDelta] | None = {}
         self._dense_sends = 0
+        self._keep = True
 
     @property
     def ledger(self) -> BaseLedger:
@@ -124,6 +126,53 @@ class FactoredDownlink(FedLRStrategy):
             return delta.apply(base, self.delta_projections())
         self._deltas = None
         return dense()
+
+    def step_bytes_bound(self, sampled: int) -> float:
+        """An upper bound of one round's change in bytes with ``sampled`` clients.
+
+        ``inf`` when some layer's change would not be smaller than its dense
+        weight (a dense-only round); the default knows nothing (0: assume it
+        pays until a round has measured it).
+        """
+        return 0.0
+
+    def factored_bound(self, widths: Mapping[str, tuple[int, int, int]]) -> float:
+        """Bytes of a change whose layers have ``(rank, d_left, d_right)``.
+
+        A layer's change weighs ``rank (d_left + d_right)`` items; ``inf``
+        when one is not smaller than its dense ``d_out x d_in`` weight. The
+        item size is the base weights' (from the ledger, float32 before it
+        has seen them).
+        """
+        items = 0.0
+        dense = 0.0
+        for m in self.layout.modules:  # type: ignore[attr-defined]
+            rank, left, right = widths[m.name]
+            if rank * (left + right) >= m.d_out * m.d_in:
+                return math.inf
+            items += rank * (left + right)
+            dense += m.d_out * m.d_in
+        nbytes = self.ledger.dense_nbytes
+        itemsize = nbytes / dense if nbytes and dense else 4.0
+        return items * itemsize
+
+    def worth_keeping(self, sampled: int) -> bool:
+        """Whether nodes should keep the base weights to receive changes.
+
+        A node sampled with probability ``fraction_train`` waits about
+        ``1 / fraction_train`` rounds between rounds; the changes it then
+        needs weigh about that many times one change (the last one measured,
+        else :meth:`step_bytes_bound`). When that is not below the dense
+        weights, keeping a copy on every node (in a simulation, all in one
+        process) costs memory for nothing: the instructions say
+        ``base-version = -1`` and nodes drop their copies.
+        """
+        ledger = self.ledger
+        step = ledger.last_change_nbytes
+        if step is None:
+            step = self.step_bytes_bound(sampled)
+        fraction = min(1.0, max(float(getattr(self, "fraction_train", 1.0)), 1e-9))
+        return step / fraction < ledger.dense_nbytes
 
     def delta_projections(self) -> Any:
         """``projections(d_out, d_in)`` for VeRA changes; ``None`` for LoRA."""
@@ -177,6 +226,13 @@ class FactoredDownlink(FedLRStrategy):
             return messages
         keys = self.base_keys()
         self.ledger.sync(record_to_state(ArrayRecord({k: arrays[k] for k in keys})))
+        if count:
+            self._keep = self.worth_keeping(len(messages))
+        if not self._keep:
+            return [
+                _with_config(m, self.configrecord_key, {protocol.BASE_VERSION: -1})
+                for m in messages
+            ]
         light = ArrayRecord({k: arrays[k] for k in arrays if k not in set(keys)})
         dense_nbytes = sum(len(arrays[k].data) for k in keys)
         out: list[Message] = []
@@ -236,3 +292,17 @@ class FactoredDownlink(FedLRStrategy):
             self.ledger.forget(node)
             raise ReplyValidationError(node, str(exc)) from None
         return update
+
+
+def _with_config(message: Message, name: str, values: Mapping[str, Any]) -> Message:
+    """``message`` with ``values`` added to its ConfigRecord ``name``."""
+    content = RecordDict(dict(message.content.items()))
+    config = ConfigRecord(dict(content.config_records.get(name) or {}))
+    for key, value in values.items():
+        config[key] = value
+    content[name] = config
+    return Message(
+        content=content,
+        message_type=message.metadata.message_type,
+        dst_node_id=int(message.metadata.dst_node_id),
+    )

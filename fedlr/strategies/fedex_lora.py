@@ -76,6 +76,13 @@ class FedExLoRA(FactoredDownlink, FedAvgLoRA):
     ) -> dict[str, Any]:
         return {"fedex_downlink": DownlinkOptions.of(options).fedex_downlink}
 
+    def step_bytes_bound(self, sampled: int) -> float:
+        """One change has rank at most ``(k - 1) r`` per layer."""
+        q = max(sampled - 1, 0)
+        return self.factored_bound(
+            {m.name: (q * m.rank, m.d_out, m.d_in) for m in self.layout.modules}
+        )
+
     send_roles: ClassVar[tuple[Role, ...]] = (
         Role.LORA_A,
         Role.LORA_B,

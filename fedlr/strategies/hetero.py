@@ -452,3 +452,10 @@ class FLoRA(HeteroRankLoRA, FactoredDownlink):
         self, state: Mapping[str, torch.Tensor], report: RoundReport
     ) -> RoundReport:
         return self.publish_base(state, report)
+
+    def step_bytes_bound(self, sampled: int) -> float:
+        """The stacked sum has rank at most ``k R``."""
+        q = sampled * self.rank
+        return self.factored_bound(
+            {m.name: (q, m.d_out, m.d_in) for m in self.layout.modules}
+        )

@@ -386,6 +386,13 @@ class VeraFedEx(FactoredDownlink, FedAvgVeRA):
     def delta_projections(self) -> Any:
         return self.projections
 
+    def step_bytes_bound(self, sampled: int) -> float:
+        """``M``'s factors: rank at most ``k - 1``, ``(d_out + r)`` items each."""
+        q = max(sampled - 1, 0)
+        return self.factored_bound(
+            {m.name: (q, m.d_out, self.projection_rank) for m in self.layout.modules}
+        )
+
     def options(self) -> dict[str, Any]:
         return {**super().options(), "fedex_lr": self.fedex_lr}
 

@@ -157,3 +157,40 @@ def test_a_false_base_held_is_dropped(tmp_path, caplog, claim):
     # The liar is sent dense weights next round; the others only changes.
     assert [form for _, form, _ in recorder.sent[2]] == ["dense", "dense"]
     assert [form for _, form, _ in recorder.sent[0]] == ["dense", "changes"]
+
+
+def test_nodes_keep_no_copy_when_changes_cannot_pay(tmp_path):
+    """Rank 16 on 32 x 32 layers: a change of 3 clients has rank up to 32, as
+    large as the weight itself, so nodes are told to keep no copy."""
+    recorder = Recorder()
+    frame, _ = _run(tmp_path, recorder, **{"lora-rank": 16, "num-server-rounds": 3})
+    assert frame["dense-base-sends"].tolist() == [3, 3, 3]
+    assert (frame["dropped"] == 0).all()
+    assert all(
+        form == "dense" for sent in recorder.sent.values() for _, form, _ in sent
+    )
+    assert recorder.grid is not None
+    for context in recorder.grid.contexts.values():
+        assert protocol.BASE_STATE not in context.state
+
+
+def test_worth_keeping_follows_sampling_and_change_size():
+    from fedlr.adapters.roles import AdapterLayout, LoraModule
+    from fedlr.strategies import FedExLoRA
+
+    layout = AdapterLayout(
+        modules=(LoraModule("l0", "l0.A", "l0.B", "l0.W", 2.0, 64, 64, 4),)
+    )
+    strategy = FedExLoRA(layout=layout)
+    strategy.ledger.dense_nbytes = 64 * 64 * 4
+    # 4 clients: rank <= 12, 12 x 128 floats against 4096: pays every round
+    assert strategy.worth_keeping(4)
+    # ... but not when a node is sampled one round in ten
+    strategy.fraction_train = 0.1
+    assert not strategy.worth_keeping(4)
+    strategy.fraction_train = 1.0
+    # 9 clients: rank <= 32, 32 x 128 = 4096: not smaller than the weight
+    assert not strategy.worth_keeping(9)
+    # after a measured change, its size decides
+    strategy.ledger.last_change_nbytes = 1000.0
+    assert strategy.worth_keeping(9)
