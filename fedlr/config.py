@@ -89,7 +89,10 @@ class RunConfig(Options):
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout"})
     target_modules: str = field(
         default="query,value",
-        metadata={"help": "comma-separated names of the nn.Linear modules to adapt"},
+        metadata={
+            "help": "comma-separated names of the modules to adapt (nn.Linear, "
+            "or transformers' Conv1D in GPT-2)"
+        },
     )
     dataset: str = field(default="polarity", metadata={"help": "dataset registry name"})
     partitioner: str = field(
