@@ -617,12 +617,18 @@ class BaseLedger:
         return [(s.version, s.deltas) for s in chain if s.deltas is not None]
 
     def state_dict(self) -> dict[str, Any]:
+        """Versions, checks and kept changes; not :attr:`held`.
+
+        Which node keeps which version is not saved: a run resumed from a
+        checkpoint (new processes, nodes that may keep nothing) sends every
+        node the dense weights once, and a rejected round, restored from this
+        state, keeps what the round's replies said.
+        """
         return {
             "version": self.version,
             "checks": list(self.checks) if self.checks is not None else None,
             "dense-nbytes": self.dense_nbytes,
             "last-change-nbytes": self.last_change_nbytes,
-            "held": dict(self.held),
             "steps": [
                 {
                     "version": s.version,
@@ -648,7 +654,6 @@ class BaseLedger:
         self.dense_nbytes = int(state["dense-nbytes"])
         last = state.get("last-change-nbytes")
         self.last_change_nbytes = None if last is None else float(last)
-        self.held = {int(n): int(v) for n, v in state["held"].items()}
         self.steps = [
             _Step(
                 int(s["version"]),
