@@ -6,7 +6,6 @@ import pandas as pd
 import pytest
 
 from tests.conftest import ROOT, tiny_run_config
-from tests.integration.test_simulation import flwr_home  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -16,7 +15,7 @@ RANKS = (2, 4, 8, 16)
 def test_every_heterogeneous_rank_method_runs_under_flwr_run(
     tmp_path,
     assets,
-    flwr_home,  # noqa: F811
+    flwr_home,
 ):
     """Four SuperNodes, one rank each, 2 rounds per method; one SuperLink."""
     from fedlr.flower.launch import flwr_run

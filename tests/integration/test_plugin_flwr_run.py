@@ -13,12 +13,12 @@ import json
 import math
 import re
 import shutil
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import ROOT
+from tests.integration.conftest import local_superlink_home
 
 pytestmark = pytest.mark.slow
 
@@ -29,37 +29,11 @@ _PYPROJECT = re.compile(
 )
 
 
-def _superlink_pids() -> list[int]:
-    import psutil
-
-    return [
-        p.info["pid"]
-        for p in psutil.process_iter(["pid", "cmdline"])
-        if any("flower-superlink" in part for part in p.info.get("cmdline") or [])
-    ]
-
-
 @pytest.fixture(scope="module")
 def flwr_home(tmp_path_factory):
-    """A fresh FLWR_HOME; the local SuperLink `flwr run` starts is stopped by PID.
-
-    `flwr run` uses any SuperLink already listening, so the module waits (up
-    to a minute) for another test's SuperLink to go away first.
-    """
-    from fedlr.flower.launch import stop_local_superlinks
-
-    deadline = time.monotonic() + 60
-    while _superlink_pids() and time.monotonic() < deadline:
-        time.sleep(2)
-    others = _superlink_pids()
-    if others:
-        pytest.fail(
-            f"a flower-superlink is already running (PIDs {others}); `flwr run` "
-            "would use it instead of starting one for this test. Stop it first."
-        )
-    home = tmp_path_factory.mktemp("flwr-home")
-    yield home
-    stop_local_superlinks(home)
+    """One FLWR_HOME (and SuperLink) for the module's `flwr run` tests."""
+    with local_superlink_home(tmp_path_factory.mktemp("flwr-home")) as home:
+        yield home
 
 
 @pytest.fixture(scope="module")

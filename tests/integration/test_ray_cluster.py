@@ -51,16 +51,6 @@ def _ray() -> str:
     return str(local) if local.exists() else "ray"
 
 
-def _superlink_pids() -> list[int]:
-    import psutil
-
-    return [
-        p.info["pid"]
-        for p in psutil.process_iter(["pid", "cmdline"])
-        if any("flower-superlink" in part for part in p.info.get("cmdline") or [])
-    ]
-
-
 class RayNode:
     """One ``ray start --block`` process; :meth:`stop` ends it and its children.
 
@@ -226,25 +216,6 @@ def ray_cluster(tmp_path):
             "ray.init() on this machine would follow"
         )
         assert not left, f"Ray processes needed SIGKILL: {left}"
-
-
-@pytest.fixture()
-def flwr_home(tmp_path):
-    """A fresh FLWR_HOME; the SuperLink `flwr run` starts is stopped by PID."""
-    from fedlr.flower.launch import stop_local_superlinks
-
-    deadline = time.monotonic() + 60
-    while _superlink_pids() and time.monotonic() < deadline:
-        time.sleep(2)
-    others = _superlink_pids()
-    if others:
-        pytest.fail(
-            f"a flower-superlink is already running (PIDs {others}); `flwr run` "
-            "would use it instead of starting one (without RAY_ADDRESS)."
-        )
-    home = tmp_path / "flwr-home"
-    yield home
-    stop_local_superlinks(home)
 
 
 @pytest.fixture()

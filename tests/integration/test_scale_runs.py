@@ -11,7 +11,6 @@ held-out sentences (the benchmark: two steps, all 800).
 from __future__ import annotations
 
 import math
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -66,35 +65,6 @@ def test_thousand_clients_in_process(tmp_path, assets):
         assert all(0 <= p < CLIENTS for p in partitions)
     assert set(trained[1]) != set(trained[2])  # sampled afresh each round
     assert set(examples) <= {3, 4}  # 3,200 training sentences, 1,000 clients
-
-
-def _superlink_pids() -> list[int]:
-    import psutil
-
-    return [
-        p.info["pid"]
-        for p in psutil.process_iter(["pid", "cmdline"])
-        if any("flower-superlink" in part for part in p.info.get("cmdline") or [])
-    ]
-
-
-@pytest.fixture()
-def flwr_home(tmp_path):
-    """A fresh FLWR_HOME; the SuperLink `flwr run` starts is stopped by PID."""
-    from fedlr.flower.launch import stop_local_superlinks
-
-    deadline = time.monotonic() + 60
-    while _superlink_pids() and time.monotonic() < deadline:
-        time.sleep(2)
-    others = _superlink_pids()
-    if others:
-        pytest.fail(
-            f"a flower-superlink is already running (PIDs {others}); `flwr run` "
-            "would use it instead of starting one for this test. Stop it first."
-        )
-    home = tmp_path / "flwr-home"
-    yield home
-    stop_local_superlinks(home)
 
 
 def test_thousand_clients_on_the_ray_engine(tmp_path, assets, flwr_home):

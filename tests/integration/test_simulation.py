@@ -39,28 +39,6 @@ def test_ray_simulation_two_rounds_three_clients(tmp_path, assets):
         ), column
 
 
-@pytest.fixture()
-def flwr_home(tmp_path):
-    """A fresh FLWR_HOME; its local SuperLink is stopped afterwards, by PID."""
-    import psutil
-
-    from fedlr.flower.launch import stop_local_superlinks
-
-    others = [
-        p.info["pid"]
-        for p in psutil.process_iter(["pid", "cmdline"])
-        if any("flower-superlink" in part for part in p.info.get("cmdline") or [])
-    ]
-    if others:
-        pytest.fail(
-            f"a flower-superlink is already running (PIDs {others}); `flwr run` "
-            "would use it instead of starting one for this test. Stop it first."
-        )
-    home = tmp_path / "flwr-home"
-    yield home
-    stop_local_superlinks(home)
-
-
 def test_flwr_run_smoke(tmp_path, assets, flwr_home):
     """`flwr run` through the real CLI: completed status, one CSV row per round."""
     import psutil
