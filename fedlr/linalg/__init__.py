@@ -128,6 +128,7 @@ from fedlr.linalg.svd import (
 from fedlr.linalg.vera import (
     fold_vera_residual,
     vera_factors,
+    vera_gap_norms,
     vera_residual_factors,
 )
 
@@ -230,6 +231,7 @@ __all__ = [
     "truncated_svd_of_mean",
     "updates_svd",
     "vera_factors",
+    "vera_gap_norms",
     "vera_residual_factors",
     "weighted_mean",
     "weighted_residual_fraction",

@@ -23,9 +23,14 @@ from collections.abc import Sequence
 import torch
 
 from fedlr.errors import ShapeMismatchError
-from fedlr.linalg.lowrank import fold_residual, residual_factors
+from fedlr.linalg.lowrank import fold_residual, normalise_weights, residual_factors
 
-__all__ = ["fold_vera_residual", "vera_factors", "vera_residual_factors"]
+__all__ = [
+    "fold_vera_residual",
+    "vera_factors",
+    "vera_gap_norms",
+    "vera_residual_factors",
+]
 
 
 def vera_factors(
@@ -160,3 +165,42 @@ def fold_vera_residual(
     return fold_residual(
         base_weight, bs, as_, weights, scaling * step, transposed=transposed
     )
+
+
+def vera_gap_norms(
+    lambda_bs: Sequence[torch.Tensor],
+    lambda_ds: Sequence[torch.Tensor],
+    a_matrix: torch.Tensor,
+    b_matrix: torch.Tensor,
+    weights: Sequence[float] | torch.Tensor,
+) -> tuple[float, float]:
+    """``(||residual||_F, ||mean of the updates||_F)``, linear in the clients.
+
+    ``Lb B Ld A = (B o (b d^T)) A``, so the mean of the updates is
+    ``(B o N) A`` with ``N = sum_i w_i b_i d_i^T`` (d_out x r) and the residual
+    ``(B o M) A`` with ``M = N - b_bar d_bar^T``. With ``A^T = Q R`` (thin QR),
+    ``||X A||_F = ||X R^T||_F``: no stack of the ``k`` clients' factors, no
+    ``d_out x d_in`` matrix. Float64 throughout.
+
+    Parameters
+    ----------
+    lambda_bs : k tensors of shape (d_out,)
+    lambda_ds : k tensors of shape (r,)
+    a_matrix : (r, d_in) torch.Tensor
+    b_matrix : (d_out, r) torch.Tensor
+    weights : (k,) sequence of float
+        Normalised internally.
+    """
+    _client_factors(lambda_bs[:1], lambda_ds[:1], a_matrix, b_matrix)  # shapes
+    w = normalise_weights(weights, len(lambda_bs)).to(torch.float64)
+    bs = torch.stack([b.to(torch.float64) for b in lambda_bs], dim=1)  # (d_out, k)
+    ds = torch.stack([d.to(torch.float64) for d in lambda_ds], dim=1)  # (r, k)
+    mean = (bs * w) @ ds.T
+    residual = mean - torch.outer(bs @ w, ds @ w)
+    r_factor = torch.linalg.qr(a_matrix.to(torch.float64).T, mode="r").R
+    proj = b_matrix.to(torch.float64)
+
+    def norm(x: torch.Tensor) -> float:
+        return float(torch.linalg.matrix_norm((proj * x) @ r_factor.T))
+
+    return norm(residual), norm(mean)

@@ -53,8 +53,8 @@ from fedlr.config import RunConfig
 from fedlr.downlink import vera_delta
 from fedlr.errors import ReplyValidationError
 from fedlr.flower.records import record_to_state, state_to_record
-from fedlr.linalg import factored_frobenius_norm, weighted_mean
-from fedlr.linalg.vera import fold_vera_residual, vera_residual_factors
+from fedlr.linalg import weighted_mean
+from fedlr.linalg.vera import fold_vera_residual, vera_gap_norms
 from fedlr.options import Options, option, require
 from fedlr.payloads import VERA
 from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
@@ -301,7 +301,8 @@ class VeraStrategy(ProjectionChecked):
         """``||sum_i w_i Lb_i B Ld_i A - Lb_bar B Ld_bar A||_F`` per layer and total.
 
         The relative gap divides by the norm of the mean client update; both
-        come from stacked factors.
+        from the ``d_out x r`` matrices of :func:`fedlr.linalg.vera.vera_gap_norms`,
+        linear in the number of clients.
         """
         weights = [u.weight for u in updates]
         layers: dict[str, tuple[float, float]] = {}
@@ -309,11 +310,8 @@ class VeraStrategy(ProjectionChecked):
             a, b = self.projections(m.d_out, m.d_in)
             lbs = [u.arrays[m.lambda_b_key] for u in updates]
             lds = [u.arrays[m.lambda_d_key] for u in updates]
-            left, right = vera_residual_factors(lbs, lds, a, b, weights)
-            gap = m.scaling * factored_frobenius_norm(left, right)
-            p = left.shape[1] - m.rank  # the first k r columns: the mean of products
-            ideal = m.scaling * factored_frobenius_norm(left[:, :p], right[:p])
-            layers[m.name] = (gap, ideal)
+            gap, ideal = vera_gap_norms(lbs, lds, a, b, weights)
+            layers[m.name] = (m.scaling * gap, m.scaling * ideal)
         return RoundReport.from_layers(layers, rank=float(self.layout.rank))
 
 

@@ -108,6 +108,12 @@ def dense_refit(
     u, sv, vh = torch.linalg.svd(update, full_matrices=False)
     u, vh = fix_signs(u[:, :r], vh[:r])
     sv = sv[:r]
+    # How clearly each column of U has one largest entry (the sign rule's
+    # input): SORF's 2x2 blocks can give two entries of equal size.
+    top2 = u.abs().topk(min(2, u.shape[0]), dim=0).values
+    peak_margin = (
+        float(((top2[0] - top2[-1]) / top2[0]).min()) if u.shape[0] > 1 else 1.0
+    )
     o, dvals = dense_polar(vh @ torch.linalg.pinv(a))
     if float(torch.linalg.det(o)) < 0:  # the rotation convention
         u, vh, o = u.clone(), vh.clone(), o.clone()
@@ -132,6 +138,7 @@ def dense_refit(
         ),
         "singular_values": sv,
         "cond_a": float(torch.linalg.cond(a)),
+        "peak_margin": peak_margin,
     }
 
 
@@ -312,6 +319,9 @@ def test_refit_layer_matches_dense_refit(
     gaps = torch.cat([sv[:-1] - sv[1:], sv[-1:]]) / sv[0]
     rel_gap = float(gaps.min())
     assume(rel_gap > 1e-2 and float(ref["cond_a"]) < 1e3)
+    # Tied peaks leave the fixed sign rule to rounding (the two paths may
+    # pick different signs, hence different refits): compare where it is not.
+    assume(ref["peak_margin"] > 1e-6)
     fit = refit_layer(lam, b_real, b_imag, a, b, signs)
     assert isinstance(fit, LayerRefit)
     norm = float(ref["target_norm"])
@@ -375,3 +385,12 @@ def test_refit_layer_rejects_mismatched_shapes() -> None:
         refit_layer(lam, b_real, b_imag, a, b, sorf_signs(8, 0))
     with pytest.raises(ShapeMismatchError, match="Lambda_bar"):
         refit_layer(lam[:1], b_real, b_imag, a, b, sorf_signs(6, 0))
+
+
+def test_tied_peaks_are_what_the_sign_rule_cannot_decide() -> None:
+    """A case hypothesis found: two entries of equal size lead U's columns 2
+    and 3 (SORF's 2x2 blocks), so the fixed sign rule follows rounding and
+    the dense and the fast refit may differ; the property test skips these."""
+    lam, b_real, b_imag, a, b = _case(6, 10, 3, 261)
+    ref = dense_refit(lam, b_real, b_imag, a, b, sorf_signs(6, 262))
+    assert ref["peak_margin"] < 1e-12

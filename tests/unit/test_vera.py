@@ -20,7 +20,12 @@ from fedlr.adapters.vera import VeraSettings, build_vera_model, check_projection
 from fedlr.errors import ProjectionMismatchError, ShapeMismatchError
 from fedlr.linalg import factored_frobenius_norm
 from fedlr.linalg.sorf import build_lambda_d_rot, sorf_signs
-from fedlr.linalg.vera import fold_vera_residual, vera_factors, vera_residual_factors
+from fedlr.linalg.vera import (
+    fold_vera_residual,
+    vera_factors,
+    vera_gap_norms,
+    vera_residual_factors,
+)
 from fedlr.models import build_text_classifier
 
 F64 = torch.float64
@@ -58,6 +63,12 @@ def test_vera_residual_factors_equal_dense(d_out, d_in, r, k, seed):
     assert torch.allclose(left @ right, expected, atol=scale)
     assert factored_frobenius_norm(left, right) == pytest.approx(
         float(torch.linalg.matrix_norm(expected)), abs=1e-10
+    )
+    # The gap report's norms, linear in k, from the d_out x r matrices
+    gap, mean_norm = vera_gap_norms(lbs, lds, a, b, w)
+    assert gap == pytest.approx(float(torch.linalg.matrix_norm(expected)), abs=1e-10)
+    assert mean_norm == pytest.approx(
+        float(torch.linalg.matrix_norm(mean)), rel=1e-10, abs=1e-10
     )
 
 
