@@ -55,8 +55,8 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from fedlr import protocol
 from fedlr.errors import BaseOutOfSyncError, ShapeMismatchError
 from fedlr.flower.records import config_int, record_to_state, state_to_record
-from fedlr.linalg.lowrank import normalise_weights
 from fedlr.linalg.svd import factored_svd
+from fedlr.linalg.vera import lambda_stacks
 
 __all__ = [
     "CHECK_TOLERANCE",
@@ -285,13 +285,7 @@ def vera_delta(
     BaseDelta or None
         ``None`` when the factors would not be smaller than the dense weight.
     """
-    w = normalise_weights(weights, len(lambda_bs)).to(torch.float64)
-    bs = torch.stack([b.to(torch.float64) for b in lambda_bs], dim=1)
-    ds = torch.stack([d.to(torch.float64) for d in lambda_ds], dim=1)
-    b_bar = bs @ w
-    d_bar = ds @ w
-    left = torch.cat([bs * w, -b_bar[:, None]], dim=1)
-    right = torch.cat([ds, d_bar[:, None]], dim=1).T
+    left, right = lambda_stacks(lambda_bs, lambda_ds, weights)
     u, vh = _recompress(left, right, scaling)
     delta = BaseDelta(
         VERA, u.to(dtype).contiguous(), vh.to(dtype).contiguous(), transposed

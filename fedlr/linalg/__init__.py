@@ -127,6 +127,7 @@ from fedlr.linalg.svd import (
 )
 from fedlr.linalg.vera import (
     fold_vera_residual,
+    lambda_stacks,
     vera_factors,
     vera_gap_norms,
     vera_residual_factors,
@@ -194,6 +195,7 @@ __all__ = [
     "givens_pair_indices",
     "givens_plan",
     "hetlora_factors",
+    "lambda_stacks",
     "local_svd_factors",
     "mean_lambda_d_rot",
     "mean_of_products_factors",

@@ -27,6 +27,7 @@ from fedlr.linalg.lowrank import fold_residual, normalise_weights, residual_fact
 
 __all__ = [
     "fold_vera_residual",
+    "lambda_stacks",
     "vera_factors",
     "vera_gap_norms",
     "vera_residual_factors",
@@ -167,6 +168,29 @@ def fold_vera_residual(
     )
 
 
+def lambda_stacks(
+    lambda_bs: Sequence[torch.Tensor],
+    lambda_ds: Sequence[torch.Tensor],
+    weights: Sequence[float] | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked float64 factors of ``M = sum_i w_i b_i d_i^T - b_bar d_bar^T``.
+
+    Returns
+    -------
+    left : (d_out, k+1) torch.Tensor
+        ``[w_1 b_1, ..., w_k b_k, -b_bar]``; its first ``k`` columns with the
+        first ``k`` rows of ``right`` give ``N = sum_i w_i b_i d_i^T``.
+    right : (k+1, r) torch.Tensor
+        ``[d_1; ...; d_k; d_bar]``.
+    """
+    w = normalise_weights(weights, len(lambda_bs)).to(torch.float64)
+    bs = torch.stack([b.to(torch.float64) for b in lambda_bs], dim=1)
+    ds = torch.stack([d.to(torch.float64) for d in lambda_ds], dim=1)
+    left = torch.cat([bs * w, -(bs @ w)[:, None]], dim=1)
+    right = torch.cat([ds, (ds @ w)[:, None]], dim=1).T
+    return left, right
+
+
 def vera_gap_norms(
     lambda_bs: Sequence[torch.Tensor],
     lambda_ds: Sequence[torch.Tensor],
@@ -192,11 +216,10 @@ def vera_gap_norms(
         Normalised internally.
     """
     _client_factors(lambda_bs[:1], lambda_ds[:1], a_matrix, b_matrix)  # shapes
-    w = normalise_weights(weights, len(lambda_bs)).to(torch.float64)
-    bs = torch.stack([b.to(torch.float64) for b in lambda_bs], dim=1)  # (d_out, k)
-    ds = torch.stack([d.to(torch.float64) for d in lambda_ds], dim=1)  # (r, k)
-    mean = (bs * w) @ ds.T
-    residual = mean - torch.outer(bs @ w, ds @ w)
+    left, right = lambda_stacks(lambda_bs, lambda_ds, weights)
+    k = len(lambda_bs)
+    mean = left[:, :k] @ right[:k]
+    residual = left @ right
     r_factor = torch.linalg.qr(a_matrix.to(torch.float64).T, mode="r").R
     proj = b_matrix.to(torch.float64)
 

@@ -234,17 +234,17 @@ class FactoredDownlink(FedLRStrategy):
                 for m in messages
             ]
         light = ArrayRecord({k: arrays[k] for k in arrays if k not in set(keys)})
+        versioned = {
+            protocol.BASE_VERSION: self.ledger.version,
+            protocol.BASE_CHECK: list(self.ledger.checks or []),
+        }
         dense_nbytes = sum(len(arrays[k].data) for k in keys)
         out: list[Message] = []
         dense = 0
         for message in messages:
             node = int(message.metadata.dst_node_id)
-            content = RecordDict(dict(message.content.items()))
-            base_config = content.config_records.get(self.configrecord_key)
-            config = ConfigRecord(dict(base_config or {}))
-            config[protocol.BASE_VERSION] = self.ledger.version
-            config[protocol.BASE_CHECK] = list(self.ledger.checks or [])
-            content[self.configrecord_key] = config
+            message = _with_config(message, self.configrecord_key, versioned)
+            content = message.content
             plan = self.ledger.plan(node)
             if plan is None:
                 dense += 1
@@ -257,13 +257,7 @@ class FactoredDownlink(FedLRStrategy):
                     extra = record_nbytes(record)
                 if count:
                     self._bytes_down += extra - dense_nbytes
-            out.append(
-                Message(
-                    content=content,
-                    message_type=message.metadata.message_type,
-                    dst_node_id=node,
-                )
-            )
+            out.append(message)  # _with_config gave it its own content
         if count:
             self._dense_sends = dense
         return out

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
@@ -63,6 +63,23 @@ from fedlr.strategies.lora import LoraStrategy
 from fedlr.strategies.registry import register_method
 
 __all__ = ["FLoRA", "FlexLoRA", "HetLoRA", "HeteroRankLoRA"]
+
+
+class LayerUpdates(NamedTuple):
+    """One adapted layer's client factors, as the kernels take them."""
+
+    module: LoraModule
+    bs: list[torch.Tensor]
+    as_: list[torch.Tensor]
+    scalings: list[float]
+    weights: list[float]
+
+    @property
+    def factors(
+        self,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[float], list[float]]:
+        """``(bs, as_, scalings, weights)``: the kernels' first arguments."""
+        return self.bs, self.as_, self.scalings, self.weights
 
 
 class HeteroRankLoRA(LoraStrategy):
@@ -191,24 +208,19 @@ class HeteroRankLoRA(LoraStrategy):
         scalings = self.scalings(updates)
         layers: dict[str, tuple[dict[int, float], float]] = {}
         for m in self.layout.modules:
-            layers[m.name] = self.aggregate_layer(
+            layer = LayerUpdates(
                 m,
                 [u.arrays[m.b_key] for u in updates],
                 [u.arrays[m.a_key] for u in updates],
                 scalings,
                 weights,
-                current,
-                state,
             )
+            layers[m.name] = self.aggregate_layer(layer, current, state)
         return state, self.finish_report(state, self.rank_report(updates, layers))
 
     def aggregate_layer(
         self,
-        module: LoraModule,
-        bs: list[torch.Tensor],
-        as_: list[torch.Tensor],
-        scalings: list[float],
-        weights: list[float],
+        layer: LayerUpdates,
         current: Mapping[str, torch.Tensor],
         state: dict[str, torch.Tensor],
     ) -> tuple[dict[int, float], float]:
@@ -347,16 +359,12 @@ class FlexLoRA(HeteroRankLoRA):
 
     def aggregate_layer(
         self,
-        module: LoraModule,
-        bs: list[torch.Tensor],
-        as_: list[torch.Tensor],
-        scalings: list[float],
-        weights: list[float],
+        layer: LayerUpdates,
         current: Mapping[str, torch.Tensor],
         state: dict[str, torch.Tensor],
     ) -> tuple[dict[int, float], float]:
-        b, a, svd = flexlora_factors(bs, as_, scalings, weights, self.rank)
-        self.set_factors(module, b, a, current, state)
+        b, a, svd = flexlora_factors(*layer.factors, self.rank)
+        self.set_factors(layer.module, b, a, current, state)
         gaps = {r: math.sqrt(max(svd.energy_beyond(r), 0.0)) for r in self.client_ranks}
         return gaps, math.sqrt(max(svd.total_energy, 0.0))
 
@@ -375,17 +383,13 @@ class HetLoRA(HeteroRankLoRA):
 
     def aggregate_layer(
         self,
-        module: LoraModule,
-        bs: list[torch.Tensor],
-        as_: list[torch.Tensor],
-        scalings: list[float],
-        weights: list[float],
+        layer: LayerUpdates,
         current: Mapping[str, torch.Tensor],
         state: dict[str, torch.Tensor],
     ) -> tuple[dict[int, float], float]:
-        b, a = hetlora_factors(bs, as_, scalings, weights, self.rank)
-        self.set_factors(module, b, a, current, state)
-        left, right = stacked_update(bs, as_, scalings, weights)
+        b, a = hetlora_factors(*layer.factors, self.rank)
+        self.set_factors(layer.module, b, a, current, state)
+        left, right = stacked_update(*layer.factors)
         gaps = {r: received_gap(left, right, b, a, r) for r in self.client_ranks}
         return gaps, factored_frobenius_norm(left, right)
 
@@ -420,14 +424,11 @@ class FLoRA(HeteroRankLoRA, FactoredDownlink):
 
     def aggregate_layer(
         self,
-        module: LoraModule,
-        bs: list[torch.Tensor],
-        as_: list[torch.Tensor],
-        scalings: list[float],
-        weights: list[float],
+        layer: LayerUpdates,
         current: Mapping[str, torch.Tensor],
         state: dict[str, torch.Tensor],
     ) -> tuple[dict[int, float], float]:
+        module = layer.module
         base = current.get(module.base_key)
         if base is None:
             raise KeyError(
@@ -436,7 +437,7 @@ class FLoRA(HeteroRankLoRA, FactoredDownlink):
             )
         # M = left @ right is (d_out, d_in); a Conv1D stores W0 as (d_in, d_out):
         # fold and send M^T there (the Frobenius norm is the same).
-        left, right = module.as_stored(*stacked_update(bs, as_, scalings, weights))
+        left, right = module.as_stored(*stacked_update(*layer.factors))
         delta = (
             lowrank_delta(left, right, 1.0, dtype=base.dtype) if self.factored else None
         )
