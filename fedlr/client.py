@@ -368,7 +368,7 @@ def apply_round(
     state = initial_state(view)
     received = record_to_state(array_record(content, protocol.ARRAYS))
     if isinstance(view, LoraModel) and bool(config.get(protocol.LEADING_RANK, False)):
-        received = _leading_rank(view.layout, received)
+        received = protocol.leading_rank(view.layout, received)
     view.layout.check_shapes({k: v.shape for k, v in received.items()})
     state.update(received)
     base = receive_base(
@@ -424,29 +424,6 @@ def apply_round(
         base_version=None if base is None else base[1],
         _penalty=penalty,
     )
-
-
-def _leading_rank(
-    layout: AdapterLayout, received: dict[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """Heterogeneous ranks: the leading ``r`` components of wider ``A``, ``B``.
-
-    A layer of rank ``r`` sent ``A`` (R, d_in) and ``B`` (d_out, R) with
-    ``R > r`` keeps ``A[:r]`` and ``B[:, :r]`` times ``sqrt(r / R)``: then
-    ``(alpha / r) B A`` is the rank-``r`` leading part of ``(alpha / R) B_R A_R``.
-    """
-    out = dict(received)
-    for m in layout.modules:
-        a, b = received.get(m.a_key), received.get(m.b_key)
-        wide = a.shape[0] if a is not None else b.shape[1] if b is not None else 0
-        if wide <= m.rank:
-            continue
-        gain = math.sqrt(m.rank / wide)
-        if a is not None:
-            out[m.a_key] = gain * a[: m.rank]
-        if b is not None:
-            out[m.b_key] = gain * b[:, : m.rank]
-    return out
 
 
 def _projections(view: AdaptedModel) -> Projections | None:

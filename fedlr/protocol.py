@@ -49,7 +49,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord
 
-from fedlr.adapters.roles import Role
+from fedlr.adapters.roles import AdapterLayout, Role
 from fedlr.errors import ProtocolError
 
 __all__ = [
@@ -98,6 +98,7 @@ __all__ = [
     "decode_roles",
     "encode_roles",
     "gpse_fraction_key",
+    "leading_rank",
     "train_loss_of",
     "validate_arrays",
 ]
@@ -402,3 +403,28 @@ def validate_arrays(
         key: decode_array(record[key], tuple(expected[key]), where=f"'{name}' '{key}'")
         for key in record
     }
+
+
+def leading_rank(
+    layout: AdapterLayout, received: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Heterogeneous ranks: the leading ``r`` components of wider ``A``, ``B``.
+
+    A layer of rank ``r`` sent ``A`` (R, d_in) and ``B`` (d_out, R) with
+    ``R > r`` keeps ``A[:r]`` and ``B[:, :r]`` times ``sqrt(r / R)``: then
+    ``(alpha / r) B A`` is the rank-``r`` leading part of ``(alpha / R) B_R A_R``.
+    The rule of :data:`LEADING_RANK`: nodes apply it to what they receive,
+    the server to what it sends a node of known rank.
+    """
+    out = dict(received)
+    for m in layout.modules:
+        a, b = received.get(m.a_key), received.get(m.b_key)
+        wide = a.shape[0] if a is not None else b.shape[1] if b is not None else 0
+        if wide <= m.rank:
+            continue
+        gain = math.sqrt(m.rank / wide)
+        if a is not None:
+            out[m.a_key] = gain * a[: m.rank]
+        if b is not None:
+            out[m.b_key] = gain * b[:, : m.rank]
+    return out

@@ -37,7 +37,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from fedlr import protocol
@@ -45,7 +45,7 @@ from fedlr.adapters.roles import AdapterLayout, LoraModule, Role
 from fedlr.config import RunConfig
 from fedlr.downlink import lowrank_delta
 from fedlr.errors import ReplyValidationError
-from fedlr.flower.records import record_nbytes
+from fedlr.flower.records import record_nbytes, record_to_state, state_to_record
 from fedlr.linalg import (
     factored_frobenius_norm,
     factors_for_rank,
@@ -281,19 +281,12 @@ class HeteroRankLoRA(LoraStrategy):
         return out
 
     def _at_rank(self, record: ArrayRecord, rank: int) -> ArrayRecord:
-        """The leading ``rank`` components of the global A, B, rescaled."""
-        gain = math.sqrt(rank / self.rank)
-        kept: dict[str, Any] = {}
-        for key in record:
-            kept[key] = record[key]
-        for m in self.layout.modules:
-            if m.a_key in record:
-                a = torch.from_numpy(record[m.a_key].numpy())
-                kept[m.a_key] = _array(gain * a[:rank])
-            if m.b_key in record:
-                b = torch.from_numpy(record[m.b_key].numpy())
-                kept[m.b_key] = _array(gain * b[:, :rank])
-        return ArrayRecord(kept)
+        """The leading ``rank`` components of the global A, B, rescaled
+        (:func:`fedlr.protocol.leading_rank`, the rule nodes apply)."""
+        cut = protocol.leading_rank(
+            layout_at_rank(self.layout, rank), record_to_state(record)
+        )
+        return state_to_record(cut)
 
     def validate_reply(
         self, message: Message, expected: Mapping[str, tuple[int, ...]]
@@ -339,10 +332,6 @@ class HeteroRankLoRA(LoraStrategy):
                     return int(shape[axis])
                 return None
         return None
-
-
-def _array(tensor: torch.Tensor) -> Array:
-    return Array(tensor.contiguous().numpy())
 
 
 @register_method(

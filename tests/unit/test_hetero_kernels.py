@@ -16,7 +16,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fedlr.adapters.roles import AdapterLayout, LoraModule
-from fedlr.client import _leading_rank
 from fedlr.errors import ShapeMismatchError
 from fedlr.linalg import (
     check_hetero_factors,
@@ -26,6 +25,7 @@ from fedlr.linalg import (
     received_gap,
     stacked_update,
 )
+from fedlr.protocol import leading_rank
 
 F64 = torch.float64
 ALPHA = 16.0
@@ -145,7 +145,7 @@ def test_client_side_truncation_is_the_servers():
         layout = AdapterLayout(
             modules=(LoraModule("l", "l.A", "l.B", "l.W", ALPHA / r, 12, 10, r),)
         )
-        cut = _leading_rank(layout, {"l.A": a8, "l.B": b8})
+        cut = leading_rank(layout, {"l.A": a8, "l.B": b8})
         b, a = factors_for_rank(b_t, a_t, r, ALPHA / r)
         torch.testing.assert_close(cut["l.B"], b, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(cut["l.A"], a, rtol=1e-12, atol=1e-12)
