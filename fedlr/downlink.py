@@ -308,8 +308,6 @@ def checksum(key: str, weight: torch.Tensor) -> float:
     block of :data:`_CHUNK_ROWS` rows.
     """
     w = weight.detach().to("cpu")
-    if w.ndim != 2:
-        w = w.reshape(w.shape[0], -1) if w.ndim else w.reshape(1, 1)
     generator = torch.Generator().manual_seed(zlib.crc32(key.encode()))
     u = torch.randn(int(w.shape[0]), generator=generator, dtype=torch.float64)
     v = torch.randn(int(w.shape[1]), generator=generator, dtype=torch.float64)

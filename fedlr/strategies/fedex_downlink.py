@@ -11,7 +11,7 @@ like every other number a client sends.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -111,7 +111,7 @@ class FactoredDownlink(FedLRStrategy):
         key: str,
         base: torch.Tensor,
         delta: BaseDelta | None,
-        dense: Any,
+        dense: Callable[..., torch.Tensor],
     ) -> torch.Tensor:
         """The new base weight: ``delta`` applied, or ``dense()`` without one.
 
