@@ -25,6 +25,8 @@ from fedlr.robust import RobustConfig
 __all__ = ["PARTITIONERS", "RunConfig"]
 
 PARTITIONERS = ("iid", "dirichlet", "pathological")
+PRECISIONS = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "8bit", "4bit")
 _DEVICE = re.compile(r"auto|cpu|mps|cuda(:[0-9]+)?")
 
 
@@ -88,10 +90,37 @@ class RunConfig(Options):
     )
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout"})
     target_modules: str = field(
-        default="query,value",
+        default="auto",
         metadata={
             "help": "comma-separated names of the modules to adapt (nn.Linear, "
-            "or transformers' Conv1D in GPT-2)"
+            "or transformers' Conv1D in GPT-2); auto: the attention query and "
+            "value projections; all-linear: every linear layer but the output"
+        },
+    )
+    max_new_tokens: int = field(
+        default=8,
+        metadata={"help": "causal LM: tokens generated per answer (exact match)"},
+    )
+    prompt_template: str = field(
+        default="### Instruction:\n{instruction}\n\n### Response:\n",
+        metadata={
+            "help": "causal LM: prompt with {instruction}; a tokenizer's chat "
+            "template, when it has one, is used instead"
+        },
+    )
+    precision: str = field(
+        default="float32",
+        metadata={"help": "dtype of the base weights: float32, bfloat16, float16"},
+    )
+    gradient_checkpointing: bool = field(
+        default=False,
+        metadata={"help": "causal LM: recompute activations in backward (memory)"},
+    )
+    quantization: str = field(
+        default="none",
+        metadata={
+            "help": "causal LM: bitsandbytes base, none, 8bit or 4bit (CUDA; "
+            "methods that fold into the base refuse it)"
         },
     )
     dataset: str = field(default="polarity", metadata={"help": "dataset registry name"})
@@ -281,6 +310,25 @@ class RunConfig(Options):
             )
         if not self.targets:
             raise ConfigError("target-modules", "names no module")
+        if not 1 <= self.max_new_tokens <= 1024:
+            raise ConfigError(
+                "max-new-tokens", f"must be in [1, 1024], got {self.max_new_tokens}"
+            )
+        if "{instruction}" not in self.prompt_template:
+            raise ConfigError(
+                "prompt-template",
+                f"must contain {{instruction}}, got {self.prompt_template!r}",
+            )
+        if self.precision not in PRECISIONS:
+            raise ConfigError(
+                "precision",
+                f"'{self.precision}' is not one of {', '.join(PRECISIONS)}",
+            )
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(
+                "quantization",
+                f"'{self.quantization}' is not one of {', '.join(QUANTIZATIONS)}",
+            )
         if self.output_dir and not Path(self.output_dir).expanduser().is_absolute():
             raise ConfigError(
                 "output-dir",

@@ -10,6 +10,7 @@ import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -20,6 +21,7 @@ _LOG = logging.getLogger("fedlr")
 
 __all__ = [
     "EncodedText",
+    "TrainData",
     "TrainSettings",
     "encode_text",
     "evaluate",
@@ -58,6 +60,14 @@ def pick_device(preference: str = "auto") -> torch.device:
     if torch.backends.mps.is_available():
         return torch.device("mps")
     return torch.device("cpu")
+
+
+class TrainData(Protocol):
+    """What :func:`train_steps` trains on: a length and padded batches."""
+
+    def __len__(self) -> int: ...
+
+    def batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -157,7 +167,7 @@ def client_seed(seed: int, server_round: int, partition: int) -> int:
 
 def train_steps(
     model: torch.nn.Module,
-    data: EncodedText,
+    data: TrainData,
     settings: TrainSettings,
     *,
     seed: int,

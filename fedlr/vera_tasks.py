@@ -1,7 +1,7 @@
 """Model builders of the VeRA family on the text task.
 
 The data side (held-out split, partitions, encoding) is
-:class:`fedlr.tasks.TextTask`'s; this module builds the seeded classifier with
+:func:`fedlr.tasks.text_task`'s; this module builds the task's seeded model with
 VeRA (through peft) or SORF-VeRA adapters on ``target-modules``. The server and
 every client call the same builder, so all nodes hold the same frozen
 projections.
@@ -15,9 +15,8 @@ from dataclasses import dataclass
 from fedlr.adapters.sorf_vera import SorfVeraSettings, build_sorf_vera_model
 from fedlr.adapters.vera import VeraModel, VeraSettings, build_vera_model
 from fedlr.config import RunConfig
-from fedlr.models import build_text_classifier
 from fedlr.options import Options, option, require, require_positive
-from fedlr.tasks import TextTask
+from fedlr.tasks import text_task
 
 __all__ = [
     "SorfVeraOptions",
@@ -83,16 +82,15 @@ class SorfVeraOptions(Options):
 
 
 def build_vera_text_model(config: RunConfig, options: VeraOptions) -> VeraModel:
-    """The seeded classifier with peft VeRA (rank ``vera-rank``)."""
-    task = TextTask(config)
-    base = build_text_classifier(
-        config.model, task.num_labels, config.seed, pooling=config.pooling
-    )
+    """The task's seeded model with peft VeRA (rank ``vera-rank``)."""
+    task = text_task(config)
+    base = task.build_base()
     settings = VeraSettings(
         rank=options.vera_rank,
         projection_seed=options.projection_seed,
         d_initial=options.vera_d_initial,
-        target_modules=config.targets,
+        target_modules=task.targets(base),
+        head_modules=task.head_modules,
     )
     return build_vera_model(base, settings)
 
@@ -100,15 +98,14 @@ def build_vera_text_model(config: RunConfig, options: VeraOptions) -> VeraModel:
 def build_sorf_vera_text_model(
     config: RunConfig, options: SorfVeraOptions
 ) -> VeraModel:
-    """The seeded classifier with SORF-VeRA layers (rank ``sorf-rank``)."""
-    task = TextTask(config)
-    base = build_text_classifier(
-        config.model, task.num_labels, config.seed, pooling=config.pooling
-    )
+    """The task's seeded model with SORF-VeRA layers (rank ``sorf-rank``)."""
+    task = text_task(config)
+    base = task.build_base()
     settings = SorfVeraSettings(
         rank=options.sorf_rank,
         projection_seed=options.projection_seed,
         d_scale_initial=options.sorf_d_scale_initial,
-        target_modules=config.targets,
+        target_modules=task.targets(base),
+        head_modules=task.head_modules,
     )
     return build_sorf_vera_model(base, settings)

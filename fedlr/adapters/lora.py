@@ -19,7 +19,11 @@ from peft.tuners.lora import LoraLayer
 from peft.utils import ModulesToSaveWrapper, get_peft_model_state_dict
 from peft.utils import set_peft_model_state_dict as _set_peft_state
 
-from fedlr.adapters.orientation import stores_fan_in_fan_out, targets_fan_in_fan_out
+from fedlr.adapters.orientation import (
+    peft_targets,
+    stores_fan_in_fan_out,
+    targets_fan_in_fan_out,
+)
 from fedlr.adapters.roles import AdaptedModel, AdapterLayout, LoraModule, Role
 from fedlr.errors import ConfigError, ShapeMismatchError
 
@@ -48,13 +52,18 @@ class LoraSettings:
         Dropout on the LoRA branch input.
     target_modules : tuple of str
         Names of the ``nn.Linear`` (or GPT-2 ``Conv1D``) modules to adapt
-        (peft's ``target_modules``).
+        (peft's ``target_modules``); ``("all-linear",)`` is peft's every
+        linear layer but the output layer.
+    head_modules : tuple of str
+        Modules trained in full and sent with the adapters (the classifier
+        head); empty for a causal LM, whose output layer stays frozen.
     """
 
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
     target_modules: tuple[str, ...] = ("query", "value")
+    head_modules: tuple[str, ...] = ("classifier",)
 
     def __post_init__(self) -> None:
         if self.rank <= 0:
@@ -71,7 +80,7 @@ def apply_lora(
     model: torch.nn.Module,
     settings: LoraSettings,
     *,
-    head_modules: tuple[str, ...] = ("classifier",),
+    head_modules: tuple[str, ...] | None = None,
 ) -> PeftModel:
     """Wrap ``model`` with LoRA adapters; the head modules stay trainable.
 
@@ -82,9 +91,10 @@ def apply_lora(
         named as in the targets. When every target is a ``Conv1D`` (GPT-2),
         peft's ``fan_in_fan_out`` is set (it stores ``W0`` as (d_in, d_out)).
     settings : LoraSettings
-    head_modules : tuple of str
+    head_modules : tuple of str, optional
         Modules trained in full and saved with the adapter (peft's
-        ``modules_to_save``), e.g. the classification head.
+        ``modules_to_save``), e.g. the classification head; default
+        ``settings.head_modules``.
 
     Raises
     ------
@@ -100,8 +110,11 @@ def apply_lora(
         r=settings.rank,
         lora_alpha=cast(Any, settings.alpha),  # peft accepts floats; typed int
         lora_dropout=settings.dropout,
-        target_modules=list(settings.target_modules),
-        modules_to_save=list(head_modules),
+        target_modules=peft_targets(settings.target_modules),
+        modules_to_save=list(
+            settings.head_modules if head_modules is None else head_modules
+        )
+        or None,
     )
     if targets_fan_in_fan_out(model, config):
         config.fan_in_fan_out = True  # GPT-2's Conv1D; peft would warn and set it

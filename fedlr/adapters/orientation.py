@@ -15,9 +15,49 @@ import torch
 from peft.tuners.tuners_utils import check_target_module_exists
 from transformers.pytorch_utils import Conv1D
 
-from fedlr.errors import UnsupportedModelError
+from fedlr.errors import ConfigError, UnsupportedModelError
 
-__all__ = ["stores_fan_in_fan_out", "targets_fan_in_fan_out"]
+__all__ = [
+    "ALL_LINEAR",
+    "peft_targets",
+    "stores_fan_in_fan_out",
+    "targets_fan_in_fan_out",
+]
+
+ALL_LINEAR = "all-linear"
+"""peft's name for every linear layer of a model but its output layer."""
+
+
+AUTO_TARGETS = (("query", "value"), ("q_proj", "v_proj"), ("c_attn",))
+"""What ``target-modules = "auto"`` picks: the first of these groups whose
+every name is a module of the model (BERT, LLaMA/Qwen/OPT, GPT-2)."""
+
+
+def resolve_targets(model: torch.nn.Module, names: tuple[str, ...]) -> tuple[str, ...]:
+    """``target-modules`` for ``model``: ``auto`` becomes its attention q/v names.
+
+    Raises
+    ------
+    ConfigError
+        (key ``target-modules``) when ``auto`` finds none of
+        :data:`AUTO_TARGETS` in the model.
+    """
+    if tuple(names) != ("auto",):
+        return tuple(names)
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    for group in AUTO_TARGETS:
+        if set(group) <= present:
+            return group
+    raise ConfigError(
+        "target-modules",
+        f"'auto' knows {' / '.join(','.join(g) for g in AUTO_TARGETS)}, none of "
+        f"which are all in {type(model).__name__}; name the modules to adapt",
+    )
+
+
+def peft_targets(names: tuple[str, ...]) -> str | list[str]:
+    """``target-modules`` as peft takes it: the string ``"all-linear"`` or a list."""
+    return ALL_LINEAR if tuple(names) == (ALL_LINEAR,) else list(names)
 
 
 def stores_fan_in_fan_out(base_layer: torch.nn.Module, *, name: str = "") -> bool:
@@ -64,9 +104,18 @@ def targets_fan_in_fan_out(model: torch.nn.Module, config: object) -> bool:
     config : peft.LoraConfig or peft.VeraConfig
         Matched with peft's own ``check_target_module_exists``.
     """
-    targets = [
-        module
-        for name, module in model.named_modules()
-        if name and check_target_module_exists(config, name)
-    ]
+    if getattr(config, "target_modules", None) == ALL_LINEAR:
+        getter = getattr(model, "get_output_embeddings", None)
+        output = getter() if callable(getter) else None
+        targets = [
+            module
+            for module in model.modules()
+            if isinstance(module, torch.nn.Linear | Conv1D) and module is not output
+        ]
+    else:
+        targets = [
+            module
+            for name, module in model.named_modules()
+            if name and check_target_module_exists(config, name)
+        ]
     return bool(targets) and all(isinstance(m, Conv1D) for m in targets)

@@ -69,6 +69,7 @@ class SorfVeraSettings:
     projection_seed: int = 0
     d_scale_initial: float = 0.0
     target_modules: tuple[str, ...] = ("query", "value")
+    head_modules: tuple[str, ...] = ("classifier",)
 
     def __post_init__(self) -> None:
         if self.rank < 1:
@@ -257,7 +258,7 @@ def apply_sorf_vera(
     model: torch.nn.Module,
     settings: SorfVeraSettings,
     *,
-    head_modules: tuple[str, ...] = ("classifier",),
+    head_modules: tuple[str, ...] | None = None,
 ) -> SorfVeraLayout:
     """Wrap every target ``nn.Linear`` of ``model`` in place; return the layout.
 
@@ -322,6 +323,8 @@ def apply_sorf_vera(
             )
         )
     head: dict[str, tuple[int, ...]] = {}
+    if head_modules is None:
+        head_modules = settings.head_modules
     for head_name in head_modules:
         for pname, param in model.get_submodule(head_name).named_parameters():
             param.requires_grad_(True)

@@ -23,7 +23,11 @@ from peft import PeftModel, VeraConfig, get_peft_model
 from peft.tuners.vera import VeraLayer
 from peft.utils import ModulesToSaveWrapper, get_peft_model_state_dict
 
-from fedlr.adapters.orientation import stores_fan_in_fan_out, targets_fan_in_fan_out
+from fedlr.adapters.orientation import (
+    peft_targets,
+    stores_fan_in_fan_out,
+    targets_fan_in_fan_out,
+)
 from fedlr.adapters.roles import AdaptedModel, Role, RoleLayout
 from fedlr.errors import ProjectionMismatchError
 
@@ -63,6 +67,7 @@ class VeraSettings:
     d_initial: float = 0.1
     dropout: float = 0.0
     target_modules: tuple[str, ...] = ("query", "value")
+    head_modules: tuple[str, ...] = ("classifier",)
 
     def __post_init__(self) -> None:
         if self.rank <= 0:
@@ -159,7 +164,7 @@ def apply_vera(
     model: torch.nn.Module,
     settings: VeraSettings,
     *,
-    head_modules: tuple[str, ...] = ("classifier",),
+    head_modules: tuple[str, ...] | None = None,
 ) -> PeftModel:
     """Wrap ``model`` with VeRA adapters; the head stays trainable.
 
@@ -172,12 +177,15 @@ def apply_vera(
     """
     config = VeraConfig(
         r=settings.rank,
-        target_modules=list(settings.target_modules),
+        target_modules=peft_targets(settings.target_modules),
         projection_prng_key=settings.projection_seed,
         save_projection=True,
         vera_dropout=settings.dropout,
         d_initial=settings.d_initial,
-        modules_to_save=list(head_modules),
+        modules_to_save=list(
+            settings.head_modules if head_modules is None else head_modules
+        )
+        or None,
     )
     if targets_fan_in_fan_out(model, config):
         config.fan_in_fan_out = True  # GPT-2's Conv1D; peft would warn and set it

@@ -20,13 +20,13 @@ from fedlr.adapters.lora import LoraModel
 from fedlr.client_apps.text import TextClient
 from fedlr.config import RunConfig
 from fedlr.options import NoOptions
-from fedlr.tasks import TextTask
+from fedlr.tasks import text_task
 
 __all__ = ["CLIENT", "evaluate_message", "train_message"]
 
 
 def _build(config: RunConfig, options: NoOptions) -> LoraModel:
-    return TextTask(config).build_lora_model()
+    return text_task(config).build_lora_model()
 
 
 CLIENT = TextClient(build=_build, options=NoOptions, lr=lambda config, _: config.lr)

@@ -25,18 +25,21 @@ from fedlr.adapters.roles import AdaptedModel
 from fedlr.client import ClientRound, apply_round
 from fedlr.client_apps.common import partition_of, train_settings
 from fedlr.config import RunConfig
+from fedlr.lm import EncodedInstructions
 from fedlr.options import Options
-from fedlr.tasks import TextTask
-from fedlr.train import EncodedText, client_seed, evaluate, pick_device, train_steps
+from fedlr.tasks import text_task
+from fedlr.train import EncodedText, client_seed, pick_device, train_steps
 
 __all__ = ["TextClient"]
 
 O = TypeVar("O", bound=Options)  # noqa: E741
 
-_DATA: dict[tuple[object, ...], EncodedText] = {}
+_DATA: dict[tuple[object, ...], EncodedText | EncodedInstructions] = {}
 
 
-def _partition(config: RunConfig, pid: int, num: int, part: str) -> EncodedText:
+def _partition(
+    config: RunConfig, pid: int, num: int, part: str
+) -> EncodedText | EncodedInstructions:
     """A node's data: its whole partition (``all``) or its own ``train``/``eval``."""
     key = (
         part,
@@ -50,11 +53,12 @@ def _partition(config: RunConfig, pid: int, num: int, part: str) -> EncodedText:
         config.eval_fraction,
         config.max_length,
         config.max_eval_examples,
+        config.prompt_template,
         pid,
         num,
     )
     if key not in _DATA:
-        task = TextTask(config)
+        task = text_task(config)
         if part == "all":
             _DATA[key] = task.partition(pid, num)
         else:
@@ -63,7 +67,7 @@ def _partition(config: RunConfig, pid: int, num: int, part: str) -> EncodedText:
             cap = config.max_eval_examples
             if part == "eval" and cap and len(data) > cap:
                 data = data.select(range(cap))
-            _DATA[key] = task.encode(list(data["text"]), list(data["label"]))
+            _DATA[key] = task.encode(data)
     return _DATA[key]
 
 
@@ -142,13 +146,8 @@ class TextClient(Generic[O]):
         """Handle an ``evaluate`` instruction: the (personal) model on local data."""
         config, _, job, pid, num = self._round(message, context)
         data = _partition(config, pid, num, "eval" if job.personal_split else "all")
-        accuracy, loss = evaluate(
-            job.model,
-            data,
-            batch_size=config.eval_batch_size,
-            device=pick_device(config.device),
+        metrics = text_task(config).evaluate(
+            job.model, data, pick_device(config.device)
         )
         job.model.to("cpu")
-        return job.reply(
-            num_examples=len(data), metrics={"accuracy": accuracy, "loss": loss}
-        )
+        return job.reply(num_examples=len(data), metrics=metrics)

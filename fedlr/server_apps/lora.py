@@ -24,8 +24,8 @@ from fedlr.server_apps.plans import ServerPlan, check_strategy
 from fedlr.strategies.lora import LoraStrategy
 from fedlr.strategies.lora_svd import PersonalLoraStrategy, SvdLoraStrategy
 from fedlr.strategies.registry import MethodConfig
-from fedlr.tasks import TextTask
-from fedlr.train import evaluate, pick_device
+from fedlr.tasks import text_task
+from fedlr.train import pick_device
 
 __all__ = ["lora_plan"]
 
@@ -51,7 +51,7 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
             )
         # The server's adapters have the largest client rank.
         config = config.replace(lora_rank=config.global_rank)
-    task = TextTask(config)
+    task = text_task(config)
     models: dict[int, LoraModel] = {config.lora_rank: task.build_lora_model()}
     lm = models[config.lora_rank]
     strategy = strategy_cls.from_run_config(config, lm.layout, method.options)
@@ -67,7 +67,7 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
     def model_at(rank: int) -> LoraModel:
         if rank not in models:
             models.clear()  # keep one model (and the initial one's rank) in memory
-            models[rank] = TextTask(config.replace(lora_rank=rank)).build_lora_model()
+            models[rank] = text_task(config.replace(lora_rank=rank)).build_lora_model()
         return models[rank]
 
     def evaluate_global(
@@ -78,17 +78,16 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
             if not result:
                 nan = float("nan")
                 return {"accuracy": nan, "loss": nan}
-            return {k: v for k, v in result.items() if k != "evaluated-clients"}
+            keep = ("accuracy", "loss", *task.metric_columns)
+            return {k: v for k, v in result.items() if k in keep or "-" in k}
         rank = int(state[first_a].shape[0]) if first_a in state else config.lora_rank
         model = model_at(rank)
         model.load(state)
-        accuracy, loss = evaluate(
-            model.model, heldout, batch_size=config.eval_batch_size, device=device
-        )
+        result = task.evaluate(model.model, heldout, device)
         model.model.to("cpu")
-        return {"accuracy": accuracy, "loss": loss}
+        return result
 
-    extra = getattr(strategy, "extra_columns", ())
+    extra = (*task.metric_columns, *getattr(strategy, "extra_columns", ()))
     return ServerPlan(
         strategy=strategy,
         initial_arrays=initial,

@@ -296,6 +296,10 @@ def run_server(grid: Grid, context: Context) -> Path:
         "total-bytes-down": float(frame["bytes-down"].sum()),
         "seconds": float(frame["seconds"].sum()),
     }
+    for key, value in initial_metrics.items():  # e.g. perplexity, exact-match
+        if key not in ("accuracy", "loss") and key in frame:
+            summary[f"initial-{key}"] = float(value)
+            summary[f"final-{key}"] = float(frame[key].iloc[-1])
     if resume is not None:
         summary["resumed-after-round"] = first - 1
     if plan.finish is not None:

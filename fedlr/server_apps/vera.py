@@ -21,8 +21,8 @@ from fedlr.server_apps.plans import ServerPlan, check_strategy
 from fedlr.strategies.registry import MethodConfig
 from fedlr.strategies.sorf_vera import SorfVeRA
 from fedlr.strategies.vera import VeraStrategy
-from fedlr.tasks import TextTask
-from fedlr.train import evaluate, pick_device
+from fedlr.tasks import text_task
+from fedlr.train import pick_device
 from fedlr.vera_tasks import (
     SorfVeraOptions,
     VeraOptions,
@@ -42,7 +42,7 @@ def _plan(
     columns: tuple[str, ...],
     lr: float,
 ) -> ServerPlan:
-    task = TextTask(config)
+    task = text_task(config)
     heldout = task.heldout()
     device = pick_device(config.device)
     initial = vm.state(strategy.send_roles)
@@ -51,11 +51,9 @@ def _plan(
         server_round: int, state: Mapping[str, torch.Tensor]
     ) -> dict[str, float]:
         vm.load(state)
-        accuracy, loss = evaluate(
-            vm.model, heldout, batch_size=config.eval_batch_size, device=device
-        )
+        result = task.evaluate(vm.model, heldout, device)
         vm.model.to("cpu")
-        return {"accuracy": accuracy, "loss": loss}
+        return result
 
     return ServerPlan(
         strategy=strategy,
@@ -67,7 +65,7 @@ def _plan(
             protocol.BATCH_SIZE: config.batch_size,
         },
         largest_partition=lambda n: task.split(n).largest_partition,
-        columns=columns,
+        columns=(*task.metric_columns, *columns),
         description=(
             f"{config.model} on {config.dataset}, {len(heldout)} held-out "
             f"examples, device {device}, rank {strategy.projection_rank}, "

@@ -221,6 +221,7 @@ class FedLRStrategy(FedAvg):
     send_roles: ClassVar[tuple[Role, ...]] = ()
     train_roles: ClassVar[tuple[Role, ...]] = ()
     federated_evaluation: ClassVar[bool] = False
+    folds_base: ClassVar[bool] = False
 
     def __init__(
         self,

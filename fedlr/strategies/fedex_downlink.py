@@ -67,6 +67,9 @@ class DownlinkOptions(NoOptions):
 class FactoredDownlink(FedLRStrategy):
     """Send the base weights' changes, not the base weights, where it pays.
 
+    Every such strategy folds updates into the base weights (``folds_base``):
+    a quantised base is refused for it (:func:`fedlr.strategies.registry.resolve`).
+
     A subclass folds a change into each base weight with :meth:`fold_base`
     (which also records the change in factored form when there is one) and
     calls :meth:`publish_base` at the end of ``aggregate_updates``.
@@ -77,6 +80,8 @@ class FactoredDownlink(FedLRStrategy):
     **kwargs
         Other parameters: see :class:`~fedlr.strategies.base.FedLRStrategy`.
     """
+
+    folds_base: ClassVar[bool] = True
 
     extra_columns: ClassVar[tuple[str, ...]] = ("dense-base-sends",)
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fedlr.config import RunConfig
-from fedlr.errors import UnknownMethodError
+from fedlr.errors import ConfigError, UnknownMethodError
 from fedlr.options import Options
 
 if TYPE_CHECKING:
@@ -279,6 +279,15 @@ def resolve(run_config: Mapping[str, Any]) -> MethodConfig:
     run = RunConfig.from_mapping(run_config)
     spec = get_method(run.method)
     options = spec.options.from_run_config(run_config)
+    if run.quantization != "none" and getattr(spec.strategy, "folds_base", False):
+        raise ConfigError(
+            "quantization",
+            f"method '{spec.name}' folds each round's residual into the base "
+            f"weights, which a {run.quantization} base cannot hold exactly "
+            "(rounding would undo the fold); use quantization=\"none\" or a "
+            "method that keeps the base frozen (fedavg-lora, fedsvd, fedspec, "
+            "ffa-lora, fedsa-lora, ...)",
+        )
     return MethodConfig(run=run, spec=spec, options=options)
 
 

@@ -36,6 +36,10 @@ AT_PARSE: dict[str, tuple[object, str]] = {
     "lora-alpha": (-1.0, "finite and > 0"),
     "lora-dropout": (1.0, r"in \[0, 1\)"),
     "target-modules": (",", "names no module"),
+    "max-new-tokens": (0, r"in \[1, 1024\]"),
+    "prompt-template": ("Q: {question}", "must contain"),
+    "precision": ("fp8", "not one of"),
+    "quantization": ("2bit", "not one of"),
     "partitioner": ("random", "not one of"),
     "dirichlet-alpha": (0.0, "finite and > 0"),
     "classes-per-partition": (0, "must be >= 1"),
@@ -90,6 +94,11 @@ AT_PARSE: dict[str, tuple[object, str]] = {
 AT_START: dict[str, tuple[dict[str, object], type[Exception], str]] = {
     "method": ({"method": "fedx-lora"}, FedLRError, "known methods: .*fedex-lora"),
     "model": ({"model": "no-such-model"}, ConfigError, "no-such-model"),
+    "gradient-checkpointing": (
+        {"gradient-checkpointing": True, "model": "minilm"},
+        ConfigError,
+        "gradient-checkpointing",
+    ),
     "dataset": ({"dataset": "imdbb"}, FedLRError, "polarity"),
     "lora-rank": ({"lora-rank": 64}, ConfigError, "lora-rank"),
     "resume-from": ({"resume-from": "/nonexistent/run"}, ConfigError, "resume-from"),
