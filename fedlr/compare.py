@@ -153,6 +153,8 @@ def collect(run_dirs: Sequence[Path | str], by: Sequence[str] = ()) -> pd.DataFr
             for name in (key, key.upper()):
                 if name in summary:
                     row[key] = float(summary[name])
+        if "perplexity" in frame and len(frame):  # the causal-LM task
+            row["perplexity"] = float(frame["perplexity"].iloc[-1])
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -172,6 +174,10 @@ def summarise(runs: pd.DataFrame, by: Sequence[str] = ()) -> pd.DataFrame:
         acc = group["final-accuracy"]
         row["accuracy-mean"] = float(acc.mean())
         row["accuracy-std"] = float(acc.std(ddof=1)) if len(group) > 1 else 0.0
+        if "perplexity" in group and group["perplexity"].notna().any():
+            ppl = group["perplexity"]
+            row["perplexity-mean"] = float(ppl.mean())
+            row["perplexity-std"] = float(ppl.std(ddof=1)) if len(group) > 1 else 0.0
         for column in ("mean-gap", "total-bytes", "seconds", "acc", "fgt"):
             if column in group and group[column].notna().any():
                 row[column] = float(group[column].mean())
@@ -188,7 +194,11 @@ def _fmt_bytes(value: float) -> str:
 def to_markdown(table: pd.DataFrame, by: Sequence[str] = ()) -> str:
     """Render :func:`summarise`'s table as a markdown table."""
     has_cl = "acc" in table and table["acc"].notna().any()
+    has_lm = "perplexity-mean" in table and table["perplexity-mean"].notna().any()
     headers = ["method", *by, "seeds", "final accuracy", "mean Frobenius gap"]
+    if has_lm:
+        headers[headers.index("final accuracy")] = "final exact match"
+        headers.insert(headers.index("mean Frobenius gap"), "final perplexity")
     headers += ["total bytes / run", "wall time / run"]
     if has_cl:
         headers += ["ACC", "FGT"]
@@ -197,6 +207,8 @@ def to_markdown(table: pd.DataFrame, by: Sequence[str] = ()) -> str:
         gap = row.get("mean-gap", np.nan)
         cells = [str(row["method"]), *(str(row[k]) for k in by), str(row["seeds"])]
         cells.append(f"{row['accuracy-mean']:.4f} ± {row['accuracy-std']:.4f}")
+        if has_lm:
+            cells.append(f"{row['perplexity-mean']:.3f} ± {row['perplexity-std']:.3f}")
         cells.append("—" if pd.isna(gap) else f"{gap:.3e}")
         cells.append(_fmt_bytes(row["total-bytes"]))
         cells.append(f"{row['seconds']:.0f} s")

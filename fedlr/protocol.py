@@ -65,6 +65,7 @@ __all__ = [
     "CONFIG",
     "EIGEN",
     "EIGEN_KEYS",
+    "EXACT_MATCH",
     "FLOAT_DTYPES",
     "GPSE_EXAMPLES",
     "GPSE_TASK",
@@ -78,6 +79,7 @@ __all__ = [
     "METRICS",
     "NUM_EXAMPLES",
     "PARTITION_ID",
+    "PERPLEXITY",
     "PERSONAL",
     "PERSONAL_GRAM",
     "PERSONAL_LOADED",
@@ -90,6 +92,7 @@ __all__ = [
     "SKETCHES",
     "SKETCH_DIM",
     "TASK",
+    "TASK_EVAL_METRICS",
     "TASK_ROUND",
     "TRAIN_LOSS",
     "TRAIN_LOSS_ALIASES",
@@ -182,6 +185,13 @@ PROXIMAL_MU = "proximal-mu"
 # ------------------------------------------------------------ metric keys
 NUM_EXAMPLES = "num-examples"
 """The client's weight: a positive integer."""
+PERPLEXITY = "perplexity"
+"""Evaluate reply metric of the causal-LM task: exp of the response loss."""
+EXACT_MATCH = "exact-match"
+"""Evaluate reply metric of the causal-LM task: share of exact greedy answers."""
+TASK_EVAL_METRICS = (PERPLEXITY, EXACT_MATCH)
+"""Evaluate reply metrics besides ``accuracy`` and ``loss`` that personalised
+strategies average over clients (finite numbers only)."""
 TRAIN_LOSS = "train-loss"
 TRAIN_LOSS_ALIASES = (TRAIN_LOSS, "train_loss")
 """Accepted spellings of the training loss (Flower's examples use

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import datasets
 import torch
 
+from fedlr import protocol
 from fedlr.adapters import LoraSettings, apply_lora, lora_layout
 from fedlr.adapters.lora import LoraModel
 from fedlr.adapters.orientation import resolve_targets
@@ -282,7 +283,7 @@ class CausalLMTask(_Common):
     """
 
     config: RunConfig
-    metric_columns: tuple[str, ...] = ("perplexity", "exact-match")
+    metric_columns: tuple[str, ...] = protocol.TASK_EVAL_METRICS
 
     def __post_init__(self) -> None:
         spec = dataset_info(self.config.dataset)

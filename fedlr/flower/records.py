@@ -26,20 +26,38 @@ __all__ = [
     "record_nbytes",
     "record_to_state",
     "state_to_record",
+    "wire_tensor",
 ]
 
 _Record = TypeVar("_Record", ArrayRecord, ConfigRecord, MetricRecord)
 
 
+def wire_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` on the CPU, contiguous, in a dtype an ``ArrayRecord`` holds.
+
+    Flower serialises arrays through numpy, which has no bfloat16: a
+    bfloat16 tensor (a ``precision = "bfloat16"`` base weight) travels as
+    float32, which holds it exactly; a node casts it back when it loads it
+    into its bfloat16 parameter.
+    """
+    out = tensor.detach().to("cpu")
+    if out.dtype == torch.bfloat16:
+        out = out.to(torch.float32)
+    return out.contiguous()
+
+
 def state_to_record(
     state: Mapping[str, torch.Tensor], keys: Iterable[str] | None = None
 ) -> ArrayRecord:
-    """Pack tensors (all, or those named in ``keys``, in that order)."""
+    """Pack tensors (all, or those named in ``keys``, in that order).
+
+    bfloat16 tensors travel as float32 (:func:`wire_tensor`).
+    """
     selected = list(state) if keys is None else list(keys)
     missing = [k for k in selected if k not in state]
     if missing:
         raise KeyError(f"state has no tensors for keys {missing[:5]}")
-    return ArrayRecord({k: state[k].detach().to("cpu").contiguous() for k in selected})
+    return ArrayRecord({k: wire_tensor(state[k]) for k in selected})
 
 
 def record_to_state(record: ArrayRecord) -> dict[str, torch.Tensor]:

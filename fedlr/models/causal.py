@@ -10,7 +10,7 @@
     (``"<instruction> Answer: <response>"``, never the instruction template,
     never a test problem) and caches it under
     ``<cache>/arith-instruct/tiny-llama-<key>/``. ``make setup`` does this
-    (about two minutes on 2 CPU cores); a first use without it does it too.
+    (about four minutes on 2 CPU cores); a first use without it does it too.
     Federated instruction tuning then teaches it the prompt template and the
     answer format on top of what it knows.
 ``tiny-gpt2``
@@ -101,7 +101,7 @@ class WarmUp:
     heads: int = 4
     intermediate: int = 384
     max_positions: int = 256
-    steps: int = 600
+    steps: int = 2000
     batch_size: int = 32
     lr: float = 3e-3
     seed: int = 0

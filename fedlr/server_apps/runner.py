@@ -41,7 +41,7 @@ from fedlr.checkpoint import (
 )
 from fedlr.config import RunConfig
 from fedlr.errors import CheckpointError, ConfigError, InitialArraysError
-from fedlr.flower.records import record_to_state
+from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.plots import write_run_plots
 from fedlr.results import ResultsWriter
 from fedlr.strategies.registry import resolve
@@ -238,7 +238,7 @@ def run_server(grid: Grid, context: Context) -> Path:
         )
 
     if resume is None:
-        arrays = ArrayRecord(plan.initial_arrays)
+        arrays = state_to_record(plan.initial_arrays)
         evaluate_round(0, arrays)
         first = 1
         checkpoint(0, arrays)

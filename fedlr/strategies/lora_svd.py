@@ -313,6 +313,7 @@ class PersonalLoraStrategy(SvdLoraStrategy):
         """Mean and spread of the clients' accuracies; kept in ``last_evaluation``."""
         accuracies: list[float] = []
         losses: list[float] = []
+        extras: dict[str, list[float]] = {k: [] for k in protocol.TASK_EVAL_METRICS}
         for message in replies:
             if message.has_error():
                 log(INFO, "round %d: evaluate error: %s", server_round, message.error)
@@ -331,6 +332,10 @@ class PersonalLoraStrategy(SvdLoraStrategy):
             if math.isfinite(acc) and math.isfinite(loss):
                 accuracies.append(float(acc))
                 losses.append(float(loss))
+                for key, values in extras.items():
+                    value = metrics.get(key)
+                    if isinstance(value, (int, float)) and math.isfinite(value):
+                        values.append(float(value))
         if not accuracies:
             self.last_evaluation = {}
             return None
@@ -341,6 +346,7 @@ class PersonalLoraStrategy(SvdLoraStrategy):
             "accuracy-min": min(accuracies),
             "accuracy-max": max(accuracies),
             "evaluated-clients": float(len(accuracies)),
+            **{k: statistics.fmean(v) for k, v in extras.items() if v},
         }
         return MetricRecord(dict(self.last_evaluation))
 

@@ -284,7 +284,7 @@ def resolve(run_config: Mapping[str, Any]) -> MethodConfig:
             "quantization",
             f"method '{spec.name}' folds each round's residual into the base "
             f"weights, which a {run.quantization} base cannot hold exactly "
-            "(rounding would undo the fold); use quantization=\"none\" or a "
+            '(rounding would undo the fold); use quantization="none" or a '
             "method that keeps the base frozen (fedavg-lora, fedsvd, fedspec, "
             "ffa-lora, fedsa-lora, ...)",
         )

@@ -9,6 +9,7 @@ weighted mean of the clients' effective weights, to 1e-6 in float32.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from fedlr import protocol
 from fedlr.checkpoint import load_checkpoint
 from fedlr.flower.records import record_to_state
 from fedlr.server_apps.local import run_in_process
-from fedlr.strategies.registry import resolve
+from fedlr.strategies.registry import registered_methods, resolve
 from fedlr.tasks import text_task
 
 F64 = torch.float64
@@ -67,8 +68,18 @@ def _capture() -> tuple[list[dict[str, Any]], Any]:
     return seen, hook
 
 
-def test_fedex_fold_on_gpt2_conv1d_after_a_real_round(tmp_path: Path) -> None:
-    config = {**LM, "method": "fedex-lora", "output-dir": str(tmp_path)}
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_fedex_fold_on_gpt2_conv1d_after_a_real_round(
+    precision: str, tmp_path: Path
+) -> None:
+    """The server folds in float32 also for a bfloat16 base (which travels as
+    float32, exactly: numpy has no bfloat16); nodes round it when loading."""
+    config = {
+        **LM,
+        "method": "fedex-lora",
+        "precision": precision,
+        "output-dir": str(tmp_path),
+    }
     seen, hook = _capture()
     run_dir = run_in_process(config, reply_hook=hook)
     new = load_checkpoint(run_dir)["arrays"]
@@ -80,7 +91,11 @@ def test_fedex_fold_on_gpt2_conv1d_after_a_real_round(tmp_path: Path) -> None:
     weights = torch.tensor([s["examples"] for s in seen], dtype=F64)
     weights /= weights.sum()
     for m in layout.modules:
-        w0 = seen[0]["sent"][m.base_key].to(F64)  # round 1: every node got W0
+        sent = seen[0]["sent"][m.base_key]
+        assert sent.dtype == torch.float32  # bfloat16 values travel as float32
+        if precision == "bfloat16":
+            assert torch.equal(sent.to(torch.bfloat16).to(torch.float32), sent)
+        w0 = sent.to(F64)  # round 1: every node got W0
         assert torch.equal(seen[1]["sent"][m.base_key], seen[0]["sent"][m.base_key])
         assert w0.shape == (m.d_in, m.d_out)  # Conv1D stores (in, out)
         mean = sum(
@@ -158,3 +173,37 @@ def test_bf16_and_gradient_checkpointing_train_the_adapters_only() -> None:
     assert len(moved) == len(before)  # every LoRA factor (B leaves zero first)
     for key, value in base.items():
         assert torch.equal(params[key], value)
+
+
+TEXT_KINDS = ("lora", "vera", "sorf-vera")
+LM_METHODS = sorted(
+    s.name for s in registered_methods() if s.payload.name in TEXT_KINDS
+)
+
+
+def test_every_lora_and_vera_method_is_covered() -> None:
+    assert len(LM_METHODS) == 15 and "sorf-vera" in LM_METHODS
+
+
+@pytest.mark.parametrize("method", LM_METHODS)
+def test_every_text_method_instruction_tunes_tiny_llama(
+    method: str, tmp_path: Path
+) -> None:
+    """One real round of each LoRA/VeRA-family method on the causal-LM task:
+    the response perplexity falls below the base model's."""
+    config = {
+        **LM,
+        "method": method,
+        "model": "tiny-llama",
+        "target-modules": "auto",
+        "local-steps": 6,
+        "lr": 0.01,
+        "vera-lr": 0.05,
+        "vera-rank": 16,
+        "output-dir": str(tmp_path),
+    }
+    run_dir = run_in_process(config)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    before, after = summary["initial-perplexity"], summary["final-perplexity"]
+    assert math.isfinite(after) and 1.0 < after < before, (before, after)
+    assert 0.0 <= summary["final-exact-match"] <= 1.0
