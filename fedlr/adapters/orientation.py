@@ -19,7 +19,10 @@ from fedlr.errors import ConfigError, UnsupportedModelError
 
 __all__ = [
     "ALL_LINEAR",
+    "AUTO_TARGETS",
+    "all_linear_layers",
     "peft_targets",
+    "resolve_targets",
     "stores_fan_in_fan_out",
     "targets_fan_in_fan_out",
 ]
@@ -53,6 +56,21 @@ def resolve_targets(model: torch.nn.Module, names: tuple[str, ...]) -> tuple[str
         f"'auto' knows {' / '.join(','.join(g) for g in AUTO_TARGETS)}, none of "
         f"which are all in {type(model).__name__}; name the modules to adapt",
     )
+
+
+def all_linear_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """``(name, module)`` of every ``nn.Linear``/``Conv1D`` but the output layer.
+
+    What ``target-modules = "all-linear"`` adapts (as peft's ``all-linear``:
+    the model's output embeddings, when it has them, are left out).
+    """
+    getter = getattr(model, "get_output_embeddings", None)
+    output = getter() if callable(getter) else None
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear | Conv1D) and module is not output
+    ]
 
 
 def peft_targets(names: tuple[str, ...]) -> str | list[str]:
@@ -105,13 +123,7 @@ def targets_fan_in_fan_out(model: torch.nn.Module, config: object) -> bool:
         Matched with peft's own ``check_target_module_exists``.
     """
     if getattr(config, "target_modules", None) == ALL_LINEAR:
-        getter = getattr(model, "get_output_embeddings", None)
-        output = getter() if callable(getter) else None
-        targets = [
-            module
-            for module in model.modules()
-            if isinstance(module, torch.nn.Linear | Conv1D) and module is not output
-        ]
+        targets = [module for _, module in all_linear_layers(model)]
     else:
         targets = [
             module

@@ -26,6 +26,7 @@ import torch
 from torch.nn import functional
 from transformers.pytorch_utils import Conv1D
 
+from fedlr.adapters.orientation import ALL_LINEAR, all_linear_layers
 from fedlr.adapters.roles import Role, RoleLayout
 from fedlr.adapters.vera import VeraModel, live_parameters
 from fedlr.errors import ShapeMismatchError, UnsupportedModelError
@@ -272,10 +273,20 @@ def apply_sorf_vera(
         If a target is a GPT-2 ``Conv1D`` (its (d_in, d_out) weight is not
         supported by SORF-VeRA's wrapping layer; use LoRA or VeRA there).
     """
+    chosen = (
+        {name for name, _ in all_linear_layers(model)}
+        if tuple(settings.target_modules) == (ALL_LINEAR,)
+        else None
+    )
+
+    def matches(name: str) -> bool:
+        if chosen is not None:
+            return name in chosen
+        return _matches(name, settings.target_modules)
     conv1d = [
         name
         for name, module in model.named_modules()
-        if isinstance(module, Conv1D) and _matches(name, settings.target_modules)
+        if isinstance(module, Conv1D) and matches(name)
     ]
     if conv1d:
         raise UnsupportedModelError(
@@ -285,8 +296,7 @@ def apply_sorf_vera(
     targets = [
         (name, module)
         for name, module in model.named_modules()
-        if isinstance(module, torch.nn.Linear)
-        and _matches(name, settings.target_modules)
+        if isinstance(module, torch.nn.Linear) and matches(name)
     ]
     if not targets:
         raise ValueError(

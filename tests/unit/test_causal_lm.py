@@ -18,6 +18,7 @@ from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
 
 from fedlr.adapters import LoraSettings, apply_lora, lora_layout
 from fedlr.adapters.orientation import resolve_targets
+from fedlr.adapters.sorf_vera import SorfVeraSettings, apply_sorf_vera
 from fedlr.config import RunConfig
 from fedlr.data import dataset_info, load_dataset
 from fedlr.data.hub import alpaca_rows, gsm8k_rows
@@ -245,6 +246,12 @@ def test_all_linear_adapts_every_linear_layer_but_the_output() -> None:
         LoraSettings(rank=2, target_modules=("all-linear",), head_modules=()),
     )
     assert all(m.fan_in_fan_out for m in lora_layout(gpt2).modules)
+    sorf = apply_sorf_vera(
+        build_causal_lm("tiny-llama", 0),
+        SorfVeraSettings(rank=4, target_modules=("all-linear",), head_modules=()),
+    )
+    sorf_names = {m.name.rsplit(".", 1)[-1] for m in sorf.modules}
+    assert sorf_names == names and len(sorf.modules) == len(lora_layout(model).modules)
 
 
 def test_the_offline_decoders_are_the_same_on_every_build() -> None:
