@@ -38,7 +38,8 @@ What :func:`apply_round` does with the instruction (:mod:`fedlr.protocol`):
   (:func:`fedlr.downlink.receive_base`; a node that cannot raises
   :class:`~fedlr.errors.BaseOutOfSyncError` and is sent dense weights next
   time);
-* **heterogeneous ranks** (``leading-rank``: FlexLoRA, HetLoRA, FLoRA):
+* **heterogeneous ranks** (``leading-rank``: FlexLoRA, HetLoRA, FLoRA, FedSpec
+  with ``client-ranks``):
   the model keeps its own rank ``r``; wider global ``A``, ``B`` are cut to
   their leading ``r`` components, scaled by ``sqrt(r / R)``;
 * **what trains**: freezes every parameter except those of ``train-roles``

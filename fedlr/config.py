@@ -81,7 +81,7 @@ class RunConfig(Options):
         metadata={
             "help": "comma-separated LoRA ranks cycled over the partitions "
             "(partition p trains rank ranks[p % len]) for the methods that "
-            "accept heterogeneous ranks (flexlora, hetlora, flora); empty: "
+            "accept heterogeneous ranks (flexlora, hetlora, flora, fedspec); empty: "
             "every client trains lora-rank"
         },
     )

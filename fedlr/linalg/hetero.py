@@ -22,6 +22,10 @@ from QRs of stacked factors: no ``d_out x d_in`` matrix per client.
   (:func:`hetlora_factors`); rank ``r`` gets the leading ``r`` components.
 * FLoRA: ``M`` itself, folded into the base weight (:func:`stacked_update`);
   every client starts a fresh adapter at its own rank.
+* FedSpec with ``client-ranks``: FlexLoRA's factors at its adaptive rank
+  ``R >= max r_i`` (``factored_svd`` of :func:`stacked_update`, then
+  ``truncate`` and ``pad_factors``); rank ``r`` gets the best rank-``r``
+  approximation of ``M``.
 """
 
 from __future__ import annotations

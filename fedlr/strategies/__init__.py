@@ -31,6 +31,7 @@ _NAMES = {
     "FLoRA": "hetero",
     "FlexLoRA": "hetero",
     "HetLoRA": "hetero",
+    "HeteroFedSpec": "fedspec",
     "HeteroRankLoRA": "hetero",
     "GlobalSVD": "global_svd",
     "LocalSVD": "global_svd",

@@ -33,6 +33,17 @@ gap) includes a Hutch++ estimate of the energy outside the sketched subspace:
 ``gap-estimated`` is 1.0 and ``gap-error-bound`` bounds the relative error of
 ``frobenius-gap`` (three standard errors of the estimate).
 
+Heterogeneous ranks (``client-ranks``): :meth:`FedSpec.from_run_config`
+builds a :class:`HeteroFedSpec`. Client ``i`` trains rank ``r_i`` with
+scaling ``s_i = alpha / r_i``; the mean is taken of the updates,
+``M = sum_i w_i s_i B_i A_i``, exactly from the stacked factors
+(:func:`fedlr.linalg.stacked_update`, :func:`fedlr.linalg.factored_svd`).
+The rank rule is the one above, from the largest client rank ``R_0``; the
+global factors are ``U_R sqrt(S_R)``, ``sqrt(S_R) V_R^T`` at scaling
+``alpha / R`` (FlexLoRA's, :mod:`fedlr.strategies.hetero`), and a client of
+rank ``r_i`` receives their leading ``r_i`` components (``R >= R_0 >= r_i``:
+the rank never decreases), i.e. the best rank-``r_i`` approximation ``M_{r_i}``.
+
 References
 ----------
 .. [1] "FedSpec: Spectrally Optimal Aggregation for Federated LoRA" (2024).
@@ -40,14 +51,14 @@ References
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from logging import INFO
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self, cast
 
 import torch
+from flwr.app import Message
 from flwr.supercore import log
 
 from fedlr import protocol
@@ -57,33 +68,33 @@ from fedlr.errors import ConfigError
 from fedlr.linalg import (
     DEFAULT_COST_MODEL,
     GapNorms,
+    TruncatedSVD,
     adaptive_rank,
+    factored_svd,
     gap_summary,
     pad_factors,
+    stacked_update,
     svd_of_mean,
     truncate,
 )
 from fedlr.options import NoOptions, Options, option, require
 from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
+from fedlr.strategies.hetero import HeteroRankLoRA, layout_at_rank
+from fedlr.strategies.lora import LoraStrategy
 from fedlr.strategies.lora_svd import SvdLoraStrategy
 from fedlr.strategies.registry import register_method
 
-__all__ = ["ENERGY_RULES", "FedSpec", "FedSpecOptions", "layout_at_rank"]
+__all__ = [
+    "ENERGY_RULES",
+    "FedSpec",
+    "FedSpecOptions",
+    "HeteroFedSpec",
+    "layout_at_rank",
+]
 
 ENERGY_RULES = ("sigma2", "sigma")
 """What the rank rule sums over the tail: squared singular values or the values."""
-
-
-def layout_at_rank(layout: AdapterLayout, rank: int) -> AdapterLayout:
-    """``layout`` with every module at ``rank`` and its ``alpha / r`` scaling."""
-    return dataclasses.replace(
-        layout,
-        modules=tuple(
-            dataclasses.replace(m, rank=rank, scaling=m.scaling * m.rank / rank)
-            for m in layout.modules
-        ),
-    )
 
 
 @dataclass(frozen=True)
@@ -153,6 +164,9 @@ class FedSpec(SvdLoraStrategy):
         "gap-error-bound",
         "svd-randomized",
     )
+    heterogeneous_ranks: ClassVar[bool] = True
+    """Accepts ``client-ranks`` (then :meth:`from_run_config` builds a
+    :class:`HeteroFedSpec`)."""
 
     def __init__(
         self,
@@ -203,6 +217,19 @@ class FedSpec(SvdLoraStrategy):
             )
         self.layout = layout_at_rank(self.layout, rank)
         self.rank_history = [int(r) for r in state.get("rank-history", [])]
+
+    @classmethod
+    def from_run_config(
+        cls,
+        config: RunConfig,
+        layout: AdapterLayout,
+        options: Options | None = None,
+    ) -> Self:
+        """As :meth:`LoraStrategy.from_run_config`; a :class:`HeteroFedSpec`
+        when the run sets ``client-ranks`` (``layout`` at the largest)."""
+        if config.rank_list and not issubclass(cls, HeteroFedSpec):
+            return cast(Self, HeteroFedSpec.from_run_config(config, layout, options))
+        return super().from_run_config(config, layout, options)
 
     @classmethod
     def strategy_kwargs(
@@ -256,12 +283,7 @@ class FedSpec(SvdLoraStrategy):
             for m in self.layout.modules
         }
         # 2. Rank rule on the largest tail fraction at the current rank.
-        tail = max(
-            s.tail_fraction_at(rank)
-            if self.energy == "sigma2"
-            else s.sigma_fraction_at(rank)
-            for s in svds.values()
-        )
+        tail = self.tail_fraction(svds.values())
         new_rank = adaptive_rank(rank, min(tail, 1.0), self.threshold, self.max_rank)
         new_layout = layout_at_rank(self.layout, new_rank)
         gain = math.sqrt(new_rank / rank)  # (alpha / r') B A == (alpha / r) M_r'
@@ -281,16 +303,33 @@ class FedSpec(SvdLoraStrategy):
                 estimated=cut.energy_estimated,
                 gap_sq_error=cut.energy_error,
             )
-        if new_rank != rank:
-            log(INFO, "fedspec round %d: rank %d -> %d", server_round, rank, new_rank)
-        self.layout = new_layout
-        self.rank_history.append(new_rank)
+        self.set_rank(server_round, new_layout, tail)
         report = self._report(
             {name: g.pair for name, g in gaps.items()},
             **gap_summary(gaps.values()),
             **{"svd-randomized": float(any(v.randomized for v in svds.values()))},
         )
         report.metrics["tail-energy"] = tail
+        return state, report
+
+    def tail_fraction(self, svds: Iterable[TruncatedSVD]) -> float:
+        """The rank rule's input: the largest layer's tail fraction at the
+        current rank (of ``sigma^2`` or of ``sigma``, ``energy``)."""
+        rank = self.rank
+        return max(
+            s.tail_fraction_at(rank)
+            if self.energy == "sigma2"
+            else s.sigma_fraction_at(rank)
+            for s in svds
+        )
+
+    def set_rank(self, server_round: int, layout: AdapterLayout, tail: float) -> None:
+        """Adopt the round's new layout (rank), record and log it."""
+        rank, new_rank = self.rank, max(m.rank for m in layout.modules)
+        if new_rank != rank:
+            log(INFO, "fedspec round %d: rank %d -> %d", server_round, rank, new_rank)
+        self.layout = layout
+        self.rank_history.append(new_rank)
         log(
             INFO,
             "fedspec round %d: rank %d, tail energy fraction %.4f at rank %d",
@@ -299,4 +338,79 @@ class FedSpec(SvdLoraStrategy):
             tail,
             rank,
         )
+
+
+class HeteroFedSpec(HeteroRankLoRA, FedSpec):
+    """FedSpec over clients of different ranks (``client-ranks``).
+
+    ``M = sum_i w_i s_i B_i A_i`` with ``s_i = alpha / r_i`` (the mean of the
+    clients' updates), its SVD exact from the stacked factors. The rank rule
+    is FedSpec's, starting from the largest client rank; the global factors
+    at the new rank ``R`` are FlexLoRA's (``U_R sqrt(S_R)``,
+    ``sqrt(S_R) V_R^T``, padded as FedSpec pads, at scaling ``alpha / R``),
+    and a client of rank ``r <= R`` receives their leading ``r`` components
+    (:class:`~fedlr.strategies.hetero.HeteroRankLoRA`'s downlink): the best
+    rank-``r`` approximation of ``M``. ``frobenius-gap`` is FedSpec's,
+    ``||M - M_R||_F``; ``gap-rank-<r>`` is ``||M - M_r||_F``.
+
+    Parameters: see :class:`FedSpec` and
+    :class:`~fedlr.strategies.hetero.HeteroRankLoRA`.
+    """
+
+    def round_config(self, server_round: int) -> dict[str, Any]:
+        """FedSpec's, without ``lora-rank``: every client keeps its own rank."""
+        config = super().round_config(server_round)
+        del config[protocol.LORA_RANK]
+        return config
+
+    def validate_at_rank(
+        self, message: Message, shapes: Mapping[str, tuple[int, ...]]
+    ) -> ClientUpdate:
+        """LoRA's checks at the declared rank (not FedSpec's one-rank check)."""
+        return LoraStrategy.validate_reply(self, message, shapes)
+
+    def aggregate_updates(
+        self,
+        server_round: int,
+        updates: list[ClientUpdate],
+        current: dict[str, torch.Tensor],
+    ) -> tuple[dict[str, torch.Tensor], RoundReport]:
+        state = dict(current)
+        state.update(self.weighted_means(updates, self.layout.keys(Role.HEAD)))
+        layers = self.layer_updates(updates)
+        svds = {
+            layer.module.name: factored_svd(*stacked_update(*layer.factors))
+            for layer in layers
+        }
+        tail = self.tail_fraction(svds.values())
+        new_rank = adaptive_rank(
+            self.rank, min(tail, 1.0), self.threshold, self.max_rank
+        )
+        self.set_rank(server_round, layout_at_rank(self.layout, new_rank), tail)
+        received: dict[str, tuple[dict[int, float], float]] = {}
+        gaps: dict[str, GapNorms] = {}
+        for module in self.layout.modules:  # at the new rank
+            svd = svds[module.name]
+            b, a = truncate(svd, new_rank).split_sqrt()
+            b, a = pad_factors(b, a, new_rank, seed=self.seed + server_round)
+            self.set_factors(module, b, a, current, state)
+            norm = math.sqrt(max(svd.total_energy, 0.0))
+            received[module.name] = (
+                {
+                    r: math.sqrt(max(svd.energy_beyond(min(r, new_rank)), 0.0))
+                    for r in self.client_ranks
+                },
+                norm,
+            )
+            gaps[module.name] = GapNorms(
+                math.sqrt(max(svd.energy_beyond(new_rank), 0.0)), norm
+            )
+        report = self.rank_report(
+            updates,
+            received,
+            layer_gaps={name: g.pair for name, g in gaps.items()},
+            **gap_summary(gaps.values()),
+            **{"svd-randomized": 0.0},
+        )
+        report.metrics["tail-energy"] = tail
         return state, report

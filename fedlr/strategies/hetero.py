@@ -13,7 +13,11 @@ back:
 * ``flora`` (Wang et al., NeurIPS 2024): ``M`` exactly, folded into the
   base weights (through the factored downlink of
   :mod:`fedlr.strategies.fedex_downlink`); every client starts a fresh
-  adapter at its own rank each round.
+  adapter at its own rank each round;
+* ``fedspec`` with ``client-ranks`` (:class:`fedlr.strategies.fedspec.HeteroFedSpec`,
+  built on :class:`HeteroRankLoRA`): FlexLoRA's factors
+  at FedSpec's adaptive global rank ``R`` (never below the largest client
+  rank); ``frobenius-gap`` is FedSpec's, ``||M - M_R||_F``.
 
 The protocol: the global ``A``, ``B`` are at rank ``R``; the ConfigRecord
 says ``leading-rank``, so a node of rank ``r`` keeps their leading ``r``
@@ -32,6 +36,7 @@ the round's clients of their received gaps (per layer in ``layers.csv``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar, NamedTuple
@@ -58,11 +63,28 @@ from fedlr.options import Options
 from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.fedex_downlink import DownlinkOptions, FactoredDownlink
-from fedlr.strategies.fedspec import layout_at_rank
 from fedlr.strategies.lora import LoraStrategy
 from fedlr.strategies.registry import register_method
 
-__all__ = ["FLoRA", "FlexLoRA", "HetLoRA", "HeteroRankLoRA"]
+__all__ = [
+    "FLoRA",
+    "FlexLoRA",
+    "HetLoRA",
+    "HeteroRankLoRA",
+    "LayerUpdates",
+    "layout_at_rank",
+]
+
+
+def layout_at_rank(layout: AdapterLayout, rank: int) -> AdapterLayout:
+    """``layout`` with every module at ``rank`` and its ``alpha / r`` scaling."""
+    return dataclasses.replace(
+        layout,
+        modules=tuple(
+            dataclasses.replace(m, rank=rank, scaling=m.scaling * m.rank / rank)
+            for m in layout.modules
+        ),
+    )
 
 
 class LayerUpdates(NamedTuple):
@@ -128,7 +150,10 @@ class HeteroRankLoRA(LoraStrategy):
     def strategy_kwargs(
         cls, config: RunConfig, options: Options | None
     ) -> dict[str, Any]:
-        return {"client_ranks": config.rank_list or (config.lora_rank,)}
+        return {
+            **super().strategy_kwargs(config, options),
+            "client_ranks": config.rank_list or (config.lora_rank,),
+        }
 
     def options(self) -> dict[str, Any]:
         return {**super().options(), "client_ranks": list(self.client_ranks)}
@@ -159,26 +184,51 @@ class HeteroRankLoRA(LoraStrategy):
         key = self.layout.modules[0].a_key
         return [self.alpha() / int(u.arrays[key].shape[0]) for u in updates]
 
+    def layer_updates(self, updates: Sequence[ClientUpdate]) -> list[LayerUpdates]:
+        """Every adapted layer's client factors, scalings and weights."""
+        weights = [u.weight for u in updates]
+        scalings = self.scalings(updates)
+        return [
+            LayerUpdates(
+                m,
+                [u.arrays[m.b_key] for u in updates],
+                [u.arrays[m.a_key] for u in updates],
+                scalings,
+                weights,
+            )
+            for m in self.layout.modules
+        ]
+
     def rank_report(
         self,
         updates: Sequence[ClientUpdate],
         layers: Mapping[str, tuple[dict[int, float], float]],
+        layer_gaps: Mapping[str, tuple[float, float]] | None = None,
         **metrics: float,
     ) -> RoundReport:
-        """The round's report from each layer's ``({rank: gap}, ||M||_F)``."""
+        """The round's report from each layer's ``({rank: gap}, ||M||_F)``.
+
+        ``frobenius-gap`` (per layer in ``layers.csv``) is from ``layer_gaps``,
+        each layer's ``(gap, ||M||_F)``, when given; else the weighted root mean
+        square over the round's clients of the gaps of what they receive.
+        """
         key = self.layout.modules[0].a_key
         ranks = [int(u.arrays[key].shape[0]) for u in updates]
         total = sum(u.weight for u in updates)
         w = [u.weight / total for u in updates]
-        pairs = {
-            name: (
-                math.sqrt(
-                    sum(wi * gaps[r] ** 2 for wi, r in zip(w, ranks, strict=True))
-                ),
-                norm,
-            )
-            for name, (gaps, norm) in layers.items()
-        }
+        pairs = (
+            dict(layer_gaps)
+            if layer_gaps is not None
+            else {
+                name: (
+                    math.sqrt(
+                        sum(wi * gaps[r] ** 2 for wi, r in zip(w, ranks, strict=True))
+                    ),
+                    norm,
+                )
+                for name, (gaps, norm) in layers.items()
+            }
+        )
         report = RoundReport.from_layers(pairs, rank=float(self.rank), **metrics)
         for r in self.client_ranks:
             report.metrics[f"gap-rank-{r}"] = math.sqrt(
@@ -204,18 +254,10 @@ class HeteroRankLoRA(LoraStrategy):
         """Head averaged; each layer by :meth:`aggregate_layer`."""
         state = dict(current)
         state.update(self.weighted_means(updates, self.layout.keys(Role.HEAD)))
-        weights = [u.weight for u in updates]
-        scalings = self.scalings(updates)
-        layers: dict[str, tuple[dict[int, float], float]] = {}
-        for m in self.layout.modules:
-            layer = LayerUpdates(
-                m,
-                [u.arrays[m.b_key] for u in updates],
-                [u.arrays[m.a_key] for u in updates],
-                scalings,
-                weights,
-            )
-            layers[m.name] = self.aggregate_layer(layer, current, state)
+        layers = {
+            layer.module.name: self.aggregate_layer(layer, current, state)
+            for layer in self.layer_updates(updates)
+        }
         return state, self.finish_report(state, self.rank_report(updates, layers))
 
     def aggregate_layer(
@@ -302,9 +344,15 @@ class HeteroRankLoRA(LoraStrategy):
                 f"rank {rank} is not one of the client ranks {list(self.client_ranks)}",
             )
         shapes = layout_at_rank(self.layout, rank).shapes(*self.train_roles)
-        update = super().validate_reply(message, shapes)
+        update = self.validate_at_rank(message, shapes)
         self.node_ranks[node] = rank
         return update
+
+    def validate_at_rank(
+        self, message: Message, shapes: Mapping[str, tuple[int, ...]]
+    ) -> ClientUpdate:
+        """The base classes' checks of a reply, at its declared rank's shapes."""
+        return super().validate_reply(message, shapes)
 
     def _declared_rank(self, message: Message) -> int | None:
         """The rank the reply's first ``A`` (else ``B``) declares, unread.

@@ -20,7 +20,7 @@ def test_every_heterogeneous_rank_method_runs_under_flwr_run(
     """Four SuperNodes, one rank each, 2 rounds per method; one SuperLink."""
     from fedlr.flower.launch import flwr_run
 
-    for method in ("flexlora", "hetlora", "flora"):
+    for method in ("flexlora", "hetlora", "flora", "fedspec"):
         output = tmp_path / method
         config = tiny_run_config(
             output,

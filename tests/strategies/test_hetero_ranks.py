@@ -1,18 +1,30 @@
-"""Federations whose clients train ranks {2, 4, 8, 16} (in process, tiny BERT)."""
+"""Federations whose clients train ranks {2, 4, 8, 16} (in process, tiny BERT).
+
+Also FedSpec with heterogeneous ranks (:class:`fedlr.strategies.HeteroFedSpec`)
+on mocked replies against dense float64.
+"""
 
 from __future__ import annotations
 
 import logging
+import math
 
 import pandas as pd
 import pytest
-from flwr.app import Message
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message
+from flwr.clientapp import ClientApp
 
+from fedlr.adapters import AdapterLayout, LoraModule, Role
+from fedlr.config import RunConfig
 from fedlr.errors import ConfigError
+from fedlr.flower import InProcessGrid
+from fedlr.flower.records import record_to_state
+from fedlr.protocol import leading_rank
 from fedlr.server_apps.local import run_in_process
+from fedlr.strategies.fedspec import FedSpec, HeteroFedSpec, layout_at_rank
 from tests.conftest import tiny_run_config
-
-pytestmark = pytest.mark.usefixtures("assets")
+from tests.strategies.conftest import reply
 
 RANKS = (2, 4, 8, 16)
 HETERO = {"client-ranks": "2,4,8,16", "num-partitions": 4, "local-steps": 2}
@@ -24,7 +36,8 @@ def _run(tmp_path, method, reply_hook=None, **overrides):
     return pd.read_csv(run_dir / "results.csv")
 
 
-@pytest.mark.parametrize("method", ["flexlora", "hetlora", "flora"])
+@pytest.mark.usefixtures("assets")
+@pytest.mark.parametrize("method", ["flexlora", "hetlora", "flora", "fedspec"])
 def test_every_rank_trains_and_reports(tmp_path, method):
     frame = _run(tmp_path, method)
     assert frame["round"].tolist() == [1, 2]
@@ -43,7 +56,7 @@ def test_every_rank_trains_and_reports(tmp_path, method):
         down = frame.loc[1, [f"bytes-down-rank-{r}" for r in RANKS]].to_numpy()
         assert (down[1:] > down[:-1]).all(), down
         assert (gaps.to_numpy() >= 0).all()
-    if method == "flexlora":
+    if method in ("flexlora", "fedspec"):
         # The best rank-r approximation: larger ranks receive less error, and
         # rank 16 holds the whole mean of products (4 clients, rank <= 30,
         # but 32 x 32 layers: not exact, yet the smallest gap).
@@ -51,7 +64,9 @@ def test_every_rank_trains_and_reports(tmp_path, method):
             assert list(row) == sorted(row, reverse=True)
 
 
-def test_a_reply_at_another_rank_is_dropped(tmp_path, caplog):
+@pytest.mark.usefixtures("assets")
+@pytest.mark.parametrize("method", ["flexlora", "fedspec"])
+def test_a_reply_at_another_rank_is_dropped(tmp_path, caplog, method):
     def wrong_rank(partition: int, instruction: Message, reply: Message) -> Message:
         if partition == 3 and not reply.has_error():
             arrays = reply.content.array_records["arrays"]
@@ -61,16 +76,18 @@ def test_a_reply_at_another_rank_is_dropped(tmp_path, caplog):
         return reply
 
     with caplog.at_level(logging.WARNING, logger="flwr"):
-        frame = _run(tmp_path, "flexlora", reply_hook=wrong_rank)
+        frame = _run(tmp_path, method, reply_hook=wrong_rank)
     assert (frame["dropped"] == 1).all() and (frame["clients"] == 3).all()
     assert any("rank 3 is not one of the client ranks" in m for m in caplog.messages)
 
 
+@pytest.mark.usefixtures("assets")
 def test_a_one_rank_method_refuses_client_ranks(tmp_path):
     with pytest.raises(ConfigError, match="client-ranks"):
         _run(tmp_path, "fedavg-lora")
 
 
+@pytest.mark.usefixtures("assets")
 def test_a_reply_whose_layers_disagree_on_the_rank_is_dropped(tmp_path, caplog):
     """Layer 0 declares the node's rank 16; the last layer is cut to rank 2."""
 
@@ -96,3 +113,212 @@ def test_a_reply_whose_layers_disagree_on_the_rank_is_dropped(tmp_path, caplog):
 def a_key_of(message: str) -> str:
     """The array key a drop reason names (the second quoted string)."""
     return message.split("'")[3]
+
+
+# ------------------------------------------------------------------ FedSpec
+ALPHA = 16.0
+F64 = torch.float64
+SPEC_RANKS = (2, 4, 8)
+SPEC_WEIGHTS = (10, 30, 60, 20)  # a fourth client: ranks cycle 2, 4, 8, 2
+
+
+def _spec_layout(rank: int = 8) -> AdapterLayout:
+    return AdapterLayout(
+        modules=(
+            LoraModule("l0", "l0.A", "l0.B", "l0.W", ALPHA / rank, 20, 18, rank),
+            LoraModule("l1", "l1.A", "l1.B", "l1.W", ALPHA / rank, 14, 22, rank),
+        ),
+        head_shapes={"head.w": (2, 18)},
+    )
+
+
+def _spec_clients(layout: AdapterLayout, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(len(SPEC_WEIGHTS)):
+        at = layout_at_rank(layout, SPEC_RANKS[i % len(SPEC_RANKS)])
+        shapes = at.shapes(Role.LORA_A, Role.LORA_B, Role.HEAD)
+        out.append(
+            {k: torch.randn(*s, generator=g, dtype=F64) for k, s in shapes.items()}
+        )
+    return out
+
+
+def _dense_m(clients, module) -> torch.Tensor:
+    """``M = sum_i w_i (alpha / r_i) B_i A_i``, dense float64."""
+    total = sum(SPEC_WEIGHTS)
+    return sum(
+        (w / total)
+        * (ALPHA / c[module.a_key].shape[0])
+        * c[module.b_key]
+        @ c[module.a_key]
+        for w, c in zip(SPEC_WEIGHTS, clients, strict=True)
+    )
+
+
+def _spec_round(strategy, current, clients, server_round=1):
+    grid = InProcessGrid(ClientApp(), num_nodes=len(clients), run_config={})
+    keys = strategy.send_keys()
+    messages = list(
+        strategy.configure_train(
+            server_round,
+            ArrayRecord({k: current[k] for k in keys}),
+            ConfigRecord(),
+            grid,
+        )
+    )
+    # Sampling shuffles the nodes: client i is the i-th node id, every round.
+    messages.sort(key=lambda msg: int(msg.metadata.dst_node_id))
+    replies = [
+        reply(int(msg.metadata.dst_node_id), c, {"num-examples": n})
+        for msg, c, n in zip(messages, clients, SPEC_WEIGHTS, strict=True)
+    ]
+    arrays, metrics = strategy.aggregate_train(server_round, replies)
+    return messages, record_to_state(arrays), metrics
+
+
+def _best(m: torch.Tensor, r: int) -> torch.Tensor:
+    u, s, vh = torch.linalg.svd(m)
+    return (u[:, :r] * s[:r]) @ vh[:r]
+
+
+@pytest.mark.parametrize(("threshold", "grown"), [(0.99, 8), (0.0, 10)])
+def test_hetero_fedspec_each_rank_receives_the_truncated_mean(threshold, grown):
+    layout = _spec_layout()
+    strategy = HeteroFedSpec(
+        layout=layout, client_ranks=SPEC_RANKS, threshold=threshold, max_rank=10
+    )
+    assert "lora-rank" not in strategy.round_config(1)
+    assert strategy.round_config(1)["leading-rank"] is True
+    g = torch.Generator().manual_seed(99)
+    current = {
+        k: torch.randn(*s, generator=g, dtype=F64)
+        for k, s in layout.shapes(Role.LORA_A, Role.LORA_B, Role.HEAD).items()
+    }
+    clients = _spec_clients(layout)
+    _, new, metrics = _spec_round(strategy, current, clients)
+    # The rank rule on the dense tail fraction at the starting rank 8.
+    tails = []
+    for m in layout.modules:
+        sigma = torch.linalg.svdvals(_dense_m(clients, m))
+        tails.append(float((sigma[8:] ** 2).sum() / (sigma**2).sum()))
+    assert metrics["tail-energy"] == pytest.approx(max(tails), rel=1e-10)
+    assert strategy.rank == grown and metrics["rank"] == grown
+    assert strategy.rank_history == [grown]
+    gaps_sq = dict.fromkeys(SPEC_RANKS, 0.0)
+    global_sq = 0.0
+    for m in layout.modules:
+        ideal = _dense_m(clients, m)
+        # The global adapter: (alpha / R) B A == M_R.
+        glob = (ALPHA / grown) * new[m.b_key] @ new[m.a_key]
+        scale = float(torch.linalg.matrix_norm(ideal))
+        assert float(torch.linalg.matrix_norm(glob - _best(ideal, grown))) <= (
+            1e-10 * scale
+        )
+        global_sq += float(torch.linalg.matrix_norm(ideal - glob)) ** 2
+        for r in SPEC_RANKS:
+            # What a node of rank r keeps (fedlr.client: leading_rank).
+            cut = leading_rank(layout_at_rank(layout, r), new)
+            received = (ALPHA / r) * cut[m.b_key] @ cut[m.a_key]
+            err = float(torch.linalg.matrix_norm(received - _best(ideal, r)))
+            assert err <= 1e-10 * scale
+            gaps_sq[r] += float(torch.linalg.matrix_norm(ideal - received)) ** 2
+    for r in SPEC_RANKS:
+        assert metrics[f"gap-rank-{r}"] == pytest.approx(
+            math.sqrt(gaps_sq[r]), rel=1e-9
+        )
+    assert metrics["frobenius-gap"] == pytest.approx(math.sqrt(global_sq), rel=1e-9)
+    assert metrics["gap-rank-2"] > metrics["gap-rank-4"] > metrics["gap-rank-8"]
+    assert metrics["svd-randomized"] == 0.0 and metrics["gap-estimated"] == 0.0
+    # bytes up per client of each rank: r (d_in + d_out) floats per layer + head
+    per_rank = sum(m.d_in + m.d_out for m in layout.modules) * 8
+    up = [metrics[f"bytes-up-rank-{r}"] for r in SPEC_RANKS]
+    assert up[1] - up[0] == pytest.approx(2 * per_rank)
+    assert up[2] - up[1] == pytest.approx(4 * per_rank)
+
+
+def test_hetero_fedspec_sends_each_known_node_its_own_rank():
+    layout = _spec_layout()
+    strategy = HeteroFedSpec(
+        layout=layout, client_ranks=SPEC_RANKS, threshold=0.0, max_rank=12
+    )
+    clients = _spec_clients(layout, seed=3)
+    current = {k: v.clone() for k, v in clients[2].items()}
+    _, new, _ = _spec_round(strategy, current, clients)
+    assert strategy.rank == 10
+    assert new["l0.A"].shape == (10, 18) and new["l0.B"].shape == (20, 10)
+    clients = _spec_clients(layout, seed=4)
+    messages, _, metrics = _spec_round(strategy, new, clients, server_round=2)
+    assert strategy.rank == 12
+    for msg, client in zip(messages, clients, strict=True):
+        r = client["l0.A"].shape[0]
+        sent = record_to_state(msg.content["arrays"])
+        expected = leading_rank(layout_at_rank(layout, r), new)
+        assert sent["l0.A"].shape == (r, 18)
+        torch.testing.assert_close(sent["l0.B"], expected["l0.B"], rtol=0, atol=0)
+        assert "lora-rank" not in msg.content["config"]
+    down = [metrics[f"bytes-down-rank-{r}"] for r in SPEC_RANKS]
+    assert down == sorted(down) and down[0] < down[-1]
+
+
+def test_hetero_fedspec_drops_a_reply_at_an_undeclared_rank(caplog):
+    layout = _spec_layout()
+    strategy = HeteroFedSpec(layout=layout, client_ranks=SPEC_RANKS, max_rank=10)
+    clients = _spec_clients(layout, seed=5)
+    clients[1] = {
+        k: (v[:3] if k.endswith(".A") else v[:, :3] if k.endswith(".B") else v)
+        for k, v in clients[1].items()
+    }
+    current = {k: v.clone() for k, v in clients[2].items()}
+    with caplog.at_level(logging.WARNING, logger="flwr"):
+        _, _, metrics = _spec_round(strategy, current, clients)
+    assert metrics["dropped"] == 1 and metrics["clients"] == 3
+    assert any("rank 3 is not one of the client ranks" in m for m in caplog.messages)
+
+
+def test_fedspec_from_run_config_picks_the_hetero_strategy_for_client_ranks():
+    layout = AdapterLayout(
+        modules=(LoraModule("l0", "l0.A", "l0.B", "l0.W", ALPHA / 16, 24, 24, 16),)
+    )
+    base = {"method": "fedspec", "lora-rank": 16, "lora-alpha": ALPHA}
+    plain = FedSpec.from_run_config(RunConfig.from_mapping(base), layout)
+    assert type(plain) is FedSpec and "gap-rank-16" not in plain.extra_columns
+    assert plain.round_config(1)["lora-rank"] == 16
+    config = RunConfig.from_mapping({**base, "client-ranks": "2,4,8,16"})
+    hetero = FedSpec.from_run_config(config, layout)
+    assert isinstance(hetero, HeteroFedSpec)
+    assert hetero.client_ranks == (2, 4, 8, 16) and hetero.max_rank == 16
+    assert "gap-rank-2" in hetero.extra_columns
+    assert "tail-energy" in hetero.extra_columns
+    state = hetero.state_dict()
+    assert state["rank"] == 16 and "node-ranks" in state
+    hetero.load_state_dict(state)
+    with pytest.raises(ConfigError, match="below the initial rank"):
+        FedSpec.from_run_config(
+            RunConfig.from_mapping({**base, "client-ranks": "2,18"}),
+            layout_at_rank(layout, 18),
+        )
+
+
+@pytest.mark.usefixtures("assets")
+def test_fedspec_grows_its_rank_with_heterogeneous_clients(tmp_path):
+    frame = _run(
+        tmp_path,
+        "fedspec",
+        **{"fedspec-threshold": 0.0, "fedspec-max-rank": 20},
+    )
+    assert frame["round"].tolist() == [1, 2]
+    assert (frame["clients"] == 4).all() and (frame["dropped"] == 0).all()
+    assert frame["rank"].tolist() == [18, 20]
+    columns = [
+        f"{kind}-rank-{r}" for kind in ("gap", "bytes-down", "bytes-up") for r in RANKS
+    ]
+    values = frame[[*columns, "frobenius-gap", "tail-energy"]].to_numpy()
+    assert torch.isfinite(torch.from_numpy(values.astype(float))).all()
+    gaps = frame[[f"gap-rank-{r}" for r in RANKS]]
+    for (_, row), total in zip(gaps.iterrows(), frame["frobenius-gap"], strict=True):
+        assert list(row) == sorted(row, reverse=True)
+        assert total <= row.iloc[-1]  # the global rank R >= 16
+    down = frame.loc[1, [f"bytes-down-rank-{r}" for r in RANKS]].to_numpy()
+    assert (down[1:] > down[:-1]).all(), down
+    print(frame[["round", "rank", "frobenius-gap", *gaps.columns]].to_string())
