@@ -22,7 +22,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from fedlr.data.instruct_text import encode_example, exact_match, format_prompt
-from fedlr.train import in_batches
+from fedlr.train import in_batches, pad_rows
 
 __all__ = ["EncodedInstructions", "encode_instructions", "evaluate_lm"]
 
@@ -58,27 +58,14 @@ class EncodedInstructions:
 
     def batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         """Right-pad the selected sequences; padding is masked and labelled -100."""
-        rows = [self.input_ids[i] for i in indices]
-        width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for j, i in enumerate(indices):
-            n = len(self.input_ids[i])
-            ids[j, :n] = torch.tensor(self.input_ids[i], dtype=torch.long)
-            labels[j, :n] = torch.tensor(self.labels[i], dtype=torch.long)
-            mask[j, :n] = 1
+        ids, mask = pad_rows([self.input_ids[i] for i in indices], self.pad_id)
+        labels, _ = pad_rows([self.labels[i] for i in indices], IGNORE)
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
     def prompt_batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         """Left-pad the selected prompts (for batched generation)."""
         rows = [self.prompts[i] for i in indices]
-        width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for j, row in enumerate(rows):
-            ids[j, width - len(row) :] = torch.tensor(row, dtype=torch.long)
-            mask[j, width - len(row) :] = 1
+        ids, mask = pad_rows(rows, self.pad_id, left=True)
         return {"input_ids": ids, "attention_mask": mask}
 
 

@@ -25,6 +25,7 @@ __all__ = [
     "TrainSettings",
     "encode_text",
     "evaluate",
+    "pad_rows",
     "pick_device",
     "proximal_term",
     "train_steps",
@@ -89,18 +90,30 @@ class EncodedText:
 
     def batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         """Pad the selected examples to the longest among them."""
-        rows = [self.input_ids[i] for i in indices]
-        width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for j, row in enumerate(rows):
-            ids[j, : len(row)] = torch.tensor(row, dtype=torch.long)
-            mask[j, : len(row)] = 1
+        ids, mask = pad_rows([self.input_ids[i] for i in indices], self.pad_id)
         return {
             "input_ids": ids,
             "attention_mask": mask,
             "labels": self.labels[list(indices)],
         }
+
+
+def pad_rows(
+    rows: Sequence[Sequence[int]], pad: int, *, left: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows padded to the longest: ``(ids, attention_mask)``, int64.
+
+    Padding goes on the right (training, teacher forcing) or, with ``left``,
+    on the left (batched generation continues every row at the same column).
+    """
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for j, row in enumerate(rows):
+        cols = slice(width - len(row), width) if left else slice(0, len(row))
+        ids[j, cols] = torch.tensor(row, dtype=torch.long)
+        mask[j, cols] = 1
+    return ids, mask
 
 
 def encode_text(

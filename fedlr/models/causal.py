@@ -57,6 +57,7 @@ from transformers.utils import logging as hf_logging
 
 from fedlr.config import PRECISIONS, QUANTIZATIONS
 from fedlr.errors import ConfigError
+from fedlr.train import pad_rows
 
 __all__ = [
     "CAUSAL_MODELS",
@@ -237,14 +238,8 @@ def warm_up(spec: WarmUp | None = None, *, progress: bool = True) -> Path:
     for step in range(spec.steps):
         pick = torch.randint(len(rows), (spec.batch_size,), generator=generator)
         batch = [rows[i] for i in pick.tolist()]
-        width = max(len(r) for r in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        labels = torch.full((len(batch), width), -100, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for j, r in enumerate(batch):
-            ids[j, : len(r)] = torch.tensor(r)
-            labels[j, : len(r)] = torch.tensor(r)
-            mask[j, : len(r)] = 1
+        ids, mask = pad_rows(batch, pad)
+        labels, _ = pad_rows(batch, -100)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
