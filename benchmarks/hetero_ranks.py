@@ -2,7 +2,7 @@
 
 Four clients train LoRA ranks 2, 4, 8 and 16 (``client-ranks="2,4,8,16"``) on
 the default run (MiniLM on polarity, Dirichlet 0.5), in process, for
-``flexlora``, ``hetlora`` and ``flora``. Prints and writes
+``flexlora``, ``hetlora``, ``flora`` and ``fedspec``. Prints and writes
 ``docs/results/hetero-ranks/hetero-ranks.csv``: per method and rank, the
 final accuracy (one global model per method), the mean over rounds of the
 Frobenius gap of what a client of that rank receives against the mean of the
@@ -23,7 +23,7 @@ import torch
 
 from fedlr.server_apps.local import run_in_process
 
-METHODS = ("flexlora", "hetlora", "flora")
+METHODS = ("flexlora", "hetlora", "flora", "fedspec")
 RANKS = (2, 4, 8, 16)
 OUT = Path(__file__).resolve().parents[1] / "docs" / "results" / "hetero-ranks"
 
@@ -32,11 +32,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help="comma-separated; the other methods' rows of the CSV are kept",
+    )
     args = parser.parse_args()
+    chosen = [m for m in args.methods.split(",") if m]
     torch.set_num_threads(1)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for method in METHODS:
+        for method in chosen:
             run_dir = run_in_process(
                 {
                     "method": method,
@@ -63,6 +69,12 @@ def main() -> None:
                     }
                 )
     table = pd.DataFrame(rows)
+    old = OUT / "hetero-ranks.csv"
+    if old.is_file():  # keep the rows of methods not run this time
+        kept = pd.read_csv(old)
+        table = pd.concat([kept[~kept["method"].isin(chosen)], table])
+        order = {m: i for i, m in enumerate(METHODS)}
+        table = table.sort_values("method", key=lambda c: c.map(order), kind="stable")
     OUT.mkdir(parents=True, exist_ok=True)
     table.to_csv(OUT / "hetero-ranks.csv", index=False)
     print(table.to_string(index=False))
