@@ -42,7 +42,7 @@ $(STAMP)/deps: $(STAMP)/torch pyproject.toml
 # arithmetic corpus (about 4 min on 2 cores); a no-op when they are there.
 setup: $(STAMP)/deps
 	@$(PY) -m fedlr.data.assets
-	@$(PY) -m fedlr.models.causal
+	@HF_HUB_OFFLINE=1 $(PY) -m fedlr.models.causal
 
 run: setup
 	$(PY) -m fedlr.flower.launch --flwr-home $(FLWR_HOME) \
