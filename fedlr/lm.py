@@ -92,18 +92,23 @@ def encode_instructions(
     ids, labels, prompts, answers = [], [], [], []
     for n, row in enumerate(rows):
         enc = encode_example(row, tokenizer, template, max_length=max_length)
-        prompt = tokenizer(
-            format_prompt(str(row["instruction"]), template, tokenizer=tokenizer),
-            add_special_tokens=False,
-        )["input_ids"]
-        if len(prompt) >= max_length:
+        # the prompt is the masked prefix (labels -100), unless it fills the cut
+        masked = next(
+            (i for i, label in enumerate(enc["labels"]) if label != IGNORE),
+            len(enc["labels"]),
+        )
+        if masked >= max_length:
+            prompt = format_prompt(
+                str(row["instruction"]), template, tokenizer=tokenizer
+            )
+            length = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
             raise ValueError(
-                f"row {n}: the prompt has {len(prompt)} tokens, max-length is "
+                f"row {n}: the prompt has {length} tokens, max-length is "
                 f"{max_length}; raise max-length so responses are trained on"
             )
         ids.append(enc["input_ids"])
         labels.append(enc["labels"])
-        prompts.append(list(prompt))
+        prompts.append(enc["input_ids"][:masked])
         answer = row.get("answer") or row["response"]
         answers.append(str(answer))
     pad = tokenizer.pad_token_id

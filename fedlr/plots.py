@@ -29,6 +29,7 @@ import argparse
 import json
 import math
 import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -329,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = args.out or (args.run_dirs[0] if len(args.run_dirs) == 1 else Path("plots"))
     for path in plot_runs(args.run_dirs, out):
-        print(path)
+        sys.stdout.write(f"{path}\n")
     return 0
 
 

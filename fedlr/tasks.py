@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import datasets
 import torch
@@ -46,7 +46,7 @@ from fedlr.models.causal import (
 )
 from fedlr.train import EncodedText, encode_text, evaluate
 
-__all__ = ["CausalLMTask", "LoraModel", "Task", "TextTask", "text_task"]
+__all__ = ["CausalLMTask", "LoraModel", "TextTask", "text_task"]
 
 
 def _datasets(kind: str) -> list[str]:
@@ -77,36 +77,6 @@ def _split(
             min_partition_size=min_partition_size,
         ),
     )
-
-
-class Task(Protocol):
-    """What the text payload kinds need of a task (see :func:`text_task`)."""
-
-    config: RunConfig
-
-    @property
-    def head_modules(self) -> tuple[str, ...]: ...
-
-    @property
-    def metric_columns(self) -> tuple[str, ...]: ...
-
-    def split(self, num_partitions: int | None = None) -> FederatedSplit: ...
-
-    def encode(self, rows: datasets.Dataset) -> EncodedText | EncodedInstructions: ...
-
-    def heldout(self) -> EncodedText | EncodedInstructions: ...
-
-    def partition(
-        self, partition_id: int, num_partitions: int
-    ) -> EncodedText | EncodedInstructions: ...
-
-    def build_base(self) -> torch.nn.Module: ...
-
-    def build_lora_model(self) -> LoraModel: ...
-
-    def evaluate(
-        self, model: torch.nn.Module, data: Any, device: torch.device
-    ) -> dict[str, float]: ...
 
 
 def text_task(config: RunConfig) -> TextTask | CausalLMTask:

@@ -283,6 +283,7 @@ def apply_sorf_vera(
         if chosen is not None:
             return name in chosen
         return _matches(name, settings.target_modules)
+
     conv1d = [
         name
         for name, module in model.named_modules()

@@ -280,7 +280,7 @@ def warm_up(spec: WarmUp | None = None, *, progress: bool = True) -> Path:
     return path
 
 
-def _check_quantization(quantization: str, name: str) -> Any:
+def _check_quantization(quantization: str) -> Any:
     """bitsandbytes settings for ``quantization``, or a ConfigError saying why not."""
     if quantization not in QUANTIZATIONS:
         raise ConfigError(
@@ -347,7 +347,7 @@ def build_causal_lm(
         raise ConfigError(
             "precision", f"must be one of {', '.join(PRECISIONS)}, got '{precision}'"
         )
-    quant = _check_quantization(quantization, name)
+    quant = _check_quantization(quantization)
     hf_logging.set_verbosity_error()
     dtype = _DTYPES[precision]
     model: PreTrainedModel

@@ -78,8 +78,7 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
             if not result:
                 nan = float("nan")
                 return {"accuracy": nan, "loss": nan}
-            keep = ("accuracy", "loss", *task.metric_columns)
-            return {k: v for k, v in result.items() if k in keep or "-" in k}
+            return {k: v for k, v in result.items() if k != "evaluated-clients"}
         rank = int(state[first_a].shape[0]) if first_a in state else config.lora_rank
         model = model_at(rank)
         model.load(state)
