@@ -40,10 +40,51 @@ pytestmark = pytest.mark.slow
 NODES = 4
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+class _Ports:
+    """Free ports for the nodes of one cluster, no two the same.
+
+    Single ports come from the kernel's ephemeral range and are never handed
+    out twice. A worker-port range lies below that range (so no later
+    kernel-chosen port can fall inside it) and every port in it is checked
+    free. Ray refuses to start when two of its components share a port.
+    """
+
+    def __init__(self) -> None:
+        self.used: set[int] = set()
+        low, _ = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        self._below = int(low)
+
+    @staticmethod
+    def _bindable(port: int) -> bool:
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+        return True
+
+    def one(self) -> int:
+        for _ in range(100):
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = int(sock.getsockname()[1])
+            if port not in self.used:
+                self.used.add(port)
+                return port
+        raise RuntimeError("no free port after 100 tries")
+
+    def span(self, count: int) -> tuple[int, int]:
+        """``count`` consecutive free ports below the ephemeral range."""
+        start = 10_000 + (os.getpid() * 7919) % max(1, self._below - 10_000 - count)
+        for _ in range(200):
+            ports = range(start, start + count)
+            if self.used.isdisjoint(ports) and all(map(self._bindable, ports)):
+                self.used.update(ports)
+                return start, start + count - 1
+            start = 10_000 + (start + count - 10_000) % max(
+                1, self._below - 10_000 - count
+            )
+        raise RuntimeError(f"no {count} consecutive free ports below {self._below}")
 
 
 def _ray() -> str:
@@ -59,16 +100,18 @@ class RayNode:
     PID. Every port is a free one: two nodes share this machine.
     """
 
-    def __init__(self, args: list[str], temp_dir: Path, log: Path) -> None:
+    def __init__(
+        self, args: list[str], temp_dir: Path, log: Path, free: _Ports
+    ) -> None:
         ports = {
-            "--node-manager-port": _free_port(),
-            "--object-manager-port": _free_port(),
-            "--dashboard-agent-listen-port": _free_port(),
-            "--dashboard-agent-grpc-port": _free_port(),
-            "--metrics-export-port": _free_port(),
-            "--runtime-env-agent-port": _free_port(),
+            "--node-manager-port": free.one(),
+            "--object-manager-port": free.one(),
+            "--dashboard-agent-listen-port": free.one(),
+            "--dashboard-agent-grpc-port": free.one(),
+            "--metrics-export-port": free.one(),
+            "--runtime-env-agent-port": free.one(),
         }
-        low = _free_port()
+        low, high = free.span(201)
         cmd = [
             _ray(),
             "start",
@@ -80,7 +123,7 @@ class RayNode:
             f"--temp-dir={temp_dir}",
             "--disable-usage-stats",
             f"--min-worker-port={low}",
-            f"--max-worker-port={low + 200}",
+            f"--max-worker-port={high}",
             *(f"{flag}={port}" for flag, port in ports.items()),
         ]
         self.log = log
@@ -174,7 +217,8 @@ def ray_cluster(tmp_path):
     temp_dir = Path(tempfile.mkdtemp(prefix="fedlr-ray-", dir="/tmp"))
     default_marker = Path("/tmp/ray/ray_current_cluster")
     marker_before = default_marker.read_text() if default_marker.exists() else None
-    port = _free_port()
+    free = _Ports()
+    port = free.one()
     address = f"127.0.0.1:{port}"
     nodes: list[RayNode] = []
     try:
@@ -184,10 +228,11 @@ def ray_cluster(tmp_path):
                     "--head",
                     f"--port={port}",
                     "--include-dashboard=false",
-                    f"--ray-client-server-port={_free_port()}",
+                    f"--ray-client-server-port={free.one()}",
                 ],
                 temp_dir,
                 tmp_path / "ray-head.log",
+                free,
             )
         )
         deadline = time.monotonic() + 90
@@ -196,7 +241,7 @@ def ray_cluster(tmp_path):
                 pytest.fail(f"the Ray head did not start:\n{nodes[0].text()}")
             time.sleep(1)
         nodes.append(
-            RayNode([f"--address={address}"], temp_dir, tmp_path / "ray-node.log")
+            RayNode([f"--address={address}"], temp_dir, tmp_path / "ray-node.log", free)
         )
         deadline = time.monotonic() + 120
         while True:
