@@ -41,7 +41,10 @@ What :func:`apply_round` does with the instruction (:mod:`fedlr.protocol`):
 * **heterogeneous ranks** (``leading-rank``: FlexLoRA, HetLoRA, FLoRA, FedSpec
   with ``client-ranks``):
   the model keeps its own rank ``r``; wider global ``A``, ``B`` are cut to
-  their leading ``r`` components, scaled by ``sqrt(r / R)``;
+  their leading ``r`` components, scaled by ``sqrt(r / R)``; with
+  ``fold-tail`` (FedEx-LoRA with ``client-ranks``) the cut components are
+  added to the base weights used this round (the kept copy stays the
+  server's, :func:`fedlr.protocol.fold_tail`);
 * **what trains**: freezes every parameter except those of ``train-roles``
   and ``keep-roles`` (:meth:`ClientRound.parameters`); FedProx's
   ``proximal-mu`` becomes :meth:`ClientRound.penalty`.
@@ -367,9 +370,13 @@ def apply_round(
     _check_roles(view.layout, roles + keep)
 
     state = initial_state(view)
-    received = record_to_state(array_record(content, protocol.ARRAYS))
-    if isinstance(view, LoraModel) and bool(config.get(protocol.LEADING_RANK, False)):
-        received = protocol.leading_rank(view.layout, received)
+    wide = record_to_state(array_record(content, protocol.ARRAYS))
+    received = wide
+    leading = isinstance(view, LoraModel) and bool(
+        config.get(protocol.LEADING_RANK, False)
+    )
+    if leading and isinstance(view, LoraModel):
+        received = protocol.leading_rank(view.layout, wide)
     view.layout.check_shapes({k: v.shape for k, v in received.items()})
     state.update(received)
     base = receive_base(
@@ -382,6 +389,13 @@ def apply_round(
     )
     if base is not None:
         state.update(base[0])
+    if (
+        leading
+        and isinstance(view, LoraModel)
+        and bool(config.get(protocol.FOLD_TAIL, False))
+    ):
+        keys = view.layout.keys(Role.BASE)
+        state.update(protocol.fold_tail(view.layout, wide, {k: state[k] for k in keys}))
     if protocol.PERSONAL in content.array_records:
         context.state[protocol.PERSONAL] = content.array_records[protocol.PERSONAL]
     loaded = False

@@ -67,6 +67,7 @@ __all__ = [
     "EIGEN_KEYS",
     "EXACT_MATCH",
     "FLOAT_DTYPES",
+    "FOLD_TAIL",
     "GPSE_EXAMPLES",
     "GPSE_TASK",
     "KEEP_ROLES",
@@ -178,6 +179,10 @@ LEADING_RANK = "leading-rank"
 """Heterogeneous ranks: the global ``A``, ``B`` may be wider than the node's
 rank ``r``; keep their leading ``r`` components scaled by
 ``sqrt(r / r_received)``."""
+FOLD_TAIL = "fold-tail"
+"""Heterogeneous FedEx: with ``leading-rank``, the components a node of rank
+``r`` cuts away, ``(alpha / R) B[:, r:] A[r:]``, are added to its base weights
+(:func:`fold_tail`), so that its model equals the global one exactly."""
 PROXIMAL_MU = "proximal-mu"
 """FedProx: weight ``mu`` of the clients' proximal term
 ``(mu / 2) ||theta - theta_global||^2`` over the trained parameters."""
@@ -437,4 +442,69 @@ def leading_rank(
             out[m.a_key] = gain * a[: m.rank]
         if b is not None:
             out[m.b_key] = gain * b[:, : m.rank]
+    return out
+
+
+def fold_tail(
+    layout: AdapterLayout,
+    received: Mapping[str, torch.Tensor],
+    base: Mapping[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
+    """Heterogeneous FedEx: base weights that absorb the cut components.
+
+    For every layer of rank ``r`` whose received ``A`` (R, d_in) and
+    ``B`` (d_out, R) are wider (``R > r``), the base weight gains
+    ``(alpha / R) B[:, r:] A[r:]`` (transposed where the layer stores
+    ``W0`` as (d_in, d_out), ``fan_in_fan_out``), computed in float64. With
+    :func:`leading_rank`'s cut, ``W0 + (alpha / r) B_r A_r`` then equals
+    ``W0 + (alpha / R) B A``: the rule of :data:`FOLD_TAIL`, which nodes
+    apply and the server's aggregation assumes.
+
+    Parameters
+    ----------
+    layout : AdapterLayout
+        The node's layout, at its own rank.
+    received : mapping of str to torch.Tensor
+        The instruction's arrays, before :func:`leading_rank`.
+    base : mapping of str to torch.Tensor
+        The node's base weights for this instruction.
+
+    Returns
+    -------
+    dict of str to torch.Tensor
+        ``base`` with the changed weights replaced (new tensors, same dtype).
+
+    Raises
+    ------
+    ProtocolError
+        If a layer whose components are cut lacks its ``A``, ``B`` or base
+        weight.
+    """
+    out = dict(base)
+    for m in layout.modules:
+        a, b = received.get(m.a_key), received.get(m.b_key)
+        if a is None and b is None:
+            continue
+        if a is None or b is None or m.base_key not in base:
+            missing = [
+                k
+                for k, v in (
+                    (m.a_key, a),
+                    (m.b_key, b),
+                    (m.base_key, base.get(m.base_key)),
+                )
+                if v is None
+            ]
+            raise ProtocolError(f"'{FOLD_TAIL}' needs {missing} of layer '{m.name}'")
+        wide = int(a.shape[0])
+        if wide <= m.rank:
+            continue
+        scale = m.scaling * m.rank / wide  # alpha / R
+        left, right = m.as_stored(
+            b[:, m.rank :].to(torch.float64), a[m.rank :].to(torch.float64)
+        )
+        weight = base[m.base_key]
+        out[m.base_key] = torch.addmm(
+            weight.to(torch.float64), left, right, alpha=scale
+        ).to(weight.dtype)
     return out

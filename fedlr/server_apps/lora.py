@@ -47,7 +47,8 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
             raise ConfigError(
                 "client-ranks",
                 f"method '{spec.name}' trains one rank on every client; "
-                "heterogeneous ranks need flexlora, hetlora, flora or fedspec",
+                "heterogeneous ranks need flexlora, hetlora, flora, fedspec or "
+                "fedex-lora",
             )
         # The server's adapters have the largest client rank.
         config = config.replace(lora_rank=config.global_rank)

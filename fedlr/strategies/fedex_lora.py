@@ -22,6 +22,12 @@ clients per GEMM, into one ``d_out x d_in`` buffer that also gives the exact
 gap (:meth:`fedlr.linalg.StreamedResidual.fold`), linear in the number of
 clients. The new base weights are sent to the clients next round.
 
+Heterogeneous ranks (``client-ranks``): :meth:`FedExLoRA.from_run_config`
+builds a :class:`HeteroFedExLoRA`, which gives each client FlexLoRA's
+factors at its own rank and folds what they leave out into that client's
+base weights, so that every client, whatever its rank, starts each round
+from the exact mean of the client models.
+
 References
 ----------
 .. [1] Singhal, Ponkshe, Vepakomma, "FedEx-LoRA: Exact Aggregation for
@@ -30,22 +36,30 @@ References
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar, Self, cast
 
 import torch
 
-from fedlr.adapters.roles import Role
+from fedlr import protocol
+from fedlr.adapters.roles import AdapterLayout, Role
 from fedlr.config import RunConfig
 from fedlr.downlink import lowrank_delta
-from fedlr.linalg import StackedResidual
+from fedlr.linalg import (
+    StackedResidual,
+    factored_frobenius_norm,
+    flexlora_factors,
+    stacked_update,
+)
 from fedlr.options import Options
 from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
 from fedlr.strategies.fedex_downlink import DownlinkOptions, FactoredDownlink
+from fedlr.strategies.hetero import HeteroRankLoRA, LayerUpdates
 from fedlr.strategies.registry import register_method
 
-__all__ = ["FedExLoRA"]
+__all__ = ["FedExLoRA", "HeteroFedExLoRA"]
 
 
 @register_method(
@@ -69,6 +83,23 @@ class FedExLoRA(FactoredDownlink, FedAvgLoRA):
     The global arrays must include the base weights (role ``base``) of every
     adapted layer.
     """
+
+    heterogeneous_ranks: ClassVar[bool] = True
+    """Accepts ``client-ranks`` (then :meth:`from_run_config` builds a
+    :class:`HeteroFedExLoRA`)."""
+
+    @classmethod
+    def from_run_config(
+        cls,
+        config: RunConfig,
+        layout: AdapterLayout,
+        options: Options | None = None,
+    ) -> Self:
+        """As :meth:`LoraStrategy.from_run_config`; a :class:`HeteroFedExLoRA`
+        when the run sets ``client-ranks`` (``layout`` at the largest)."""
+        if config.rank_list:
+            return cast(Self, HeteroFedExLoRA.from_run_config(config, layout, options))
+        return super().from_run_config(config, layout, options)
 
     @classmethod
     def strategy_kwargs(
@@ -127,3 +158,140 @@ class FedExLoRA(FactoredDownlink, FedAvgLoRA):
                 ),
             )
         return state, self.publish_base(state, self.gap_report(updates, residuals))
+
+
+class HeteroFedExLoRA(HeteroRankLoRA, FactoredDownlink):
+    """FedEx-LoRA over clients of different ranks (``client-ranks``).
+
+    The global state is FlexLoRA's: ``A``, ``B`` at the largest rank ``R``,
+    the balanced factors of the truncated SVD of the mean of the updates
+    ``M = sum_i w_i s_i B_i A_i`` (``s_i = alpha / r_i``), and the base
+    weights ``W0``; the global model is ``W = W0 + s_R B A``. A client of
+    rank ``r`` keeps the leading ``r`` components (``leading-rank``) and adds
+    the rest, ``s_R B[:, r:] A[r:]``, to its base weights (``fold-tail``,
+    :func:`fedlr.protocol.fold_tail`), so its model is ``W`` exactly, at
+    every rank.
+
+    Aggregation averages the client models themselves. Client ``i`` trained
+    ``W0 + T_i + s_i B_i A_i``, with ``T_i = s_R B[:, r_i:] A[r_i:]`` its
+    folded tail, so the mean is ``W0 + sum_i w_i T_i + M``. The new ``A``,
+    ``B`` are FlexLoRA's factors of ``M`` and the new base weights take the
+    rest, exactly:
+
+        W0' = W0 + s_R B diag(c) A + M - s_R B' A',
+        c_k = sum of w_i over the clients with r_i <= k (k = 0 .. R-1).
+
+    That change has rank at most ``2 R + sum_i r_i`` and is folded in float64
+    from stacked factors (never a ``d_out x d_in`` matrix per client) and sent
+    through the factored downlink. Every client then receives the mean of the
+    client models exactly: ``gap-rank-<r>`` is 0; ``frobenius-gap`` is
+    ``||M - s_R B' A'||_F``, the part of ``M`` that the adapters cannot hold
+    and the base weights take (FedEx's residual).
+
+    Parameters: see :class:`~fedlr.strategies.hetero.HeteroRankLoRA` and
+    ``fedex_downlink`` (:class:`~fedlr.strategies.fedex_downlink.FactoredDownlink`).
+    """
+
+    trims_downlink: ClassVar[bool] = False  # a node needs the tail it folds
+
+    send_roles: ClassVar[tuple[Role, ...]] = FedExLoRA.send_roles
+
+    @classmethod
+    def strategy_kwargs(
+        cls, config: RunConfig, options: Options | None
+    ) -> dict[str, Any]:
+        return {
+            **super().strategy_kwargs(config, options),
+            "fedex_downlink": DownlinkOptions.of(options).fedex_downlink,
+        }
+
+    def round_config(self, server_round: int) -> dict[str, Any]:
+        config = super().round_config(server_round)
+        config[protocol.FOLD_TAIL] = True
+        return config
+
+    def aggregate_layer(
+        self,
+        layer: LayerUpdates,
+        current: Mapping[str, torch.Tensor],
+        state: dict[str, torch.Tensor],
+    ) -> tuple[dict[int, float], float]:
+        _, norm = self.fold_layer(layer, current, state)
+        return {r: 0.0 for r in self.client_ranks}, norm
+
+    def fold_layer(
+        self,
+        layer: LayerUpdates,
+        current: Mapping[str, torch.Tensor],
+        state: dict[str, torch.Tensor],
+    ) -> tuple[float, float]:
+        """Write one layer's new ``A``, ``B`` and base weight into ``state``.
+
+        Returns ``(||M - s_R B' A'||_F, ||M||_F)``.
+        """
+        module = layer.module
+        base = current.get(module.base_key)
+        if base is None:
+            raise KeyError(
+                f"global arrays lack the base weight '{module.base_key}' that "
+                "FedEx-LoRA folds the residual into"
+            )
+        f64 = torch.float64
+        s_r = module.scaling  # alpha / R
+        b_old = current[module.b_key].to(f64)
+        a_old = current[module.a_key].to(f64)
+        total = float(sum(layer.weights))
+        cover = torch.zeros(self.rank, dtype=f64)  # c_k
+        for w, a in zip(layer.weights, layer.as_, strict=True):
+            cover[int(a.shape[0]) :] += w / total
+        m_left, m_right = stacked_update(*layer.factors)
+        b, a, _ = flexlora_factors(*layer.factors, self.rank)
+        self.set_factors(module, b, a, current, state)
+        # The factors as stored (maybe float32): the fold makes W exact for them.
+        b_new, a_new = state[module.b_key].to(f64), state[module.a_key].to(f64)
+        rest_left = torch.cat([m_left, -s_r * b_new], dim=1)  # M - s_R B' A'
+        rest_right = torch.cat([m_right, a_new], dim=0)
+        left, right = module.as_stored(
+            torch.cat([s_r * b_old * cover, rest_left], dim=1),
+            torch.cat([a_old, rest_right], dim=0),
+        )
+        delta = (
+            lowrank_delta(left, right, 1.0, dtype=base.dtype) if self.factored else None
+        )
+        state[module.base_key] = self.fold_base(
+            module.base_key,
+            base,
+            delta,
+            lambda: torch.addmm(base.to(f64), left, right).to(base.dtype),
+        )
+        return (
+            factored_frobenius_norm(rest_left, rest_right),
+            factored_frobenius_norm(m_left, m_right),
+        )
+
+    def aggregate_updates(
+        self,
+        server_round: int,
+        updates: list[ClientUpdate],
+        current: dict[str, torch.Tensor],
+    ) -> tuple[dict[str, torch.Tensor], RoundReport]:
+        state = dict(current)
+        state.update(self.weighted_means(updates, self.layout.keys(Role.HEAD)))
+        folded = {
+            layer.module.name: self.fold_layer(layer, current, state)
+            for layer in self.layer_updates(updates)
+        }
+        exact = {r: 0.0 for r in self.client_ranks}
+        report = self.rank_report(
+            updates,
+            {name: (exact, norm) for name, (_, norm) in folded.items()},
+            layer_gaps=folded,
+        )
+        return state, self.publish_base(state, report)
+
+    def step_bytes_bound(self, sampled: int) -> float:
+        """One change has rank at most ``(k + 2) R``."""
+        q = (sampled + 2) * self.rank
+        return self.factored_bound(
+            {m.name: (q, m.d_out, m.d_in) for m in self.layout.modules}
+        )

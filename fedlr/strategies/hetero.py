@@ -119,6 +119,9 @@ class HeteroRankLoRA(LoraStrategy):
 
     heterogeneous_ranks: ClassVar[bool] = True
 
+    trims_downlink: ClassVar[bool] = True
+    """Send a node of known rank ``r`` only the leading ``r`` components."""
+
     def __init__(
         self, *, layout: AdapterLayout, client_ranks: Sequence[int] = (), **kwargs: Any
     ) -> None:
@@ -304,7 +307,11 @@ class HeteroRankLoRA(LoraStrategy):
             node = int(message.metadata.dst_node_id)
             rank = self.node_ranks.get(node, self.rank)
             key = self.arrayrecord_key
-            if rank != self.rank and key in message.content.array_records:
+            if (
+                self.trims_downlink
+                and rank != self.rank
+                and key in message.content.array_records
+            ):
                 content = RecordDict(dict(message.content.items()))
                 full = content.array_records[key]
                 record = self._at_rank(full, rank)

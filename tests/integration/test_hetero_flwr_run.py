@@ -20,7 +20,7 @@ def test_every_heterogeneous_rank_method_runs_under_flwr_run(
     """Four SuperNodes, one rank each, 2 rounds per method; one SuperLink."""
     from fedlr.flower.launch import flwr_run
 
-    for method in ("flexlora", "hetlora", "flora", "fedspec"):
+    for method in ("flexlora", "hetlora", "flora", "fedspec", "fedex-lora"):
         output = tmp_path / method
         config = tiny_run_config(
             output,
@@ -51,5 +51,7 @@ def test_every_heterogeneous_rank_method_runs_under_flwr_run(
             assert (frame[f"bytes-up-rank-{rank}"] > 0).all(), (method, rank)
         if method == "flora":
             assert (frame["frobenius-gap"] == 0).all()
+        elif method == "fedex-lora":  # every node holds the exact mean
+            assert (frame[[f"gap-rank-{r}" for r in RANKS]] == 0).all().all()
         else:
             assert (frame["gap-rank-2"] >= frame["gap-rank-16"]).all()

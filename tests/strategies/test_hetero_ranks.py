@@ -19,12 +19,14 @@ from fedlr.adapters import AdapterLayout, LoraModule, Role
 from fedlr.config import RunConfig
 from fedlr.errors import ConfigError
 from fedlr.flower import InProcessGrid
-from fedlr.flower.records import record_to_state
-from fedlr.protocol import leading_rank
+from fedlr.flower.records import record_to_state, state_to_record
+from fedlr.protocol import fold_tail, leading_rank
 from fedlr.server_apps.local import run_in_process
+from fedlr.strategies.fedex_downlink import DownlinkOptions
+from fedlr.strategies.fedex_lora import FedExLoRA, HeteroFedExLoRA
 from fedlr.strategies.fedspec import FedSpec, HeteroFedSpec, layout_at_rank
 from tests.conftest import tiny_run_config
-from tests.strategies.conftest import reply
+from tests.strategies.conftest import instruction, reply
 
 RANKS = (2, 4, 8, 16)
 HETERO = {"client-ranks": "2,4,8,16", "num-partitions": 4, "local-steps": 2}
@@ -37,10 +39,12 @@ def _run(tmp_path, method, reply_hook=None, **overrides):
 
 
 @pytest.mark.usefixtures("assets")
-@pytest.mark.parametrize("method", ["flexlora", "hetlora", "flora", "fedspec"])
+@pytest.mark.parametrize(
+    "method", ["flexlora", "hetlora", "flora", "fedspec", "fedex-lora"]
+)
 def test_every_rank_trains_and_reports(tmp_path, method):
-    frame = _run(tmp_path, method)
-    assert frame["round"].tolist() == [1, 2]
+    frame = _run(tmp_path, method, **{"num-server-rounds": 3})
+    assert frame["round"].tolist() == [1, 2, 3]
     assert (frame["clients"] == 4).all() and (frame["dropped"] == 0).all()
     assert frame["accuracy"].between(0, 1).all()
     assert (frame["rank"] == 16).all()
@@ -51,6 +55,13 @@ def test_every_rank_trains_and_reports(tmp_path, method):
     if method == "flora":
         assert (gaps == 0).all().all() and (frame["frobenius-gap"] == 0).all()
         assert "dense-base-sends" in frame
+    elif method == "fedex-lora":
+        # Every node holds the mean of the client models; the adapters' part
+        # of M that rank 16 cannot hold went into W0 (4 clients: rank <= 30).
+        assert (gaps == 0).all().all() and (frame["frobenius-gap"] > 0).all()
+        # A change of rank up to (4 + 2) 16 = 96 never beats the dense 32 x 32
+        # W0: dense every round (factored changes: the next test).
+        assert frame["dense-base-sends"].tolist() == [4, 4, 4]
     else:
         # Round 2: each node is sent only its own rank's components.
         down = frame.loc[1, [f"bytes-down-rank-{r}" for r in RANKS]].to_numpy()
@@ -62,6 +73,20 @@ def test_every_rank_trains_and_reports(tmp_path, method):
         # but 32 x 32 layers: not exact, yet the smallest gap).
         for _, row in gaps.iterrows():
             assert list(row) == sorted(row, reverse=True)
+
+
+@pytest.mark.usefixtures("assets")
+def test_hetero_fedex_sends_factored_base_changes_that_nodes_apply(tmp_path):
+    """Ranks {1, 2}: a change of rank <= (4 + 2) 2 = 12 is smaller than the
+    32 x 32 W0, so after round 1 nodes keep W0 and receive only changes; a
+    node that applied one wrongly would fail the checksum and be dropped."""
+    frame = _run(
+        tmp_path, "fedex-lora", **{"client-ranks": "1,2", "num-server-rounds": 3}
+    )
+    assert (frame["clients"] == 4).all() and (frame["dropped"] == 0).all()
+    assert frame["dense-base-sends"].tolist() == [4, 0, 0]
+    assert (frame["bytes-down"].iloc[1:] < frame["bytes-down"].iloc[0]).all()
+    assert (frame[["gap-rank-1", "gap-rank-2"]] == 0).all().all()
 
 
 @pytest.mark.usefixtures("assets")
@@ -322,3 +347,197 @@ def test_fedspec_grows_its_rank_with_heterogeneous_clients(tmp_path):
     down = frame.loc[1, [f"bytes-down-rank-{r}" for r in RANKS]].to_numpy()
     assert (down[1:] > down[:-1]).all(), down
     print(frame[["round", "rank", "frobenius-gap", *gaps.columns]].to_string())
+
+
+# ------------------------------------------------------------------ FedEx-LoRA
+def _fedex_layout(rank: int = 8) -> AdapterLayout:
+    """Two layers, the second stored as a Conv1D (W0 is (d_in, d_out))."""
+    return AdapterLayout(
+        modules=(
+            LoraModule("l0", "l0.A", "l0.B", "l0.W", ALPHA / rank, 20, 18, rank),
+            LoraModule(
+                "l1",
+                "l1.A",
+                "l1.B",
+                "l1.W",
+                ALPHA / rank,
+                14,
+                22,
+                rank,
+                fan_in_fan_out=True,
+            ),
+        ),
+        head_shapes={"head.w": (2, 18)},
+    )
+
+
+def _effective(module: LoraModule, state, scaling: float) -> torch.Tensor:
+    """``W0 + s B A`` in (d_out, d_in), float64."""
+    w = state[module.base_key].to(F64)
+    w = w.T if module.fan_in_fan_out else w
+    return w + scaling * state[module.b_key].to(F64) @ state[module.a_key].to(F64)
+
+
+def _node_model(layout: AdapterLayout, rank: int, sent) -> dict[str, torch.Tensor]:
+    """What a node of ``rank`` trains from (``leading-rank`` + ``fold-tail``)."""
+    at = layout_at_rank(layout, rank)
+    cut = leading_rank(at, sent)
+    return {
+        **cut,
+        **fold_tail(at, sent, {m.base_key: sent[m.base_key] for m in at.modules}),
+    }
+
+
+@pytest.mark.parametrize("downlink", ["factored", "dense"])
+def test_hetero_fedex_every_client_holds_the_mean_of_the_client_models(downlink):
+    """Two rounds on mocked replies against dense float64.
+
+    Before a round every node, whatever its rank, trains from the global
+    model W = W0 + s_R B A exactly; after it the global model is the weighted
+    mean of the nodes' trained models, and B A is the truncated mean of the
+    products (FlexLoRA's factors).
+    """
+    layout = _fedex_layout()
+    strategy = HeteroFedExLoRA(
+        layout=layout, client_ranks=SPEC_RANKS, fedex_downlink=downlink
+    )
+    config = strategy.round_config(1)
+    assert config["leading-rank"] is True and config["fold-tail"] is True
+    g = torch.Generator().manual_seed(7)
+    current = {
+        k: torch.randn(*s, generator=g, dtype=F64)
+        for k, s in layout.shapes(
+            Role.LORA_A, Role.LORA_B, Role.HEAD, Role.BASE
+        ).items()
+    }
+    total = sum(SPEC_WEIGHTS)
+    for server_round, seed in ((1, 11), (2, 12)):
+        clients = _spec_clients(layout, seed=seed)
+        # Each node's starting model is the global one, at every rank.
+        for c in clients:
+            r = c["l0.A"].shape[0]
+            node = _node_model(layout, r, current)
+            for m in layout.modules:
+                start = _effective(m, node, ALPHA / r)
+                glob = _effective(m, current, ALPHA / 8)
+                assert float(torch.linalg.matrix_norm(start - glob)) <= 1e-12 * float(
+                    torch.linalg.matrix_norm(glob)
+                )
+        trained = [
+            {**_node_model(layout, c["l0.A"].shape[0], current), **c} for c in clients
+        ]
+        messages, new, metrics = _spec_round(
+            strategy, current, clients, server_round=server_round
+        )
+        for msg in messages:  # full rank R: the node folds the tail itself
+            assert msg.content["arrays"]["l0.A"].shape == (8, 18)
+        for m in layout.modules:
+            mean = sum(
+                (w / total) * _effective(m, t, ALPHA / c["l0.A"].shape[0])
+                for w, t, c in zip(SPEC_WEIGHTS, trained, clients, strict=True)
+            )
+            scale = float(torch.linalg.matrix_norm(mean))
+            got = _effective(m, new, ALPHA / 8)
+            assert float(torch.linalg.matrix_norm(got - mean)) <= 1e-10 * scale
+            ideal = _dense_m(clients, m)
+            adapter = (ALPHA / 8) * new[m.b_key] @ new[m.a_key]
+            err = float(torch.linalg.matrix_norm(adapter - _best(ideal, 8)))
+            assert err <= 1e-10 * float(torch.linalg.matrix_norm(ideal))
+        residual = math.sqrt(
+            sum(
+                float(
+                    torch.linalg.matrix_norm(
+                        _dense_m(clients, m) - _best(_dense_m(clients, m), 8)
+                    )
+                )
+                ** 2
+                for m in layout.modules
+            )
+        )
+        assert metrics["frobenius-gap"] == pytest.approx(residual, rel=1e-9)
+        assert all(metrics[f"gap-rank-{r}"] == 0.0 for r in SPEC_RANKS)
+        assert metrics["dense-base-sends"] >= 0
+        current = new
+
+
+def test_fedex_from_run_config_picks_the_hetero_strategy_for_client_ranks():
+    layout = _fedex_layout(16)
+    base = {"method": "fedex-lora", "lora-rank": 16, "lora-alpha": ALPHA}
+    plain = FedExLoRA.from_run_config(RunConfig.from_mapping(base), layout)
+    assert type(plain) is FedExLoRA
+    config = RunConfig.from_mapping({**base, "client-ranks": "2,4,8,16"})
+    hetero = FedExLoRA.from_run_config(
+        config, layout, DownlinkOptions(fedex_downlink="dense")
+    )
+    assert isinstance(hetero, HeteroFedExLoRA)
+    assert hetero.client_ranks == (2, 4, 8, 16) and not hetero.factored
+    assert "gap-rank-2" in hetero.extra_columns
+    assert "dense-base-sends" in hetero.extra_columns
+
+
+def _peft_pair(kind: str, rank: int):
+    """A seeded peft LoRA model of ``rank`` (alpha 16): an MLP or a tiny GPT-2."""
+    from peft import LoraConfig, get_peft_model
+
+    from fedlr.models.causal import build_causal_lm
+    from tests.plugin_app.task import MLP
+
+    torch.manual_seed(0)
+    if kind == "linear":
+        base, targets, fan = MLP(), ["fc1", "fc2"], False
+    else:
+        base, targets, fan = build_causal_lm("tiny-gpt2", 0), ["c_attn", "c_fc"], True
+    config = LoraConfig(
+        r=rank, lora_alpha=ALPHA, target_modules=targets, fan_in_fan_out=fan
+    )
+    return get_peft_model(base, config)
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+def test_apply_round_folds_the_tail_so_every_rank_holds_the_global_model(kind):
+    """A real peft model of rank 2 and 4 under a rank-8 HeteroFedExLoRA
+    instruction: ``W0 + s B A`` of every layer is the global one to 1e-6
+    (float32), with the Conv1D's ``W0`` transposed."""
+    from flwr.app import Context, RecordDict
+
+    from fedlr import apply_round, lora_layout, protocol
+    from fedlr.adapters import adapter_state
+
+    server = _peft_pair(kind, 8)
+    layout = lora_layout(server)
+    strategy = HeteroFedExLoRA(
+        layout=layout, client_ranks=(2, 4, 8), fedex_downlink="dense"
+    )
+    g = torch.Generator().manual_seed(3)
+    arrays = adapter_state(server, layout, strategy.send_roles)
+    for m in layout.modules:  # a trained global adapter: B != 0
+        arrays[m.b_key] = 0.1 * torch.randn(m.d_out, 8, generator=g)
+        arrays[m.a_key] = 0.1 * torch.randn(8, m.d_in, generator=g)
+    config = ConfigRecord(strategy.round_config(1))
+    for rank in (2, 4):
+        node = _peft_pair(kind, rank)
+        message = instruction(7)
+        message.content[protocol.ARRAYS] = state_to_record(arrays)
+        message.content[protocol.CONFIG] = config
+        context = Context(
+            run_id=1, node_id=7, node_config={}, state=RecordDict(), run_config={}
+        )
+        job = apply_round(node, message, context)
+        held = adapter_state(
+            node, job.adapted.layout, (Role.BASE, Role.LORA_A, Role.LORA_B)
+        )
+        for m, mn in zip(layout.modules, job.adapted.layout.modules, strict=True):
+            assert mn.rank == rank and mn.fan_in_fan_out is (kind == "conv1d")
+            glob = _effective(m, arrays, ALPHA / 8)
+            got = _effective(mn, held, ALPHA / rank)
+            rel = float(torch.linalg.matrix_norm(got - glob)) / float(
+                torch.linalg.matrix_norm(glob)
+            )
+            assert rel <= 1e-6, (m.name, rank, rel)
+            # the tail is not zero: without the fold the models would differ
+            cut = (
+                (ALPHA / 8)
+                * arrays[m.b_key][:, rank:].double()
+                @ arrays[m.a_key][rank:].double()
+            )
+            assert float(torch.linalg.matrix_norm(cut)) > 1e-3
