@@ -2,7 +2,8 @@
 
 Four clients train LoRA ranks 2, 4, 8 and 16 (``client-ranks="2,4,8,16"``) on
 the default run (MiniLM on polarity, Dirichlet 0.5), in process, for
-``flexlora``, ``hetlora``, ``flora`` and ``fedspec``. Prints and writes
+``flexlora``, ``hetlora``, ``flora``, ``fedspec`` and ``fedex-lora``. Prints
+and writes
 ``docs/results/hetero-ranks/hetero-ranks.csv``: per method and rank, the
 final accuracy (one global model per method), the mean over rounds of the
 Frobenius gap of what a client of that rank receives against the mean of the
@@ -23,7 +24,7 @@ import torch
 
 from fedlr.server_apps.local import run_in_process
 
-METHODS = ("flexlora", "hetlora", "flora", "fedspec")
+METHODS = ("flexlora", "hetlora", "flora", "fedspec", "fedex-lora")
 RANKS = (2, 4, 8, 16)
 OUT = Path(__file__).resolve().parents[1] / "docs" / "results" / "hetero-ranks"
 
