@@ -473,6 +473,9 @@ def test_fedex_from_run_config_picks_the_hetero_strategy_for_client_ranks():
     assert hetero.client_ranks == (2, 4, 8, 16) and not hetero.factored
     assert "gap-rank-2" in hetero.extra_columns
     assert "dense-base-sends" in hetero.extra_columns
+    state = hetero.state_dict()  # a checkpoint keeps the node ranks and the ledger
+    assert {"node-ranks", "downlink"} <= set(state)
+    hetero.load_state_dict(state)
 
 
 def _peft_pair(kind: str, rank: int):
