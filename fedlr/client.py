@@ -45,9 +45,18 @@ What :func:`apply_round` does with the instruction (:mod:`fedlr.protocol`):
   ``fold-tail`` (FedEx-LoRA with ``client-ranks``) the cut components are
   added to the base weights used this round (the kept copy stays the
   server's, :func:`fedlr.protocol.fold_tail`);
+* **rank self-pruning** (``prune-gamma`` < 1 with ``leading-rank``: HetLoRA
+  with ``hetlora-prune-gamma``): the model of rank ``r`` regularises its tail
+  components ``[r', r)``, ``r' = max(1, floor(gamma r))``, with
+  ``prune-lambda`` times their norm (:func:`tail_norm`, part of
+  :meth:`ClientRound.penalty`); if that norm went down during training,
+  :meth:`ClientRound.reply` answers at rank ``r'`` (the leading components,
+  rescaled) and the node keeps rank ``r'`` in ``context.state`` from then
+  on: later rounds conform the model to it (a model that serves several
+  nodes is given each node's own rank: pass ``rank=``);
 * **what trains**: freezes every parameter except those of ``train-roles``
   and ``keep-roles`` (:meth:`ClientRound.parameters`); FedProx's
-  ``proximal-mu`` becomes :meth:`ClientRound.penalty`.
+  ``proximal-mu`` and the pruning term become :meth:`ClientRound.penalty`.
 
 :meth:`ClientRound.reply` builds the reply: exactly the arrays of
 ``train-roles`` (Local SVD's ``client-svd``: re-factored as balanced singular
@@ -55,7 +64,8 @@ factors first), the ``keep-roles`` stored in ``context.state`` (and FedSA's
 ``personal-gram``, ``B^T B`` per layer, as an extra record), and one
 MetricRecord with ``num-examples``, the user's metrics unchanged, and the
 protocol's own (``partition-id``, ``personal-loaded``, VeRA's
-``projection-seed`` and ``projection-rank``, FedEx's ``base-held``). For an
+``projection-seed`` and ``projection-rank``, FedEx's ``base-held``, HetLoRA's
+``rank-pruned``). For an
 ``evaluate`` message the reply is one MetricRecord: ``num-examples`` and the
 user's metrics.
 """
@@ -66,7 +76,7 @@ import math
 import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from logging import WARNING, getLogger
+from logging import INFO, WARNING, getLogger
 from typing import cast
 
 import torch
@@ -82,7 +92,7 @@ from flwr.app import (
 )
 
 from fedlr import protocol
-from fedlr.adapters.lora import LoraModel
+from fedlr.adapters.lora import LoraModel, parameters_by_key
 from fedlr.adapters.plugin import (
     LoraLayerChange,
     adapted,
@@ -104,7 +114,7 @@ from fedlr.flower.records import (
 )
 from fedlr.linalg import local_svd_factors
 
-__all__ = ["ClientRound", "apply_round"]
+__all__ = ["ClientRound", "RankPruning", "apply_round", "tail_norm"]
 
 _LOG = getLogger("fedlr")
 
@@ -122,8 +132,53 @@ _RESERVED = (
     protocol.PROJECTION_SEED,
     protocol.PROJECTION_RANK,
     protocol.BASE_HELD,
+    protocol.RANK_PRUNED,
 )
 """Reply metrics the helpers write; a user's metrics may not carry them."""
+
+
+@dataclass(frozen=True)
+class RankPruning:
+    """HetLoRA's rank self-pruning in one round (:data:`fedlr.protocol.PRUNE_GAMMA`).
+
+    One rank per model: the tail norm sums the layers' norms
+    (:func:`tail_norm`), and the node keeps or prunes every layer together.
+
+    Attributes
+    ----------
+    gamma : float
+        The decay factor ``gamma`` in (0, 1).
+    lam : float
+        The weight ``lambda`` >= 0 of the tail-norm term in the loss.
+    rank : int
+        The node's rank ``r`` this round.
+    keep : int
+        ``r' = max(1, floor(gamma r))`` (:func:`fedlr.protocol.pruned_rank`):
+        the tail is the components ``[r', r)``.
+    before : float
+        The tail norm of the model as received, before training (float64).
+    """
+
+    gamma: float
+    lam: float
+    rank: int
+    keep: int
+    before: float
+
+    @property
+    def can_prune(self) -> bool:
+        """Whether there is a tail to prune (``r' < r``; a rank-1 node has none)."""
+        return self.keep < self.rank
+
+    def decide(self, after: float) -> int:
+        """The rank to reply at: ``r'`` if the tail norm went down, else ``r``.
+
+        Parameters
+        ----------
+        after : float
+            The tail norm after training.
+        """
+        return self.keep if self.can_prune and after < self.before else self.rank
 
 
 @dataclass(kw_only=True)
@@ -153,6 +208,9 @@ class ClientRound:
     base_version : int or None
         The version of the base weights loaded (FedEx methods), kept in
         ``context.state``; ``None`` when the strategy does not version them.
+    pruning : RankPruning or None
+        The round's rank self-pruning (a ``train`` instruction with
+        ``prune-gamma`` < 1), else ``None``.
     """
 
     model: torch.nn.Module
@@ -165,6 +223,7 @@ class ClientRound:
     personal_loaded: bool
     changes: tuple[LoraLayerChange, ...] = ()
     base_version: int | None = None
+    pruning: RankPruning | None = None
     _penalty: Callable[[], torch.Tensor] | None = field(default=None, repr=False)
 
     # ------------------------------------------------------------ the round
@@ -199,12 +258,20 @@ class ClientRound:
         """The parameters this round trains (give these to your optimizer)."""
         return [p for p in self.model.parameters() if p.requires_grad]
 
-    def penalty(self) -> torch.Tensor:
-        """A term to add to your training loss: FedProx's proximal term.
+    @property
+    def has_penalty(self) -> bool:
+        """Whether :meth:`penalty` is more than a constant zero this round."""
+        return self._penalty is not None
 
-        ``(mu / 2) sum_p ||p - p_0||^2`` over the trained parameters, ``p_0``
-        their values as received, when the strategy sends ``proximal-mu``;
-        otherwise zero. A scalar tensor on the parameters' device.
+    def penalty(self) -> torch.Tensor:
+        """A term to add to your training loss.
+
+        FedProx's proximal term ``(mu / 2) sum_p ||p - p_0||^2`` over the
+        trained parameters, ``p_0`` their values as received, when the
+        strategy sends ``proximal-mu`` > 0; plus HetLoRA's pruning term
+        ``lambda * tail_norm`` (:class:`RankPruning`, :func:`tail_norm`) when
+        it sends ``prune-gamma`` < 1 and ``prune-lambda`` > 0; otherwise zero.
+        A scalar tensor on the parameters' device.
         """
         if self._penalty is None:
             return torch.zeros(())
@@ -232,9 +299,10 @@ class ClientRound:
         Returns
         -------
         flwr.app.Message
-            ``train``: ArrayRecord ``arrays`` (exactly the ``train-roles``),
-            the method's extra records, MetricRecord ``metrics``;
-            ``evaluate``: MetricRecord ``metrics`` only.
+            ``train``: ArrayRecord ``arrays`` (exactly the ``train-roles``;
+            at the pruned rank when :attr:`pruning` decides to prune), the
+            method's extra records, MetricRecord ``metrics``; ``evaluate``:
+            MetricRecord ``metrics`` only.
 
         Raises
         ------
@@ -276,6 +344,8 @@ class ClientRound:
         if self.base_version is not None:
             values[protocol.BASE_HELD] = int(self.base_version)
         trained = self.adapted.state(self.train_roles + self.keep_roles)
+        if self.pruning is not None and isinstance(layout, AdapterLayout):
+            trained, values[protocol.RANK_PRUNED] = self._prune(layout, trained)
         if bool(self.config.get(protocol.CLIENT_SVD, False)):
             if not isinstance(layout, AdapterLayout):
                 raise ProtocolError(
@@ -307,9 +377,98 @@ class ClientRound:
             )
         return Message(content, reply_to=self.message)
 
+    def _prune(
+        self, layout: AdapterLayout, trained: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], int]:
+        """The rank self-pruning decision: the reply's arrays and ``rank-pruned``.
+
+        If the tail norm went down, the arrays are cut to the leading ``r'``
+        components, rescaled by ``sqrt(r' / r)`` so that ``(alpha / r') B' A'``
+        is the kept part of ``(alpha / r) B A`` (:func:`fedlr.protocol.leading_rank`),
+        and the node keeps rank ``r'`` in ``context.state``.
+        """
+        pruning = self.pruning
+        if pruning is None or not pruning.can_prune:
+            return trained, 0
+        with torch.no_grad():
+            after = float(tail_norm(self.adapted, pruning.keep, dtype=torch.float64))
+        rank = pruning.decide(after)
+        if rank == pruning.rank:
+            _LOG.debug(
+                "node %s: tail norm %.4g -> %.4g: rank %d kept",
+                self.context.node_id,
+                pruning.before,
+                after,
+                rank,
+            )
+            return trained, 0
+        cut = protocol.leading_rank(layout.at_rank(rank), trained)
+        self.context.state[protocol.RANK_STATE] = ConfigRecord({"rank": rank})
+        _LOG.log(
+            INFO,
+            "node %s: tail norm %.4g -> %.4g (components %d..%d): rank pruned %d -> %d",
+            self.context.node_id,
+            pruning.before,
+            after,
+            pruning.keep,
+            pruning.rank - 1,
+            pruning.rank,
+            rank,
+        )
+        return cut, 1
+
+
+def tail_norm(
+    model: torch.nn.Module | AdaptedModel,
+    start: int,
+    *,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``sum_layers ||s B[:, start:] A[start:]||_F``: the LoRA tail's norm.
+
+    ``s`` is each layer's scaling (``alpha / r``), so each term is the norm
+    of the tail components' contribution to the layer's weight. Computed from
+    the ``t x t`` Gram matrices (``t = r - start``),
+    ``||B_t A_t||_F^2 = sum((B_t^T B_t) * (A_t A_t^T))``, never the
+    ``d_out x d_in`` product; differentiable in the live parameters (a zero
+    tail has gradient 0, not NaN). A layer of rank ``<= start`` adds 0.
+
+    Parameters
+    ----------
+    model : peft.PeftModel or AdaptedModel
+        A LoRA model.
+    start : int
+        The first tail component, ``>= 0``.
+    dtype : torch.dtype, optional
+        Compute in this dtype (default: the parameters').
+
+    Returns
+    -------
+    torch.Tensor
+        A scalar, on the parameters' device.
+
+    Raises
+    ------
+    ProtocolError
+        If the model is not a LoRA model.
+    ValueError
+        If ``start`` < 0.
+    """
+    view = adapted(model)
+    if not isinstance(view, LoraModel):
+        raise ProtocolError(
+            f"the tail norm is of LoRA layers; the model has a "
+            f"{type(view.layout).__name__}"
+        )
+    return _tail_norm_of(_tail_factors(view, start), dtype)
+
 
 def apply_round(
-    model: torch.nn.Module | AdaptedModel, message: Message, context: Context
+    model: torch.nn.Module | AdaptedModel,
+    message: Message,
+    context: Context,
+    *,
+    rank: int | None = None,
 ) -> ClientRound:
     """Apply a fedlr strategy's instruction to ``model``, in place.
 
@@ -322,7 +481,13 @@ def apply_round(
         A ``train`` or ``evaluate`` instruction from a fedlr strategy.
     context : flwr.app.Context
         The node's context; ``context.state`` keeps the node's personal
-        arrays across rounds.
+        arrays (and a self-pruned rank) across rounds.
+    rank : int, optional
+        Heterogeneous ranks: the node's own LoRA rank, when ``model`` may
+        come at another (a model that serves several nodes, whose rank an
+        earlier node's pruning changed). The model is conformed to the rank
+        the node pruned itself to, if any, else to ``rank``; a ``lora-rank``
+        in the instruction wins over both. Default: the model's rank.
 
     Returns
     -------
@@ -337,8 +502,10 @@ def apply_round(
         If a VeRA-family model was built from another projection seed or rank
         than the server's.
     ProtocolError
-        If the ConfigRecord names roles the model does not have, or a
-        ``lora-rank`` / ``lora-alpha`` that is not positive.
+        If the ConfigRecord names roles the model does not have, a
+        ``lora-rank`` / ``lora-alpha`` that is not positive, a
+        ``prune-gamma`` outside (0, 1] or a negative ``prune-lambda``, or
+        pruning for a model that is not LoRA with one rank on every layer.
     BaseOutOfSyncError
         If the instruction sends base-weight changes this node cannot apply
         (its kept base weights are lost, too old, or drifted).
@@ -354,13 +521,19 @@ def apply_round(
         if protocol.CONFIG in content
         else ConfigRecord()
     )
+    if rank is not None and rank < 1:
+        raise ValueError(f"rank must be >= 1, got {rank}")
     view = adapted(model)
     changes: list[LoraLayerChange] = []
+    leading = bool(config.get(protocol.LEADING_RANK, False))
+    gamma, lam = _pruning_settings(config)
+    is_train = _is_train(message)
     if isinstance(view, LoraModel):
         # A fresh view: a model that serves many nodes (a Ray actor) may have
         # been given another rank by an earlier round than its stored layout.
         view = cast(LoraModel, adapted(view.model))
-        changes = _conform(view, config)
+        own = _node_rank(view, config, content, context, rank, leading, gamma < 1)
+        changes = _conform(view, config, own)
         if changes:
             view = adapted(view.model)  # the layout follows the new rank
     _check_projection(view.layout, config)
@@ -372,9 +545,7 @@ def apply_round(
     state = initial_state(view)
     wide = record_to_state(array_record(content, protocol.ARRAYS))
     received = wide
-    leading = isinstance(view, LoraModel) and bool(
-        config.get(protocol.LEADING_RANK, False)
-    )
+    leading = leading and isinstance(view, LoraModel)
     if leading and isinstance(view, LoraModel):
         received = protocol.leading_rank(view.layout, wide)
     view.layout.check_shapes({k: v.shape for k, v in received.items()})
@@ -417,15 +588,19 @@ def apply_round(
     module = view.model
     for param in module.parameters():
         param.requires_grad_(False)
-    is_train = _is_train(message)
-    penalty = None
+    terms: list[Callable[[], torch.Tensor]] = []
+    pruning: RankPruning | None = None
     if is_train:
         view.train_only(roles + keep)
         mu = config_float(config, protocol.PROXIMAL_MU, 0.0)
         if not (math.isfinite(mu) and mu >= 0):
             raise ProtocolError(f"'{protocol.PROXIMAL_MU}' must be >= 0, got {mu}")
         if mu > 0:
-            penalty = _proximal(module, mu)
+            terms.append(_proximal(module, mu))
+        if gamma < 1:
+            pruning, term = _pruning(view, gamma, lam, leading)
+            if term is not None:
+                terms.append(term)
     return ClientRound(
         model=module,
         adapted=view,
@@ -437,8 +612,163 @@ def apply_round(
         personal_loaded=loaded,
         changes=tuple(changes),
         base_version=None if base is None else base[1],
-        _penalty=penalty,
+        pruning=pruning,
+        _penalty=_sum_of(terms),
     )
+
+
+def _sum_of(
+    terms: list[Callable[[], torch.Tensor]],
+) -> Callable[[], torch.Tensor] | None:
+    """One loss term from several (``None``: none; one: itself, unchanged)."""
+    if len(terms) <= 1:
+        return terms[0] if terms else None
+
+    def total() -> torch.Tensor:
+        value = terms[0]()
+        for term in terms[1:]:
+            value = value + term()
+        return value
+
+    return total
+
+
+# ------------------------------------------------------------ rank pruning
+def _pruning_settings(config: ConfigRecord) -> tuple[float, float]:
+    """``(gamma, lambda)`` of ``prune-gamma`` and ``prune-lambda`` (1, 0 if absent)."""
+    gamma = config_float(config, protocol.PRUNE_GAMMA, 1.0)
+    if not 0.0 < gamma <= 1.0:
+        raise ProtocolError(f"'{protocol.PRUNE_GAMMA}' must be in (0, 1], got {gamma}")
+    lam = config_float(config, protocol.PRUNE_LAMBDA, 0.0)
+    if not (math.isfinite(lam) and lam >= 0):
+        raise ProtocolError(
+            f"'{protocol.PRUNE_LAMBDA}' must be finite and >= 0, got {lam}"
+        )
+    return gamma, lam
+
+
+def _kept_rank(context: Context) -> int | None:
+    """The rank this node pruned itself to (``context.state``), if any."""
+    record = context.state.config_records.get(protocol.RANK_STATE)
+    if record is None or "rank" not in record:
+        return None
+    return config_int(record, "rank")
+
+
+def _received_width(layout: AdapterLayout, content: RecordDict) -> int | None:
+    """The rank of the instruction's first ``A`` (else ``B``), if it has one."""
+    record = content.array_records.get(protocol.ARRAYS)
+    if record is None or not layout.modules:
+        return None
+    m = layout.modules[0]
+    if m.a_key in record and len(record[m.a_key].shape) == 2:
+        return int(record[m.a_key].shape[0])
+    if m.b_key in record and len(record[m.b_key].shape) == 2:
+        return int(record[m.b_key].shape[1])
+    return None
+
+
+def _node_rank(
+    view: LoraModel,
+    config: ConfigRecord,
+    content: RecordDict,
+    context: Context,
+    rank: int | None,
+    leading: bool,
+    pruning: bool,
+) -> int | None:
+    """The rank the node's model takes this round, unless ``lora-rank`` says.
+
+    Heterogeneous ranks: the rank the node pruned itself to, else ``rank``
+    (else the model's). With pruning, a narrower instruction than that rank
+    means the server knows the node at a pruned rank that the node's state
+    lost (a restarted node, a resumed run): the node takes it and keeps it.
+    """
+    if protocol.LORA_RANK in config:
+        return None
+    kept = _kept_rank(context) if leading else None
+    target = kept if kept is not None else rank
+    if leading and pruning:
+        width = _received_width(view.layout, content)
+        own = target if target is not None else max(m.rank for m in view.layout.modules)
+        if width is not None and 1 <= width < own:
+            _LOG.log(
+                INFO,
+                "node %s: the server sends rank %d, below the node's %d: it "
+                "knows the node at a pruned rank; training at rank %d",
+                context.node_id,
+                width,
+                own,
+                width,
+            )
+            context.state[protocol.RANK_STATE] = ConfigRecord({"rank": width})
+            target = width
+    return target
+
+
+_TailFactors = list[tuple[float, torch.nn.Parameter, torch.nn.Parameter, int]]
+
+
+def _tail_factors(view: LoraModel, start: int) -> _TailFactors:
+    """Each layer's ``(s, A, B, start)`` with a tail beyond ``start`` (live)."""
+    if start < 0:
+        raise ValueError(f"the tail starts at a component >= 0, got {start}")
+    params = parameters_by_key(view.model, view.layout)
+    return [
+        (m.scaling, params[m.a_key], params[m.b_key], start)
+        for m in view.layout.modules
+        if m.rank > start
+    ]
+
+
+def _tail_norm_of(factors: _TailFactors, dtype: torch.dtype | None) -> torch.Tensor:
+    """``sum_layers s ||B[:, start:] A[start:]||_F`` from ``t x t`` Grams."""
+    total: torch.Tensor | None = None
+    for scaling, a_full, b_full, start in factors:
+        a, b = a_full[start:], b_full[:, start:]
+        if dtype is not None:
+            a, b = a.to(dtype), b.to(dtype)
+        square = ((b.T @ b) * (a @ a.T)).sum()
+        # sqrt has no finite gradient at 0: a zero tail (B = 0) gets 0.
+        tiny = torch.finfo(square.dtype).tiny
+        norm = torch.where(
+            square > tiny,
+            torch.sqrt(torch.clamp(square, min=tiny)),
+            torch.zeros_like(square),
+        )
+        term = scaling * norm
+        total = term if total is None else total + term
+    if total is None:
+        return torch.zeros((), dtype=dtype or torch.float32)
+    return total
+
+
+def _pruning(
+    view: AdaptedModel, gamma: float, lam: float, leading: bool
+) -> tuple[RankPruning, Callable[[], torch.Tensor] | None]:
+    """The round's :class:`RankPruning` and its loss term (``None``: none)."""
+    if not isinstance(view, LoraModel) or not leading:
+        raise ProtocolError(
+            f"'{protocol.PRUNE_GAMMA}' prunes the rank of a LoRA model under "
+            f"'{protocol.LEADING_RANK}' (heterogeneous ranks); got a "
+            f"{type(view.layout).__name__}"
+            + ("" if leading else f" without '{protocol.LEADING_RANK}'")
+        )
+    ranks = sorted({m.rank for m in view.layout.modules})
+    if len(ranks) != 1:
+        raise ProtocolError(
+            f"'{protocol.PRUNE_GAMMA}' prunes one rank per model; the model's "
+            f"LoRA layers have ranks {ranks}"
+        )
+    rank = ranks[0]
+    keep = protocol.pruned_rank(rank, gamma)
+    factors = _tail_factors(view, keep) if keep < rank else []
+    with torch.no_grad():
+        before = float(_tail_norm_of(factors, torch.float64))
+    pruning = RankPruning(gamma=gamma, lam=lam, rank=rank, keep=keep, before=before)
+    if not factors or lam == 0:
+        return pruning, None
+    return pruning, lambda: lam * _tail_norm_of(factors, None)
 
 
 def _projections(view: AdaptedModel) -> Projections | None:
@@ -455,9 +785,12 @@ def _is_train(message: Message) -> bool:
     return kind == MessageType.TRAIN
 
 
-def _conform(view: LoraModel, config: ConfigRecord) -> list[LoraLayerChange]:
-    """Rank ``lora-rank`` and scaling ``lora-alpha / r`` on every LoRA layer."""
-    rank: int | None = None
+def _conform(
+    view: LoraModel, config: ConfigRecord, node_rank: int | None = None
+) -> list[LoraLayerChange]:
+    """Rank ``lora-rank`` (else ``node_rank``) and scaling ``lora-alpha / r``
+    on every LoRA layer."""
+    rank: int | None = node_rank
     alpha: float | None = None
     if protocol.LORA_RANK in config:
         rank = config_int(config, protocol.LORA_RANK)

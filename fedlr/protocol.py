@@ -31,8 +31,8 @@ ArrayRecord ``arrays``      exactly the arrays of ``train-roles``
 ArrayRecord (extra)         ``personal-gram``, ``eigen``, ``sketches`` when the
                             method asks for them
 MetricRecord ``metrics``    ``num-examples`` (the client's weight),
-                            ``train-loss``, FedEx's ``base-held`` and any
-                            metrics of the user's own
+                            ``train-loss``, FedEx's ``base-held``, HetLoRA's
+                            ``rank-pruned`` and any metrics of the user's own
 ==========================  ==================================================
 
 docs/architecture.md ("The record contract") has the full table.
@@ -88,7 +88,11 @@ __all__ = [
     "PROJECTION_RANK",
     "PROJECTION_SEED",
     "PROXIMAL_MU",
+    "PRUNE_GAMMA",
+    "PRUNE_LAMBDA",
     "QRMIX_STAGE",
+    "RANK_PRUNED",
+    "RANK_STATE",
     "SERVER_ROUND",
     "SKETCHES",
     "SKETCH_DIM",
@@ -103,6 +107,7 @@ __all__ = [
     "encode_roles",
     "gpse_fraction_key",
     "leading_rank",
+    "pruned_rank",
     "train_loss_of",
     "validate_arrays",
 ]
@@ -132,6 +137,9 @@ factored form (:mod:`fedlr.downlink`), sent instead of the dense base weights.""
 BASE_STATE = "fedlr-base"
 """Name under which a client keeps its base weights (an ArrayRecord) and
 their version (a ConfigRecord) in ``context.state``."""
+RANK_STATE = "fedlr-rank"
+"""Name of the ConfigRecord in ``context.state`` under which a node keeps the
+LoRA rank it pruned itself to (:data:`PRUNE_GAMMA`), key ``rank``."""
 
 # ------------------------------------------------------------ config keys
 SERVER_ROUND = "server-round"
@@ -186,6 +194,18 @@ FOLD_TAIL = "fold-tail"
 PROXIMAL_MU = "proximal-mu"
 """FedProx: weight ``mu`` of the clients' proximal term
 ``(mu / 2) ||theta - theta_global||^2`` over the trained parameters."""
+PRUNE_GAMMA = "prune-gamma"
+"""HetLoRA rank self-pruning: the decay factor ``gamma`` in (0, 1] (1: off).
+With ``leading-rank``, a node of rank ``r`` whose tail components
+``[r', r)``, ``r' = max(1, floor(gamma r))`` (:func:`pruned_rank`), have a
+smaller norm ``sum_layers ||s B[:, r':] A[r':]||_F`` (``s = alpha / r``)
+after its local training than before replies at rank ``r'`` (the leading
+``r'`` components, rescaled as :func:`leading_rank` does) and keeps that rank
+from then on (:data:`RANK_STATE`); its rank never grows back."""
+PRUNE_LAMBDA = "prune-lambda"
+"""HetLoRA rank self-pruning: weight ``lambda`` >= 0 of the term
+``lambda * sum_layers ||s B[:, r':] A[r':]||_F`` added to the training loss
+(:data:`PRUNE_GAMMA`)."""
 
 # ------------------------------------------------------------ metric keys
 NUM_EXAMPLES = "num-examples"
@@ -208,6 +228,9 @@ GPSE_EXAMPLES = "gpse-examples"
 BASE_HELD = "base-held"
 """FedEx reply metric: the ``base-version`` the node now keeps in its state
 (a node that sends it is sent factored changes from then on)."""
+RANK_PRUNED = "rank-pruned"
+"""HetLoRA reply metric with :data:`PRUNE_GAMMA` < 1: 1 if the node pruned its
+rank after this round's training (the reply is at the lower rank), else 0."""
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 """Dtypes a reply's arrays may have."""
@@ -443,6 +466,37 @@ def leading_rank(
         if b is not None:
             out[m.b_key] = gain * b[:, : m.rank]
     return out
+
+
+def pruned_rank(rank: int, gamma: float) -> int:
+    """The rank a node of rank ``r`` prunes itself to: ``max(1, floor(gamma r))``.
+
+    The rule of :data:`PRUNE_GAMMA` (up to a rounding allowance of ``1e-9``,
+    so that ``floor(0.57 * 100)`` is 57 although ``0.57 * 100`` is
+    56.99999999999999 in floating point).
+
+    Parameters
+    ----------
+    rank : int
+        The node's rank ``r`` >= 1.
+    gamma : float
+        The decay factor, in (0, 1].
+
+    Returns
+    -------
+    int
+        ``r'`` in ``[1, r]``; ``r' = r`` means nothing can be pruned.
+
+    Raises
+    ------
+    ProtocolError
+        If ``rank`` < 1 or ``gamma`` is not in (0, 1].
+    """
+    if rank < 1:
+        raise ProtocolError(f"a LoRA rank must be >= 1, got {rank}")
+    if not 0.0 < gamma <= 1.0:
+        raise ProtocolError(f"'{PRUNE_GAMMA}' must be in (0, 1], got {gamma}")
+    return max(1, min(rank, math.floor(gamma * rank + 1e-9)))
 
 
 def fold_tail(

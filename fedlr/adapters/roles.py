@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -228,6 +228,19 @@ class AdapterLayout(RoleLayout):
             yield Role.BASE, module.base_key, module.shape_of(Role.BASE)
         for key, shape in self.head_shapes.items():
             yield Role.HEAD, key, tuple(shape)
+
+    def at_rank(self, rank: int) -> AdapterLayout:
+        """This layout with every module at ``rank`` and scaling ``alpha / rank``
+        (``alpha = scaling * rank`` of each module): heterogeneous ranks."""
+        if rank < 1:
+            raise ValueError(f"a LoRA rank must be >= 1, got {rank}")
+        return replace(
+            self,
+            modules=tuple(
+                replace(m, rank=rank, scaling=m.scaling * m.rank / rank)
+                for m in self.modules
+            ),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form (see :meth:`from_dict`)."""

@@ -6,12 +6,14 @@ with ``server-round``, ``lr``, ``local-steps``, ``batch-size``,
 ``train-roles`` and the method's own keys: ``lora-rank`` and ``lora-alpha``
 (FedSpec grows the rank), ``keep-roles`` (FedSA-LoRA keeps ``B`` on the
 node and replies with ``personal-gram``), ``client-svd`` (Local SVD),
-``personal-split``, ``proximal-mu`` (FedProx-LoRA); an optional ArrayRecord
-``personal``, Global SVD's per-node factor) is applied by
+``personal-split``, ``proximal-mu`` (FedProx-LoRA), ``leading-rank`` and
+HetLoRA's ``prune-gamma``, ``prune-lambda`` (rank self-pruning); an optional
+ArrayRecord ``personal``, Global SVD's per-node factor) is applied by
 :func:`fedlr.client.apply_round`, the node trains its partition with AdamW
-and replies with exactly the ``train-roles`` arrays and a MetricRecord with
-``num-examples``, ``train-loss``, ``partition-id`` (and ``personal-loaded``
-for personalised methods). :mod:`fedlr.protocol` names every key.
+and replies with exactly the ``train-roles`` arrays (at its pruned rank when
+it prunes) and a MetricRecord with ``num-examples``, ``train-loss``,
+``partition-id`` (and ``personal-loaded`` for personalised methods,
+``rank-pruned`` with pruning). :mod:`fedlr.protocol` names every key.
 """
 
 from __future__ import annotations

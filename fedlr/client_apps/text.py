@@ -119,9 +119,15 @@ class TextClient(Generic[O]):
         options = self.options.from_run_config(context.run_config)
         pid, num = partition_of(context, config)
         model_config = config
+        rank = None
         if config.rank_list:  # heterogeneous ranks: this partition's own rank
-            model_config = config.replace(lora_rank=config.rank_for(pid))
-        job = apply_round(self.model(model_config, options), message, context)
+            rank = config.rank_for(pid)
+            model_config = config.replace(lora_rank=rank)
+        # The model may serve other nodes of this rank, one of which may have
+        # pruned it (HetLoRA): apply_round gives it this node's rank back.
+        job = apply_round(
+            self.model(model_config, options), message, context, rank=rank
+        )
         return config, options, job, pid, num
 
     def train(self, message: Message, context: Context) -> Message:
@@ -137,7 +143,7 @@ class TextClient(Generic[O]):
             settings,
             seed=client_seed(config.seed, job.server_round, pid),
             device=pick_device(config.device),
-            penalty=job.penalty if protocol.PROXIMAL_MU in job.config else None,
+            penalty=job.penalty if job.has_penalty else None,
         )
         job.model.to("cpu")
         return job.reply(num_examples=len(data), metrics={protocol.TRAIN_LOSS: loss})

@@ -10,6 +10,8 @@ back:
   client of rank ``r`` receives its best rank-``r`` approximation;
 * ``hetlora`` (Cho et al., 2024): the weighted mean of the zero-padded
   factors; a client of rank ``r`` receives the leading ``r`` components;
+  optionally, clients prune their own rank (``hetlora-prune-gamma``,
+  :class:`HetLoRA`);
 * ``flora`` (Wang et al., NeurIPS 2024): ``M`` exactly, folded into the
   base weights (through the factored downlink of
   :mod:`fedlr.strategies.fedex_downlink`); every client starts a fresh
@@ -25,8 +27,9 @@ components, scaled by ``sqrt(r / R)`` (then ``(alpha / r) B A`` is the
 leading part of ``(alpha / R) B_R A_R``; :func:`fedlr.client.apply_round`).
 Once a node has replied, the server knows its rank and sends it only those
 ``r`` components. Replies are validated at the rank their ``A`` declares,
-which must be one of the ``client-ranks``; a reply whose layers disagree on
-the rank is dropped naming the key.
+which must be one of the ``client-ranks`` (:meth:`HeteroRankLoRA.check_rank`;
+with HetLoRA's pruning, any rank up to the node's previous one); a reply
+whose layers disagree on the rank is dropped naming the key.
 
 Each round reports, per rank, the Frobenius gap of what a client of that rank
 receives against ``M`` (``gap-rank-<r>``), and the mean bytes down and up per
@@ -36,9 +39,9 @@ the round's clients of their received gaps (per layer in ``layers.csv``).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 import torch
@@ -59,7 +62,7 @@ from fedlr.linalg import (
     received_gap,
     stacked_update,
 )
-from fedlr.options import Options
+from fedlr.options import NoOptions, Options, option, require
 from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.fedex_downlink import DownlinkOptions, FactoredDownlink
@@ -70,6 +73,7 @@ __all__ = [
     "FLoRA",
     "FlexLoRA",
     "HetLoRA",
+    "HetLoRAOptions",
     "HeteroRankLoRA",
     "LayerUpdates",
     "layout_at_rank",
@@ -77,14 +81,9 @@ __all__ = [
 
 
 def layout_at_rank(layout: AdapterLayout, rank: int) -> AdapterLayout:
-    """``layout`` with every module at ``rank`` and its ``alpha / r`` scaling."""
-    return dataclasses.replace(
-        layout,
-        modules=tuple(
-            dataclasses.replace(m, rank=rank, scaling=m.scaling * m.rank / rank)
-            for m in layout.modules
-        ),
-    )
+    """``layout`` with every module at ``rank`` and its ``alpha / r`` scaling
+    (:meth:`AdapterLayout.at_rank`)."""
+    return layout.at_rank(rank)
 
 
 class LayerUpdates(NamedTuple):
@@ -345,15 +344,25 @@ class HeteroRankLoRA(LoraStrategy):
         rank = self._declared_rank(message)
         if rank is None:
             return super().validate_reply(message, expected)
+        self.check_rank(node, rank)
+        shapes = layout_at_rank(self.layout, rank).shapes(*self.train_roles)
+        update = self.validate_at_rank(message, shapes)
+        self.node_ranks[node] = rank
+        return update
+
+    def check_rank(self, node: int, rank: int) -> None:
+        """Refuse a reply of ``node`` at ``rank`` unless it is a client rank.
+
+        Raises
+        ------
+        ReplyValidationError
+            Naming the node, if ``rank`` is not one of ``client_ranks``.
+        """
         if rank not in self.client_ranks:
             raise ReplyValidationError(
                 node,
                 f"rank {rank} is not one of the client ranks {list(self.client_ranks)}",
             )
-        shapes = layout_at_rank(self.layout, rank).shapes(*self.train_roles)
-        update = self.validate_at_rank(message, shapes)
-        self.node_ranks[node] = rank
-        return update
 
     def validate_at_rank(
         self, message: Message, shapes: Mapping[str, tuple[int, ...]]
@@ -413,17 +422,179 @@ class FlexLoRA(HeteroRankLoRA):
         return gaps, math.sqrt(max(svd.total_energy, 0.0))
 
 
+@dataclass(frozen=True)
+class HetLoRAOptions(NoOptions):
+    """HetLoRA's run-config keys: rank self-pruning."""
+
+    hetlora_prune_gamma: float = option(
+        1.0,
+        "hetlora: rank self-pruning's decay factor gamma in (0, 1]; a client of "
+        "rank r whose last components [max(1, floor(gamma r)), r) shrank in "
+        "norm during local training prunes to rank max(1, floor(gamma r)) for "
+        "good; 1.0: no pruning",
+    )
+    hetlora_prune_lambda: float = option(
+        0.1,
+        "hetlora: weight lambda >= 0 of the pruning term lambda * sum over "
+        "layers of ||(alpha / r) B_tail A_tail||_F in the clients' loss (used "
+        "when hetlora-prune-gamma < 1)",
+    )
+
+    def check(self) -> None:
+        require(
+            0.0 < self.hetlora_prune_gamma <= 1.0,
+            "hetlora-prune-gamma",
+            f"must be in (0, 1], got {self.hetlora_prune_gamma}",
+        )
+        require(
+            math.isfinite(self.hetlora_prune_lambda) and self.hetlora_prune_lambda >= 0,
+            "hetlora-prune-lambda",
+            f"must be finite and >= 0, got {self.hetlora_prune_lambda}",
+        )
+
+
+PRUNING_COLUMNS = ("mean-client-rank", "pruned-clients")
+"""``results.csv`` columns of HetLoRA with rank self-pruning."""
+
+
 @register_method(
     "hetlora",
     payload=LORA,
+    options=HetLoRAOptions,
     summary="heterogeneous ranks: mean of the zero-padded factors; each client "
-    "keeps the leading components at its own rank",
+    "keeps the leading components at its own rank (optionally pruning it)",
 )
 class HetLoRA(HeteroRankLoRA):
     """HetLoRA: zero-padding aggregation, truncation to each client's rank.
 
-    Parameters: see :class:`HeteroRankLoRA`.
+    Rank self-pruning (``prune_gamma`` < 1; the paper's Section 3): the round's
+    ConfigRecord carries ``prune-gamma`` and ``prune-lambda``; a client of
+    rank ``r`` adds ``lambda * sum_layers ||s B[:, r':] A[r':]||_F``
+    (``r' = max(1, floor(gamma r))``, ``s = alpha / r``) to its loss and, if
+    that tail norm is lower after training than as received, replies at rank
+    ``r'`` and keeps it (:func:`fedlr.client.apply_round`). One rank per
+    client, for all its layers (the norms are summed over the layers). The
+    server then accepts a reply at any rank ``1 .. R`` up to the node's
+    previous rank (:meth:`check_rank`); a node whose rank grows is dropped.
+    A pruned client is sent only its ``r'`` components from then on. The
+    round reports ``mean-client-rank`` (the round's replies) and
+    ``pruned-clients`` (replies that pruned this round); ``gap-rank-<r>`` and
+    the per-rank bytes stay those of the configured ``client-ranks`` (a
+    client pruned to one of them counts there).
+
+    Parameters
+    ----------
+    prune_gamma : float, default 1.0
+        The decay factor ``gamma`` in (0, 1]; 1: no pruning.
+    prune_lambda : float, default 0.1
+        The pruning term's weight ``lambda`` >= 0.
+    **kwargs
+        Other parameters: see :class:`HeteroRankLoRA`.
+
+    Raises
+    ------
+    ConfigError
+        Naming ``hetlora-prune-gamma`` or ``hetlora-prune-lambda`` for a value
+        out of range.
     """
+
+    def __init__(
+        self, *, prune_gamma: float = 1.0, prune_lambda: float = 0.1, **kwargs: Any
+    ) -> None:
+        HetLoRAOptions(  # the same checks as the keys
+            hetlora_prune_gamma=prune_gamma, hetlora_prune_lambda=prune_lambda
+        )
+        super().__init__(**kwargs)
+        self.prune_gamma = float(prune_gamma)
+        self.prune_lambda = float(prune_lambda)
+        self._shrunk: set[int] = set()
+        if self.pruning:
+            self.extra_columns = (*self.extra_columns, *PRUNING_COLUMNS)
+
+    @property
+    def pruning(self) -> bool:
+        """Whether clients prune their rank (``prune_gamma`` < 1)."""
+        return self.prune_gamma < 1.0
+
+    @classmethod
+    def strategy_kwargs(
+        cls, config: RunConfig, options: Options | None
+    ) -> dict[str, Any]:
+        opts = HetLoRAOptions.of(options)
+        return {
+            **super().strategy_kwargs(config, options),
+            "prune_gamma": opts.hetlora_prune_gamma,
+            "prune_lambda": opts.hetlora_prune_lambda,
+        }
+
+    def options(self) -> dict[str, Any]:
+        if not self.pruning:
+            return super().options()
+        return {
+            **super().options(),
+            "prune_gamma": self.prune_gamma,
+            "prune_lambda": self.prune_lambda,
+        }
+
+    def round_config(self, server_round: int) -> dict[str, Any]:
+        """The base round config, plus ``prune-gamma`` and ``prune-lambda``."""
+        config = super().round_config(server_round)
+        if self.pruning:
+            config[protocol.PRUNE_GAMMA] = self.prune_gamma
+            config[protocol.PRUNE_LAMBDA] = self.prune_lambda
+        return config
+
+    def check_rank(self, node: int, rank: int) -> None:
+        """With pruning: any rank ``1 .. R`` not above the node's previous one.
+
+        Raises
+        ------
+        ReplyValidationError
+            Naming the node: without pruning, a rank that is not a client
+            rank; with pruning, a rank above the node's previous rank (or R).
+        """
+        if not self.pruning:
+            super().check_rank(node, rank)
+            return
+        known = node in self.node_ranks
+        previous = self.node_ranks.get(node, self.rank)
+        if rank > previous:
+            raise ReplyValidationError(
+                node,
+                f"rank {rank} grew from {previous}: a node that pruned its rank "
+                "never grows it back"
+                if known
+                else f"rank {rank} exceeds the largest client rank {previous}",
+            )
+        if known and rank < previous:
+            self._shrunk.add(node)
+
+    def validate_replies(
+        self, replies: list[Message]
+    ) -> tuple[list[ClientUpdate], list[str]]:
+        self._shrunk = set()
+        return super().validate_replies(replies)
+
+    def aggregate_updates(
+        self,
+        server_round: int,
+        updates: list[ClientUpdate],
+        current: dict[str, torch.Tensor],
+    ) -> tuple[dict[str, torch.Tensor], RoundReport]:
+        state, report = super().aggregate_updates(server_round, updates, current)
+        if self.pruning:
+            key = self.layout.modules[0].a_key
+            ranks = [int(u.arrays[key].shape[0]) for u in updates]
+            report.metrics["mean-client-rank"] = sum(ranks) / len(ranks)
+            report.metrics["pruned-clients"] = float(
+                sum(
+                    1
+                    for u in updates
+                    if u.node_id in self._shrunk
+                    or u.metrics.get(protocol.RANK_PRUNED, 0.0) >= 0.5
+                )
+            )
+        return state, report
 
     def aggregate_layer(
         self,
@@ -434,7 +605,9 @@ class HetLoRA(HeteroRankLoRA):
         b, a = hetlora_factors(*layer.factors, self.rank)
         self.set_factors(layer.module, b, a, current, state)
         left, right = stacked_update(*layer.factors)
-        gaps = {r: received_gap(left, right, b, a, r) for r in self.client_ranks}
+        # The configured ranks (report columns) and any pruned rank this round.
+        ranks = sorted({*self.client_ranks, *(int(x.shape[0]) for x in layer.as_)})
+        gaps = {r: received_gap(left, right, b, a, r) for r in ranks}
         return gaps, factored_frobenius_norm(left, right)
 
 

@@ -86,6 +86,8 @@ AT_PARSE: dict[str, tuple[object, str]] = {
     "fedex-lr": (1.5, r"in \(0, 1\]"),
     "fedex-downlink": ("sparse", r"one of \['factored', 'dense'\]"),
     "fedspec-energy": ("sigma3", r"one of \['sigma2', 'sigma'\]"),
+    "hetlora-prune-gamma": (0.0, r"in \(0, 1\]"),
+    "hetlora-prune-lambda": (-1.0, "finite and >= 0"),
     "sorf-rank": (65, "must be <= 64"),
     "sorf-d-scale-initial": (float("nan"), "must be finite"),
 }
