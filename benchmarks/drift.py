@@ -12,7 +12,8 @@ be stopped and resumed.
 
 ``python -m benchmarks.drift run [--datasets polarity,bbc-news] [--ranks 8,16]
 [--steps 5,40] [--seeds 0,1,2] [--methods ...] [--runs DIR]``
-    run the missing cells (one CPU thread; progress on stderr);
+    run the missing cells (one CPU thread; progress on stderr; several
+    processes may run at once on different methods or seeds);
 ``python -m benchmarks.drift table [--runs DIR] [--out DIR]``
     tabulate what has finished: ``drift.csv`` (one row per run),
     ``summary.csv`` / ``summary.md`` (mean ± std over seeds, and the
@@ -106,16 +107,18 @@ def run(args: argparse.Namespace) -> None:
         if _finished(target):
             continue
         started = time.perf_counter()
+        # A scratch directory per run: several processes may share a cell.
+        scratch = target.parent / f"tmp-{target.name}"
         out = run_in_process(
             {
                 **cell_config(dataset, steps, rank, method, seed),
-                "output-dir": str(target.parent / "tmp"),
+                "output-dir": str(scratch),
             }
         )
         if target.exists():
             shutil.rmtree(target)
         out.rename(target)
-        shutil.rmtree(target.parent / "tmp", ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
         print(
             f"[{n}/{len(cells)}] {target.relative_to(args.runs)}: "
             f"{time.perf_counter() - started:.0f} s",
