@@ -231,7 +231,10 @@ def test_polar_factor_matches_dense_and_is_orthogonal(r: int, seed: int) -> None
     polar = polar_factor(m)
     o_ref, d_ref = dense_polar(m)
     tol = 50 * EPS * r * cond
-    torch.testing.assert_close(polar.o, o_ref, rtol=0, atol=tol)
+    # The reference goes through eigh(M^T M), which squares the condition
+    # number: its own error is of order eps * cond^2 (r = 3, seed 159: 1e-10
+    # at cond 780). The defining properties below are held to ``tol``.
+    torch.testing.assert_close(polar.o, o_ref, rtol=0, atol=tol * cond)
     torch.testing.assert_close(
         polar.singular_values, d_ref, rtol=0, atol=tol * float(d_ref[0])
     )
