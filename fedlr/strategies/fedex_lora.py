@@ -37,12 +37,12 @@ References
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar, Self, cast
+from typing import Any, ClassVar
 
 import torch
 
 from fedlr import protocol
-from fedlr.adapters.roles import AdapterLayout, Role
+from fedlr.adapters.roles import Role
 from fedlr.config import RunConfig
 from fedlr.downlink import lowrank_delta
 from fedlr.linalg import (
@@ -86,20 +86,7 @@ class FedExLoRA(FactoredDownlink, FedAvgLoRA):
 
     heterogeneous_ranks: ClassVar[bool] = True
     """Accepts ``client-ranks`` (then :meth:`from_run_config` builds a
-    :class:`HeteroFedExLoRA`)."""
-
-    @classmethod
-    def from_run_config(
-        cls,
-        config: RunConfig,
-        layout: AdapterLayout,
-        options: Options | None = None,
-    ) -> Self:
-        """As :meth:`LoraStrategy.from_run_config`; a :class:`HeteroFedExLoRA`
-        when the run sets ``client-ranks`` (``layout`` at the largest)."""
-        if config.rank_list:
-            return cast(Self, HeteroFedExLoRA.from_run_config(config, layout, options))
-        return super().from_run_config(config, layout, options)
+    :class:`HeteroFedExLoRA`, its ``hetero_variant``)."""
 
     @classmethod
     def strategy_kwargs(
@@ -295,3 +282,6 @@ class HeteroFedExLoRA(HeteroRankLoRA, FactoredDownlink):
         return self.factored_bound(
             {m.name: (q, m.d_out, m.d_in) for m in self.layout.modules}
         )
+
+
+FedExLoRA.hetero_variant = HeteroFedExLoRA

@@ -55,7 +55,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from logging import INFO
-from typing import Any, ClassVar, Self, cast
+from typing import Any, ClassVar
 
 import torch
 from flwr.app import Message
@@ -217,19 +217,6 @@ class FedSpec(SvdLoraStrategy):
             )
         self.layout = layout_at_rank(self.layout, rank)
         self.rank_history = [int(r) for r in state.get("rank-history", [])]
-
-    @classmethod
-    def from_run_config(
-        cls,
-        config: RunConfig,
-        layout: AdapterLayout,
-        options: Options | None = None,
-    ) -> Self:
-        """As :meth:`LoraStrategy.from_run_config`; a :class:`HeteroFedSpec`
-        when the run sets ``client-ranks`` (``layout`` at the largest)."""
-        if config.rank_list and not issubclass(cls, HeteroFedSpec):
-            return cast(Self, HeteroFedSpec.from_run_config(config, layout, options))
-        return super().from_run_config(config, layout, options)
 
     @classmethod
     def strategy_kwargs(
@@ -414,3 +401,6 @@ class HeteroFedSpec(HeteroRankLoRA, FedSpec):
         )
         report.metrics["tail-energy"] = tail
         return state, report
+
+
+FedSpec.hetero_variant = HeteroFedSpec

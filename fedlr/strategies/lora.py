@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from logging import INFO, WARNING
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Self, cast
 
 import torch
 from flwr.app import ArrayRecord
@@ -56,6 +56,10 @@ class LoraStrategy(FedLRStrategy):
     send_roles: ClassVar[tuple[Role, ...]] = (Role.LORA_A, Role.LORA_B, Role.HEAD)
     train_roles: ClassVar[tuple[Role, ...]] = (Role.LORA_A, Role.LORA_B, Role.HEAD)
 
+    hetero_variant: ClassVar[type[LoraStrategy] | None] = None
+    """The strategy :meth:`from_run_config` builds instead when the run sets
+    ``client-ranks`` (FedEx-LoRA, FedSpec); ``None``: this one."""
+
     def __init__(self, *, layout: AdapterLayout, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.layout = layout
@@ -76,7 +80,13 @@ class LoraStrategy(FedLRStrategy):
         options : Options, optional
             The method's registered options (:meth:`strategy_kwargs` reads
             them); ``None``: their defaults.
+
+        With ``client-ranks`` set and a :attr:`hetero_variant`, that variant
+        is built instead (``layout`` at the largest client rank).
         """
+        variant = cls.hetero_variant
+        if config.rank_list and variant is not None and not issubclass(cls, variant):
+            return cast(Self, variant.from_run_config(config, layout, options))
         return cls(
             layout=layout,
             **cls.base_options(config),
