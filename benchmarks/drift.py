@@ -238,7 +238,10 @@ def figure(summary: pd.DataFrame, path: Path) -> None:
                 capsize=3,
             )
     ax.axhline(0.0, color="0.5", lw=0.8)
-    ax.set_xscale("symlog", linthresh=1e-6)
+    if (others["mean-gap"] > 0).all():
+        ax.set_xscale("log")
+    else:  # FLoRA's gap is 0
+        ax.set_xscale("symlog", linthresh=1e-6)
     ax.set_xlabel("mean Frobenius gap (method's own)")
     ax.set_ylabel("final accuracy - FedIT's (paired seeds)")
     ax.legend(fontsize=7, ncol=2)
