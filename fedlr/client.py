@@ -545,7 +545,6 @@ def apply_round(
     state = initial_state(view)
     wide = record_to_state(array_record(content, protocol.ARRAYS))
     received = wide
-    leading = leading and isinstance(view, LoraModel)
     if leading and isinstance(view, LoraModel):
         received = protocol.leading_rank(view.layout, wide)
     view.layout.check_shapes({k: v.shape for k, v in received.items()})

@@ -56,7 +56,7 @@ from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
 from fedlr.strategies.fedex_downlink import DownlinkOptions, FactoredDownlink
-from fedlr.strategies.hetero import HeteroRankLoRA, LayerUpdates
+from fedlr.strategies.hetero import HeteroRankLoRA, LayerResult, LayerUpdates
 from fedlr.strategies.registry import register_method
 
 __all__ = ["FedExLoRA", "HeteroFedExLoRA"]
@@ -202,19 +202,11 @@ class HeteroFedExLoRA(HeteroRankLoRA, FactoredDownlink):
         layer: LayerUpdates,
         current: Mapping[str, torch.Tensor],
         state: dict[str, torch.Tensor],
-    ) -> tuple[dict[int, float], float]:
-        _, norm = self.fold_layer(layer, current, state)
-        return {r: 0.0 for r in self.client_ranks}, norm
-
-    def fold_layer(
-        self,
-        layer: LayerUpdates,
-        current: Mapping[str, torch.Tensor],
-        state: dict[str, torch.Tensor],
-    ) -> tuple[float, float]:
+    ) -> LayerResult:
         """Write one layer's new ``A``, ``B`` and base weight into ``state``.
 
-        Returns ``(||M - s_R B' A'||_F, ||M||_F)``.
+        Every rank receives the mean exactly (gap 0); the layer's
+        ``frobenius-gap`` is ``||M - s_R B' A'||_F``.
         """
         module = layer.module
         base = current.get(module.base_key)
@@ -229,8 +221,8 @@ class HeteroFedExLoRA(HeteroRankLoRA, FactoredDownlink):
         a_old = current[module.a_key].to(f64)
         total = float(sum(layer.weights))
         cover = torch.zeros(self.rank, dtype=f64)  # c_k
-        for w, a in zip(layer.weights, layer.as_, strict=True):
-            cover[int(a.shape[0]) :] += w / total
+        for w, a_i in zip(layer.weights, layer.as_, strict=True):
+            cover[int(a_i.shape[0]) :] += w / total
         m_left, m_right = stacked_update(*layer.factors)
         b, a, _ = flexlora_factors(*layer.factors, self.rank)
         self.set_factors(module, b, a, current, state)
@@ -251,30 +243,16 @@ class HeteroFedExLoRA(HeteroRankLoRA, FactoredDownlink):
             delta,
             lambda: torch.addmm(base.to(f64), left, right).to(base.dtype),
         )
-        return (
-            factored_frobenius_norm(rest_left, rest_right),
+        return LayerResult(
+            {r: 0.0 for r in self.client_ranks},
             factored_frobenius_norm(m_left, m_right),
+            factored_frobenius_norm(rest_left, rest_right),
         )
 
-    def aggregate_updates(
-        self,
-        server_round: int,
-        updates: list[ClientUpdate],
-        current: dict[str, torch.Tensor],
-    ) -> tuple[dict[str, torch.Tensor], RoundReport]:
-        state = dict(current)
-        state.update(self.weighted_means(updates, self.layout.keys(Role.HEAD)))
-        folded = {
-            layer.module.name: self.fold_layer(layer, current, state)
-            for layer in self.layer_updates(updates)
-        }
-        exact = {r: 0.0 for r in self.client_ranks}
-        report = self.rank_report(
-            updates,
-            {name: (exact, norm) for name, (_, norm) in folded.items()},
-            layer_gaps=folded,
-        )
-        return state, self.publish_base(state, report)
+    def finish_report(
+        self, state: Mapping[str, torch.Tensor], report: RoundReport
+    ) -> RoundReport:
+        return self.publish_base(state, report)
 
     def step_bytes_bound(self, sampled: int) -> float:
         """One change has rank at most ``(k + 2) R``."""

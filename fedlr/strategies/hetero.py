@@ -75,6 +75,7 @@ __all__ = [
     "HetLoRA",
     "HetLoRAOptions",
     "HeteroRankLoRA",
+    "LayerResult",
     "LayerUpdates",
     "layout_at_rank",
 ]
@@ -84,6 +85,19 @@ def layout_at_rank(layout: AdapterLayout, rank: int) -> AdapterLayout:
     """``layout`` with every module at ``rank`` and its ``alpha / r`` scaling
     (:meth:`AdapterLayout.at_rank`)."""
     return layout.at_rank(rank)
+
+
+class LayerResult(NamedTuple):
+    """One adapted layer's aggregation, as :meth:`HeteroRankLoRA.aggregate_layer`
+    returns it."""
+
+    gaps: dict[int, float]
+    """The gap of what a client of each rank receives against ``M``."""
+    norm: float
+    """``||M||_F``."""
+    gap: float | None = None
+    """The layer's ``frobenius-gap`` when it is not the clients' received gaps
+    (FedEx-LoRA: the part of ``M`` folded into ``W0``)."""
 
 
 class LayerUpdates(NamedTuple):
@@ -256,18 +270,21 @@ class HeteroRankLoRA(LoraStrategy):
         """Head averaged; each layer by :meth:`aggregate_layer`."""
         state = dict(current)
         state.update(self.weighted_means(updates, self.layout.keys(Role.HEAD)))
-        layers = {
+        results = {
             layer.module.name: self.aggregate_layer(layer, current, state)
             for layer in self.layer_updates(updates)
         }
-        return state, self.finish_report(state, self.rank_report(updates, layers))
+        layers = {name: (r.gaps, r.norm) for name, r in results.items()}
+        own = {n: (r.gap, r.norm) for n, r in results.items() if r.gap is not None}
+        report = self.rank_report(updates, layers, layer_gaps=own or None)
+        return state, self.finish_report(state, report)
 
     def aggregate_layer(
         self,
         layer: LayerUpdates,
         current: Mapping[str, torch.Tensor],
         state: dict[str, torch.Tensor],
-    ) -> tuple[dict[int, float], float]:
+    ) -> LayerResult:
         """Write one layer's new global arrays into ``state``.
 
         Returns the gap of what a client of each rank receives against
@@ -415,11 +432,11 @@ class FlexLoRA(HeteroRankLoRA):
         layer: LayerUpdates,
         current: Mapping[str, torch.Tensor],
         state: dict[str, torch.Tensor],
-    ) -> tuple[dict[int, float], float]:
+    ) -> LayerResult:
         b, a, svd = flexlora_factors(*layer.factors, self.rank)
         self.set_factors(layer.module, b, a, current, state)
         gaps = {r: math.sqrt(max(svd.energy_beyond(r), 0.0)) for r in self.client_ranks}
-        return gaps, math.sqrt(max(svd.total_energy, 0.0))
+        return LayerResult(gaps, math.sqrt(max(svd.total_energy, 0.0)))
 
 
 @dataclass(frozen=True)
@@ -601,14 +618,14 @@ class HetLoRA(HeteroRankLoRA):
         layer: LayerUpdates,
         current: Mapping[str, torch.Tensor],
         state: dict[str, torch.Tensor],
-    ) -> tuple[dict[int, float], float]:
+    ) -> LayerResult:
         b, a = hetlora_factors(*layer.factors, self.rank)
         self.set_factors(layer.module, b, a, current, state)
         left, right = stacked_update(*layer.factors)
         # The configured ranks (report columns) and any pruned rank this round.
         ranks = sorted({*self.client_ranks, *(int(x.shape[0]) for x in layer.as_)})
         gaps = {r: received_gap(left, right, b, a, r) for r in ranks}
-        return gaps, factored_frobenius_norm(left, right)
+        return LayerResult(gaps, factored_frobenius_norm(left, right))
 
 
 @register_method(
@@ -644,7 +661,7 @@ class FLoRA(HeteroRankLoRA, FactoredDownlink):
         layer: LayerUpdates,
         current: Mapping[str, torch.Tensor],
         state: dict[str, torch.Tensor],
-    ) -> tuple[dict[int, float], float]:
+    ) -> LayerResult:
         module = layer.module
         base = current.get(module.base_key)
         if base is None:
@@ -664,7 +681,9 @@ class FLoRA(HeteroRankLoRA, FactoredDownlink):
             delta,
             lambda: torch.addmm(base.to(torch.float64), left, right).to(base.dtype),
         )
-        return {r: 0.0 for r in self.client_ranks}, factored_frobenius_norm(left, right)
+        return LayerResult(
+            {r: 0.0 for r in self.client_ranks}, factored_frobenius_norm(left, right)
+        )
 
     def finish_report(
         self, state: Mapping[str, torch.Tensor], report: RoundReport
