@@ -56,7 +56,7 @@ from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
 from fedlr.strategies.fedex_downlink import DownlinkOptions, FactoredDownlink
-from fedlr.strategies.hetero import HeteroRankLoRA, LayerResult, LayerUpdates
+from fedlr.strategies.hetero import HeteroFoldLoRA, LayerResult, LayerUpdates
 from fedlr.strategies.registry import register_method
 
 __all__ = ["FedExLoRA", "HeteroFedExLoRA"]
@@ -147,7 +147,7 @@ class FedExLoRA(FactoredDownlink, FedAvgLoRA):
         return state, self.publish_base(state, self.gap_report(updates, residuals))
 
 
-class HeteroFedExLoRA(HeteroRankLoRA, FactoredDownlink):
+class HeteroFedExLoRA(HeteroFoldLoRA):
     """FedEx-LoRA over clients of different ranks (``client-ranks``).
 
     The global state is FlexLoRA's: ``A``, ``B`` at the largest rank ``R``,
@@ -182,15 +182,6 @@ class HeteroFedExLoRA(HeteroRankLoRA, FactoredDownlink):
     trims_downlink: ClassVar[bool] = False  # a node needs the tail it folds
 
     send_roles: ClassVar[tuple[Role, ...]] = FedExLoRA.send_roles
-
-    @classmethod
-    def strategy_kwargs(
-        cls, config: RunConfig, options: Options | None
-    ) -> dict[str, Any]:
-        return {
-            **super().strategy_kwargs(config, options),
-            "fedex_downlink": DownlinkOptions.of(options).fedex_downlink,
-        }
 
     def round_config(self, server_round: int) -> dict[str, Any]:
         config = super().round_config(server_round)
@@ -248,11 +239,6 @@ class HeteroFedExLoRA(HeteroRankLoRA, FactoredDownlink):
             factored_frobenius_norm(m_left, m_right),
             factored_frobenius_norm(rest_left, rest_right),
         )
-
-    def finish_report(
-        self, state: Mapping[str, torch.Tensor], report: RoundReport
-    ) -> RoundReport:
-        return self.publish_base(state, report)
 
     def step_bytes_bound(self, sampled: int) -> float:
         """One change has rank at most ``(k + 2) R``."""

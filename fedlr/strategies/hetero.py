@@ -74,6 +74,7 @@ __all__ = [
     "FlexLoRA",
     "HetLoRA",
     "HetLoRAOptions",
+    "HeteroFoldLoRA",
     "HeteroRankLoRA",
     "LayerResult",
     "LayerUpdates",
@@ -628,6 +629,30 @@ class HetLoRA(HeteroRankLoRA):
         return LayerResult(gaps, factored_frobenius_norm(left, right))
 
 
+class HeteroFoldLoRA(HeteroRankLoRA, FactoredDownlink):
+    """Heterogeneous ranks with a fold into the base weights (FLoRA,
+    FedEx-LoRA's :class:`~fedlr.strategies.fedex_lora.HeteroFedExLoRA`):
+    ``fedex-downlink`` from the run config, W0 published after every layer.
+
+    Parameters: see :class:`HeteroRankLoRA` and ``fedex_downlink``
+    (:class:`~fedlr.strategies.fedex_downlink.FactoredDownlink`).
+    """
+
+    @classmethod
+    def strategy_kwargs(
+        cls, config: RunConfig, options: Options | None
+    ) -> dict[str, Any]:
+        return {
+            **super().strategy_kwargs(config, options),
+            "fedex_downlink": DownlinkOptions.of(options).fedex_downlink,
+        }
+
+    def finish_report(
+        self, state: Mapping[str, torch.Tensor], report: RoundReport
+    ) -> RoundReport:
+        return self.publish_base(state, report)
+
+
 @register_method(
     "flora",
     payload=LORA,
@@ -635,7 +660,7 @@ class HetLoRA(HeteroRankLoRA):
     summary="heterogeneous ranks: the exact sum of products (stacked factors) "
     "folded into W0; fresh adapters at each client's rank every round",
 )
-class FLoRA(HeteroRankLoRA, FactoredDownlink):
+class FLoRA(HeteroFoldLoRA):
     """FLoRA: stack the clients' factors, fold the exact sum into ``W0``.
 
     Sends the head and the base weights (``A``, ``B`` never travel down:
@@ -646,15 +671,6 @@ class FLoRA(HeteroRankLoRA, FactoredDownlink):
     """
 
     send_roles: ClassVar[tuple[Role, ...]] = (Role.HEAD, Role.BASE)
-
-    @classmethod
-    def strategy_kwargs(
-        cls, config: RunConfig, options: Options | None
-    ) -> dict[str, Any]:
-        return {
-            **super().strategy_kwargs(config, options),
-            "fedex_downlink": DownlinkOptions.of(options).fedex_downlink,
-        }
 
     def aggregate_layer(
         self,
@@ -684,11 +700,6 @@ class FLoRA(HeteroRankLoRA, FactoredDownlink):
         return LayerResult(
             {r: 0.0 for r in self.client_ranks}, factored_frobenius_norm(left, right)
         )
-
-    def finish_report(
-        self, state: Mapping[str, torch.Tensor], report: RoundReport
-    ) -> RoundReport:
-        return self.publish_base(state, report)
 
     def step_bytes_bound(self, sampled: int) -> float:
         """The stacked sum has rank at most ``k R``."""
