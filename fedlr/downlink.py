@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -527,14 +527,36 @@ class BaseLedger:
     last_change_nbytes: float | None = None
     held: dict[int, int] = field(default_factory=dict)
     steps: list[_Step] = field(default_factory=list)
+    # the objects the weights last adopted came from (see sync's ``source``)
+    _source: tuple[object, ...] | None = field(default=None, repr=False)
 
-    def sync(self, base: Mapping[str, torch.Tensor]) -> None:
+    def sync(
+        self,
+        base: Mapping[str, torch.Tensor],
+        *,
+        source: Iterable[object] | None = None,
+    ) -> None:
         """Adopt this round's global base weights.
 
         The ones :meth:`publish` recorded keep their version; any others
         (the first round, a run resumed from arrays the ledger has not seen)
         start a new version that every node is sent dense.
+
+        ``source`` (the immutable Flower ``Array`` objects ``base`` was read
+        from, in ``keys`` order) lets a second call with the very same
+        objects, e.g. ``configure_evaluate`` after ``configure_train`` on the
+        same arrays, skip the checksums; :meth:`publish` and
+        :meth:`load_state_dict` forget it.
         """
+        seen = tuple(source) if source is not None else None
+        if (
+            seen is not None
+            and self._source is not None
+            and len(seen) == len(self._source)
+            and all(a is b for a, b in zip(seen, self._source, strict=True))
+        ):
+            return
+        self._source = seen
         checks = [checksum(k, base[k]) for k in self.keys]
         if self.checks is not None and checks == self.checks:
             return
@@ -568,6 +590,7 @@ class BaseLedger:
             total += step.nbytes
         self.steps = kept[::-1]
         self.checks = [checksum(k, base[k]) for k in self.keys]
+        self._source = None
 
     def confirm(self, node: int, version: float) -> None:
         """Record that ``node`` keeps ``version``.
@@ -640,6 +663,7 @@ class BaseLedger:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._source = None
         self.version = int(state["version"])
         checks = state["checks"]
         self.checks = [float(c) for c in checks] if checks is not None else None

@@ -9,9 +9,12 @@ found, when the message does not follow the protocol.
 
 from __future__ import annotations
 
+import io
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import TypeVar, cast
 
+import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
@@ -25,6 +28,7 @@ __all__ = [
     "config_str",
     "record_nbytes",
     "record_to_state",
+    "record_views",
     "state_to_record",
     "wire_tensor",
 ]
@@ -63,6 +67,43 @@ def state_to_record(
 def record_to_state(record: ArrayRecord) -> dict[str, torch.Tensor]:
     """Unpack an ``ArrayRecord`` into CPU tensors (dtype preserved)."""
     return dict(record.to_torch_state_dict())
+
+
+_HEADER_READERS = {
+    (1, 0): np.lib.format.read_array_header_1_0,
+    (2, 0): np.lib.format.read_array_header_2_0,
+}
+
+
+def record_views(record: ArrayRecord, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+    """Read-only CPU tensors over the payloads of ``record``'s ``keys``, no copy.
+
+    For reading the server's own arrays (checksums, sizes) without
+    :func:`record_to_state`'s copy of every payload: at LLM sizes that copy
+    is seconds per call. The tensors share memory with the immutable
+    ``bytes`` of each ``Array``: never write to them. Arrays not serialised
+    as ``numpy.ndarray`` are decoded with a copy. Not for untrusted replies
+    (:func:`fedlr.protocol.decode_array` checks those).
+    """
+    views: dict[str, torch.Tensor] = {}
+    for key in keys:
+        array = record[key]
+        if array.stype != "numpy.ndarray":
+            views[key] = torch.from_numpy(array.numpy())
+            continue
+        header = io.BytesIO(array.data)
+        version = np.lib.format.read_magic(header)
+        read = _HEADER_READERS.get(version)
+        if read is None:
+            views[key] = torch.from_numpy(array.numpy())
+            continue
+        shape, fortran, dtype = read(header)
+        flat = np.frombuffer(array.data, dtype=dtype, offset=header.tell())
+        view = flat.reshape(shape, order="F" if fortran else "C")
+        with warnings.catch_warnings():  # the bytes are immutable; we only read
+            warnings.simplefilter("ignore", UserWarning)
+            views[key] = torch.from_numpy(view)
+    return views
 
 
 def record_nbytes(record: ArrayRecord) -> int:

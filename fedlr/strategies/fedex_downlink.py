@@ -23,7 +23,7 @@ from fedlr import protocol
 from fedlr.adapters.roles import Role
 from fedlr.downlink import BaseDelta, BaseLedger, encode_steps
 from fedlr.errors import ReplyValidationError
-from fedlr.flower.records import record_nbytes, record_to_state
+from fedlr.flower.records import record_nbytes, record_views
 from fedlr.options import NoOptions, option, require
 from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
 
@@ -230,7 +230,9 @@ class FactoredDownlink(FedLRStrategy):
         if not self.factored or not messages:
             return messages
         keys = self.base_keys()
-        self.ledger.sync(record_to_state(ArrayRecord({k: arrays[k] for k in keys})))
+        self.ledger.sync(
+            record_views(arrays, keys), source=[arrays[k] for k in keys]
+        )
         if count:
             self._keep = self.worth_keeping(len(messages))
         if not self._keep:

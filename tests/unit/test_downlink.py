@@ -302,6 +302,70 @@ def test_ledger_starts_a_new_version_for_arrays_it_did_not_publish():
     assert ledger.version == 1 and ledger.plan(1) is None and not ledger.steps
 
 
+def test_ledger_skips_the_checksums_for_the_same_source_objects(monkeypatch):
+    """configure_evaluate after configure_train hands the same Arrays: no
+    second pass over the weights; new objects, a publish or a restored state
+    always check again (a rejected round can bring old arrays back)."""
+    import fedlr.downlink as downlink
+    from fedlr.flower.records import record_views
+
+    calls: list[str] = []
+    real = downlink.checksum
+    monkeypatch.setattr(
+        downlink, "checksum", lambda k, w: calls.append(k) or real(k, w)
+    )
+    ledger = BaseLedger(list(KEYS))
+    record = state_to_record(_base(0))
+    sources = [record[k] for k in KEYS]
+    ledger.sync(record_views(record, KEYS), source=sources)
+    assert len(calls) == len(KEYS) and ledger.version == 0
+    ledger.sync(record_views(record, KEYS), source=sources)
+    assert len(calls) == len(KEYS)  # same objects: skipped
+    # the same values in new objects are checked (and keep the version)
+    again = state_to_record(_base(0))
+    ledger.sync(record_views(again, KEYS), source=[again[k] for k in KEYS])
+    assert len(calls) == 2 * len(KEYS) and ledger.version == 0
+    # other weights under the remembered objects' successors: a new version
+    other = state_to_record(_base(1))
+    ledger.sync(record_views(other, KEYS), source=[other[k] for k in KEYS])
+    assert ledger.version == 1
+    # a restored state forgets the source: the old arrays are checked again
+    state = ledger.state_dict()
+    ledger.sync(record_views(other, KEYS), source=[other[k] for k in KEYS])
+    ledger.load_state_dict(state)
+    calls.clear()
+    ledger.sync(record_views(again, KEYS), source=[again[k] for k in KEYS])
+    assert len(calls) == len(KEYS) and ledger.version == 2
+    # publish forgets it too
+    ledger.publish(_delta(1), _base(0))
+    calls.clear()
+    ledger.sync(record_views(again, KEYS), source=[again[k] for k in KEYS])
+    assert len(calls) == len(KEYS)
+
+
+def test_record_views_equal_the_decoded_arrays_without_a_copy():
+    from fedlr.flower.records import record_to_state, record_views
+
+    state = {
+        "w": torch.randn(5, 3),
+        "t": torch.randn(4, 6).t(),  # non-contiguous source
+        "d": torch.randn(7, dtype=F64),
+        "h": torch.randn(2, 2).half(),
+        "s": torch.tensor(3.0),
+    }
+    record = state_to_record(state)
+    views = record_views(record, state)
+    decoded = record_to_state(record)
+    for key, want in decoded.items():
+        assert views[key].dtype == want.dtype and torch.equal(views[key], want)
+        assert views[key].data_ptr() != want.data_ptr()
+    # a view points into the Array's payload bytes (CPython: a bytes object's
+    # data follows its header at id()), i.e. nothing was copied
+    payload = record["w"].data
+    start = id(payload)
+    assert start < views["w"].data_ptr() < start + len(payload) + 64
+
+
 def test_ledger_state_round_trip():
     ledger = BaseLedger(list(KEYS))
     v = _base(0)
