@@ -58,7 +58,6 @@ from logging import INFO
 from typing import Any, ClassVar
 
 import torch
-from flwr.app import Message
 from flwr.supercore import log
 
 from fedlr import protocol
@@ -81,7 +80,6 @@ from fedlr.options import NoOptions, Options, option, require
 from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.hetero import HeteroRankLoRA, layout_at_rank
-from fedlr.strategies.lora import LoraStrategy
 from fedlr.strategies.lora_svd import SvdLoraStrategy
 from fedlr.strategies.registry import register_method
 
@@ -349,12 +347,6 @@ class HeteroFedSpec(HeteroRankLoRA, FedSpec):
         config = super().round_config(server_round)
         del config[protocol.LORA_RANK]
         return config
-
-    def validate_at_rank(
-        self, message: Message, shapes: Mapping[str, tuple[int, ...]]
-    ) -> ClientUpdate:
-        """LoRA's checks at the declared rank (not FedSpec's one-rank check)."""
-        return LoraStrategy.validate_reply(self, message, shapes)
 
     def aggregate_updates(
         self,

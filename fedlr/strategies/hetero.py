@@ -388,6 +388,13 @@ class HeteroRankLoRA(LoraStrategy):
         """The base classes' checks of a reply, at its declared rank's shapes."""
         return super().validate_reply(message, shapes)
 
+    def check_reply_rank(self, message: Message) -> None:
+        """No one-rank check: :meth:`validate_reply` checks the declared rank.
+
+        (A mixin's override of ``SvdLoraStrategy.check_reply_rank``, e.g. in
+        :class:`~fedlr.strategies.fedspec.HeteroFedSpec`.)
+        """
+
     def _declared_rank(self, message: Message) -> int | None:
         """The rank the reply's first ``A`` (else ``B``) declares, unread.
 

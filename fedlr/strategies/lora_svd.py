@@ -95,23 +95,39 @@ class SvdLoraStrategy(LoraStrategy):
     ) -> ClientUpdate:
         """Drop a reply whose factors have another rank, then the base checks."""
         if not message.has_error():
-            records = message.content.array_records
-            if self.arrayrecord_key in records:
-                record = records[self.arrayrecord_key]
-                node = int(message.metadata.src_node_id)
-                for module in self.layout.modules:
-                    for key, axis in ((module.a_key, 0), (module.b_key, 1)):
-                        if key not in record:
-                            continue
-                        shape = tuple(record[key].shape)
-                        if len(shape) == 2 and shape[axis] != module.rank:
-                            raise ReplyValidationError(
-                                node,
-                                f"rank mismatch in layer '{module.name}': '{key}' "
-                                f"has shape {shape} (rank {shape[axis]}), this "
-                                f"round's rank is {module.rank}",
-                            )
+            self.check_reply_rank(message)
         return super().validate_reply(message, expected)
+
+    def check_reply_rank(self, message: Message) -> None:
+        """Every factor of the reply has this round's rank.
+
+        Named before the shape checks, so a client of another rank is told
+        so rather than shown a shape. Heterogeneous-rank strategies
+        (:class:`~fedlr.strategies.hetero.HeteroRankLoRA`) check the rank a
+        reply declares instead, and make this a no-op.
+
+        Raises
+        ------
+        ReplyValidationError
+            Naming the node, the layer, the key and both ranks.
+        """
+        records = message.content.array_records
+        if self.arrayrecord_key not in records:
+            return
+        record = records[self.arrayrecord_key]
+        node = int(message.metadata.src_node_id)
+        for module in self.layout.modules:
+            for key, axis in ((module.a_key, 0), (module.b_key, 1)):
+                if key not in record:
+                    continue
+                shape = tuple(record[key].shape)
+                if len(shape) == 2 and shape[axis] != module.rank:
+                    raise ReplyValidationError(
+                        node,
+                        f"rank mismatch in layer '{module.name}': '{key}' "
+                        f"has shape {shape} (rank {shape[axis]}), this "
+                        f"round's rank is {module.rank}",
+                    )
 
     def check_ranks(self, updates: Sequence[ClientUpdate]) -> None:
         """Every update carrying both factors of a layer has one rank.
