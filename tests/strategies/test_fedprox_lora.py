@@ -58,7 +58,8 @@ def test_proximal_term_value_and_gradient():
         layer.weight.add_(torch.randn(3, 5))
     value = term()
     diff = layer.weight.detach() - start
-    assert float(value) == pytest.approx(0.35 * float(diff.pow(2).sum()), rel=1e-6)
+    want = 0.35 * float(diff.pow(2).sum())
+    assert float(value.detach()) == pytest.approx(want, rel=1e-6)
     value.backward()
     torch.testing.assert_close(layer.weight.grad, 0.7 * diff)
 
