@@ -1,10 +1,12 @@
-"""Base of every fedlr strategy: one validation path, weighting, metrics.
+"""Base of every fedlr strategy: the round driver, weighting, metrics.
 
 A subclass declares which arrays a valid reply carries (:meth:`reply_shapes`)
 and implements :meth:`aggregate_updates`, a pure function of the validated
-updates and the current global state. Everything Flower-specific (reading
-records, dropping bad replies with a logged reason, byte counts, the
-``MetricRecord``) lives here once.
+updates and the current global state. Everything Flower-specific (the
+round's messages, robust weighting, rejecting a round, byte counts, the
+``MetricRecord``) lives here once; the one validation path for replies is
+:class:`~fedlr.strategies.replies.ReplyChecks`, mixed in (``ClientUpdate``
+is re-exported from here).
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ from fedlr.config import RunConfig
 from fedlr.errors import (
     InitialArraysError,
     NoValidRepliesError,
-    ProtocolError,
     ReplyValidationError,
 )
 from fedlr.flower.records import record_nbytes, record_to_state, state_to_record
@@ -44,15 +45,14 @@ from fedlr.linalg import weighted_mean
 from fedlr.protocol import (
     LR,
     NUM_EXAMPLES,
-    PARTITION_ID,
     TRAIN_LOSS,
     TRAIN_LOSS_ALIASES,
     TRAIN_ROLES,
     encode_roles,
     train_loss_of,
-    validate_arrays,
 )
 from fedlr.robust import ParameterSpace, RobustConfig, UpdateSpace, robust_aggregate
+from fedlr.strategies.replies import ClientUpdate, ReplyChecks, short
 
 __all__ = ["ClientUpdate", "FedLRStrategy", "RoundReport"]
 
@@ -62,58 +62,6 @@ NUMERIC_FAULTS: tuple[type[BaseException], ...] = (
 )
 """Errors of an aggregation kernel that reject the round, not the run (a
 failed SVD, an overflow)."""
-
-
-def _node_of(message: Message) -> int:
-    try:
-        return int(message.metadata.src_node_id)
-    except Exception:  # a message without metadata
-        return -1
-
-
-def _short(text: str, limit: int = 200) -> str:
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-@dataclass(frozen=True)
-class ClientUpdate:
-    """A validated client reply.
-
-    Attributes
-    ----------
-    node_id : int
-    arrays : dict of str to torch.Tensor
-        Exactly the keys of :meth:`FedLRStrategy.reply_shapes`.
-    num_examples : int
-        The client's weight.
-    metrics : dict of str to float
-        Other scalar metrics of the reply (e.g. ``train-loss``).
-    content : flwr.app.RecordDict
-        The whole reply, for methods that send extra named records.
-    nbytes : int
-        Bytes of the reply's arrays.
-    weight : float
-        The client's aggregation weight: ``num_examples`` unless a robust
-        option (:mod:`fedlr.robust`) capped or re-weighted it. Kernels weight
-        by this, never by ``num_examples`` directly.
-    """
-
-    node_id: int
-    arrays: dict[str, torch.Tensor]
-    num_examples: int
-    metrics: dict[str, float]
-    content: RecordDict
-    nbytes: int
-    weight: float = -1.0
-
-    def __post_init__(self) -> None:
-        if self.weight < 0:
-            object.__setattr__(self, "weight", float(self.num_examples))
-
-    @property
-    def partition_id(self) -> int:
-        """The client's partition id if it reported one, else -1."""
-        return int(self.metrics.get(PARTITION_ID, -1))
 
 
 @dataclass
@@ -176,7 +124,7 @@ class RoundReport:
         )
 
 
-class FedLRStrategy(FedAvg):
+class FedLRStrategy(ReplyChecks, FedAvg):
     """Message-API strategy with validated replies and a pure aggregation hook.
 
     Used as a plug-in in a user's own ServerApp (Flower's ``strategy.start()``)
@@ -615,7 +563,7 @@ class FedLRStrategy(FedAvg):
             state, report = self.aggregate_updates(server_round, updates, current)
         except NUMERIC_FAULTS as exc:
             rejection: str | None = (
-                f"the aggregation failed: {type(exc).__name__}: {_short(str(exc))}"
+                f"the aggregation failed: {type(exc).__name__}: {short(str(exc))}"
             )
         else:
             rejection = self.check_new_state(state, current)
@@ -689,42 +637,6 @@ class FedLRStrategy(FedAvg):
                 f"{self.max_update_ratio} x the current norm {norm:.4g}"
             )
         return None
-
-    def screen_replies(self, replies: list[Message]) -> tuple[list[Message], list[str]]:
-        """Keep each instructed node's first reply; name the others and the silent.
-
-        Returns
-        -------
-        kept : list of Message
-            One reply per node (every node when no instruction was recorded,
-            e.g. under the legacy API).
-        dropped : list of str
-            Reasons for a node's second reply, a reply from a node that was not
-            sent an instruction this round, and each instructed node without a
-            reply. The recorded instruction is used once.
-        """
-        sent = self._sent
-        self._sent = None
-        kept: list[Message] = []
-        dropped: list[str] = []
-        seen: set[int] = set()
-        for message in replies:
-            node = int(message.metadata.src_node_id)
-            if node in seen:
-                reason = "duplicate reply (the node's first reply is kept)"
-            elif sent is not None and node not in sent:
-                reason = "the node was not sent an instruction this round"
-            else:
-                seen.add(node)
-                kept.append(message)
-                continue
-            dropped.append(str(ReplyValidationError(node, reason)))
-        if sent is not None:
-            dropped += [
-                f"node {node}: no reply (timed out or lost)"
-                for node in sorted(set(sent) - seen)
-            ]
-        return kept, dropped
 
     @staticmethod
     def mean_train_loss(updates: list[ClientUpdate]) -> float:
@@ -810,148 +722,3 @@ class FedLRStrategy(FedAvg):
         if not contents:
             return None
         return self.evaluate_metrics_aggr_fn(contents, self.weighted_by_key)
-
-    # -------------------------------------------------------------- validation
-    def validate_replies(
-        self, replies: list[Message]
-    ) -> tuple[list[ClientUpdate], list[str]]:
-        """Split replies into valid updates and reasons for the dropped ones.
-
-        Nothing a client sends escapes this: a reply that makes any check
-        fail unexpectedly (an error other than :class:`ReplyValidationError`)
-        is dropped too, with the error named, and the round goes on.
-        """
-        expected = self.reply_shapes()
-        updates: list[ClientUpdate] = []
-        dropped: list[str] = []
-        for message in replies:
-            try:
-                updates.append(self.validate_reply(message, expected))
-            except ReplyValidationError as exc:
-                dropped.append(str(exc))
-            except Exception as exc:  # untrusted input: never crash
-                node = _node_of(message)
-                dropped.append(
-                    str(
-                        ReplyValidationError(
-                            node,
-                            f"reply could not be checked: {type(exc).__name__}: "
-                            f"{_short(str(exc))}",
-                        )
-                    )
-                )
-        updates.sort(key=lambda u: (u.partition_id, u.node_id))
-        return updates, dropped
-
-    def reply_weight(self, node: int, content: RecordDict) -> tuple[MetricRecord, int]:
-        """A reply's one MetricRecord and its weight (``weighted_by_key``).
-
-        Raises
-        ------
-        ReplyValidationError
-            If the reply has not exactly one MetricRecord, or the weight is
-            missing or not a positive integer.
-        """
-        metric_records = list(content.metric_records.values())
-        if len(metric_records) != 1:
-            raise ReplyValidationError(
-                node, f"expected one MetricRecord, got {len(metric_records)}"
-            )
-        metrics = metric_records[0]
-        num = metrics.get(self.weighted_by_key)
-        if num is None:
-            raise ReplyValidationError(node, f"missing '{self.weighted_by_key}'")
-        if (
-            isinstance(num, (list, bool))
-            or not isinstance(num, (int, float))
-            or not math.isfinite(float(num))
-            or float(num) < 1
-            or float(num) != int(num)
-        ):
-            raise ReplyValidationError(
-                node, f"'{self.weighted_by_key}' must be a positive integer, got {num}"
-            )
-        if self.max_num_examples is not None and num > self.max_num_examples:
-            raise ReplyValidationError(
-                node,
-                f"'{self.weighted_by_key}' = {num:.6g} exceeds max-num-examples "
-                f"{self.max_num_examples}",
-            )
-        return metrics, int(num)
-
-    @staticmethod
-    def extra_arrays(
-        update: ClientUpdate, name: str, expected: Mapping[str, tuple[int, ...]]
-    ) -> dict[str, torch.Tensor]:
-        """A reply's extra ArrayRecord ``name``, checked like its ``arrays``.
-
-        The one validator (:func:`fedlr.protocol.validate_arrays`) for the
-        records methods add (FedSA's ``personal-gram``, QR-Mix's ``eigen``,
-        FOT's ``sketches``).
-
-        Raises
-        ------
-        ReplyValidationError
-            If the record is absent, has other keys or shapes, a non-floating
-            dtype, NaN or Inf.
-        """
-        records = update.content.array_records
-        if name not in records:
-            raise ReplyValidationError(update.node_id, f"no ArrayRecord '{name}'")
-        try:
-            return validate_arrays(records[name], expected, name=name)
-        except ProtocolError as exc:
-            raise ReplyValidationError(update.node_id, str(exc)) from exc
-
-    def validate_reply(
-        self, message: Message, expected: Mapping[str, tuple[int, ...]]
-    ) -> ClientUpdate:
-        """Check one reply: error flag, records, keys, shapes, dtype, finiteness.
-
-        The arrays are checked by :func:`fedlr.protocol.validate_arrays`; a
-        wrong key set names what the client must send (:meth:`reply_hint`).
-
-        Raises
-        ------
-        ReplyValidationError
-            With the node id and what was wrong.
-        """
-        node = int(message.metadata.src_node_id)
-        if message.has_error():
-            raise ReplyValidationError(node, f"client error: {message.error.reason}")
-        content = message.content
-        if self.arrayrecord_key not in content.array_records:
-            raise ReplyValidationError(
-                node, f"no ArrayRecord '{self.arrayrecord_key}' in the reply"
-            )
-        metrics, num = self.reply_weight(node, content)
-        record = content.array_records[self.arrayrecord_key]
-        try:
-            arrays = validate_arrays(
-                record, expected, name=self.arrayrecord_key, hint=self.reply_hint()
-            )
-        except ProtocolError as exc:
-            raise ReplyValidationError(node, str(exc)) from None
-        scalars = {
-            k: float(v)
-            for k, v in metrics.items()
-            if k != self.weighted_by_key
-            and isinstance(v, (int, float))
-            and not isinstance(v, bool)
-        }
-        partition = scalars.get(PARTITION_ID)
-        if partition is not None and not (
-            math.isfinite(partition) and partition >= 0 and partition == int(partition)
-        ):
-            raise ReplyValidationError(
-                node,
-                f"'{PARTITION_ID}' must be a non-negative integer, got {partition}",
-            )
-        return ClientUpdate(
-            node_id=node,
-            arrays=arrays,
-            num_examples=num,
-            metrics=scalars,
-            content=content,
-            nbytes=record_nbytes(record),
-        )
