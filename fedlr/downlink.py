@@ -44,6 +44,7 @@ sends the node dense weights the next time it is sampled.
 from __future__ import annotations
 
 import math
+import operator
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -498,6 +499,10 @@ class _Step:
     nbytes: int
 
 
+def _same_objects(a: tuple[object, ...], b: tuple[object, ...] | None) -> bool:
+    return b is not None and len(a) == len(b) and all(map(operator.is_, a, b))
+
+
 @dataclass
 class BaseLedger:
     """The server's record of base-weight versions and who holds which.
@@ -549,12 +554,7 @@ class BaseLedger:
         :meth:`load_state_dict` forget it.
         """
         seen = tuple(source) if source is not None else None
-        if (
-            seen is not None
-            and self._source is not None
-            and len(seen) == len(self._source)
-            and all(a is b for a, b in zip(seen, self._source, strict=True))
-        ):
+        if seen is not None and _same_objects(seen, self._source):
             return
         self._source = seen
         checks = [checksum(k, base[k]) for k in self.keys]

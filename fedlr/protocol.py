@@ -51,6 +51,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord
 
 from fedlr.adapters.roles import AdapterLayout, Role
 from fedlr.errors import ProtocolError
+from fedlr.flower.records import read_npy_header
 
 __all__ = [
     "ARRAYS",
@@ -365,14 +366,7 @@ def decode_array(array: object, shape: tuple[int, ...], *, where: str) -> torch.
         )
     stream = io.BytesIO(data)
     with _undecodable(where):
-        version = np.lib.format.read_magic(stream)
-        read_header = (
-            np.lib.format.read_array_header_1_0
-            if version == (1, 0)
-            else np.lib.format.read_array_header_2_0
-        )
-        header_shape, _, descr = read_header(stream)
-        dtype = np.dtype(descr)
+        header_shape, _, dtype = read_npy_header(stream)
     if (
         tuple(header_shape) != tuple(shape)
         or dtype.name != str(array.dtype)

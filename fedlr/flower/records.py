@@ -12,11 +12,11 @@ from __future__ import annotations
 import io
 import warnings
 from collections.abc import Iterable, Mapping
-from typing import TypeVar, cast
+from typing import BinaryIO, TypeVar, cast
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from fedlr.errors import RecordMissingError, RecordTypeError
 
@@ -26,6 +26,7 @@ __all__ = [
     "config_int",
     "config_record",
     "config_str",
+    "read_npy_header",
     "record_nbytes",
     "record_to_state",
     "record_views",
@@ -69,10 +70,21 @@ def record_to_state(record: ArrayRecord) -> dict[str, torch.Tensor]:
     return dict(record.to_torch_state_dict())
 
 
-_HEADER_READERS = {
-    (1, 0): np.lib.format.read_array_header_1_0,
-    (2, 0): np.lib.format.read_array_header_2_0,
-}
+def read_npy_header(stream: BinaryIO) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """Shape, Fortran order and dtype of the ``.npy`` bytes at ``stream``.
+
+    How Flower serialises an ``Array`` (``stype = "numpy.ndarray"``). Leaves
+    ``stream`` at the first data byte. Raises what numpy raises for bytes
+    that are not a ``.npy`` header.
+    """
+    version = np.lib.format.read_magic(stream)
+    read = (
+        np.lib.format.read_array_header_1_0
+        if version == (1, 0)
+        else np.lib.format.read_array_header_2_0
+    )
+    shape, fortran, descr = read(stream)
+    return tuple(shape), bool(fortran), np.dtype(descr)
 
 
 def record_views(record: ArrayRecord, keys: Iterable[str]) -> dict[str, torch.Tensor]:
@@ -85,25 +97,18 @@ def record_views(record: ArrayRecord, keys: Iterable[str]) -> dict[str, torch.Te
     as ``numpy.ndarray`` are decoded with a copy. Not for untrusted replies
     (:func:`fedlr.protocol.decode_array` checks those).
     """
-    views: dict[str, torch.Tensor] = {}
-    for key in keys:
-        array = record[key]
-        if array.stype != "numpy.ndarray":
-            views[key] = torch.from_numpy(array.numpy())
-            continue
-        header = io.BytesIO(array.data)
-        version = np.lib.format.read_magic(header)
-        read = _HEADER_READERS.get(version)
-        if read is None:
-            views[key] = torch.from_numpy(array.numpy())
-            continue
-        shape, fortran, dtype = read(header)
-        flat = np.frombuffer(array.data, dtype=dtype, offset=header.tell())
-        view = flat.reshape(shape, order="F" if fortran else "C")
-        with warnings.catch_warnings():  # the bytes are immutable; we only read
-            warnings.simplefilter("ignore", UserWarning)
-            views[key] = torch.from_numpy(view)
-    return views
+    return {key: _payload_view(record[key]) for key in keys}
+
+
+def _payload_view(array: Array) -> torch.Tensor:
+    if array.stype != "numpy.ndarray":
+        return torch.from_numpy(array.numpy())
+    stream = io.BytesIO(array.data)
+    shape, fortran, dtype = read_npy_header(stream)
+    flat = np.frombuffer(array.data, dtype=dtype, offset=stream.tell())
+    with warnings.catch_warnings():  # the bytes are immutable; we only read
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(flat.reshape(shape, order="F" if fortran else "C"))
 
 
 def record_nbytes(record: ArrayRecord) -> int:

@@ -364,7 +364,7 @@ class HeteroRankLoRA(LoraStrategy):
             return super().validate_reply(message, expected)
         self.check_rank(node, rank)
         shapes = layout_at_rank(self.layout, rank).shapes(*self.train_roles)
-        update = self.validate_at_rank(message, shapes)
+        update = super().validate_reply(message, shapes)  # at the declared rank
         self.node_ranks[node] = rank
         return update
 
@@ -381,12 +381,6 @@ class HeteroRankLoRA(LoraStrategy):
                 node,
                 f"rank {rank} is not one of the client ranks {list(self.client_ranks)}",
             )
-
-    def validate_at_rank(
-        self, message: Message, shapes: Mapping[str, tuple[int, ...]]
-    ) -> ClientUpdate:
-        """The base classes' checks of a reply, at its declared rank's shapes."""
-        return super().validate_reply(message, shapes)
 
     def check_reply_rank(self, message: Message) -> None:
         """No one-rank check: :meth:`validate_reply` checks the declared rank.
