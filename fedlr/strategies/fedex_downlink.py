@@ -1,7 +1,7 @@
 """The FedEx methods' factored downlink, on the server (:mod:`fedlr.downlink`).
 
 :class:`FactoredDownlink` is mixed into FedEx-LoRA and VeRA-FedEx: it keeps a
-:class:`~fedlr.downlink.BaseLedger`, tells every instruction the version and
+:class:`~fedlr.ledger.BaseLedger`, tells every instruction the version and
 checksum of the base weights it leads to, and, per node, replaces the dense
 base weights with the changes the node missed when it keeps the earlier ones
 and the changes are smaller. A node's ``base-held`` reply metric is checked
@@ -21,9 +21,10 @@ from flwr.serverapp import Grid
 
 from fedlr import protocol
 from fedlr.adapters.roles import Role
-from fedlr.downlink import BaseDelta, BaseLedger, encode_steps
+from fedlr.downlink import BaseDelta, encode_steps
 from fedlr.errors import ReplyValidationError
 from fedlr.flower.records import record_nbytes, record_views
+from fedlr.ledger import BaseLedger
 from fedlr.options import NoOptions, option, require
 from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
 

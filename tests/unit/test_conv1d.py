@@ -49,7 +49,6 @@ from fedlr.downlink import (
     LOWRANK,
     VERA,
     BaseDelta,
-    BaseLedger,
     decode_steps,
     encode_steps,
     receive_base,
@@ -57,6 +56,7 @@ from fedlr.downlink import (
 )
 from fedlr.errors import ShapeMismatchError, UnsupportedModelError
 from fedlr.flower.records import record_to_state
+from fedlr.ledger import BaseLedger
 from fedlr.linalg import StreamedResidual, stacked_residual
 from fedlr.linalg.vera import fold_vera_residual
 from fedlr.strategies import FedExLoRA, FLoRA, VeraFedEx

@@ -13,7 +13,6 @@ from fedlr.downlink import (
     LOWRANK,
     VERA,
     BaseDelta,
-    BaseLedger,
     checksum,
     decode_steps,
     encode_steps,
@@ -23,6 +22,7 @@ from fedlr.downlink import (
 )
 from fedlr.errors import BaseOutOfSyncError, ShapeMismatchError
 from fedlr.flower.records import state_to_record
+from fedlr.ledger import BaseLedger
 from fedlr.linalg import stacked_residual
 
 F64 = torch.float64
@@ -306,13 +306,13 @@ def test_ledger_skips_the_checksums_for_the_same_source_objects(monkeypatch):
     """configure_evaluate after configure_train hands the same Arrays: no
     second pass over the weights; new objects, a publish or a restored state
     always check again (a rejected round can bring old arrays back)."""
-    import fedlr.downlink as downlink
+    import fedlr.ledger as ledger_module
     from fedlr.flower.records import record_views
 
     calls: list[str] = []
-    real = downlink.checksum
+    real = ledger_module.checksum
     monkeypatch.setattr(
-        downlink, "checksum", lambda k, w: calls.append(k) or real(k, w)
+        ledger_module, "checksum", lambda k, w: calls.append(k) or real(k, w)
     )
     ledger = BaseLedger(list(KEYS))
     record = state_to_record(_base(0))
