@@ -6,7 +6,10 @@ Plug-in users import strategies from here::
     from fedlr import apply_round  # the client side of a plug-in ClientApp
 
 The library itself (``fedlr.linalg``, ``fedlr.adapters``, ...) does not import
-Flower; strategy names are resolved lazily from the ``strategies`` package.
+Flower; names are resolved lazily. Every registered method's strategy class is
+exported under its class name, found in the method registry
+(:func:`fedlr.strategies.registry.registered_methods`), so a new method is
+importable from here without an edit to this file.
 """
 
 from __future__ import annotations
@@ -17,30 +20,11 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "FedAvgLoRA": "fedlr.strategies",
-    "FedExLoRA": "fedlr.strategies",
-    "FedProxLoRA": "fedlr.strategies",
-    "FOT": "fedlr.strategies",
-    "FedAvgContinual": "fedlr.strategies",
     "FedLRStrategy": "fedlr.strategies",
     "LoraStrategy": "fedlr.strategies",
-    "QRMix": "fedlr.strategies",
-    "VisionFedAvg": "fedlr.strategies",
-    "FedAvgVeRA": "fedlr.strategies",
-    "VeraFedEx": "fedlr.strategies",
-    "SorfVeRA": "fedlr.strategies",
     "available_methods": "fedlr.strategies",
     "get_method": "fedlr.strategies",
     "LegacyStrategy": "fedlr.strategies.legacy",
-    "FFALoRA": "fedlr.strategies",
-    "FedSVD": "fedlr.strategies",
-    "FedSpec": "fedlr.strategies",
-    "FedSALoRA": "fedlr.strategies",
-    "GlobalSVD": "fedlr.strategies",
-    "LocalSVD": "fedlr.strategies",
-    "FlexLoRA": "fedlr.strategies",
-    "HetLoRA": "fedlr.strategies",
-    "FLoRA": "fedlr.strategies",
     "AdapterLayout": "fedlr.adapters",
     "LoraSettings": "fedlr.adapters",
     "adapter_state": "fedlr.adapters",
@@ -58,10 +42,24 @@ _LAZY = {
     "build_sorf_vera_model": "fedlr.adapters",
 }
 
-__all__ = ["__version__", *sorted(_LAZY)]
+
+def _strategies() -> dict[str, Any]:
+    """Every registered method's strategy class, by class name."""
+    registry = importlib.import_module("fedlr.strategies.registry")
+    return {s.strategy.__name__: s.strategy for s in registry.registered_methods()}
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name == "__all__":
+        return ["__version__", *sorted({*_LAZY, *_strategies()})]
+    if name[:1].isupper():  # a class name, never a submodule's
+        strategies = _strategies()
+        if name in strategies:
+            return strategies[name]
     raise AttributeError(f"module 'fedlr' has no attribute '{name}'")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY, *_strategies()})

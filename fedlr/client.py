@@ -9,7 +9,8 @@ adapted model to :func:`apply_round`, trains as they like, and answers with
     def train(message: Message, context: Context) -> Message:
         job = apply_round(build_model(), message, context)
         optimizer = torch.optim.SGD(job.parameters(), lr=job.lr)
-        ...  # your loop; add job.penalty() to the loss
+        ...  # your loop: add job.penalty() to the loss, call
+        ...  # job.after_backward() after each backward()
         return job.reply(num_examples=n, metrics={"train-loss": loss})
 
 The model is a peft ``PeftModel`` with LoRA (``get_peft_model`` with a
@@ -18,7 +19,10 @@ The model is a peft ``PeftModel`` with LoRA (``get_peft_model`` with a
 methods that never send a frozen factor (FFA-LoRA's ``A``) rely on every node
 holding the same one.
 
-What :func:`apply_round` does with the instruction (:mod:`fedlr.protocol`):
+What :func:`apply_round` does with the instruction (:mod:`fedlr.protocol`).
+The common round is here; what one method adds is a client feature
+(:class:`fedlr.features.ClientFeature`) in that method's module, switched on
+by the instruction's keys (the method named after each item below):
 
 * **rank and scaling** (LoRA): rebuilds the adapter at the round's
   ``lora-rank`` (FedSpec grows it) and sets every layer's scaling to
@@ -76,12 +80,11 @@ import math
 import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from logging import INFO, WARNING, getLogger
+from logging import WARNING, getLogger
 from typing import cast
 
 import torch
 from flwr.app import (
-    ArrayRecord,
     ConfigRecord,
     Context,
     Message,
@@ -101,9 +104,9 @@ from fedlr.adapters.plugin import (
 )
 from fedlr.adapters.roles import AdaptedModel, AdapterLayout, Role, RoleLayout
 from fedlr.adapters.sorf_vera import SorfVeraLayout
-from fedlr.adapters.vera import VeraLayout, VeraModel, check_projection
-from fedlr.downlink import Projections, receive_base
+from fedlr.adapters.vera import VeraLayout, check_projection
 from fedlr.errors import ProtocolError
+from fedlr.features import ClientFeature
 from fedlr.flower.records import (
     array_record,
     config_float,
@@ -112,14 +115,8 @@ from fedlr.flower.records import (
     record_to_state,
     state_to_record,
 )
-from fedlr.linalg import local_svd_factors
-from fedlr.pruning import (
-    RankPruning,
-    node_rank,
-    pruning_settings,
-    round_pruning,
-    tail_norm,
-)
+from fedlr.pruning import RankPruning, node_rank, pruning_settings, tail_norm
+from fedlr.strategies.registry import client_features
 
 __all__ = ["ClientRound", "RankPruning", "apply_round", "tail_norm"]
 
@@ -174,6 +171,9 @@ class ClientRound:
     pruning : RankPruning or None
         The round's rank self-pruning (a ``train`` instruction with
         ``prune-gamma`` < 1), else ``None``.
+    features : tuple of ClientFeature
+        The methods' client features this instruction switched on
+        (:mod:`fedlr.features`), in the order they run.
     """
 
     model: torch.nn.Module
@@ -183,10 +183,11 @@ class ClientRound:
     config: ConfigRecord
     train_roles: tuple[Role, ...]
     keep_roles: tuple[Role, ...]
-    personal_loaded: bool
+    personal_loaded: bool = False
     changes: tuple[LoraLayerChange, ...] = ()
     base_version: int | None = None
     pruning: RankPruning | None = None
+    features: tuple[ClientFeature, ...] = ()
     _penalty: Callable[[], torch.Tensor] | None = field(default=None, repr=False)
 
     # ------------------------------------------------------------ the round
@@ -229,16 +230,38 @@ class ClientRound:
     def penalty(self) -> torch.Tensor:
         """A term to add to your training loss.
 
-        FedProx's proximal term ``(mu / 2) sum_p ||p - p_0||^2`` over the
-        trained parameters, ``p_0`` their values as received, when the
-        strategy sends ``proximal-mu`` > 0; plus HetLoRA's pruning term
-        ``lambda * tail_norm`` (:class:`RankPruning`, :func:`tail_norm`) when
-        it sends ``prune-gamma`` < 1 and ``prune-lambda`` > 0; otherwise zero.
-        A scalar tensor on the parameters' device.
+        The sum of the active features' loss terms: FedProx's proximal term
+        ``(mu / 2) sum_p ||p - p_0||^2`` over the trained parameters, ``p_0``
+        their values as received, when the strategy sends ``proximal-mu`` > 0;
+        HetLoRA's pruning term ``lambda * tail_norm`` (:class:`RankPruning`,
+        :func:`tail_norm`) when it sends ``prune-gamma`` < 1 and
+        ``prune-lambda`` > 0; otherwise zero. A scalar tensor on the
+        parameters' device.
         """
         if self._penalty is None:
             return torch.zeros(())
         return self._penalty()
+
+    @property
+    def has_gradient_hooks(self) -> bool:
+        """Whether :meth:`after_backward` or :meth:`optimizer` do anything."""
+        return any(f.trains for f in self.features)
+
+    def after_backward(self) -> None:
+        """Call after each ``loss.backward()``, before ``optimizer.step()``.
+
+        Applies the active features' gradient transforms to the trained
+        parameters' ``.grad`` (SCAFFOLD-LoRA's control-variate correction);
+        a no-op when none is active.
+        """
+        for feature in self.features:
+            feature.after_backward(self)
+
+    def optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer to step with: ``optimizer`` as the features wrap it."""
+        for feature in self.features:
+            optimizer = feature.wrap_optimizer(self, optimizer)
+        return optimizer
 
     # ------------------------------------------------------------ the reply
     def reply(
@@ -262,9 +285,9 @@ class ClientRound:
         Returns
         -------
         flwr.app.Message
-            ``train``: ArrayRecord ``arrays`` (exactly the ``train-roles``;
-            at the pruned rank when :attr:`pruning` decides to prune), the
-            method's extra records, MetricRecord ``metrics``; ``evaluate``:
+            ``train``: ArrayRecord ``arrays`` (exactly the ``train-roles``, as
+            the active features transform them: pruned, re-factored), the
+            features' extra records, MetricRecord ``metrics``; ``evaluate``:
             MetricRecord ``metrics`` only.
 
         Raises
@@ -302,83 +325,16 @@ class ClientRound:
         if isinstance(layout, (VeraLayout, SorfVeraLayout)):
             values[protocol.PROJECTION_SEED] = int(layout.projection_seed)
             values[protocol.PROJECTION_RANK] = int(layout.rank)
-        elif self.keep_roles or self.personal_split or self.personal_loaded:
-            values[protocol.PERSONAL_LOADED] = int(self.personal_loaded)
-        if self.base_version is not None:
-            values[protocol.BASE_HELD] = int(self.base_version)
         trained = self.adapted.state(self.train_roles + self.keep_roles)
-        if self.pruning is not None and isinstance(layout, AdapterLayout):
-            trained, values[protocol.RANK_PRUNED] = self._prune(layout, trained)
-        if bool(self.config.get(protocol.CLIENT_SVD, False)):
-            if not isinstance(layout, AdapterLayout):
-                raise ProtocolError(
-                    f"'{protocol.CLIENT_SVD}' re-factors LoRA layers; the model "
-                    f"has a {type(layout).__name__}"
-                )
-            for m in layout.modules:
-                trained[m.b_key], trained[m.a_key] = local_svd_factors(
-                    trained[m.b_key], trained[m.a_key]
-                )
+        for feature in self.features:
+            trained = feature.reply_arrays(self, trained)
         content = RecordDict(
-            {
-                protocol.ARRAYS: state_to_record(
-                    trained, layout.keys(*self.train_roles)
-                ),
-                protocol.METRICS: MetricRecord(values),
-            }
+            {protocol.ARRAYS: state_to_record(trained, layout.keys(*self.train_roles))}
         )
-        if self.keep_roles:
-            self.context.state[protocol.PERSONAL] = state_to_record(
-                trained, layout.keys(*self.keep_roles)
-            )
-        if Role.LORA_B in self.keep_roles and isinstance(layout, AdapterLayout):
-            content[protocol.PERSONAL_GRAM] = ArrayRecord(
-                {
-                    m.b_key: (trained[m.b_key].T @ trained[m.b_key]).contiguous()
-                    for m in layout.modules
-                }
-            )
+        for feature in self.features:
+            feature.reply_records(self, trained, values, content)
+        content[protocol.METRICS] = MetricRecord(values)
         return Message(content, reply_to=self.message)
-
-    def _prune(
-        self, layout: AdapterLayout, trained: dict[str, torch.Tensor]
-    ) -> tuple[dict[str, torch.Tensor], int]:
-        """The rank self-pruning decision: the reply's arrays and ``rank-pruned``.
-
-        If the tail norm went down, the arrays are cut to the leading ``r'``
-        components, rescaled by ``sqrt(r' / r)`` so that ``(alpha / r') B' A'``
-        is the kept part of ``(alpha / r) B A`` (:func:`fedlr.protocol.leading_rank`),
-        and the node keeps rank ``r'`` in ``context.state``.
-        """
-        pruning = self.pruning
-        if pruning is None or not pruning.can_prune:
-            return trained, 0
-        with torch.no_grad():
-            after = float(tail_norm(self.adapted, pruning.keep, dtype=torch.float64))
-        rank = pruning.decide(after)
-        if rank == pruning.rank:
-            _LOG.debug(
-                "node %s: tail norm %.4g -> %.4g: rank %d kept",
-                self.context.node_id,
-                pruning.before,
-                after,
-                rank,
-            )
-            return trained, 0
-        cut = protocol.leading_rank(layout.at_rank(rank), trained)
-        self.context.state[protocol.RANK_STATE] = ConfigRecord({"rank": rank})
-        _LOG.log(
-            INFO,
-            "node %s: tail norm %.4g -> %.4g (components %d..%d): rank pruned %d -> %d",
-            self.context.node_id,
-            pruning.before,
-            after,
-            pruning.keep,
-            pruning.rank - 1,
-            pruning.rank,
-            rank,
-        )
-        return cut, 1
 
 
 def apply_round(
@@ -389,6 +345,11 @@ def apply_round(
     rank: int | None = None,
 ) -> ClientRound:
     """Apply a fedlr strategy's instruction to ``model``, in place.
+
+    The common round: conform the rank and scaling, check the projections,
+    decode the roles and the arrays, then let the active client features
+    (:mod:`fedlr.features`) edit what is loaded, load it, set what trains and
+    collect the features' loss terms.
 
     Parameters
     ----------
@@ -441,97 +402,67 @@ def apply_round(
     )
     if rank is not None and rank < 1:
         raise ValueError(f"rank must be >= 1, got {rank}")
-    view = adapted(model)
-    changes: list[LoraLayerChange] = []
     leading = bool(config.get(protocol.LEADING_RANK, False))
-    gamma, lam = pruning_settings(config)
-    is_train = _is_train(message)
-    if isinstance(view, LoraModel):
-        # A fresh view: a model that serves many nodes (a Ray actor) may have
-        # been given another rank by an earlier round than its stored layout.
-        view = cast(LoraModel, adapted(view.model))
-        own = node_rank(view, config, content, context, rank, leading, gamma < 1)
-        changes = _conform(view, config, own)
-        if changes:
-            view = adapted(view.model)  # the layout follows the new rank
+    view, changes = _conform_model(model, message, context, config, rank, leading)
     _check_projection(view.layout, config)
     default = _DEFAULT_ROLES.get(type(view.layout), ())
     roles = protocol.decode_roles(config, protocol.TRAIN_ROLES, default)
     keep = protocol.decode_roles(config, protocol.KEEP_ROLES)
     _check_roles(view.layout, roles + keep)
-
-    state = initial_state(view)
-    wide = record_to_state(array_record(content, protocol.ARRAYS))
-    received = wide
-    if leading and isinstance(view, LoraModel):
-        received = protocol.leading_rank(view.layout, wide)
-    view.layout.check_shapes({k: v.shape for k, v in received.items()})
-    state.update(received)
-    base = receive_base(
-        received,
-        content,
-        config,
-        context.state,
-        view.layout.keys(Role.BASE),
-        _projections(view),
-    )
-    if base is not None:
-        state.update(base[0])
-    if (
-        leading
-        and isinstance(view, LoraModel)
-        and bool(config.get(protocol.FOLD_TAIL, False))
-    ):
-        keys = view.layout.keys(Role.BASE)
-        state.update(protocol.fold_tail(view.layout, wide, {k: state[k] for k in keys}))
-    if protocol.PERSONAL in content.array_records:
-        context.state[protocol.PERSONAL] = content.array_records[protocol.PERSONAL]
-    loaded = False
-    if protocol.PERSONAL in context.state.array_records:
-        personal = record_to_state(context.state.array_records[protocol.PERSONAL])
-        shapes = {key: shape for _, key, shape in view.layout.entries()}
-        if all(tuple(v.shape) == shapes.get(k) for k, v in personal.items()):
-            state.update(personal)
-            loaded = True
-        else:
-            _LOG.log(
-                WARNING,
-                "node %s: personal arrays in context.state do not fit the model "
-                "(the rank changed since they were kept); not loaded",
-                context.node_id,
-            )
-    view.load(state)
-
-    module = view.model
-    for param in module.parameters():
-        param.requires_grad_(False)
-    terms: list[Callable[[], torch.Tensor]] = []
-    pruning: RankPruning | None = None
-    if is_train:
-        view.train_only(roles + keep)
-        mu = config_float(config, protocol.PROXIMAL_MU, 0.0)
-        if not (math.isfinite(mu) and mu >= 0):
-            raise ProtocolError(f"'{protocol.PROXIMAL_MU}' must be >= 0, got {mu}")
-        if mu > 0:
-            terms.append(_proximal(module, mu))
-        if gamma < 1:
-            pruning, term = round_pruning(view, gamma, lam, leading)
-            if term is not None:
-                terms.append(term)
-    return ClientRound(
-        model=module,
+    job = ClientRound(
+        model=view.model,
         adapted=view,
         message=message,
         context=context,
         config=config,
         train_roles=roles,
         keep_roles=keep,
-        personal_loaded=loaded,
         changes=tuple(changes),
-        base_version=None if base is None else base[1],
-        pruning=pruning,
-        _penalty=_sum_of(terms),
     )
+    active = (feature.for_round(job) for feature in client_features())
+    job.features = tuple(f for f in active if f is not None)
+
+    received = record_to_state(array_record(content, protocol.ARRAYS))
+    state = initial_state(view)
+    loaded = received
+    if leading and isinstance(view, LoraModel):
+        loaded = protocol.leading_rank(view.layout, received)
+    view.layout.check_shapes({k: v.shape for k, v in loaded.items()})
+    state.update(loaded)
+    for feature in job.features:
+        feature.load(job, received, state)
+    view.load(state)
+
+    for param in view.model.parameters():
+        param.requires_grad_(False)
+    if job.is_train:
+        view.train_only(roles + keep)
+        terms = [feature.loss(job) for feature in job.features]
+        job._penalty = _sum_of([t for t in terms if t is not None])
+    return job
+
+
+def _conform_model(
+    model: torch.nn.Module | AdaptedModel,
+    message: Message,
+    context: Context,
+    config: ConfigRecord,
+    rank: int | None,
+    leading: bool,
+) -> tuple[AdaptedModel, list[LoraLayerChange]]:
+    """The model seen by role, LoRA layers at the round's rank and scaling."""
+    view = adapted(model)
+    gamma, _ = pruning_settings(config)
+    if not isinstance(view, LoraModel):
+        return view, []
+    # A fresh view: a model that serves many nodes (a Ray actor) may have
+    # been given another rank by an earlier round than its stored layout.
+    view = cast(LoraModel, adapted(view.model))
+    own = node_rank(view, config, message.content, context, rank, leading, gamma < 1)
+    changes = _conform(view, config, own)
+    if changes:
+        view = cast(LoraModel, adapted(view.model))  # the layout follows the rank
+    return view, changes
 
 
 def _sum_of(
@@ -548,14 +479,6 @@ def _sum_of(
         return value
 
     return total
-
-
-def _projections(view: AdaptedModel) -> Projections | None:
-    """A VeRA model's shared projections of a layer, for base-weight changes."""
-    if not isinstance(view, VeraModel):
-        return None
-    a, b = view.projection_a, view.projection_b
-    return lambda d_out, d_in: (a[:, :d_in], b[:d_out])
 
 
 def _is_train(message: Message) -> bool:
@@ -622,19 +545,3 @@ def _check_roles(layout: RoleLayout, roles: tuple[Role, ...]) -> None:
             f"({type(layout).__name__}) does not have (its roles: {have}); build "
             "the model of the strategy's family (LoRA, VeRA or SORF-VeRA)"
         )
-
-
-def _proximal(module: torch.nn.Module, mu: float) -> Callable[[], torch.Tensor]:
-    """``(mu / 2) sum_p ||p - p_0||^2`` over the trainable parameters now."""
-    params = [p for p in module.parameters() if p.requires_grad]
-    anchors = [p.detach().clone() for p in params]
-
-    def term() -> torch.Tensor:
-        if not params:
-            return torch.zeros(())
-        total = torch.zeros((), device=params[0].device, dtype=params[0].dtype)
-        for p, p0 in zip(params, anchors, strict=True):
-            total = total + (p - p0.to(p.device)).pow(2).sum()
-        return 0.5 * mu * total
-
-    return term

@@ -50,6 +50,7 @@ from matplotlib.figure import Figure
 
 from fedlr.errors import ConfigError, FedLRError
 from fedlr.plots import load_run
+from fedlr.server_apps.local import run_in_process
 from fedlr.strategies.registry import resolve
 
 __all__ = [
@@ -356,8 +357,6 @@ def run_sweep(
                         federation_config=federation,
                     )
                 else:
-                    from fedlr.server_apps.local import run_in_process
-
                     run_in_process(config, num_nodes=nodes)
             except (FlwrRunError, FedLRError) as exc:
                 failures[cell] = str(exc).splitlines()[0]

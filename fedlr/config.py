@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fedlr.errors import ConfigError
+from fedlr.method_options import method_option_keys
 from fedlr.options import Options, kebab
 from fedlr.robust import RobustConfig
 
@@ -218,7 +219,8 @@ class RunConfig(Options):
         """Parse the common keys of a Flower ``run_config`` (kebab-case keys).
 
         Keys of a registered method's options (``fedspec-threshold``, ...) are
-        accepted and left to that method's :class:`~fedlr.options.Options`
+        accepted (:func:`fedlr.method_options.method_option_keys`) and left to
+        that method's :class:`~fedlr.options.Options`
         (:func:`fedlr.strategies.registry.resolve` parses both).
 
         Raises
@@ -229,9 +231,7 @@ class RunConfig(Options):
         own = cls.option_fields()
         unknown = sorted(set(run_config) - set(own))
         if unknown:
-            from fedlr.strategies.registry import all_option_keys
-
-            others = all_option_keys()
+            others = method_option_keys()
             for key in unknown:
                 if key not in others:
                     known = sorted({*own, *others})

@@ -46,7 +46,7 @@ import torch
 from fedlr.errors import ConfigError
 
 if TYPE_CHECKING:
-    from fedlr.strategies.base import ClientUpdate
+    from fedlr.updates import ClientUpdate
 
 __all__ = [
     "ROBUST_RULES",

@@ -27,7 +27,6 @@ __all__ = [
     "evaluate",
     "pad_rows",
     "pick_device",
-    "proximal_term",
     "train_steps",
 ]
 
@@ -186,6 +185,9 @@ def train_steps(
     seed: int,
     device: torch.device,
     penalty: Callable[[], torch.Tensor] | None = None,
+    after_backward: Callable[[], None] | None = None,
+    wrap_optimizer: Callable[[torch.optim.Optimizer], torch.optim.Optimizer]
+    | None = None,
 ) -> float:
     """Run ``settings.local_steps`` AdamW steps on the trainable parameters.
 
@@ -198,8 +200,16 @@ def train_steps(
         Seed of the batch order and of dropout.
     device : torch.device
     penalty : callable, optional
-        A term added to every step's loss (e.g. FedProx's proximal term,
-        :func:`proximal_term`), called after the model moved to ``device``.
+        A term added to every step's loss (the round's client features' loss
+        terms, :meth:`fedlr.client.ClientRound.penalty`), called after the
+        model moved to ``device``.
+    after_backward : callable, optional
+        Called after every ``backward`` and before gradient clipping and the
+        step (:meth:`fedlr.client.ClientRound.after_backward`: gradient
+        transforms such as SCAFFOLD's correction).
+    wrap_optimizer : callable, optional
+        Given the AdamW optimizer, returns the one to step with
+        (:meth:`fedlr.client.ClientRound.optimizer`).
 
     Returns
     -------
@@ -209,9 +219,11 @@ def train_steps(
     if len(data) == 0:
         raise ValueError("cannot train on an empty partition")
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
+    optimizer: torch.optim.Optimizer = torch.optim.AdamW(
         params, lr=settings.lr, weight_decay=settings.weight_decay
     )
+    if wrap_optimizer is not None:
+        optimizer = wrap_optimizer(optimizer)
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # dropout
     model.to(device).train()
@@ -223,30 +235,13 @@ def train_steps(
         objective = loss if penalty is None else loss + penalty()
         optimizer.zero_grad(set_to_none=True)
         objective.backward()
+        if after_backward is not None:
+            after_backward()
         if settings.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
         optimizer.step()
         total += float(loss.detach())
     return total / settings.local_steps
-
-
-def proximal_term(model: torch.nn.Module, mu: float) -> Callable[[], torch.Tensor]:
-    """FedProx's ``(mu / 2) sum_p ||p - p_0||^2`` over the trainable parameters.
-
-    ``p_0`` are the parameters' values now (the global values a client just
-    loaded); the returned callable evaluates the term at the current values,
-    on whatever device the model has moved to since.
-    """
-    params = [p for p in model.parameters() if p.requires_grad]
-    anchors = [p.detach().clone() for p in params]
-
-    def term() -> torch.Tensor:
-        total = torch.zeros((), device=params[0].device, dtype=params[0].dtype)
-        for p, p0 in zip(params, anchors, strict=True):
-            total = total + (p - p0.to(p.device)).pow(2).sum()
-        return 0.5 * mu * total
-
-    return term
 
 
 @torch.no_grad()

@@ -144,6 +144,8 @@ class TextClient(Generic[O]):
             seed=client_seed(config.seed, job.server_round, pid),
             device=pick_device(config.device),
             penalty=job.penalty if job.has_penalty else None,
+            after_backward=job.after_backward if job.has_gradient_hooks else None,
+            wrap_optimizer=job.optimizer if job.has_gradient_hooks else None,
         )
         job.model.to("cpu")
         return job.reply(num_examples=len(data), metrics={protocol.TRAIN_LOSS: loss})

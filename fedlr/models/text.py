@@ -36,6 +36,7 @@ from transformers import (
 from transformers.modeling_outputs import SequenceClassifierOutput
 from transformers.utils import logging as hf_logging
 
+from fedlr.data.assets import minilm_path
 from fedlr.errors import ConfigError
 
 __all__ = [
@@ -93,8 +94,6 @@ class MeanPoolClassifier(torch.nn.Module):
 
 
 def _minilm_path() -> Path:
-    from fedlr.data.assets import minilm_path
-
     return minilm_path()
 
 

@@ -31,7 +31,7 @@ from fedlr.continual import (
 )
 from fedlr.errors import ConfigError
 from fedlr.image_task import ImageData, evaluate_images
-from fedlr.server_apps.plans import ServerPlan, check_strategy
+from fedlr.server_apps.plans import ServerPlan, check_strategy, register_plan
 from fedlr.strategies.fot import FedAvgContinual
 from fedlr.strategies.registry import MethodConfig
 from fedlr.train import pick_device
@@ -41,6 +41,7 @@ __all__ = ["gpse_plan"]
 COLUMNS = ("task", "task-accuracy", "acc", "fgt", "basis-dims", "projected-share")
 
 
+@register_plan("gpse")
 def gpse_plan(method: MethodConfig) -> ServerPlan:
     """Stream, seeded vision model, continual strategy, per-task evaluation."""
     config = method.run

@@ -21,7 +21,9 @@ from typing import Any
 from flwr.app import Context, RecordDict
 from flwr.clientapp import ClientApp
 
+from fedlr.client_apps.app import app as fedlr_app
 from fedlr.flower.grid import InProcessGrid, ReplyHook
+from fedlr.server_apps.runner import run_server
 from fedlr.strategies.registry import resolve
 
 __all__ = ["run_in_process"]
@@ -59,11 +61,7 @@ def run_in_process(
     fedlr.errors.ConfigError
         On an unknown key or a bad value, before any client is built.
     """
-    from fedlr.server_apps.runner import run_server
-
     if client_app is None:
-        from fedlr.client_apps.app import app as fedlr_app
-
         client_app = fedlr_app
 
     config = resolve(run_config).to_mapping()

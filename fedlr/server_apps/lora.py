@@ -20,7 +20,7 @@ from fedlr import protocol
 from fedlr.adapters import Role, adapter_state
 from fedlr.adapters.lora import LoraModel
 from fedlr.errors import ConfigError
-from fedlr.server_apps.plans import ServerPlan, check_strategy
+from fedlr.server_apps.plans import ServerPlan, check_strategy, register_plan
 from fedlr.strategies.lora import LoraStrategy
 from fedlr.strategies.lora_svd import PersonalLoraStrategy, SvdLoraStrategy
 from fedlr.strategies.registry import MethodConfig
@@ -30,6 +30,7 @@ from fedlr.train import pick_device
 __all__ = ["lora_plan"]
 
 
+@register_plan("lora")
 def lora_plan(method: MethodConfig) -> ServerPlan:
     """Seeded LoRA classifier, its strategy and held-out evaluation.
 

@@ -1,9 +1,11 @@
 """Server plans: what the ServerApp builds for a method.
 
 A method's registry entry names its payload kind
-(:class:`~fedlr.strategies.registry.PayloadKind`), which holds the plan
-builder of that kind (``plan(method_config) -> ServerPlan``) beside the
-ClientApp handlers. A plan is everything the generic round loop in
+(:class:`~fedlr.payload_kind.PayloadKind`); the plan builder of that
+kind (``plan(method_config) -> ServerPlan``) is registered here under the
+kind's name (:func:`register_plan`), in the plan's own module, and
+:func:`build_plan` builds a method's plan. The payload kinds and the registry
+below do not import the plans. A plan is everything the generic round loop in
 :mod:`fedlr.server_apps.runner` needs and nothing about how the loop runs:
 
 * the strategy, built from the run config;
@@ -17,12 +19,16 @@ ClientApp handlers. A plan is everything the generic round loop in
 * an optional ``finish(run_dir)`` that writes extra files at the end and
   returns extra ``summary.json`` fields.
 
-A family adds a module with its builder and names it in its payload kind
-(:mod:`fedlr.payloads`).
+A family adds a module of :mod:`fedlr.server_apps` with its builder,
+decorated with ``@register_plan("<payload kind name>")``: the first
+:func:`build_plan` imports every module of the package (``pkgutil``), as the
+method registry does with :mod:`fedlr.strategies`.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,10 +36,19 @@ from typing import Any
 
 import torch
 
+import fedlr.server_apps as builtin
 from fedlr.strategies.base import FedLRStrategy
-from fedlr.strategies.registry import MethodSpec
+from fedlr.strategies.registry import MethodConfig, MethodSpec
 
-__all__ = ["EvaluateFn", "ServerPlan", "check_strategy"]
+__all__ = [
+    "EvaluateFn",
+    "PlanBuilder",
+    "ServerPlan",
+    "build_plan",
+    "check_strategy",
+    "plan_builder",
+    "register_plan",
+]
 
 EvaluateFn = Callable[[int, Mapping[str, torch.Tensor]], dict[str, float]]
 FinishFn = Callable[[Path], dict[str, Any]]
@@ -101,3 +116,68 @@ def check_strategy(spec: MethodSpec, base: type) -> None:
             f"method '{spec.name}' has payload kind '{spec.payload.name}' but its "
             f"strategy {spec.strategy.__qualname__} is not a {base.__name__}"
         )
+
+
+PlanBuilder = Callable[[MethodConfig], ServerPlan]
+"""``plan(method_config) -> ServerPlan``: the server side of one payload kind."""
+
+_PLANS: dict[str, PlanBuilder] = {}
+_LOADED = False
+
+
+def register_plan(payload: str) -> Callable[[PlanBuilder], PlanBuilder]:
+    """Function decorator registering the server plan of payload kind ``payload``.
+
+    The function is returned unchanged.
+
+    Raises
+    ------
+    ValueError
+        If the kind already has a plan.
+    """
+
+    def decorator(builder: PlanBuilder) -> PlanBuilder:
+        if payload in _PLANS:
+            raise ValueError(
+                f"payload kind '{payload}' already has a server plan, "
+                f"{_PLANS[payload].__qualname__}"
+            )
+        _PLANS[payload] = builder
+        return builder
+
+    return decorator
+
+
+def _load_builtin() -> None:
+    """Import every module of :mod:`fedlr.server_apps` once (plans register)."""
+    global _LOADED
+    if _LOADED:
+        return
+    # A module that fails to import raises here, on every build, rather than
+    # leaving a table that silently lacks its plans.
+    for module in pkgutil.iter_modules(builtin.__path__):
+        importlib.import_module(f"{builtin.__name__}.{module.name}")
+    _LOADED = True
+
+
+def plan_builder(payload: str) -> PlanBuilder:
+    """The server plan registered for payload kind ``payload``.
+
+    Raises
+    ------
+    LookupError
+        If no plan is registered for the kind.
+    """
+    _load_builtin()
+    try:
+        return _PLANS[payload]
+    except KeyError:
+        raise LookupError(
+            f"no server plan is registered for payload kind '{payload}'; "
+            f"registered: {', '.join(sorted(_PLANS))}"
+        ) from None
+
+
+def build_plan(method: MethodConfig) -> ServerPlan:
+    """Build the server plan of a parsed run config's method (its payload kind's)."""
+    return plan_builder(method.spec.payload.name)(method)

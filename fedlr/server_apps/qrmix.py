@@ -17,7 +17,7 @@ import torch
 from fedlr import protocol
 from fedlr.errors import ConfigError, ShapeMismatchError
 from fedlr.image_task import ImageTask, evaluate_images
-from fedlr.server_apps.plans import ServerPlan, check_strategy
+from fedlr.server_apps.plans import ServerPlan, check_strategy, register_plan
 from fedlr.strategies.qrmix import QRMixOptions, VisionFedAvg
 from fedlr.strategies.registry import MethodConfig
 from fedlr.train import pick_device
@@ -61,6 +61,7 @@ def load_warmup_checkpoint(
     return {k: v.detach().to(torch.float32) for k, v in state.items()}
 
 
+@register_plan("qrmix")
 def qrmix_plan(method: MethodConfig) -> ServerPlan:
     """Seeded vision model, its strategy and held-out evaluation."""
     config = method.run

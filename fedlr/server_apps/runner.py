@@ -4,7 +4,8 @@
    the method's registry entry and its options
    (:func:`~fedlr.strategies.registry.resolve`).
 2. Build the method's :class:`~fedlr.server_apps.plans.ServerPlan` (strategy, initial
-   arrays, evaluation) with its payload kind's plan builder.
+   arrays, evaluation) with the plan registered for its payload kind
+   (:func:`~fedlr.server_apps.plans.build_plan`).
 3. Run the rounds (``strategy.run_round``: train, then federated evaluation
    if the method asks for it); after each, evaluate, append a CSV row, log a
    progress line and save ``checkpoint.pt`` (:mod:`fedlr.checkpoint`), from
@@ -44,6 +45,7 @@ from fedlr.errors import CheckpointError, ConfigError, InitialArraysError
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.plots import write_run_plots
 from fedlr.results import ResultsWriter
+from fedlr.server_apps.plans import build_plan
 from fedlr.strategies.registry import resolve
 
 __all__ = ["run_server"]
@@ -118,7 +120,7 @@ def run_server(grid: Grid, context: Context) -> Path:
     random.seed(config.seed)  # Flower samples nodes with `random`
     torch.manual_seed(config.seed)
 
-    plan = spec.payload.plan(method)
+    plan = build_plan(method)
     strategy = plan.strategy
     nodes = _check_federation(grid, config)
     if config.max_num_examples:

@@ -17,7 +17,7 @@ import torch
 from fedlr import protocol
 from fedlr.adapters.vera import VeraModel
 from fedlr.config import RunConfig
-from fedlr.server_apps.plans import ServerPlan, check_strategy
+from fedlr.server_apps.plans import ServerPlan, check_strategy, register_plan
 from fedlr.strategies.registry import MethodConfig
 from fedlr.strategies.sorf_vera import SorfVeRA
 from fedlr.strategies.vera import VeraStrategy
@@ -74,6 +74,7 @@ def _plan(
     )
 
 
+@register_plan("vera")
 def vera_plan(method: MethodConfig) -> ServerPlan:
     """Seeded VeRA classifier, its strategy and held-out evaluation."""
     check_strategy(method.spec, VeraStrategy)
@@ -85,6 +86,7 @@ def vera_plan(method: MethodConfig) -> ServerPlan:
     return _plan(method.run, vm, strategy, columns, options.vera_lr)
 
 
+@register_plan("sorf-vera")
 def sorf_vera_plan(method: MethodConfig) -> ServerPlan:
     """Seeded SORF-VeRA classifier, its strategy and held-out evaluation."""
     check_strategy(method.spec, SorfVeRA)

@@ -2,8 +2,10 @@
 
 Every method registers itself in its own module
 (:func:`~fedlr.strategies.registry.register_method`); the registry imports
-the modules of this package on its first lookup. The names below are resolved
-on first access, so importing one strategy module imports no other.
+the modules of this package on its first lookup. Every registered method's
+strategy class is exported here under its class name, from the registry; the
+table below adds the shared bases and option classes. Names are resolved on
+first access, so importing one strategy module imports no other.
 """
 
 from __future__ import annotations
@@ -15,33 +17,17 @@ _NAMES = {
     "ClientUpdate": "base",
     "FedLRStrategy": "base",
     "RoundReport": "base",
-    "FedAvgLoRA": "fedavg_lora",
     "FactoredDownlink": "fedex_downlink",
-    "FedExLoRA": "fedex_lora",
-    "FedProxLoRA": "fedprox_lora",
     "ProximalOptions": "fedprox_lora",
-    "FedSALoRA": "fedsa_lora",
-    "FedSpec": "fedspec",
     "FedSpecOptions": "fedspec",
-    "FedSVD": "fedsvd",
-    "FFALoRA": "ffa_lora",
-    "FOT": "fot",
     "FOTOptions": "fot",
-    "FedAvgContinual": "fot",
-    "FLoRA": "hetero",
-    "FlexLoRA": "hetero",
-    "HetLoRA": "hetero",
     "HeteroFedSpec": "fedspec",
     "HeteroRankLoRA": "hetero",
-    "GlobalSVD": "global_svd",
-    "LocalSVD": "global_svd",
     "LegacyStrategy": "legacy",
     "LoraStrategy": "lora",
     "PersonalLoraStrategy": "lora_svd",
     "SvdLoraStrategy": "lora_svd",
-    "QRMix": "qrmix",
     "QRMixOptions": "qrmix",
-    "VisionFedAvg": "qrmix",
     "MethodConfig": "registry",
     "MethodSpec": "registry",
     "PayloadKind": "registry",
@@ -50,18 +36,25 @@ _NAMES = {
     "register_method": "registry",
     "registered_methods": "registry",
     "resolve": "registry",
-    "SorfVeRA": "sorf_vera",
-    "FedAvgVeRA": "vera",
-    "VeraFedEx": "vera",
     "VeraFedExOptions": "vera",
     "VeraStrategy": "vera",
 }
 
-__all__ = sorted(_NAMES)
+
+def _strategies() -> dict[str, Any]:
+    """Every registered method's strategy class, by class name."""
+    registry = importlib.import_module(f"{__name__}.registry")
+    return {s.strategy.__name__: s.strategy for s in registry.registered_methods()}
 
 
 def __getattr__(name: str) -> Any:
     if name in _NAMES:
         module = importlib.import_module(f"{__name__}.{_NAMES[name]}")
         return getattr(module, name)
+    if name == "__all__":
+        return sorted({*_NAMES, *_strategies()})
+    if name[:1].isupper():  # a class name, never a submodule's
+        strategies = _strategies()
+        if name in strategies:
+            return strategies[name]
     raise AttributeError(f"module '{__name__}' has no attribute '{name}'")

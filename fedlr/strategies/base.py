@@ -5,8 +5,8 @@ and implements :meth:`aggregate_updates`, a pure function of the validated
 updates and the current global state. Everything Flower-specific (the
 round's messages, robust weighting, rejecting a round, byte counts, the
 ``MetricRecord``) lives here once; the one validation path for replies is
-:class:`~fedlr.strategies.replies.ReplyChecks`, mixed in (``ClientUpdate``
-is re-exported from here).
+:class:`~fedlr.strategies.replies.ReplyChecks`, mixed in (``ClientUpdate``,
+defined in :mod:`fedlr.updates`, is re-exported from here).
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ from fedlr.protocol import (
     train_loss_of,
 )
 from fedlr.robust import ParameterSpace, RobustConfig, UpdateSpace, robust_aggregate
-from fedlr.strategies.replies import ClientUpdate, ReplyChecks, short
+from fedlr.strategies.replies import ReplyChecks, short
+from fedlr.updates import ClientUpdate
 
 __all__ = ["ClientUpdate", "FedLRStrategy", "RoundReport"]
 
@@ -204,6 +205,7 @@ class FedLRStrategy(ReplyChecks, FedAvg):
         self._sent: list[int] | None = None
         self._warned_clashes: set[str] = set()
         self.last_report: RoundReport = RoundReport()
+        self.nodes_sampled_from = 0
         self.last_dropped: list[str] = []
 
     # ------------------------------------------------------------ subclass API
@@ -445,12 +447,32 @@ class FedLRStrategy(ReplyChecks, FedAvg):
         """
         self.check_arrays(arrays)
         round_config = self.prepare_round(server_round, arrays, config)
+        self.nodes_sampled_from = len(list(grid.get_node_ids()))
         messages = list(
             super().configure_train(server_round, arrays, round_config, grid)
         )
         self.note_sent(arrays, len(messages))
+        extra = self.instruction_records(server_round)
+        if extra:
+            messages = [with_records(m, extra) for m in messages]
+            self.count_bytes_down(
+                sum(record_nbytes(r) for r in extra.values()) * len(messages)
+            )
         self._sent = [int(m.metadata.dst_node_id) for m in messages]
         return messages
+
+    def instruction_records(self, server_round: int) -> dict[str, ArrayRecord]:
+        """Extra ArrayRecords every train instruction of the round carries.
+
+        Added by :meth:`configure_train` (and counted in ``bytes-down``);
+        e.g. SCAFFOLD-LoRA's control variate. Default: none.
+        """
+        return {}
+
+    def count_bytes_down(self, nbytes: int) -> None:
+        """Add ``nbytes`` sent beside the global arrays to the round's
+        ``bytes-down`` (records a subclass adds to some instructions)."""
+        self._bytes_down += int(nbytes)
 
     def check_arrays(self, arrays: ArrayRecord) -> None:
         """Check the global arrays' keys and shapes against :meth:`expected_arrays`.
@@ -722,3 +744,15 @@ class FedLRStrategy(ReplyChecks, FedAvg):
         if not contents:
             return None
         return self.evaluate_metrics_aggr_fn(contents, self.weighted_by_key)
+
+
+def with_records(message: Message, records: Mapping[str, ArrayRecord]) -> Message:
+    """A copy of an instruction with ``records`` added to its content."""
+    content = RecordDict(dict(message.content.items()))
+    for name, record in records.items():
+        content[name] = record
+    return Message(
+        content=content,
+        message_type=message.metadata.message_type,
+        dst_node_id=int(message.metadata.dst_node_id),
+    )

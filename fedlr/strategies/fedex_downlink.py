@@ -13,16 +13,18 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from fedlr import protocol
-from fedlr.adapters.roles import Role
-from fedlr.downlink import BaseDelta, encode_steps
+from fedlr.adapters.roles import AdaptedModel, Role
+from fedlr.adapters.vera import VeraModel
+from fedlr.downlink import BaseDelta, Projections, encode_steps, receive_base
 from fedlr.errors import ReplyValidationError
+from fedlr.features import ClientFeature, RoundJob
 from fedlr.flower.records import record_nbytes, record_views
 from fedlr.ledger import BaseLedger
 from fedlr.options import NoOptions, option, require
@@ -31,10 +33,67 @@ from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
 __all__ = [
     "DOWNLINKS",
     "DOWNLINK_HELP",
+    "BaseWeights",
     "DownlinkOptions",
     "FactoredDownlink",
     "check_downlink",
 ]
+
+
+class BaseWeights(ClientFeature):
+    """The node's side of the versioned base weights (FedEx-LoRA, VeRA-FedEx).
+
+    On when the instruction carries ``base-version``: dense base weights in
+    ``arrays`` are taken and kept in ``context.state``; otherwise the kept
+    ones are brought up to date with the ``base-delta`` changes and checked
+    against ``base-check`` (:func:`fedlr.downlink.receive_base`). The reply
+    reports the version held (``base-held``).
+    """
+
+    keys = (protocol.BASE_VERSION, protocol.BASE_CHECK)
+    order = 10
+
+    @classmethod
+    def for_round(cls, job: RoundJob) -> Self | None:
+        return cls() if protocol.BASE_VERSION in job.config else None
+
+    def load(
+        self,
+        job: RoundJob,
+        received: dict[str, torch.Tensor],
+        state: dict[str, torch.Tensor],
+    ) -> None:
+        view = job.adapted
+        base = receive_base(
+            received,
+            job.message.content,
+            job.config,
+            job.context.state,
+            view.layout.keys(Role.BASE),
+            _projections(view),
+        )
+        if base is not None:
+            state.update(base[0])
+            job.base_version = base[1]
+
+    def reply_records(
+        self,
+        job: RoundJob,
+        trained: dict[str, torch.Tensor],
+        metrics: dict[str, Any],
+        content: RecordDict,
+    ) -> None:
+        if job.base_version is not None:
+            metrics[protocol.BASE_HELD] = int(job.base_version)
+
+
+def _projections(view: AdaptedModel) -> Projections | None:
+    """A VeRA model's shared projections of a layer, for base-weight changes."""
+    if not isinstance(view, VeraModel):
+        return None
+    a, b = view.projection_a, view.projection_b
+    return lambda d_out, d_in: (a[:, :d_in], b[:d_out])
+
 
 DOWNLINKS = ("factored", "dense")
 
@@ -231,9 +290,7 @@ class FactoredDownlink(FedLRStrategy):
         if not self.factored or not messages:
             return messages
         keys = self.base_keys()
-        self.ledger.sync(
-            record_views(arrays, keys), source=[arrays[k] for k in keys]
-        )
+        self.ledger.sync(record_views(arrays, keys), source=[arrays[k] for k in keys])
         if count:
             self._keep = self.worth_keeping(len(messages))
         if not self._keep:
@@ -264,7 +321,7 @@ class FactoredDownlink(FedLRStrategy):
                     content[protocol.BASE_DELTA] = record
                     extra = record_nbytes(record)
                 if count:
-                    self._bytes_down += extra - dense_nbytes
+                    self.count_bytes_down(extra - dense_nbytes)
             out.append(message)  # _with_config gave it its own content
         if count:
             self._dense_sends = dense

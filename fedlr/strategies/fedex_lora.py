@@ -37,14 +37,16 @@ References
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self, cast
 
 import torch
 
 from fedlr import protocol
+from fedlr.adapters.lora import LoraModel
 from fedlr.adapters.roles import Role
 from fedlr.config import RunConfig
 from fedlr.downlink import lowrank_delta
+from fedlr.features import ClientFeature, RoundJob
 from fedlr.linalg import (
     StackedResidual,
     factored_frobenius_norm,
@@ -55,11 +57,47 @@ from fedlr.options import Options
 from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
-from fedlr.strategies.fedex_downlink import DownlinkOptions, FactoredDownlink
+from fedlr.strategies.fedex_downlink import (
+    BaseWeights,
+    DownlinkOptions,
+    FactoredDownlink,
+)
 from fedlr.strategies.hetero import HeteroFoldLoRA, LayerResult, LayerUpdates
 from fedlr.strategies.registry import register_method
 
-__all__ = ["FedExLoRA", "HeteroFedExLoRA"]
+__all__ = ["FedExLoRA", "FoldTail", "HeteroFedExLoRA"]
+
+
+class FoldTail(ClientFeature):
+    """Heterogeneous FedEx's client side: the cut components go into ``W0``.
+
+    On with ``fold-tail`` and ``leading-rank`` for a LoRA model: a node of
+    rank ``r`` sent wider factors keeps their leading ``r`` components (the
+    common round's cut) and adds the rest, ``(alpha / R) B[:, r:] A[r:]``, to
+    the base weights it uses this round (:func:`fedlr.protocol.fold_tail`);
+    the kept copy of the base weights stays the server's.
+    """
+
+    keys = (protocol.FOLD_TAIL, protocol.LEADING_RANK)
+    order = 20
+
+    @classmethod
+    def for_round(cls, job: RoundJob) -> Self | None:
+        config = job.config
+        on = bool(config.get(protocol.LEADING_RANK, False)) and bool(
+            config.get(protocol.FOLD_TAIL, False)
+        )
+        return cls() if on and isinstance(job.adapted, LoraModel) else None
+
+    def load(
+        self,
+        job: RoundJob,
+        received: dict[str, torch.Tensor],
+        state: dict[str, torch.Tensor],
+    ) -> None:
+        layout = cast(LoraModel, job.adapted).layout
+        base = {k: state[k] for k in layout.keys(Role.BASE)}
+        state.update(protocol.fold_tail(layout, received, base))
 
 
 @register_method(
@@ -67,6 +105,7 @@ __all__ = ["FedExLoRA", "HeteroFedExLoRA"]
     payload=LORA,
     options=DownlinkOptions,
     summary="FedAvg of A, B plus the exact residual folded into W0",
+    client=(BaseWeights, FoldTail),
 )
 class FedExLoRA(FactoredDownlink, FedAvgLoRA):
     """FedAvg-LoRA whose residual is folded into the base weights.

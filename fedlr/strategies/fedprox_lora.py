@@ -16,18 +16,63 @@ References
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
+
+import torch
 
 from fedlr import protocol
 from fedlr.adapters.roles import AdapterLayout
 from fedlr.config import RunConfig
+from fedlr.errors import ProtocolError
+from fedlr.features import ClientFeature, RoundJob
+from fedlr.flower.records import config_float
 from fedlr.options import NoOptions, Options, option, require
 from fedlr.payloads import LORA
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
 from fedlr.strategies.registry import register_method
 
-__all__ = ["FedProxLoRA", "ProximalOptions"]
+__all__ = ["FedProxLoRA", "ProximalOptions", "ProximalTerm"]
+
+
+class ProximalTerm(ClientFeature):
+    """The client side: ``(mu / 2) sum_p ||p - p_0||^2`` added to the loss.
+
+    On for a ``train`` instruction with ``proximal-mu`` > 0; ``p`` runs over
+    the parameters the round trains and ``p_0`` are their values as loaded
+    (the global ones).
+    """
+
+    keys = (protocol.PROXIMAL_MU,)
+    order = 40
+
+    def __init__(self, mu: float) -> None:
+        self.mu = mu
+
+    @classmethod
+    def for_round(cls, job: RoundJob) -> Self | None:
+        if not job.is_train:
+            return None
+        mu = config_float(job.config, protocol.PROXIMAL_MU, 0.0)
+        if not (math.isfinite(mu) and mu >= 0):
+            raise ProtocolError(f"'{protocol.PROXIMAL_MU}' must be >= 0, got {mu}")
+        return cls(mu) if mu > 0 else None
+
+    def loss(self, job: RoundJob) -> Callable[[], torch.Tensor]:
+        params = job.parameters()
+        anchors = [p.detach().clone() for p in params]
+        mu = self.mu
+
+        def term() -> torch.Tensor:
+            if not params:
+                return torch.zeros(())
+            total = torch.zeros((), device=params[0].device, dtype=params[0].dtype)
+            for p, p0 in zip(params, anchors, strict=True):
+                total = total + (p - p0.to(p.device)).pow(2).sum()
+            return 0.5 * mu * total
+
+        return term
 
 
 @dataclass(frozen=True)
@@ -53,6 +98,7 @@ class ProximalOptions(NoOptions):
     payload=LORA,
     options=ProximalOptions,
     summary="FedAvg of A and B; clients add FedProx's proximal term",
+    client=(ProximalTerm,),
 )
 class FedProxLoRA(FedAvgLoRA):
     """FedAvg-LoRA whose clients train with a proximal term.

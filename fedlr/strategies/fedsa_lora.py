@@ -25,7 +25,7 @@ import torch
 from fedlr.adapters.roles import Role
 from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
-from fedlr.strategies.lora_svd import PersonalLoraStrategy
+from fedlr.strategies.lora_svd import PersonalArrays, PersonalLoraStrategy
 from fedlr.strategies.registry import register_method
 
 __all__ = ["FedSALoRA"]
@@ -35,6 +35,7 @@ __all__ = ["FedSALoRA"]
     "fedsa-lora",
     payload=LORA,
     summary="A averaged; each client keeps its own B (personalised)",
+    client=(PersonalArrays,),
 )
 class FedSALoRA(PersonalLoraStrategy):
     """Average ``A`` and the head; ``B`` stays on each client.

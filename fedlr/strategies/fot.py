@@ -341,7 +341,7 @@ class FOT(FedAvgContinual):
             bases = ArrayRecord({k: v.contiguous() for k, v in self.bases.items()})
             for message in messages:
                 message.content[protocol.BASES] = bases
-            self._bytes_down += record_nbytes(bases) * len(messages)
+            self.count_bytes_down(record_nbytes(bases) * len(messages))
         return messages
 
     # -------------------------------------------------------------- validation

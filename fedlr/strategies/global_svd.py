@@ -37,19 +37,57 @@ References
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import torch
 
 from fedlr import protocol
-from fedlr.adapters.roles import Role
-from fedlr.linalg import DEFAULT_COST_MODEL, pad_factors, updates_svd
+from fedlr.adapters.roles import AdapterLayout, Role
+from fedlr.errors import ProtocolError
+from fedlr.features import ClientFeature, RoundJob
+from fedlr.linalg import (
+    DEFAULT_COST_MODEL,
+    local_svd_factors,
+    pad_factors,
+    updates_svd,
+)
 from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
-from fedlr.strategies.lora_svd import PersonalLoraStrategy
+from fedlr.strategies.lora_svd import PersonalArrays, PersonalLoraStrategy
 from fedlr.strategies.registry import register_method
 
-__all__ = ["GlobalSVD", "LocalSVD"]
+__all__ = ["ClientSvd", "GlobalSVD", "LocalSVD"]
+
+
+class ClientSvd(ClientFeature):
+    """Local SVD's client side: reply with balanced singular factors.
+
+    On with ``client-svd``: each LoRA layer's trained ``B``, ``A`` are
+    re-factored as ``U sqrt(S)``, ``sqrt(S) V^T`` of their product
+    (:func:`fedlr.linalg.local_svd_factors`) before they are sent.
+    """
+
+    keys = (protocol.CLIENT_SVD,)
+    order = 60
+
+    @classmethod
+    def for_round(cls, job: RoundJob) -> Self | None:
+        return cls() if bool(job.config.get(protocol.CLIENT_SVD, False)) else None
+
+    def reply_arrays(
+        self, job: RoundJob, trained: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        layout = job.adapted.layout
+        if not isinstance(layout, AdapterLayout):
+            raise ProtocolError(
+                f"'{protocol.CLIENT_SVD}' re-factors LoRA layers; the model "
+                f"has a {type(layout).__name__}"
+            )
+        for m in layout.modules:
+            trained[m.b_key], trained[m.a_key] = local_svd_factors(
+                trained[m.b_key], trained[m.a_key]
+            )
+        return trained
 
 
 @register_method(
@@ -57,6 +95,7 @@ __all__ = ["GlobalSVD", "LocalSVD"]
     payload=LORA,
     summary="server SVD of the client updates side by side: shared lora_A, "
     "client-specific lora_B",
+    client=(PersonalArrays,),
 )
 class GlobalSVD(PersonalLoraStrategy):
     """Server-side SVD of the stacked client updates.
@@ -115,6 +154,7 @@ class GlobalSVD(PersonalLoraStrategy):
     "local-svd",
     payload=LORA,
     summary="each client SVDs its own update; server averages the shared lora_A",
+    client=(PersonalArrays, ClientSvd),
 )
 class LocalSVD(PersonalLoraStrategy):
     """Client-side SVD; the server averages the input-side factor.

@@ -40,9 +40,10 @@ the round's clients of their received gaps (per layer in ``layers.csv``).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from logging import DEBUG, INFO, getLogger
+from typing import Any, ClassVar, NamedTuple, Self, cast
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
@@ -53,6 +54,7 @@ from fedlr.adapters.roles import AdapterLayout, LoraModule, Role
 from fedlr.config import RunConfig
 from fedlr.downlink import lowrank_delta
 from fedlr.errors import ReplyValidationError
+from fedlr.features import ClientFeature, RoundJob
 from fedlr.flower.records import record_nbytes, record_to_state, state_to_record
 from fedlr.linalg import (
     factored_frobenius_norm,
@@ -64,10 +66,13 @@ from fedlr.linalg import (
 )
 from fedlr.options import NoOptions, Options, option, require
 from fedlr.payloads import LORA
+from fedlr.pruning import pruning_settings, round_pruning, tail_norm
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.fedex_downlink import DownlinkOptions, FactoredDownlink
 from fedlr.strategies.lora import LoraStrategy
 from fedlr.strategies.registry import register_method
+
+_LOG = getLogger("fedlr")
 
 __all__ = [
     "FLoRA",
@@ -78,6 +83,7 @@ __all__ = [
     "HeteroRankLoRA",
     "LayerResult",
     "LayerUpdates",
+    "RankSelfPruning",
     "layout_at_rank",
 ]
 
@@ -333,7 +339,7 @@ class HeteroRankLoRA(LoraStrategy):
                 full = content.array_records[key]
                 record = self._at_rank(full, rank)
                 content[key] = record
-                self._bytes_down += record_nbytes(record) - record_nbytes(full)
+                self.count_bytes_down(record_nbytes(record) - record_nbytes(full))
                 message = Message(
                     content=content,
                     message_type=message.metadata.message_type,
@@ -476,12 +482,93 @@ PRUNING_COLUMNS = ("mean-client-rank", "pruned-clients")
 """``results.csv`` columns of HetLoRA with rank self-pruning."""
 
 
+class RankSelfPruning(ClientFeature):
+    """HetLoRA's client side: regularise the tail, prune it if it shrank.
+
+    On for a ``train`` instruction with ``prune-gamma`` < 1 (and
+    ``leading-rank``). A node of rank ``r`` adds ``prune-lambda`` times the
+    norm of its components ``[r', r)`` to the loss
+    (:func:`fedlr.pruning.round_pruning`); if that norm went down during
+    training, it replies at rank ``r'`` (the leading components, rescaled by
+    :func:`fedlr.protocol.leading_rank`), reports ``rank-pruned`` and keeps
+    rank ``r'`` in ``context.state`` (:func:`fedlr.pruning.node_rank` conforms
+    later rounds to it).
+    """
+
+    keys = (protocol.PRUNE_GAMMA, protocol.PRUNE_LAMBDA)
+    order = 50
+
+    def __init__(self, gamma: float, lam: float, leading: bool) -> None:
+        self.gamma, self.lam, self.leading = gamma, lam, leading
+        self.pruned = 0
+
+    @classmethod
+    def for_round(cls, job: RoundJob) -> Self | None:
+        gamma, lam = pruning_settings(job.config)
+        if not job.is_train or gamma >= 1:
+            return None
+        return cls(gamma, lam, bool(job.config.get(protocol.LEADING_RANK, False)))
+
+    def loss(self, job: RoundJob) -> Callable[[], torch.Tensor] | None:
+        job.pruning, term = round_pruning(
+            job.adapted, self.gamma, self.lam, self.leading
+        )
+        return term
+
+    def reply_arrays(
+        self, job: RoundJob, trained: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        pruning, layout = job.pruning, job.adapted.layout
+        if pruning is None or not pruning.can_prune:
+            return trained
+        with torch.no_grad():
+            after = float(tail_norm(job.adapted, pruning.keep, dtype=torch.float64))
+        rank = pruning.decide(after)
+        node = job.context.node_id
+        if rank == pruning.rank:
+            _LOG.log(
+                DEBUG,
+                "node %s: tail norm %.4g -> %.4g: rank %d kept",
+                node,
+                pruning.before,
+                after,
+                rank,
+            )
+            return trained
+        lora = cast(AdapterLayout, layout)  # round_pruning checked it
+        cut = protocol.leading_rank(lora.at_rank(rank), trained)
+        job.context.state[protocol.RANK_STATE] = ConfigRecord({"rank": rank})
+        _LOG.log(
+            INFO,
+            "node %s: tail norm %.4g -> %.4g (components %d..%d): rank pruned %d -> %d",
+            node,
+            pruning.before,
+            after,
+            pruning.keep,
+            pruning.rank - 1,
+            pruning.rank,
+            rank,
+        )
+        self.pruned = 1
+        return cut
+
+    def reply_records(
+        self,
+        job: RoundJob,
+        trained: dict[str, torch.Tensor],
+        metrics: dict[str, Any],
+        content: RecordDict,
+    ) -> None:
+        metrics[protocol.RANK_PRUNED] = self.pruned
+
+
 @register_method(
     "hetlora",
     payload=LORA,
     options=HetLoRAOptions,
     summary="heterogeneous ranks: mean of the zero-padded factors; each client "
     "keeps the leading components at its own rank (optionally pruning it)",
+    client=(RankSelfPruning,),
 )
 class HetLoRA(HeteroRankLoRA):
     """HetLoRA: zero-padding aggregation, truncation to each client's rank.

@@ -25,8 +25,8 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
-from logging import INFO
-from typing import Any, ClassVar
+from logging import INFO, WARNING, getLogger
+from typing import Any, ClassVar, Self
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
@@ -36,9 +36,12 @@ from flwr.supercore import log
 from fedlr import protocol
 from fedlr.adapters.plugin import adapted
 from fedlr.adapters.roles import AdaptedModel, AdapterLayout, Role
+from fedlr.adapters.sorf_vera import SorfVeraLayout
+from fedlr.adapters.vera import VeraLayout
 from fedlr.config import RunConfig
 from fedlr.errors import ReplyValidationError
-from fedlr.flower.records import record_nbytes, record_to_state
+from fedlr.features import ClientFeature, RoundJob
+from fedlr.flower.records import record_nbytes, record_to_state, state_to_record
 from fedlr.linalg import (
     DEFAULT_COST_MODEL,
     aggregate_gap,
@@ -51,7 +54,84 @@ from fedlr.options import Options
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.lora import LoraStrategy
 
-__all__ = ["PersonalLoraStrategy", "SvdLoraStrategy"]
+__all__ = ["PersonalArrays", "PersonalLoraStrategy", "SvdLoraStrategy"]
+
+_LOG = getLogger("fedlr")
+
+
+class PersonalArrays(ClientFeature):
+    """The personalised methods' client side: arrays that stay on the node.
+
+    On when the instruction names ``keep-roles`` or ``personal-split``, sends
+    an ArrayRecord ``personal`` (Global SVD's per-node factor), or the node
+    keeps personal arrays in ``context.state``. Received ones are kept; kept
+    ones that fit the model are loaded over the global arrays (a rank change
+    since they were kept leaves them out, with a warning). The reply stores
+    the trained ``keep-roles`` in ``context.state``, reports
+    ``personal-loaded`` and, when ``B`` stays on the node (FedSA-LoRA), adds
+    ``personal-gram``: ``B^T B`` per layer, what the server's gap report
+    needs of the kept factors.
+    """
+
+    keys = (protocol.KEEP_ROLES, protocol.PERSONAL_SPLIT)
+    order = 30
+
+    @classmethod
+    def for_round(cls, job: RoundJob) -> Self | None:
+        on = (
+            bool(job.keep_roles)
+            or job.personal_split
+            or protocol.PERSONAL in job.message.content.array_records
+            or protocol.PERSONAL in job.context.state.array_records
+        )
+        return cls() if on else None
+
+    def load(
+        self,
+        job: RoundJob,
+        received: dict[str, torch.Tensor],
+        state: dict[str, torch.Tensor],
+    ) -> None:
+        content, kept = job.message.content, job.context.state
+        if protocol.PERSONAL in content.array_records:
+            kept[protocol.PERSONAL] = content.array_records[protocol.PERSONAL]
+        if protocol.PERSONAL not in kept.array_records:
+            return
+        personal = record_to_state(kept.array_records[protocol.PERSONAL])
+        shapes = {key: shape for _, key, shape in job.adapted.layout.entries()}
+        if all(tuple(v.shape) == shapes.get(k) for k, v in personal.items()):
+            state.update(personal)
+            job.personal_loaded = True
+        else:
+            _LOG.log(
+                WARNING,
+                "node %s: personal arrays in context.state do not fit the model "
+                "(the rank changed since they were kept); not loaded",
+                job.context.node_id,
+            )
+
+    def reply_records(
+        self,
+        job: RoundJob,
+        trained: dict[str, torch.Tensor],
+        metrics: dict[str, Any],
+        content: RecordDict,
+    ) -> None:
+        layout = job.adapted.layout
+        if not isinstance(layout, (VeraLayout, SorfVeraLayout)):
+            metrics[protocol.PERSONAL_LOADED] = int(job.personal_loaded)
+        if not job.keep_roles:
+            return
+        job.context.state[protocol.PERSONAL] = state_to_record(
+            trained, layout.keys(*job.keep_roles)
+        )
+        if Role.LORA_B in job.keep_roles and isinstance(layout, AdapterLayout):
+            content[protocol.PERSONAL_GRAM] = ArrayRecord(
+                {
+                    m.b_key: (trained[m.b_key].T @ trained[m.b_key]).contiguous()
+                    for m in layout.modules
+                }
+            )
 
 
 class SvdLoraStrategy(LoraStrategy):
@@ -295,7 +375,7 @@ class PersonalLoraStrategy(SvdLoraStrategy):
             record = ArrayRecord(arrays)
             content[protocol.PERSONAL] = record
             if count:
-                self._bytes_down += record_nbytes(record)
+                self.count_bytes_down(record_nbytes(record))
             out.append(
                 Message(
                     content=content,

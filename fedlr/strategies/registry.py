@@ -2,9 +2,10 @@
 
 A method is one unit: its name, its strategy class, its options (a frozen
 :class:`~fedlr.options.Options` dataclass of its own run-config keys) and its
-payload kind (:class:`PayloadKind`: the ClientApp handlers and the server plan
-of one kind of payload, see :mod:`fedlr.payloads`). A strategy module
-registers its method once, with the class decorator::
+payload kind (:class:`PayloadKind`: the run-config keys and the ClientApp
+handlers of one kind of payload, see :mod:`fedlr.payloads`; the ServerApp
+finds the kind's server plan by its name, :mod:`fedlr.server_apps.plans`). A
+strategy module registers its method once, with the class decorator::
 
     @register_method(
         "fedspec",
@@ -15,31 +16,32 @@ registers its method once, with the class decorator::
     class FedSpec(SvdLoraStrategy): ...
 
 The registry finds the built-in methods itself: the first lookup imports every
-module of :mod:`fedlr.strategies` (so a new method is its module and nothing
-else). The ServerApp and the ClientApp look methods up with
-:func:`get_method`, never with ``if`` chains over names, and parse the run
-config with :func:`resolve`.
+module of :mod:`fedlr.strategies`
+(:func:`fedlr.method_options.load_builtin_methods`, so a new method is its
+module and nothing else). The ServerApp and the ClientApp look methods up
+with :func:`get_method`, never with ``if`` chains over names, and parse the
+run config with :func:`resolve`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import pkgutil
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from fedlr.config import RunConfig
 from fedlr.errors import ConfigError, UnknownMethodError
+from fedlr.features import ClientFeature, ordered
+from fedlr.method_options import (
+    load_builtin_methods,
+    method_option_keys,
+    record_method_options,
+)
 from fedlr.options import Options
-
-if TYPE_CHECKING:
-    from flwr.app import Context, Message
-
-    from fedlr.server_apps.plans import ServerPlan
-    from fedlr.strategies.base import FedLRStrategy
+from fedlr.payload_kind import PayloadKind
+from fedlr.strategies.base import FedLRStrategy
 
 __all__ = [
     "MethodConfig",
@@ -47,6 +49,7 @@ __all__ = [
     "PayloadKind",
     "all_option_keys",
     "available_methods",
+    "client_features",
     "get_method",
     "option_defaults",
     "register_method",
@@ -54,35 +57,9 @@ __all__ = [
     "resolve",
 ]
 
-Handler = Callable[["Message", "Context"], "Message"]
-PlanBuilder = Callable[["MethodConfig"], "ServerPlan"]
 T = TypeVar("T", bound=type)
 
 _NAME = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
-
-
-@dataclass(frozen=True)
-class PayloadKind:
-    """What travels between server and clients for a family of methods.
-
-    Attributes
-    ----------
-    name : str
-        ``lora``, ``vera``, ``sorf-vera``, ``qrmix`` or ``gpse``.
-    options : type of Options
-        The run-config keys both sides read (e.g. VeRA's projection rank);
-        every method of this kind has options that extend these.
-    train, evaluate : callable
-        The ClientApp handlers, ``(message, context) -> reply``.
-    plan : callable
-        The server plan builder, ``plan(method_config) -> ServerPlan``.
-    """
-
-    name: str
-    options: type[Options]
-    train: Handler
-    evaluate: Handler
-    plan: PlanBuilder
 
 
 @dataclass(frozen=True)
@@ -101,6 +78,10 @@ class MethodSpec:
         The method's own run-config keys; a subclass of ``payload.options``.
     summary : str
         One line for listings.
+    client : tuple of type
+        The method's client features (:class:`fedlr.features.ClientFeature`
+        subclasses, each in the method's own module): what a node does for
+        this method beyond the common round.
     """
 
     name: str
@@ -108,10 +89,9 @@ class MethodSpec:
     payload: PayloadKind
     options: type[Options]
     summary: str
+    client: tuple[type, ...] = ()
 
     def __post_init__(self) -> None:
-        from fedlr.strategies.base import FedLRStrategy
-
         if not _NAME.match(self.name):
             raise ValueError(
                 f"method name '{self.name}' must be kebab-case (e.g. 'fedex-lora')"
@@ -122,6 +102,12 @@ class MethodSpec:
             raise TypeError(
                 f"method '{self.name}': strategy {self.strategy!r} is not a "
                 "FedLRStrategy subclass"
+            )
+        odd = [c for c in self.client if not _is_feature(c)]
+        if odd:
+            raise TypeError(
+                f"method '{self.name}': client features {odd!r} are not "
+                "ClientFeature subclasses"
             )
         if not issubclass(self.options, self.payload.options):
             raise TypeError(
@@ -160,7 +146,6 @@ class MethodConfig:
 
 
 _REGISTRY: dict[str, MethodSpec] = {}
-_LOADED = False
 
 
 def register_method(
@@ -169,6 +154,7 @@ def register_method(
     payload: PayloadKind,
     summary: str,
     options: type[Options] | None = None,
+    client: tuple[type, ...] = (),
 ) -> Callable[[T], T]:
     """Class decorator registering a strategy as method ``name``.
 
@@ -192,6 +178,7 @@ def register_method(
             payload=payload,
             options=options or payload.options,
             summary=summary,
+            client=tuple(client),
         )
         if name in _REGISTRY:
             raise ValueError(
@@ -200,6 +187,7 @@ def register_method(
             )
         _check_consistent(spec)
         _REGISTRY[name] = spec
+        record_method_options(name, spec.options)
         return cls
 
     return decorator
@@ -220,23 +208,18 @@ def _check_consistent(spec: MethodSpec) -> None:
                 )
 
 
-def _load_builtin() -> None:
-    """Import every module of :mod:`fedlr.strategies` once (they register)."""
-    global _LOADED
-    if _LOADED:
-        return
-    import fedlr.strategies as package
+def _is_feature(cls: object) -> bool:
+    return isinstance(cls, type) and issubclass(cls, ClientFeature)
 
-    # A module that fails to import raises here, on every lookup, rather than
-    # leaving a registry that silently lacks its methods.
-    for module in pkgutil.iter_modules(package.__path__):
-        importlib.import_module(f"{package.__name__}.{module.name}")
-    _LOADED = True
+
+def client_features() -> list[type[ClientFeature]]:
+    """Every registered method's client features, each once, in run order."""
+    return ordered(c for spec in registered_methods() for c in spec.client)
 
 
 def get_method(name: str) -> MethodSpec:
     """Look up a method; unknown names raise :class:`UnknownMethodError`."""
-    _load_builtin()
+    load_builtin_methods()
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -245,22 +228,19 @@ def get_method(name: str) -> MethodSpec:
 
 def available_methods() -> list[str]:
     """Registered method names, sorted."""
-    _load_builtin()
+    load_builtin_methods()
     return sorted(_REGISTRY)
 
 
 def registered_methods() -> list[MethodSpec]:
     """Every registered :class:`MethodSpec`, sorted by name."""
-    _load_builtin()
+    load_builtin_methods()
     return [_REGISTRY[name] for name in sorted(_REGISTRY)]
 
 
 def all_option_keys() -> dict[str, dataclasses.Field[Any]]:
     """Every method option's run-config key and field (common keys excluded)."""
-    keys: dict[str, dataclasses.Field[Any]] = {}
-    for spec in registered_methods():
-        keys.update(spec.options.option_fields())
-    return keys
+    return method_option_keys()
 
 
 def resolve(run_config: Mapping[str, Any]) -> MethodConfig:

@@ -14,9 +14,9 @@ calling ``super()``, or read extra records with
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,6 +25,7 @@ from flwr.app import Message, MetricRecord, RecordDict
 from fedlr.errors import ProtocolError, ReplyValidationError
 from fedlr.flower.records import record_nbytes
 from fedlr.protocol import PARTITION_ID, validate_arrays
+from fedlr.updates import ClientUpdate
 
 __all__ = ["ClientUpdate", "ReplyChecks", "node_of", "short"]
 
@@ -40,47 +41,6 @@ def node_of(message: Message) -> int:
 def short(text: str, limit: int = 200) -> str:
     """``text`` cut to ``limit`` characters (for untrusted text in reasons)."""
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-@dataclass(frozen=True)
-class ClientUpdate:
-    """A validated client reply.
-
-    Attributes
-    ----------
-    node_id : int
-    arrays : dict of str to torch.Tensor
-        Exactly the keys of :meth:`~fedlr.strategies.base.FedLRStrategy.reply_shapes`.
-    num_examples : int
-        The client's weight.
-    metrics : dict of str to float
-        Other scalar metrics of the reply (e.g. ``train-loss``).
-    content : flwr.app.RecordDict
-        The whole reply, for methods that send extra named records.
-    nbytes : int
-        Bytes of the reply's arrays.
-    weight : float
-        The client's aggregation weight: ``num_examples`` unless a robust
-        option (:mod:`fedlr.robust`) capped or re-weighted it. Kernels weight
-        by this, never by ``num_examples`` directly.
-    """
-
-    node_id: int
-    arrays: dict[str, torch.Tensor]
-    num_examples: int
-    metrics: dict[str, float]
-    content: RecordDict
-    nbytes: int
-    weight: float = -1.0
-
-    def __post_init__(self) -> None:
-        if self.weight < 0:
-            object.__setattr__(self, "weight", float(self.num_examples))
-
-    @property
-    def partition_id(self) -> int:
-        """The client's partition id if it reported one, else -1."""
-        return int(self.metrics.get(PARTITION_ID, -1))
 
 
 class ReplyChecks:
@@ -273,7 +233,7 @@ class ReplyChecks:
                 node,
                 f"'{PARTITION_ID}' must be a non-negative integer, got {partition}",
             )
-        return ClientUpdate(
+        update = ClientUpdate(
             node_id=node,
             arrays=arrays,
             num_examples=num,
@@ -281,3 +241,23 @@ class ReplyChecks:
             content=content,
             nbytes=record_nbytes(record),
         )
+        extra_records = self.reply_records()
+        if not extra_records:
+            return update
+        extras = {
+            name: self.extra_arrays(update, name, shapes)
+            for name, shapes in extra_records.items()
+        }
+        nbytes = update.nbytes + sum(
+            record_nbytes(content.array_records[name]) for name in extras
+        )
+        return dataclasses.replace(update, extras=extras, nbytes=nbytes)
+
+    def reply_records(self) -> dict[str, dict[str, tuple[int, ...]]]:
+        """Extra ArrayRecords every valid reply carries: name -> keys and shapes.
+
+        Each is checked like ``arrays`` (:meth:`extra_arrays`), decoded once
+        into :attr:`ClientUpdate.extras` and counted in the reply's bytes; a
+        reply without one is dropped. Default: none.
+        """
+        return {}

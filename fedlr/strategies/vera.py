@@ -60,6 +60,7 @@ from fedlr.payloads import VERA
 from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
 from fedlr.strategies.fedex_downlink import (
     DOWNLINK_HELP,
+    BaseWeights,
     FactoredDownlink,
     check_downlink,
 )
@@ -361,6 +362,7 @@ class VeraFedExOptions(VeraOptions):
     payload=VERA,
     options=VeraFedExOptions,
     summary="FedAvg of VeRA's lambdas plus the exact residual folded into W0",
+    client=(BaseWeights,),
 )
 class VeraFedEx(FactoredDownlink, FedAvgVeRA):
     """FedAvg-VeRA whose residual (times ``fedex_lr``) is folded into ``W0``.

@@ -118,3 +118,19 @@ def test_sorf_vera_under_flwr_run(app_dir, flwr_home, tmp_path):
     for metrics in result["train"].values():
         assert 0.0 <= metrics["b-residual"] < 1.0
         assert 0.0 <= metrics["d-residual"] < 1.0
+
+
+@pytest.mark.parametrize(
+    ("method", "column"),
+    [("fedavgm-lora", "momentum-norm"), ("scaffold-lora", "control-norm")],
+)
+def test_server_state_methods_under_flwr_run(
+    app_dir, flwr_home, tmp_path, method, column
+):
+    """The worked examples of docs/architecture.md through the plug-in app:
+    server momentum (server only) and SCAFFOLD (extra records both ways and
+    the gradient hook in the user's loop)."""
+    result = _run(app_dir, flwr_home, tmp_path, method)
+    _check_sane(result)
+    norms = [result["train"][r][column] for r in ("1", "2")]
+    assert all(math.isfinite(n) and n > 0 for n in norms)

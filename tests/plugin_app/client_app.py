@@ -22,6 +22,7 @@ def train(message: Message, context: Context) -> Message:
         optimizer.zero_grad()
         loss = torch.nn.functional.cross_entropy(job.model(x), y) + job.penalty()
         loss.backward()
+        job.after_backward()  # gradient transforms (SCAFFOLD-LoRA)
         optimizer.step()
     return job.reply(num_examples=len(y), metrics={"train-loss": loss.item()})
 

@@ -51,7 +51,7 @@ from fedlr.errors import ConfigError, FedLRError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.linalg.sorf import build_lambda_d_rot
-from fedlr.server_apps.plans import ServerPlan
+from fedlr.server_apps.plans import ServerPlan, build_plan
 from fedlr.strategies.base import FedLRStrategy
 from fedlr.strategies.registry import available_methods, get_method, resolve
 from tests.conftest import tiny_run_config
@@ -161,7 +161,13 @@ def sorf_updates(strategy: Any, state: Mapping[str, torch.Tensor], node: int) ->
 def no_extras(
     strategy: Any, server_round: int, arrays: Any, current: Any, seed: int
 ) -> tuple[Records, dict[str, float]]:
-    return {}, {}
+    """The extra records the strategy declares (``reply_records``), seeded."""
+    g = torch.Generator().manual_seed(seed)
+    records = {
+        name: {k: 0.01 * torch.randn(shape, generator=g) for k, shape in shapes.items()}
+        for name, shapes in strategy.reply_records().items()
+    }
+    return records, {}
 
 
 def personal_gram(
@@ -284,6 +290,9 @@ CASES: dict[str, Case] = {
     for c in [
         Case("fedavg-lora", TEXT, lora_products),
         Case("fedprox-lora", TEXT, lora_products),
+        # server momentum / control variates: state the next round depends on
+        Case("fedavgm-lora", TEXT, lora_products, state_matters=True),
+        Case("scaffold-lora", TEXT, lora_products, state_matters=True),
         Case("fedex-lora", TEXT, lora_products, fixed_roles=(Role.BASE,)),
         # disagreeing clients grow FedSpec's rank from 4 to 6 in the warm round
         Case("fedspec", TEXT, lora_products, state_matters=True),
@@ -394,7 +403,7 @@ def plans(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], ServerPla
             case = CASES[method]
             ensure_assets(ASSETS[case.family], quiet=True)
             config = resolve(run_config(case, tmp_path_factory.mktemp(method)))
-            built[method] = config.spec.payload.plan(config)
+            built[method] = build_plan(config)
         return built[method]
 
     return plan

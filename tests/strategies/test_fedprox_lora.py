@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
@@ -11,10 +13,10 @@ from fedlr.client_apps.app import app as client_app
 from fedlr.errors import ConfigError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state
+from fedlr.server_apps.plans import build_plan
 from fedlr.strategies import FedAvgLoRA
-from fedlr.strategies.fedprox_lora import FedProxLoRA, ProximalOptions
+from fedlr.strategies.fedprox_lora import FedProxLoRA, ProximalOptions, ProximalTerm
 from fedlr.strategies.registry import get_method, resolve
-from fedlr.train import proximal_term
 from tests.conftest import tiny_run_config
 from tests.strategies.conftest import reply
 from tests.strategies.test_lora_strategies import LAYOUT, _client, _global
@@ -48,11 +50,16 @@ def test_round_config_carries_mu_and_aggregation_is_fedavg():
 
 
 def test_proximal_term_value_and_gradient():
+    """The client feature the nodes run (ProximalTerm.loss), on the trained
+    parameters only (the frozen bias has no term)."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(5, 3)
     layer.bias.requires_grad_(False)
     start = layer.weight.detach().clone()
-    term = proximal_term(layer, mu=0.7)
+    job = SimpleNamespace(
+        parameters=lambda: [p for p in layer.parameters() if p.requires_grad]
+    )
+    term = ProximalTerm(0.7).loss(job)  # type: ignore[arg-type]
     assert float(term().detach()) == 0.0
     with torch.no_grad():
         layer.weight.add_(torch.randn(3, 5))
@@ -70,7 +77,7 @@ def _client_drift(tmp_path, mu: float) -> float:
         tmp_path, method="fedprox-lora", **{"proximal-mu": mu, "local-steps": 8}
     )
     method = resolve(config)
-    plan = method.spec.payload.plan(method)
+    plan = build_plan(method)
     grid = InProcessGrid(client_app, num_nodes=3, run_config=config)
     initial = ArrayRecord(plan.initial_arrays)
     messages = plan.strategy.configure_train(

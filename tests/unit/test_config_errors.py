@@ -63,6 +63,8 @@ AT_PARSE: dict[str, tuple[object, str]] = {
     "fedspec-threshold": (1.0, r"in \[0, 1\)"),
     "fedspec-max-rank": (0, "must be >= 1"),
     "proximal-mu": (float("inf"), "finite and >= 0"),
+    "server-momentum": (1.0, r"in \[0, 1\)"),
+    "server-lr": (0.0, "finite and > 0"),
     "momentum": (1.0, r"in \[0, 1\)"),
     "warmup-rounds": (-1, "must be >= 0"),
     "qrmix-tau": (0.0, "finite and > 0"),

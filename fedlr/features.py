@@ -1,0 +1,167 @@
+"""Client features: what a method asks of a node beyond the common round.
+
+The counterpart of PEFT's ``tuners/<method>/layer.py``. The common round
+(:func:`fedlr.client.apply_round`) decodes and checks the instruction,
+conforms the model's rank and scaling, loads the arrays and sets what
+trains; everything a particular method adds is a :class:`ClientFeature`
+that lives in that method's module and is listed in its registration::
+
+    class ProximalTerm(ClientFeature):
+        keys = (protocol.PROXIMAL_MU,)
+        order = 40
+
+        @classmethod
+        def for_round(cls, job):
+            mu = config_float(job.config, protocol.PROXIMAL_MU, 0.0)
+            return cls(mu) if job.is_train and mu > 0 else None
+
+        def loss(self, job):
+            ...
+
+    @register_method("fedprox-lora", ..., client=(ProximalTerm,))
+    class FedProxLoRA(...): ...
+
+A feature is switched on by the instruction, not by the method's name (the
+plug-in helpers see only the message): :meth:`ClientFeature.for_round`
+returns an instance for this round, or ``None``. Every feature registered by
+any method is asked, in ``order`` (ties: by class name), so a strategy that
+sends ``proximal-mu`` gets the proximal term on any node.
+
+Hooks, each optional, at the three moments of a round:
+
+* the instruction arrives: :meth:`~ClientFeature.load` edits the state about
+  to be loaded into the model (base weights, a folded tail, personal arrays);
+* training: :meth:`~ClientFeature.loss` adds a term to the loss,
+  :meth:`~ClientFeature.after_backward` transforms the gradients after each
+  ``backward`` (SCAFFOLD's correction, per-sample clipping),
+  :meth:`~ClientFeature.wrap_optimizer` replaces the optimizer;
+* the reply: :meth:`~ClientFeature.reply_arrays` transforms the arrays sent
+  back (pruning, re-factoring), :meth:`~ClientFeature.reply_records` adds
+  metrics and extra records.
+
+Nothing here imports Flower's server side or a strategy; the features'
+modules import this one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, ClassVar, Protocol, Self
+
+import torch
+
+if TYPE_CHECKING:
+    from flwr.app import ConfigRecord, Context, Message, MetricRecordValues, RecordDict
+
+    from fedlr.adapters.roles import AdaptedModel, Role
+    from fedlr.pruning import RankPruning
+
+__all__ = ["ClientFeature", "RoundJob", "ordered"]
+
+
+class RoundJob(Protocol):
+    """What a feature sees of the round (:class:`fedlr.client.ClientRound`)."""
+
+    model: torch.nn.Module
+    adapted: AdaptedModel
+    message: Message
+    context: Context
+    config: ConfigRecord
+    train_roles: tuple[Role, ...]
+    keep_roles: tuple[Role, ...]
+    personal_loaded: bool
+    base_version: int | None
+    pruning: RankPruning | None
+
+    @property
+    def is_train(self) -> bool: ...
+
+    @property
+    def personal_split(self) -> bool: ...
+
+    def parameters(self) -> list[torch.nn.Parameter]: ...
+
+
+class ClientFeature:
+    """One method's client behaviour in one round (see the module docstring).
+
+    Class attributes
+    ----------------
+    keys : tuple of str
+        The instruction's ConfigRecord keys the feature reads (documentation
+        and the protocol's list of keys a node understands).
+    order : int
+        Where the feature runs among the round's active features (lower
+        first); the order of loss terms and array transforms is part of a
+        method's result, so it is fixed here, not by import order.
+    """
+
+    keys: ClassVar[tuple[str, ...]] = ()
+    order: ClassVar[int] = 100
+
+    @classmethod
+    def for_round(cls, job: RoundJob) -> Self | None:
+        """This round's instance of the feature, or ``None`` when it is off.
+
+        Called after the model was conformed and the roles decoded, before
+        the arrays are loaded. Raise :class:`~fedlr.errors.ProtocolError` for
+        an instruction value the feature cannot accept.
+        """
+        raise NotImplementedError
+
+    def load(
+        self,
+        job: RoundJob,
+        received: dict[str, torch.Tensor],
+        state: dict[str, torch.Tensor],
+    ) -> None:
+        """Edit ``state`` (what the model is about to load) in place.
+
+        ``received`` is the instruction's arrays as sent (before a
+        heterogeneous-rank cut).
+        """
+
+    def loss(self, job: RoundJob) -> Callable[[], torch.Tensor] | None:
+        """A term added to every training step's loss (after roles are set)."""
+        return None
+
+    def after_backward(self, job: RoundJob) -> None:
+        """Transform the trained parameters' ``.grad`` after each ``backward``."""
+
+    def wrap_optimizer(
+        self, job: RoundJob, optimizer: torch.optim.Optimizer
+    ) -> torch.optim.Optimizer:
+        """The optimizer to step with (default: ``optimizer`` itself)."""
+        return optimizer
+
+    def reply_arrays(
+        self, job: RoundJob, trained: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """The arrays to send back (and keep), from the trained ones."""
+        return trained
+
+    def reply_records(
+        self,
+        job: RoundJob,
+        trained: dict[str, torch.Tensor],
+        metrics: dict[str, MetricRecordValues],
+        content: RecordDict,
+    ) -> None:
+        """Add reply metrics to ``metrics`` and extra records to ``content``."""
+
+    @property
+    def trains(self) -> bool:
+        """Whether the feature acts during training (a loss term excluded)."""
+        cls = type(self)
+        return (
+            cls.after_backward is not ClientFeature.after_backward
+            or cls.wrap_optimizer is not ClientFeature.wrap_optimizer
+        )
+
+
+def ordered(features: Iterable[type[ClientFeature]]) -> list[type[ClientFeature]]:
+    """Distinct feature classes by ``order``, then qualified name."""
+    unique = {f"{cls.__module__}.{cls.__qualname__}": cls for cls in features}
+    return sorted(
+        unique.values(), key=lambda c: (c.order, c.__module__, c.__qualname__)
+    )
