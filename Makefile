@@ -22,7 +22,7 @@ ENGINE ?= flwr
 export FEDLR_CACHE ?= $(HOME)/.cache/fedlr
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
 
-.PHONY: setup run test lint typecheck unit integration bench compare results plots clean
+.PHONY: setup run test lint typecheck unit integration bench compare results plots clean config-docs
 
 $(STAMP)/venv:
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,11 @@ lint: $(STAMP)/deps
 
 typecheck: $(STAMP)/deps
 	$(PY) -m mypy fedlr client_apps server_apps
+
+# pyproject.toml's [tool.flwr.app.config] and docs/configuration.md's key tables,
+# generated from the option declarations (the unit tests check they are current).
+config-docs: $(STAMP)/deps
+	$(PY) -m fedlr.configdoc write
 
 unit: setup
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)

@@ -15,8 +15,11 @@ directory, a dict of:
 ``rng``
     Python's ``random``, NumPy's and torch's global generator states, as
     tensors, ints and tuples.
-``results``, ``layers``
-    The CSV rows so far (plain numbers and strings).
+``results``, ``layers`` (checkpoints of older fedlr versions only)
+    The CSV rows so far. Checkpoints no longer carry the history: a resumed
+    run reads ``results.csv`` and ``layers.csv`` up to the checkpoint's round
+    (:meth:`fedlr.results.ResultsWriter.restore`), so a checkpoint's size
+    does not grow with the run.
 ``extra``
     Anything else the round loop keeps (initial metrics, ...).
 ``config``
@@ -69,7 +72,7 @@ __all__ = [
 ]
 
 MANIFEST = "checkpoint.json"
-REQUIRED = ("round", "arrays", "strategy", "rng", "results", "config")
+REQUIRED = ("round", "arrays", "strategy", "rng", "config")
 IGNORED_ON_RESUME = frozenset(
     {"resume-from", "num-server-rounds", "output-dir", "keep-checkpoints"}
 )

@@ -48,7 +48,7 @@ by the instruction's keys (the method named after each item below):
   their leading ``r`` components, scaled by ``sqrt(r / R)``; with
   ``fold-tail`` (FedEx-LoRA with ``client-ranks``) the cut components are
   added to the base weights used this round (the kept copy stays the
-  server's, :func:`fedlr.protocol.fold_tail`);
+  server's, :func:`fedlr.adapters.ranks.fold_tail`);
 * **rank self-pruning** (``prune-gamma`` < 1 with ``leading-rank``: HetLoRA
   with ``hetlora-prune-gamma``): the model of rank ``r`` regularises its tail
   components ``[r', r)``, ``r' = max(1, floor(gamma r))``, with
@@ -102,6 +102,7 @@ from fedlr.adapters.plugin import (
     conform_lora,
     initial_state,
 )
+from fedlr.adapters.ranks import leading_rank
 from fedlr.adapters.roles import AdaptedModel, AdapterLayout, Role, RoleLayout
 from fedlr.adapters.sorf_vera import SorfVeraLayout
 from fedlr.adapters.vera import VeraLayout, check_projection
@@ -426,7 +427,7 @@ def apply_round(
     state = initial_state(view)
     loaded = received
     if leading and isinstance(view, LoraModel):
-        loaded = protocol.leading_rank(view.layout, received)
+        loaded = leading_rank(view.layout, received)
     view.layout.check_shapes({k: v.shape for k, v in loaded.items()})
     state.update(loaded)
     for feature in job.features:

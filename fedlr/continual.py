@@ -61,15 +61,27 @@ __all__ = [
 class ContinualOptions(VisionOptions):
     """Run-config keys of the ``gpse`` payload kind: the task stream and sketches."""
 
-    num_tasks: int = option(3, "tasks of a continual stream (dataset = stream)")
+    num_tasks: int = option(
+        3,
+        "tasks of the stream (≥ 1; at most 5 for `split-mnist`, 10 for "
+        "`split-cifar100`)",
+        bad=[(0, "must be >= 1")],
+    )
     rounds_per_task: int = option(
-        5, "rounds per task; num-server-rounds = num-tasks x this"
+        5,
+        "rounds per task (≥ 1); `lr` restarts at each task (`lr · lr-decay^j` "
+        "in round j of a task)",
+        bad=[(0, "must be >= 1")],
     )
     task_examples: int = option(
-        0, "rows per continual task before the held-out split (0: all)"
+        0,
+        "rows per task before the held-out split (`0`: all); ≥ 0",
+        bad=[(-1, "must be >= 0")],
     )
     fot_activation_examples: int = option(
-        125, "GPSE: local examples whose activations a client sketches"
+        125,
+        "local examples of the finished task each client sketches; ≥ 1",
+        bad=[(0, "must be >= 1")],
     )
 
     def check(self) -> None:

@@ -49,7 +49,11 @@ __all__ = [
 class VisionOptions(Options):
     """Run-config keys of the vision clients' local SGD (``qrmix``, ``gpse`` kinds)."""
 
-    momentum: float = option(0.9, "SGD momentum of vision clients")
+    momentum: float = option(
+        0.9,
+        "SGD momentum of the vision clients, in [0, 1)",
+        bad=[(1.0, r"in \[0, 1\)")],
+    )
 
     def check(self) -> None:
         require(
@@ -63,9 +67,19 @@ class VisionOptions(Options):
 class EigenOptions(VisionOptions):
     """Keys of the ``qrmix`` payload kind: the clients' Hessian eigenpairs."""
 
-    qrmix_k: int = option(10, "qrmix: Hessian eigenpairs per client")
-    qrmix_oversample: int = option(10, "qrmix: oversampling s of subspace iteration")
-    qrmix_power_iters: int = option(2, "qrmix: power iterations q")
+    qrmix_k: int = option(
+        10,
+        "Hessian eigenpairs per client (≥ 1; capped at the head's size)",
+        bad=[(0, "must be >= 1")],
+    )
+    qrmix_oversample: int = option(
+        10,
+        "oversampling s of the subspace iteration (≥ 0)",
+        bad=[(-1, "must be >= 0")],
+    )
+    qrmix_power_iters: int = option(
+        2, "power iterations q (≥ 0)", bad=[(-1, "must be >= 0")]
+    )
 
     def check(self) -> None:
         super().check()

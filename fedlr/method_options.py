@@ -15,17 +15,15 @@ with the same discovery.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import pkgutil
 from typing import Any
 
 import fedlr.strategies as builtin
+from fedlr.discovery import import_submodules
 from fedlr.options import Options
 
 __all__ = ["load_builtin_methods", "method_option_keys", "record_method_options"]
 
 _OPTIONS: dict[str, type[Options]] = {}
-_LOADED = False
 
 
 def record_method_options(name: str, options: type[Options]) -> None:
@@ -35,14 +33,7 @@ def record_method_options(name: str, options: type[Options]) -> None:
 
 def load_builtin_methods() -> None:
     """Import every module of :mod:`fedlr.strategies` once (they register)."""
-    global _LOADED
-    if _LOADED:
-        return
-    # A module that fails to import raises here, on every lookup, rather than
-    # leaving a registry that silently lacks its methods.
-    for module in pkgutil.iter_modules(builtin.__path__):
-        importlib.import_module(f"{builtin.__name__}.{module.name}")
-    _LOADED = True
+    import_submodules(builtin)
 
 
 def method_option_keys() -> dict[str, dataclasses.Field[Any]]:

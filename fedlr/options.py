@@ -1,4 +1,4 @@
-"""Typed run-config options: a frozen dataclass per group of keys.
+r"""Typed run-config options: a frozen dataclass per group of keys.
 
 Flower hands every node one flat ``run_config`` (``[tool.flwr.app.config]``
 plus ``--run-config`` overrides). fedlr reads it in groups: the common keys
@@ -6,14 +6,19 @@ plus ``--run-config`` overrides). fedlr reads it in groups: the common keys
 projection rank, read by the clients and the server alike) and the keys of a
 method (e.g. FedSpec's threshold, read by the server). Each group is an
 :class:`Options` subclass: a frozen dataclass whose fields are its keys
-(snake_case here, kebab-case in the run config), with the help text in the
-field metadata and the checks in :meth:`Options.check`.
+(snake_case here, kebab-case in the run config), declared with
+:func:`option` (default, help text and values it refuses, in the field
+metadata), with the checks in :meth:`Options.check`. The declarations are the
+one place a key is described: ``python -m fedlr.configdoc write`` generates
+the pyproject table and the key tables of ``docs/configuration.md`` from them.
 
 Example::
 
     @dataclass(frozen=True)
     class FedSpecOptions(Options):
-        fedspec_threshold: float = option(0.05, "grow the rank while ...")
+        fedspec_threshold: float = option(
+            0.05, "grow the rank while ..., in [0, 1)", bad=[(1.0, "must be in")]
+        )
 
         def check(self) -> None:
             require(0.0 <= self.fedspec_threshold < 1.0, "fedspec-threshold",
@@ -24,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Self
 
@@ -46,9 +51,32 @@ def kebab(name: str) -> str:
     return name.replace("_", "-")
 
 
-def option(default: Any, help: str) -> Any:
-    """A dataclass field of an :class:`Options` class with its help text."""
-    return dataclasses.field(default=default, metadata={"help": help})
+def option(default: Any, help: str, *, bad: Iterable[tuple[Any, str]] = ()) -> Any:
+    """A dataclass field of an :class:`Options` class: one run-config key.
+
+    The declaration is the key's only description: ``python -m
+    fedlr.configdoc write`` renders the ``[tool.flwr.app.config]`` table of
+    ``pyproject.toml`` and the key tables of ``docs/configuration.md`` from
+    it, and the tests refuse each bad value.
+
+    Parameters
+    ----------
+    default : object
+        The value when the run config does not set the key.
+    help : str
+        What the key does and which values it allows: one line of Markdown,
+        shown as the key's row in ``docs/configuration.md`` (links relative
+        to ``docs/``).
+    bad : iterable of (value, str)
+        Values :meth:`Options.check` refuses, each with a regular expression
+        of the :class:`~fedlr.errors.ConfigError` message
+        (``tests/unit/test_config_errors.py`` parses each one). A key whose
+        values are checked only when the apps start has none.
+    """
+    if "\n" in help or "|" in help:
+        raise ValueError(f"help must be one line without '|': {help!r}")
+    cases = tuple((value, str(message)) for value, message in bad)
+    return dataclasses.field(default=default, metadata={"help": help, "bad": cases})
 
 
 def require(condition: bool, key: str, reason: str) -> None:

@@ -36,6 +36,10 @@ class PayloadKind:
         every method of this kind has options that extend these.
     train, evaluate : callable
         The ClientApp handlers, ``(message, context) -> reply``.
+    plugin : bool
+        Whether a user's own model and ClientApp can carry it
+        (:func:`fedlr.client.apply_round` and the strategies' ``for_model``):
+        the LoRA and VeRA families.
 
     The server plan of a kind is registered under its name
     (:func:`fedlr.server_apps.plans.register_plan`).
@@ -45,3 +49,4 @@ class PayloadKind:
     options: type[Options]
     train: Handler
     evaluate: Handler
+    plugin: bool = False

@@ -27,6 +27,7 @@ LORA = PayloadKind(
     options=NoOptions,
     train=lora.train_message,
     evaluate=lora.evaluate_message,
+    plugin=True,
 )
 """LoRA factors (A, B), the head and, for FedEx-LoRA, updated base weights."""
 
@@ -35,6 +36,7 @@ VERA = PayloadKind(
     options=VeraOptions,
     train=vera.train_message,
     evaluate=vera.evaluate_message,
+    plugin=True,
 )
 """VeRA scaling vectors over frozen projections shared by seed."""
 
@@ -43,6 +45,7 @@ SORF_VERA = PayloadKind(
     options=SorfVeraOptions,
     train=sorf_vera.train_message,
     evaluate=sorf_vera.evaluate_message,
+    plugin=True,
 )
 """SORF-VeRA's rotation angles and scale (b is refit on the server)."""
 

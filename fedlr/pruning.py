@@ -21,6 +21,7 @@ from flwr.app import ConfigRecord, Context, RecordDict
 from fedlr import protocol
 from fedlr.adapters.lora import LoraModel, parameters_by_key
 from fedlr.adapters.plugin import adapted
+from fedlr.adapters.ranks import pruned_rank
 from fedlr.adapters.roles import AdaptedModel, AdapterLayout
 from fedlr.errors import ProtocolError
 from fedlr.flower.records import config_float, config_int
@@ -52,7 +53,7 @@ class RankPruning:
     rank : int
         The node's rank ``r`` this round.
     keep : int
-        ``r' = max(1, floor(gamma r))`` (:func:`fedlr.protocol.pruned_rank`):
+        ``r' = max(1, floor(gamma r))`` (:func:`fedlr.adapters.ranks.pruned_rank`):
         the tail is the components ``[r', r)``.
     before : float
         The tail norm of the model as received, before training (float64).
@@ -245,14 +246,14 @@ def round_pruning(
             f"{type(view.layout).__name__}"
             + ("" if leading else f" without '{protocol.LEADING_RANK}'")
         )
-    ranks = sorted({m.rank for m in view.layout.modules})
-    if len(ranks) != 1:
+    layer_ranks = sorted({m.rank for m in view.layout.modules})
+    if len(layer_ranks) != 1:
         raise ProtocolError(
             f"'{protocol.PRUNE_GAMMA}' prunes one rank per model; the model's "
-            f"LoRA layers have ranks {ranks}"
+            f"LoRA layers have ranks {layer_ranks}"
         )
-    rank = ranks[0]
-    keep = protocol.pruned_rank(rank, gamma)
+    rank = layer_ranks[0]
+    keep = pruned_rank(rank, gamma)
     factors = _tail_factors(view, keep) if keep < rank else []
     with torch.no_grad():
         before = float(_tail_norm_of(factors, torch.float64))

@@ -6,8 +6,10 @@ bytes-down, seconds, clients, dropped, train-loss; then the extra columns a
 method declares (e.g. ``tail-energy`` for FedSpec), in declared order.
 ``layers.csv`` holds
 ``round, layer, frobenius-gap, relative-gap`` for methods that report gaps per
-layer. Files are rewritten atomically (write then rename) after every round so
-a crash never leaves a half-written CSV.
+layer. Both files are appended to, one round's rows at a time, so a round
+costs the same at round 3 and at round 3000; a crash can leave a torn last
+line, which a resumed run drops: it keeps the rows up to its checkpoint's
+round (:meth:`ResultsWriter.restore`) and rewrites the files once.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+
+from fedlr.errors import CheckpointError
 
 __all__ = ["COLUMNS", "LAYER_COLUMNS", "ResultsWriter", "read_results"]
 
@@ -51,6 +55,16 @@ def _atomic_write_csv(frame: pd.DataFrame, path: Path) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     frame.to_csv(tmp, index=False)
     os.replace(tmp, path)
+
+
+def _append_csv(rows: list[dict[str, Any]], columns: Sequence[str], path: Path) -> None:
+    """Append ``rows`` to ``path`` (with the header if the file is new)."""
+    header = not path.is_file() or path.stat().st_size == 0
+    frame = pd.DataFrame(rows, columns=list(columns))
+    with path.open("a", encoding="utf-8", newline="") as f:
+        frame.to_csv(f, header=header, index=False)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 class ResultsWriter:
@@ -89,7 +103,6 @@ class ResultsWriter:
         self.path = self.run_dir / "results.csv"
         self.layers_path = self.run_dir / "layers.csv"
         self._rows: list[dict[str, Any]] = []
-        self._layer_rows: list[dict[str, Any]] = []
         if config is not None:
             tmp = self.run_dir / "config.json.tmp"
             tmp.write_text(json.dumps(dict(config), indent=2, sort_keys=True))
@@ -118,45 +131,84 @@ class ResultsWriter:
         full = {c: row.get(c, math.nan) for c in self.columns}
         full["method"] = self.method
         self._rows.append(full)
-        _atomic_write_csv(self.frame, self.path)
+        _append_csv([full], self.columns, self.path)
         if layers:
-            for name, (gap, rel) in layers.items():
-                self._layer_rows.append(
-                    {
-                        "round": row["round"],
-                        "layer": name,
-                        "frobenius-gap": gap,
-                        "relative-gap": rel,
-                    }
-                )
-            _atomic_write_csv(
-                pd.DataFrame(self._layer_rows, columns=list(LAYER_COLUMNS)),
-                self.layers_path,
-            )
-
-    def rows(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """Copies of the result rows and layer rows (for a checkpoint)."""
-        return [dict(r) for r in self._rows], [dict(r) for r in self._layer_rows]
+            layer_rows = [
+                {
+                    "round": row["round"],
+                    "layer": name,
+                    "frobenius-gap": gap,
+                    "relative-gap": rel,
+                }
+                for name, (gap, rel) in layers.items()
+            ]
+            _append_csv(layer_rows, LAYER_COLUMNS, self.layers_path)
 
     def restore(
-        self, rows: list[dict[str, Any]], layer_rows: list[dict[str, Any]]
+        self,
+        upto_round: int,
+        rows: list[dict[str, Any]] | None = None,
+        layer_rows: list[dict[str, Any]] | None = None,
     ) -> None:
-        """Replace the rows with a checkpoint's and rewrite both CSVs."""
+        """Resume: keep the rows of rounds ``<= upto_round``, rewrite both CSVs.
+
+        The rows come from the run's own CSVs (a torn last line, or rows of
+        rounds after the checkpoint, are dropped); a checkpoint of an older
+        fedlr that carries its ``rows`` and ``layer_rows`` gives them instead.
+
+        Raises
+        ------
+        CheckpointError
+            If ``results.csv`` lacks rows the checkpoint has (a round in
+            ``1 .. upto_round`` missing).
+        """
+        if rows is None:
+            rows = _read_rows(self.path, upto_round)
+            layer_rows = _read_rows(self.layers_path, upto_round)
+            have = {int(r["round"]) for r in rows}
+            missing = sorted(set(range(1, upto_round + 1)) - have)
+            if missing:
+                raise CheckpointError(
+                    f"{self.path}: rows of rounds {missing[:5]} are missing, but "
+                    f"the checkpoint is after round {upto_round}; the run "
+                    "directory was edited or is another run's"
+                )
         self._rows = [{c: r.get(c, math.nan) for c in self.columns} for r in rows]
         for r in self._rows:
             r["method"] = self.method
-        self._layer_rows = [dict(r) for r in layer_rows]
         _atomic_write_csv(self.frame, self.path)
-        if self._layer_rows:
+        if layer_rows:
             _atomic_write_csv(
-                pd.DataFrame(self._layer_rows, columns=list(LAYER_COLUMNS)),
+                pd.DataFrame(layer_rows, columns=list(LAYER_COLUMNS)),
                 self.layers_path,
             )
+        elif self.layers_path.is_file():
+            self.layers_path.unlink()
 
     @property
     def frame(self) -> pd.DataFrame:
         """All rows so far."""
         return pd.DataFrame(self._rows, columns=list(self.columns))
+
+
+def _read_rows(path: Path, upto_round: int) -> list[dict[str, Any]]:
+    """The rows of ``path`` whose round is ``<= upto_round`` (none if absent).
+
+    A torn last line (a crash while appending) fails to parse as a round and
+    is dropped with the other rows after ``upto_round``.
+    """
+    if not path.is_file() or path.stat().st_size == 0:
+        return []
+    frame = pd.read_csv(path)
+    rounds = pd.to_numeric(frame["round"], errors="coerce")
+    kept = frame[rounds.notna() & (rounds <= upto_round)]
+    # A torn line can parse as an earlier round ("1" of "12"): first rows win.
+    keys = ["round", "layer"] if "layer" in kept.columns else ["round"]
+    kept = kept.drop_duplicates(subset=keys, keep="first")
+    return [
+        {k: (math.nan if pd.isna(v) else v) for k, v in row.items()}
+        for row in kept.to_dict("records")
+    ]
 
 
 def read_results(run_dir: Path | str) -> pd.DataFrame:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from fedlr.adapters.sorf_vera import SorfVeraSettings, build_sorf_vera_model
 from fedlr.adapters.vera import VeraModel, VeraSettings, build_vera_model
@@ -25,8 +26,25 @@ __all__ = [
     "build_vera_text_model",
 ]
 
-_PROJECTION_SEED_HELP = "seed of the shared frozen VeRA / SORF-VeRA projections"
-_VERA_LR_HELP = "client learning rate of the VeRA-family methods"
+
+def _projection_seed() -> Any:
+    """``projection-seed``, declared once for both payload kinds reading it."""
+    return option(
+        0,
+        "seed of the shared frozen A, B (and SORF signs); sent to and checked "
+        "by every client; 0 … 2³² − 1",
+        bad=[(-1, "must be in")],
+    )
+
+
+def _vera_lr() -> Any:
+    """``vera-lr``, declared once for both payload kinds reading it."""
+    return option(
+        0.01,
+        "client AdamW learning rate of the VeRA family in round 1 (decayed by "
+        "`lr-decay`; `lr` is the LoRA methods'); finite and > 0",
+        bad=[(0.0, "finite and > 0")],
+    )
 
 
 def _check_seed_and_lr(options: VeraOptions | SorfVeraOptions) -> None:
@@ -42,10 +60,18 @@ def _check_seed_and_lr(options: VeraOptions | SorfVeraOptions) -> None:
 class VeraOptions(Options):
     """Run-config keys of the ``vera`` payload kind (clients and server)."""
 
-    vera_rank: int = option(256, "VeRA rank r of the shared projections")
-    projection_seed: int = option(0, _PROJECTION_SEED_HELP)
-    vera_d_initial: float = option(0.1, "initial value of VeRA's lambda_d entries")
-    vera_lr: float = option(0.01, _VERA_LR_HELP)
+    vera_rank: int = option(
+        256,
+        "VeRA rank r of the shared projections (peft's default); ≥ 1",
+        bad=[(0, "must be >= 1")],
+    )
+    projection_seed: int = _projection_seed()
+    vera_d_initial: float = option(
+        0.1,
+        "initial entries of VeRA's d (b starts at 0); finite",
+        bad=[(float("inf"), "must be finite")],
+    )
+    vera_lr: float = _vera_lr()
 
     def check(self) -> None:
         require_positive(self, "vera_rank")
@@ -61,10 +87,18 @@ class VeraOptions(Options):
 class SorfVeraOptions(Options):
     """Run-config keys of the ``sorf-vera`` payload kind (clients and server)."""
 
-    sorf_rank: int = option(16, "SORF-VeRA rank r (r(r-1)/2 Givens angles per layer)")
-    projection_seed: int = option(0, _PROJECTION_SEED_HELP)
-    sorf_d_scale_initial: float = option(0.0, "SORF-VeRA initial scale m of Lambda_d")
-    vera_lr: float = option(0.01, _VERA_LR_HELP)
+    sorf_rank: int = option(
+        16,
+        "SORF-VeRA rank r: r(r−1)/2 Givens angles per layer; 1 … 64",
+        bad=[(65, "must be <= 64"), (0, "must be >= 1")],
+    )
+    projection_seed: int = _projection_seed()
+    sorf_d_scale_initial: float = option(
+        0.0,
+        "SORF-VeRA initial scale m of Λ_d (0: start from the pretrained model); finite",
+        bad=[(float("nan"), "must be finite")],
+    )
+    vera_lr: float = _vera_lr()
 
     def check(self) -> None:
         require_positive(self, "sorf_rank")

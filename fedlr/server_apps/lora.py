@@ -1,8 +1,8 @@
 """Server plan of the ``lora`` client kind: text classifier with LoRA.
 
 The global model is evaluated on the server's held-out split after every round.
-For a personalised method (a
-:class:`~fedlr.strategies.lora_svd.PersonalLoraStrategy`) there is no single global
+For a personalised method (the registry's ``traits.personalised``) there is
+no single global
 model: each client evaluates its own model on its own held-out part in the
 round's federated evaluation (which Flower runs before this plan's evaluate),
 and the round reports the strategy's mean and spread of those accuracies.
@@ -22,7 +22,6 @@ from fedlr.adapters.lora import LoraModel
 from fedlr.errors import ConfigError
 from fedlr.server_apps.plans import ServerPlan, check_strategy, register_plan
 from fedlr.strategies.lora import LoraStrategy
-from fedlr.strategies.lora_svd import PersonalLoraStrategy, SvdLoraStrategy
 from fedlr.strategies.registry import MethodConfig
 from fedlr.tasks import text_task
 from fedlr.train import pick_device
@@ -41,10 +40,11 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
         model build, before any training).
     """
     config, spec = method.run, method.spec
+    traits = spec.traits
     check_strategy(spec, LoraStrategy)
     strategy_cls: type[LoraStrategy] = spec.strategy  # type: ignore[assignment]
     if config.rank_list:
-        if not getattr(strategy_cls, "heterogeneous_ranks", False):
+        if not traits.heterogeneous_ranks:
             raise ConfigError(
                 "client-ranks",
                 f"method '{spec.name}' trains one rank on every client; "
@@ -58,10 +58,9 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
     lm = models[config.lora_rank]
     strategy = strategy_cls.from_run_config(config, lm.layout, method.options)
     initial = adapter_state(lm.model, lm.layout, strategy.send_roles)
-    if isinstance(strategy, SvdLoraStrategy):
-        strategy.bind_initial(
-            adapter_state(lm.model, lm.layout, (Role.LORA_A, Role.LORA_B, Role.HEAD))
-        )
+    strategy.bind_initial(
+        adapter_state(lm.model, lm.layout, (Role.LORA_A, Role.LORA_B, Role.HEAD))
+    )
     heldout = task.heldout()
     device = pick_device(config.device)
     first_a = lm.layout.modules[0].a_key
@@ -75,7 +74,7 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
     def evaluate_global(
         server_round: int, state: Mapping[str, torch.Tensor]
     ) -> dict[str, float]:
-        if server_round > 0 and isinstance(strategy, PersonalLoraStrategy):
+        if server_round > 0 and traits.personalised:
             result = dict(strategy.last_evaluation)
             if not result:
                 nan = float("nan")
@@ -88,7 +87,7 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
         model.model.to("cpu")
         return result
 
-    extra = (*task.metric_columns, *getattr(strategy, "extra_columns", ()))
+    extra = (*task.metric_columns, *strategy.extra_columns)
     return ServerPlan(
         strategy=strategy,
         initial_arrays=initial,
@@ -105,7 +104,7 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
             f"examples, device {device}"
             + (
                 "; personalised: each client evaluates on its own held-out part"
-                if isinstance(strategy, PersonalLoraStrategy)
+                if traits.personalised
                 else ""
             )
         ),

@@ -27,8 +27,6 @@ method registry does with :mod:`fedlr.strategies`.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +35,7 @@ from typing import Any
 import torch
 
 import fedlr.server_apps as builtin
+from fedlr.discovery import import_submodules
 from fedlr.strategies.base import FedLRStrategy
 from fedlr.strategies.registry import MethodConfig, MethodSpec
 
@@ -122,7 +121,6 @@ PlanBuilder = Callable[[MethodConfig], ServerPlan]
 """``plan(method_config) -> ServerPlan``: the server side of one payload kind."""
 
 _PLANS: dict[str, PlanBuilder] = {}
-_LOADED = False
 
 
 def register_plan(payload: str) -> Callable[[PlanBuilder], PlanBuilder]:
@@ -150,14 +148,7 @@ def register_plan(payload: str) -> Callable[[PlanBuilder], PlanBuilder]:
 
 def _load_builtin() -> None:
     """Import every module of :mod:`fedlr.server_apps` once (plans register)."""
-    global _LOADED
-    if _LOADED:
-        return
-    # A module that fails to import raises here, on every build, rather than
-    # leaving a table that silently lacks its plans.
-    for module in pkgutil.iter_modules(builtin.__path__):
-        importlib.import_module(f"{builtin.__name__}.{module.name}")
-    _LOADED = True
+    import_submodules(builtin)
 
 
 def plan_builder(payload: str) -> PlanBuilder:

@@ -24,6 +24,7 @@ import math
 import os
 import random
 import time
+from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
@@ -45,10 +46,11 @@ from fedlr.errors import CheckpointError, ConfigError, InitialArraysError
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.plots import write_run_plots
 from fedlr.results import ResultsWriter
-from fedlr.server_apps.plans import build_plan
-from fedlr.strategies.registry import resolve
+from fedlr.server_apps.plans import ServerPlan, build_plan
+from fedlr.strategies.base import FedLRStrategy
+from fedlr.strategies.registry import MethodConfig, resolve
 
-__all__ = ["run_server"]
+__all__ = ["ServerRun", "run_server"]
 
 
 def _run_dir(config: RunConfig, run_id: int) -> Path:
@@ -112,87 +114,180 @@ def run_server(grid: Grid, context: Context) -> Path:
     its last checkpoint (same directory, same CSVs), up to
     ``num-server-rounds``.
     """
-    method = resolve(context.run_config)
-    config, spec = method.run, method.spec
-    resume = load_checkpoint(config.resume_from) if config.resume_from else None
-    if resume is not None:
-        check_resumable(resume["config"], method.to_mapping())
-    random.seed(config.seed)  # Flower samples nodes with `random`
-    torch.manual_seed(config.seed)
+    run = ServerRun.prepare(grid, context)
+    arrays, first = run.start()
+    config, strategy = run.config, run.strategy
+    train_config = ConfigRecord(run.plan.train_config)
+    for server_round in range(first, config.num_server_rounds + 1):
+        log(INFO, "")
+        log(INFO, "[ROUND %d/%d]", server_round, config.num_server_rounds)
+        arrays = strategy.run_round(
+            grid,
+            server_round,
+            arrays,
+            train_config,
+            timeout=config.round_timeout,
+        )
+        run.evaluate_round(server_round, arrays)
+        run.checkpoint(server_round, arrays)
+    return run.finish(arrays)
 
-    plan = build_plan(method)
-    strategy = plan.strategy
-    nodes = _check_federation(grid, config)
-    if config.max_num_examples:
-        strategy.max_num_examples = config.max_num_examples
-    elif plan.largest_partition is not None:
-        # Fewer partitions are larger: the smaller count never drops an honest
-        # client whose node config cut the data into fewer parts.
-        parts = min(nodes, config.num_partitions) if nodes else config.num_partitions
-        strategy.max_num_examples = plan.largest_partition(parts)
-    if resume is not None:
-        run_dir = Path(config.resume_from)
-    else:
-        run_dir = _run_dir(config, int(context.run_id))
-    writer = ResultsWriter(
-        run_dir,
-        method=config.method,
-        config=method.to_mapping() if resume is None else None,
-        extra_columns=plan.columns,
-    )
-    log(INFO, "fedlr: method %s (%s), results in %s", spec.name, spec.summary, run_dir)
-    if plan.description:
-        log(INFO, "fedlr: %s", plan.description)
-    strategy.summary()
 
-    clock = {"t": time.perf_counter()}
-    initial_metrics: dict[str, float] = {}
-    copied = tuple(c for c in writer.columns if c not in {"round", "method"})
+@dataclass
+class ServerRun:
+    """One run's server side: the plan, its results writer, its checkpoints.
 
-    def should_evaluate(server_round: int) -> bool:
-        return (
-            server_round % config.eval_every == 0
-            or server_round == config.num_server_rounds
-            or (
-                plan.needs_evaluation is not None
-                and plan.needs_evaluation(server_round)
+    :func:`run_server` drives it: :meth:`prepare`, :meth:`start` (round 0 or
+    the resumed checkpoint), then per round the strategy's ``run_round``,
+    :meth:`evaluate_round` and :meth:`checkpoint`, and :meth:`finish`.
+    """
+
+    method: MethodConfig
+    plan: ServerPlan
+    run_dir: Path
+    writer: ResultsWriter
+    resume: dict[str, Any] | None
+    initial_metrics: dict[str, float] = field(default_factory=dict)
+    started: float = field(default_factory=time.perf_counter)
+    first_round: int = 1
+
+    @property
+    def config(self) -> RunConfig:
+        return self.method.run
+
+    @property
+    def strategy(self) -> FedLRStrategy:
+        return self.plan.strategy
+
+    @classmethod
+    def prepare(cls, grid: Grid, context: Context) -> ServerRun:
+        """Parse the run config, seed, build the plan and the results writer."""
+        method = resolve(context.run_config)
+        config, spec = method.run, method.spec
+        resume = load_checkpoint(config.resume_from) if config.resume_from else None
+        if resume is not None:
+            check_resumable(resume["config"], method.to_mapping())
+        random.seed(config.seed)  # Flower samples nodes with `random`
+        torch.manual_seed(config.seed)
+
+        plan = build_plan(method)
+        strategy = plan.strategy
+        nodes = _check_federation(grid, config)
+        if config.max_num_examples:
+            strategy.max_num_examples = config.max_num_examples
+        elif plan.largest_partition is not None:
+            # Fewer partitions are larger: the smaller count never drops an
+            # honest client whose node config cut the data into fewer parts.
+            parts = (
+                min(nodes, config.num_partitions) if nodes else config.num_partitions
             )
+            strategy.max_num_examples = plan.largest_partition(parts)
+        if resume is not None:
+            run_dir = Path(config.resume_from)
+        else:
+            run_dir = _run_dir(config, int(context.run_id))
+        writer = ResultsWriter(
+            run_dir,
+            method=config.method,
+            config=method.to_mapping() if resume is None else None,
+            extra_columns=plan.columns,
+        )
+        log(
+            INFO,
+            "fedlr: method %s (%s), results in %s",
+            spec.name,
+            spec.summary,
+            run_dir,
+        )
+        if plan.description:
+            log(INFO, "fedlr: %s", plan.description)
+        strategy.summary()
+        return cls(method, plan, run_dir, writer, resume)
+
+    def start(self) -> tuple[ArrayRecord, int]:
+        """The arrays the first round starts from, and that round's number.
+
+        A new run evaluates and checkpoints the initial model (round 0); a
+        resumed one restores the checkpoint's arrays, strategy and plan state,
+        CSV rows and RNG states.
+        """
+        resume, config, strategy = self.resume, self.config, self.strategy
+        if resume is None:
+            arrays = state_to_record(self.plan.initial_arrays)
+            self.evaluate_round(0, arrays)
+            self.checkpoint(0, arrays)
+            return arrays, 1
+        arrays = ArrayRecord(resume["arrays"])
+        strategy.load_state_dict(resume["strategy"])
+        try:
+            strategy.check_arrays(arrays)
+        except InitialArraysError as exc:
+            raise CheckpointError(
+                f"{config.resume_from}: the checkpoint's arrays do not fit this "
+                f"run's layout: {exc}"
+            ) from None
+        if self.plan.load_state is not None:
+            self.plan.load_state(resume.get("plan", {}))
+        self.writer.restore(
+            int(resume["round"]), resume.get("results"), resume.get("layers")
+        )
+        self.initial_metrics.update(resume.get("extra", {}).get("initial", {}))
+        set_rng_state(resume["rng"])
+        self.first_round = int(resume["round"]) + 1
+        log(
+            INFO,
+            "fedlr: resuming after round %d of %d",
+            self.first_round - 1,
+            config.num_server_rounds,
+        )
+        self.started = time.perf_counter()
+        return arrays, self.first_round
+
+    def should_evaluate(self, server_round: int) -> bool:
+        """Whether the server evaluates the global model after this round."""
+        needs = self.plan.needs_evaluation
+        return (
+            server_round % self.config.eval_every == 0
+            or server_round == self.config.num_server_rounds
+            or (needs is not None and needs(server_round))
         )
 
-    def evaluate_round(server_round: int, arrays: ArrayRecord) -> None:
+    def evaluate_round(self, server_round: int, arrays: ArrayRecord) -> None:
+        """Evaluate (when due), append the round's CSV row, log the progress line."""
         started = time.perf_counter()
-        if server_round == 0 or should_evaluate(server_round):
-            result = plan.evaluate(server_round, record_to_state(arrays))
+        if server_round == 0 or self.should_evaluate(server_round):
+            result = self.plan.evaluate(server_round, record_to_state(arrays))
         else:
             result = {"accuracy": math.nan, "loss": math.nan}
         eval_seconds = time.perf_counter() - started
         accuracy, loss = float(result["accuracy"]), float(result["loss"])
         if server_round == 0:
             log(INFO, "fedlr: initial accuracy %.4f, loss %.4f", accuracy, loss)
-            initial_metrics.update(result)
-            clock["t"] = time.perf_counter()
+            self.initial_metrics.update(result)
+            self.started = time.perf_counter()
             return
-        seconds = time.perf_counter() - clock["t"]
-        clock["t"] = time.perf_counter()
+        seconds = time.perf_counter() - self.started
+        self.started = time.perf_counter()
+        strategy = self.strategy
         report = strategy.last_report
         m = report.metrics
+        copied = tuple(c for c in self.writer.columns if c not in {"round", "method"})
         row: dict[str, Any] = {k: m[k] for k in copied if k in m}
         row.update({k: v for k, v in result.items() if k in copied})
         row.update({"round": server_round, "seconds": seconds})
+        timing = strategy.last_timing
         row.update(
             {
-                "train-seconds": strategy.last_timing.get("train-seconds", math.nan),
-                "aggregate-seconds": strategy.last_timing.get(
-                    "aggregate-seconds", math.nan
-                ),
+                "train-seconds": timing.get("train-seconds", math.nan),
+                "aggregate-seconds": timing.get("aggregate-seconds", math.nan),
                 "eval-seconds": eval_seconds
-                + strategy.last_timing.get("federated-eval-seconds", 0.0),
+                + timing.get("federated-eval-seconds", 0.0),
             }
         )
-        writer.append(row, layers=report.layers)
+        self.writer.append(row, layers=report.layers)
         extras = " ".join(
             f"{c} {row[c]:.4g}"
-            for c in plan.columns
+            for c in self.plan.columns
             if isinstance(row.get(c), (int, float)) and not math.isnan(row[c])
         )
         log(
@@ -200,7 +295,7 @@ def run_server(grid: Grid, context: Context) -> Path:
             "fedlr [round %d/%d] accuracy %.4f loss %.4f gap %.3e (rel %.3e) "
             "up %s down %s clients %d dropped %d %.1fs%s",
             server_round,
-            config.num_server_rounds,
+            self.config.num_server_rounds,
             accuracy,
             loss,
             m.get("frobenius-gap", float("nan")),
@@ -213,7 +308,9 @@ def run_server(grid: Grid, context: Context) -> Path:
             f" {extras}" if extras else "",
         )
 
-    def checkpoint(server_round: int, arrays: ArrayRecord) -> None:
+    def checkpoint(self, server_round: int, arrays: ArrayRecord) -> None:
+        """Save the round's checkpoint, unless the round was rejected."""
+        strategy = self.strategy
         if server_round > 0 and strategy.last_rejection is not None:
             log(
                 WARNING,
@@ -222,97 +319,56 @@ def run_server(grid: Grid, context: Context) -> Path:
                 server_round,
             )
             return
-        rows, layer_rows = writer.rows()
+        plan = self.plan
         save_checkpoint(
-            run_dir,
+            self.run_dir,
             {
                 "round": server_round,
                 "arrays": record_to_state(arrays),
                 "strategy": strategy.state_dict(),
                 "plan": plan.save_state() if plan.save_state else {},
                 "rng": get_rng_state(),
-                "results": rows,
-                "layers": layer_rows,
-                "extra": {"initial": dict(initial_metrics)},
-                "config": method.to_mapping(),
+                "extra": {"initial": dict(self.initial_metrics)},
+                "config": self.method.to_mapping(),
             },
-            keep=config.keep_checkpoints,
+            keep=self.config.keep_checkpoints,
         )
 
-    if resume is None:
-        arrays = state_to_record(plan.initial_arrays)
-        evaluate_round(0, arrays)
-        first = 1
-        checkpoint(0, arrays)
-    else:
-        arrays = ArrayRecord(resume["arrays"])
-        strategy.load_state_dict(resume["strategy"])
-        try:
-            strategy.check_arrays(arrays)
-        except InitialArraysError as exc:
-            raise CheckpointError(
-                f"{config.resume_from}: the checkpoint's arrays do not fit this "
-                f"run's layout: {exc}"
-            ) from None
-        if plan.load_state is not None:
-            plan.load_state(resume.get("plan", {}))
-        writer.restore(resume["results"], resume.get("layers", []))
-        initial_metrics.update(resume.get("extra", {}).get("initial", {}))
-        set_rng_state(resume["rng"])
-        first = int(resume["round"]) + 1
+    def finish(self, arrays: ArrayRecord) -> Path:
+        """Write the final arrays, ``summary.json`` and the plots."""
+        config, run_dir = self.config, self.run_dir
+        final = record_to_state(arrays)
+        tmp = run_dir / "final_arrays.pt.tmp"
+        torch.save(final, tmp)
+        os.replace(tmp, run_dir / "final_arrays.pt")
+        frame = self.writer.frame
+        initial = self.initial_metrics
+        summary: dict[str, Any] = {
+            "status": "finished",
+            "method": config.method,
+            "rounds": len(frame),
+            "initial-accuracy": initial.get("accuracy", float("nan")),
+            "final-accuracy": float(frame["accuracy"].iloc[-1]),
+            "final-loss": float(frame["loss"].iloc[-1]),
+            "total-bytes-up": float(frame["bytes-up"].sum()),
+            "total-bytes-down": float(frame["bytes-down"].sum()),
+            "seconds": float(frame["seconds"].sum()),
+        }
+        for key, value in initial.items():  # e.g. perplexity, exact-match
+            if key not in ("accuracy", "loss") and key in frame:
+                summary[f"initial-{key}"] = float(value)
+                summary[f"final-{key}"] = float(frame[key].iloc[-1])
+        if self.resume is not None:
+            summary["resumed-after-round"] = self.first_round - 1
+        if self.plan.finish is not None:
+            summary.update(self.plan.finish(run_dir))
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        plots = write_run_plots(run_dir)
+        log(INFO, "fedlr: plots %s", ", ".join(p.name for p in plots))
         log(
             INFO,
-            "fedlr: resuming after round %d of %d",
-            first - 1,
-            config.num_server_rounds,
+            "fedlr: finished, final accuracy %.4f; results in %s",
+            summary["final-accuracy"],
+            run_dir,
         )
-        clock["t"] = time.perf_counter()
-
-    train_config = ConfigRecord(plan.train_config)
-    for server_round in range(first, config.num_server_rounds + 1):
-        log(INFO, "")
-        log(INFO, "[ROUND %d/%d]", server_round, config.num_server_rounds)
-        arrays = strategy.run_round(
-            grid,
-            server_round,
-            arrays,
-            train_config,
-            timeout=config.round_timeout,
-        )
-        evaluate_round(server_round, arrays)
-        checkpoint(server_round, arrays)
-
-    final = record_to_state(arrays)
-    tmp = run_dir / "final_arrays.pt.tmp"
-    torch.save(final, tmp)
-    os.replace(tmp, run_dir / "final_arrays.pt")
-    frame = writer.frame
-    summary: dict[str, Any] = {
-        "status": "finished",
-        "method": config.method,
-        "rounds": len(frame),
-        "initial-accuracy": initial_metrics.get("accuracy", float("nan")),
-        "final-accuracy": float(frame["accuracy"].iloc[-1]),
-        "final-loss": float(frame["loss"].iloc[-1]),
-        "total-bytes-up": float(frame["bytes-up"].sum()),
-        "total-bytes-down": float(frame["bytes-down"].sum()),
-        "seconds": float(frame["seconds"].sum()),
-    }
-    for key, value in initial_metrics.items():  # e.g. perplexity, exact-match
-        if key not in ("accuracy", "loss") and key in frame:
-            summary[f"initial-{key}"] = float(value)
-            summary[f"final-{key}"] = float(frame[key].iloc[-1])
-    if resume is not None:
-        summary["resumed-after-round"] = first - 1
-    if plan.finish is not None:
-        summary.update(plan.finish(run_dir))
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    plots = write_run_plots(run_dir)
-    log(INFO, "fedlr: plots %s", ", ".join(p.name for p in plots))
-    log(
-        INFO,
-        "fedlr: finished, final accuracy %.4f; results in %s",
-        summary["final-accuracy"],
-        run_dir,
-    )
-    return run_dir
+        return run_dir

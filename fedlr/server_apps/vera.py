@@ -82,7 +82,7 @@ def vera_plan(method: MethodConfig) -> ServerPlan:
     options = VeraOptions.of(method.options)
     vm = build_vera_text_model(method.run, options)
     strategy = strategy_cls.from_run_config(method.run, vm, options)
-    columns = tuple(getattr(strategy, "extra_columns", ()))
+    columns = tuple(strategy.extra_columns)
     return _plan(method.run, vm, strategy, columns, options.vera_lr)
 
 

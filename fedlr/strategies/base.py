@@ -12,6 +12,7 @@ defined in :mod:`fedlr.updates`, is re-exported from here).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import time
 from abc import abstractmethod
@@ -42,6 +43,7 @@ from fedlr.errors import (
 )
 from fedlr.flower.records import record_nbytes, record_to_state, state_to_record
 from fedlr.linalg import weighted_mean
+from fedlr.options import NoOptions, Options, coerce, kebab
 from fedlr.protocol import (
     LR,
     NUM_EXAMPLES,
@@ -162,8 +164,13 @@ class FedLRStrategy(ReplyChecks, FedAvg):
         A round whose new global arrays differ from the current ones by more
         than this times the current arrays' norm is rejected (the previous
         global state is kept); 0: only non-finite results are rejected.
+    options : Options, optional
+        The method's options, an instance of :attr:`options_type` (default:
+        its defaults); kept as :attr:`method_options`.
     **kwargs
-        Other parameters: see ``flwr.serverapp.strategy.FedAvg`` (its
+        Any field of :attr:`options_type` by name (snake_case, e.g.
+        ``proximal_mu=0.5``): replaces that option, checked as the run-config
+        key is. Other parameters: see ``flwr.serverapp.strategy.FedAvg`` (its
         defaults hold).
     """
 
@@ -171,6 +178,13 @@ class FedLRStrategy(ReplyChecks, FedAvg):
     train_roles: ClassVar[tuple[Role, ...]] = ()
     federated_evaluation: ClassVar[bool] = False
     folds_base: ClassVar[bool] = False
+    personalised: ClassVar[bool] = False
+    heterogeneous_ranks: ClassVar[bool] = False
+    extra_columns: tuple[str, ...] = ()
+    options_type: ClassVar[type[Options]] = NoOptions
+    """The method's options class: the ``options`` it is registered with
+    (:func:`~fedlr.strategies.registry.register_method` sets it), or declared
+    by a family base whose ``__init__`` reads them."""
 
     def __init__(
         self,
@@ -180,8 +194,10 @@ class FedLRStrategy(ReplyChecks, FedAvg):
         robust: RobustConfig | None = None,
         max_num_examples: int | None = None,
         max_update_ratio: float = 0.0,
+        options: Options | None = None,
         **kwargs: Any,
     ) -> None:
+        self.method_options: Options = self.own_options(options, kwargs)
         if min_replies < 1:
             raise ValueError(f"min_replies must be >= 1, got {min_replies}")
         if not 0.0 < lr_decay <= 1.0:
@@ -207,6 +223,28 @@ class FedLRStrategy(ReplyChecks, FedAvg):
         self.last_report: RoundReport = RoundReport()
         self.nodes_sampled_from = 0
         self.last_dropped: list[str] = []
+
+    @classmethod
+    def own_options(cls, options: Options | None, kwargs: dict[str, Any]) -> Options:
+        """``options`` (default: :attr:`options_type`'s defaults) with the
+        option fields named in ``kwargs`` replaced; those are popped.
+
+        Raises
+        ------
+        TypeError
+            If ``options`` is not an instance of :attr:`options_type`.
+        ConfigError
+            If a replaced value has the wrong type or is out of range.
+        """
+        kind = cls.options_type
+        base = kind.of(options)
+        names = {f.name: f for f in dataclasses.fields(kind)}
+        changes = {
+            name: coerce(kebab(name), kwargs.pop(name), names[name].type)
+            for name in list(kwargs)
+            if name in names
+        }
+        return base.replace(**changes) if changes else base
 
     # ------------------------------------------------------------ subclass API
     @abstractmethod
@@ -242,9 +280,10 @@ class FedLRStrategy(ReplyChecks, FedAvg):
         return {}
 
     def options(self) -> dict[str, Any]:
-        """The strategy's fedlr options by constructor name, for :meth:`summary`.
+        """The strategy's fedlr settings, for :meth:`summary`: the common
+        ones by constructor name, then every :attr:`method_options` key.
 
-        A subclass adds its own: ``{**super().options(), "threshold": ...}``.
+        A subclass adds settings that are not options (``client_ranks``).
         """
         options: dict[str, Any] = {
             "min_replies": self.min_replies,
@@ -261,7 +300,7 @@ class FedLRStrategy(ReplyChecks, FedAvg):
             options["max_num_examples"] = self.max_num_examples
         if self.max_update_ratio > 0:
             options["max_update_ratio"] = self.max_update_ratio
-        return options
+        return {**options, **self.method_options.to_mapping()}
 
     def robust_space(self, current: Mapping[str, torch.Tensor]) -> UpdateSpace:
         """The space in which robust options measure and move client updates.

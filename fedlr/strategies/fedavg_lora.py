@@ -23,7 +23,10 @@ __all__ = ["FedAvgLoRA"]
 
 
 @register_method(
-    "fedavg-lora", payload=LORA, summary="FedIT: weighted means of A and B"
+    "fedavg-lora",
+    payload=LORA,
+    summary="FedIT: weighted means of A and B",
+    sum_only=True,
 )
 class FedAvgLoRA(LoraStrategy):
     """Weighted means of every trained tensor (A, B, head).

@@ -23,12 +23,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, cast
 
 import torch
 
-from fedlr.config import RunConfig
-from fedlr.options import NoOptions, Options, option, require
+from fedlr.options import NoOptions, option, require
 from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
@@ -42,10 +41,15 @@ class ServerMomentumOptions(NoOptions):
     """FedAvgM-LoRA's run-config keys."""
 
     server_momentum: float = option(
-        0.9, "fedavgm-lora: momentum beta of the server's step, in [0, 1)"
+        0.9,
+        "momentum β of the server's step on the averaged factors, in [0, 1) "
+        "([methods/fedavgm-lora.md](methods/fedavgm-lora.md))",
+        bad=[(1.0, r"in \[0, 1\)")],
     )
     server_lr: float = option(
-        1.0, "fedavgm-lora: the server's step size eta (> 0; 1 with beta 0 is FedAvg)"
+        1.0,
+        "the server's step size η, finite and > 0 (β = 0, η = 1 is FedAvg-LoRA)",
+        bad=[(0.0, "finite and > 0")],
     )
 
     def check(self) -> None:
@@ -66,6 +70,7 @@ class ServerMomentumOptions(NoOptions):
     payload=LORA,
     options=ServerMomentumOptions,
     summary="FedAvg of A and B as a pseudo-gradient, with server momentum",
+    sum_only=True,
 )
 class FedAvgMLoRA(FedAvgLoRA):
     """FedAvg-LoRA with a momentum step on the server.
@@ -77,28 +82,21 @@ class FedAvgMLoRA(FedAvgLoRA):
     ----------
     options : ServerMomentumOptions, optional
         ``server_momentum`` (beta) and ``server_lr`` (eta); default: their
-        defaults.
+        defaults (or pass either by name).
     **kwargs
         Other parameters: see :class:`~fedlr.strategies.lora.LoraStrategy`.
     """
 
-    extra_columns: ClassVar[tuple[str, ...]] = ("momentum-norm",)
+    extra_columns: tuple[str, ...] = ("momentum-norm",)
 
-    def __init__(
-        self, *, options: ServerMomentumOptions | None = None, **kwargs: Any
-    ) -> None:
+    def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.momentum_options = options or ServerMomentumOptions()
         self.momentum: dict[str, torch.Tensor] = {}
 
-    @classmethod
-    def strategy_kwargs(
-        cls, config: RunConfig, options: Options | None
-    ) -> dict[str, Any]:
-        return {"options": ServerMomentumOptions.of(options)}
-
-    def options(self) -> dict[str, Any]:
-        return {**super().options(), **self.momentum_options.to_mapping()}
+    @property
+    def momentum_options(self) -> ServerMomentumOptions:
+        """The method's options (:attr:`method_options`), typed."""
+        return cast(ServerMomentumOptions, self.method_options)
 
     def aggregate_updates(
         self,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Self, cast
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
@@ -27,7 +27,7 @@ from fedlr.errors import ReplyValidationError
 from fedlr.features import ClientFeature, RoundJob
 from fedlr.flower.records import record_nbytes, record_views
 from fedlr.ledger import BaseLedger
-from fedlr.options import NoOptions, option, require
+from fedlr.options import NoOptions, Options, option, require
 from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "DownlinkOptions",
     "FactoredDownlink",
     "check_downlink",
+    "downlink_option",
 ]
 
 
@@ -98,11 +99,21 @@ def _projections(view: AdaptedModel) -> Projections | None:
 DOWNLINKS = ("factored", "dense")
 
 DOWNLINK_HELP = (
-    "fedex-lora / vera-fedex: 'factored' sends a node that keeps the base "
-    "weights only the changes it missed, as low-rank factors (dense weights "
-    "when smaller or when the node keeps none); 'dense' sends the base "
-    "weights every round"
+    "how the new base weights reach the nodes. `factored`: a node that keeps "
+    "earlier base weights is sent only the changes it missed, as low-rank "
+    "factors, or the dense weights when those are smaller or the node keeps "
+    "none; `dense`: the base weights every round "
+    "([reliability.md](reliability.md#factored-fedex-downlink))"
 )
+
+
+def downlink_option() -> Any:
+    """The ``fedex-downlink`` key, declared once for every method reading it."""
+    return option(
+        "factored",
+        DOWNLINK_HELP,
+        bad=[("sparse", r"one of \['factored', 'dense'\]")],
+    )
 
 
 def check_downlink(value: str) -> None:
@@ -118,7 +129,7 @@ def check_downlink(value: str) -> None:
 class DownlinkOptions(NoOptions):
     """FedEx-LoRA's run-config key."""
 
-    fedex_downlink: str = option("factored", DOWNLINK_HELP)
+    fedex_downlink: str = downlink_option()
 
     def check(self) -> None:
         check_downlink(self.fedex_downlink)
@@ -134,25 +145,33 @@ class FactoredDownlink(FedLRStrategy):
     (which also records the change in factored form when there is one) and
     calls :meth:`publish_base` at the end of ``aggregate_updates``.
 
+    Its options (:attr:`options_type`, :class:`DownlinkOptions` or a method's
+    that declares the same ``fedex_downlink`` key) give ``fedex_downlink``:
+    ``"factored"`` (default) or ``"dense"``.
+
     Parameters
     ----------
-    fedex_downlink : {"factored", "dense"}, default "factored"
     **kwargs
-        Other parameters: see :class:`~fedlr.strategies.base.FedLRStrategy`.
+        See :class:`~fedlr.strategies.base.FedLRStrategy`.
     """
 
     folds_base: ClassVar[bool] = True
+    options_type: ClassVar[type[Options]] = DownlinkOptions
 
-    extra_columns: ClassVar[tuple[str, ...]] = ("dense-base-sends",)
+    extra_columns: tuple[str, ...] = ("dense-base-sends",)
 
-    def __init__(self, *, fedex_downlink: str = "factored", **kwargs: Any) -> None:
-        check_downlink(fedex_downlink)
+    def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.fedex_downlink = fedex_downlink
         self._ledger: BaseLedger | None = None
         self._deltas: dict[str, BaseDelta] | None = {}
         self._dense_sends = 0
         self._keep = True
+
+    @property
+    def fedex_downlink(self) -> str:
+        """``"factored"`` or ``"dense"`` (the ``fedex-downlink`` option)."""
+        # DownlinkOptions, or a method's options declaring the same key
+        return cast(DownlinkOptions, self.method_options).fedex_downlink
 
     @property
     def ledger(self) -> BaseLedger:
@@ -252,9 +271,6 @@ class FactoredDownlink(FedLRStrategy):
         self._deltas = {}
         report.metrics["dense-base-sends"] = float(self._dense_sends)
         return report
-
-    def options(self) -> dict[str, Any]:
-        return {**super().options(), "fedex_downlink": self.fedex_downlink}
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "downlink": self.ledger.state_dict()}

@@ -43,8 +43,8 @@ import torch
 
 from fedlr import protocol
 from fedlr.adapters.lora import LoraModel
+from fedlr.adapters.ranks import fold_tail
 from fedlr.adapters.roles import Role
-from fedlr.config import RunConfig
 from fedlr.downlink import lowrank_delta
 from fedlr.features import ClientFeature, RoundJob
 from fedlr.linalg import (
@@ -53,7 +53,6 @@ from fedlr.linalg import (
     flexlora_factors,
     stacked_update,
 )
-from fedlr.options import Options
 from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
@@ -74,7 +73,7 @@ class FoldTail(ClientFeature):
     On with ``fold-tail`` and ``leading-rank`` for a LoRA model: a node of
     rank ``r`` sent wider factors keeps their leading ``r`` components (the
     common round's cut) and adds the rest, ``(alpha / R) B[:, r:] A[r:]``, to
-    the base weights it uses this round (:func:`fedlr.protocol.fold_tail`);
+    the base weights it uses this round (:func:`fedlr.adapters.ranks.fold_tail`);
     the kept copy of the base weights stays the server's.
     """
 
@@ -97,7 +96,7 @@ class FoldTail(ClientFeature):
     ) -> None:
         layout = cast(LoraModel, job.adapted).layout
         base = {k: state[k] for k in layout.keys(Role.BASE)}
-        state.update(protocol.fold_tail(layout, received, base))
+        state.update(fold_tail(layout, received, base))
 
 
 @register_method(
@@ -126,12 +125,6 @@ class FedExLoRA(FactoredDownlink, FedAvgLoRA):
     heterogeneous_ranks: ClassVar[bool] = True
     """Accepts ``client-ranks`` (then :meth:`from_run_config` builds a
     :class:`HeteroFedExLoRA`, its ``hetero_variant``)."""
-
-    @classmethod
-    def strategy_kwargs(
-        cls, config: RunConfig, options: Options | None
-    ) -> dict[str, Any]:
-        return {"fedex_downlink": DownlinkOptions.of(options).fedex_downlink}
 
     def step_bytes_bound(self, sampled: int) -> float:
         """One change has rank at most ``(k - 1) r`` per layer."""
@@ -195,7 +188,7 @@ class HeteroFedExLoRA(HeteroFoldLoRA):
     weights ``W0``; the global model is ``W = W0 + s_R B A``. A client of
     rank ``r`` keeps the leading ``r`` components (``leading-rank``) and adds
     the rest, ``s_R B[:, r:] A[r:]``, to its base weights (``fold-tail``,
-    :func:`fedlr.protocol.fold_tail`), so its model is ``W`` exactly, at
+    :func:`fedlr.adapters.ranks.fold_tail`), so its model is ``W`` exactly, at
     every rank.
 
     Aggregation averages the client models themselves. Client ``i`` trained

@@ -18,17 +18,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any, Self, cast
 
 import torch
 
 from fedlr import protocol
-from fedlr.adapters.roles import AdapterLayout
-from fedlr.config import RunConfig
 from fedlr.errors import ProtocolError
 from fedlr.features import ClientFeature, RoundJob
 from fedlr.flower.records import config_float
-from fedlr.options import NoOptions, Options, option, require
+from fedlr.options import NoOptions, option, require
 from fedlr.payloads import LORA
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
 from fedlr.strategies.registry import register_method
@@ -81,8 +79,9 @@ class ProximalOptions(NoOptions):
 
     proximal_mu: float = option(
         0.01,
-        "fedprox-lora: weight mu of the clients' proximal term "
-        "(mu / 2) ||theta - theta_global||^2",
+        "weight μ of the clients' proximal term (μ/2)·‖θ − θ_global‖² over the "
+        "parameters they train; finite and ≥ 0 (0 gives FedAvg-LoRA)",
+        bad=[(float("inf"), "finite and >= 0")],
     )
 
     def check(self) -> None:
@@ -99,6 +98,7 @@ class ProximalOptions(NoOptions):
     options=ProximalOptions,
     summary="FedAvg of A and B; clients add FedProx's proximal term",
     client=(ProximalTerm,),
+    sum_only=True,
 )
 class FedProxLoRA(FedAvgLoRA):
     """FedAvg-LoRA whose clients train with a proximal term.
@@ -106,30 +106,20 @@ class FedProxLoRA(FedAvgLoRA):
     Parameters
     ----------
     layout : AdapterLayout
-    proximal_mu : float, default 0.01
-        ``mu`` of the proximal term (0 gives FedAvg-LoRA).
+    options : ProximalOptions, optional
+        ``proximal_mu``, the ``mu`` of the proximal term (0 gives FedAvg-LoRA;
+        or pass ``proximal_mu=`` by name).
     **kwargs
         Other parameters: see :class:`~fedlr.strategies.lora.LoraStrategy`.
     """
 
-    def __init__(
-        self, *, layout: AdapterLayout, proximal_mu: float = 0.01, **kwargs: Any
-    ) -> None:
-        super().__init__(layout=layout, **kwargs)
-        ProximalOptions(proximal_mu=proximal_mu)  # the same checks as the key
-        self.proximal_mu = float(proximal_mu)
-
-    @classmethod
-    def strategy_kwargs(
-        cls, config: RunConfig, options: Options | None
-    ) -> dict[str, Any]:
-        return {"proximal_mu": ProximalOptions.of(options).proximal_mu}
+    @property
+    def proximal_mu(self) -> float:
+        """``mu`` of the proximal term (the ``proximal-mu`` option)."""
+        return cast(ProximalOptions, self.method_options).proximal_mu
 
     def round_config(self, server_round: int) -> dict[str, Any]:
         """The base round config plus ``proximal-mu``."""
         config = super().round_config(server_round)
         config[protocol.PROXIMAL_MU] = self.proximal_mu
         return config
-
-    def options(self) -> dict[str, Any]:
-        return {**super().options(), "proximal_mu": self.proximal_mu}

@@ -55,14 +55,13 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from logging import INFO
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from flwr.supercore import log
 
 from fedlr import protocol
 from fedlr.adapters.roles import AdapterLayout, Role
-from fedlr.config import RunConfig
 from fedlr.errors import ConfigError
 from fedlr.linalg import (
     DEFAULT_COST_MODEL,
@@ -76,7 +75,7 @@ from fedlr.linalg import (
     svd_of_mean,
     truncate,
 )
-from fedlr.options import NoOptions, Options, option, require
+from fedlr.options import NoOptions, option, require
 from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.hetero import HeteroRankLoRA, layout_at_rank
@@ -101,15 +100,23 @@ class FedSpecOptions(NoOptions):
 
     fedspec_threshold: float = option(
         0.05,
-        "fedspec: grow the rank by 2 while the tail energy fraction beyond it "
-        "exceeds this",
+        "the rank grows by 2 (up to `fedspec-max-rank`) when the tail energy "
+        "fraction Σ_{j>r}σⱼ² / Σⱼσⱼ² of the mean of products exceeds this; in "
+        "[0, 1)",
+        bad=[(1.0, r"in \[0, 1\)")],
     )
-    fedspec_max_rank: int = option(16, "fedspec: cap of the adaptive rank")
+    fedspec_max_rank: int = option(
+        16,
+        "cap of the adaptive rank; ≥ 1, ≥ `lora-rank` and ≤ the smaller side of "
+        "every adapted layer (checked when the server builds the model)",
+        bad=[(0, "must be >= 1")],
+    )
     fedspec_energy: str = option(
         "sigma2",
-        "fedspec: the tail fraction the rank rule compares with the threshold: "
-        "'sigma2' (squared singular values, the energy) or 'sigma' (singular "
-        "values, as the FedSpec source)",
+        "the tail fraction the rank rule compares with `fedspec-threshold`: "
+        '`"sigma2"` (squared singular values, the energy) or `"sigma"` '
+        "(singular values, the FedSpec source's rule)",
+        bad=[("sigma3", r"one of \['sigma2', 'sigma'\]")],
     )
 
     def check(self) -> None:
@@ -144,19 +151,18 @@ class FedSpec(SvdLoraStrategy):
     ----------
     layout : AdapterLayout
         At the initial rank.
-    threshold : float, default 0.05
-        Tail energy fraction above which the rank grows.
-    max_rank : int, default 16
-        Cap of the rank; at most the smallest side of an adapted layer.
-    energy : {"sigma2", "sigma"}, default "sigma2"
-        The tail fraction of the rank rule: of the squared singular values
-        (energy, the Frobenius gap's) or of the singular values (the FedSpec
-        source's rule).
+    options : FedSpecOptions, optional
+        ``fedspec_threshold`` (tail energy fraction above which the rank
+        grows, default 0.05), ``fedspec_max_rank`` (cap of the rank, at most
+        the smallest side of an adapted layer; default 16) and
+        ``fedspec_energy`` (``"sigma2"``, the tail fraction of the squared
+        singular values, the Frobenius gap's, or ``"sigma"``, of the singular
+        values, the FedSpec source's rule); each can be passed by name.
     **kwargs
         Other parameters: see :class:`~fedlr.strategies.lora_svd.SvdLoraStrategy`.
     """
 
-    extra_columns: ClassVar[tuple[str, ...]] = (
+    extra_columns: tuple[str, ...] = (
         "tail-energy",
         "gap-estimated",
         "gap-error-bound",
@@ -166,20 +172,9 @@ class FedSpec(SvdLoraStrategy):
     """Accepts ``client-ranks`` (then :meth:`from_run_config` builds a
     :class:`HeteroFedSpec`)."""
 
-    def __init__(
-        self,
-        *,
-        layout: AdapterLayout,
-        threshold: float = 0.05,
-        max_rank: int = 16,
-        energy: str = "sigma2",
-        **kwargs: Any,
-    ) -> None:
-        if energy not in ENERGY_RULES:
-            raise ValueError(
-                f"energy must be one of {list(ENERGY_RULES)}, got {energy!r}"
-            )
+    def __init__(self, *, layout: AdapterLayout, **kwargs: Any) -> None:
         super().__init__(layout=layout, **kwargs)
+        max_rank = self.max_rank
         narrow = min(min(m.d_in, m.d_out) for m in layout.modules)
         if max_rank < self.rank:
             raise ConfigError(
@@ -194,10 +189,22 @@ class FedSpec(SvdLoraStrategy):
             )
         if len({m.rank for m in layout.modules}) != 1:
             raise ValueError("FedSpec needs one LoRA rank for every layer")
-        self.threshold = threshold
-        self.max_rank = max_rank
-        self.energy = energy
         self.rank_history: list[int] = []
+
+    @property
+    def threshold(self) -> float:
+        """The ``fedspec-threshold`` option."""
+        return cast(FedSpecOptions, self.method_options).fedspec_threshold
+
+    @property
+    def max_rank(self) -> int:
+        """The ``fedspec-max-rank`` option."""
+        return cast(FedSpecOptions, self.method_options).fedspec_max_rank
+
+    @property
+    def energy(self) -> str:
+        """The ``fedspec-energy`` option."""
+        return cast(FedSpecOptions, self.method_options).fedspec_energy
 
     def state_dict(self) -> dict[str, Any]:
         """The current rank and its history (the layout follows the rank)."""
@@ -216,30 +223,10 @@ class FedSpec(SvdLoraStrategy):
         self.layout = layout_at_rank(self.layout, rank)
         self.rank_history = [int(r) for r in state.get("rank-history", [])]
 
-    @classmethod
-    def strategy_kwargs(
-        cls, config: RunConfig, options: Options | None
-    ) -> dict[str, Any]:
-        opts = FedSpecOptions.of(options)
-        return {
-            **super().strategy_kwargs(config, options),
-            "threshold": opts.fedspec_threshold,
-            "max_rank": opts.fedspec_max_rank,
-            "energy": opts.fedspec_energy,
-        }
-
     def round_config(self, server_round: int) -> dict[str, Any]:
         config = super().round_config(server_round)
         config[protocol.LORA_RANK] = self.rank
         return config
-
-    def options(self) -> dict[str, Any]:
-        return {
-            **super().options(),
-            "threshold": self.threshold,
-            "max_rank": self.max_rank,
-            "energy": self.energy,
-        }
 
     def aggregate_updates(
         self,

@@ -42,6 +42,7 @@ __all__ = ["FedSVD"]
     "fedsvd",
     payload=LORA,
     summary="clients train B with A fixed; server SVD of B_bar A -> A=V^T, B=US",
+    sum_only=True,
 )
 class FedSVD(SvdLoraStrategy):
     """Average ``B``; re-factorise ``B_bar A`` as ``(U S, V^T)``.

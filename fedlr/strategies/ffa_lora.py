@@ -35,6 +35,7 @@ __all__ = ["FFALoRA"]
     "ffa-lora",
     payload=LORA,
     summary="A frozen at its seeded init and never sent; B averaged",
+    sum_only=True,
 )
 class FFALoRA(SvdLoraStrategy):
     """Average ``B`` and the head; ``A`` stays at the seeded initialisation.

@@ -47,7 +47,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from logging import INFO
-from typing import Any, Self
+from typing import Any, Self, cast
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message
@@ -77,6 +77,7 @@ __all__ = ["FOT", "FOTOptions", "FedAvgContinual"]
     "fedavg-continual",
     payload=GPSE,
     summary="FedAvg on a continual task stream (baseline of fot)",
+    sum_only=True,
 )
 class FedAvgContinual(FedLRStrategy):
     """FedAvg of every weight on a task stream.
@@ -85,8 +86,9 @@ class FedAvgContinual(FedLRStrategy):
     ----------
     shapes : mapping of str to tuple of int
         Keys and shapes of the global model's arrays (what clients return).
-    rounds_per_task : int
-    num_tasks : int
+    options : ContinualOptions, optional
+        The task stream: ``rounds_per_task`` and ``num_tasks`` (each can be
+        passed by name).
     lr : float
         Base client learning rate; round ``j`` of a task sends
         ``lr * lr_decay ** j``.
@@ -98,21 +100,22 @@ class FedAvgContinual(FedLRStrategy):
         self,
         *,
         shapes: Mapping[str, tuple[int, ...]],
-        rounds_per_task: int,
-        num_tasks: int,
         lr: float,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if rounds_per_task < 1 or num_tasks < 1:
-            raise ValueError(
-                f"rounds_per_task and num_tasks must be >= 1, got "
-                f"{rounds_per_task}, {num_tasks}"
-            )
         self.shapes = {k: tuple(v) for k, v in shapes.items()}
-        self.rounds_per_task = rounds_per_task
-        self.num_tasks = num_tasks
         self.base_lr = lr
+
+    @property
+    def rounds_per_task(self) -> int:
+        """The ``rounds-per-task`` option."""
+        return cast(ContinualOptions, self.method_options).rounds_per_task
+
+    @property
+    def num_tasks(self) -> int:
+        """The ``num-tasks`` option."""
+        return cast(ContinualOptions, self.method_options).num_tasks
 
     @classmethod
     def from_run_config(
@@ -127,21 +130,17 @@ class FedAvgContinual(FedLRStrategy):
         ``projected`` names the layers whose updates FOT projects (unused by
         the FedAvg baseline).
         """
-        opts = ContinualOptions.of(options)
         return cls(
             shapes=shapes,
-            rounds_per_task=opts.rounds_per_task,
-            num_tasks=opts.num_tasks,
             lr=config.lr,
+            options=options,
             **cls.base_options(config),
-            **cls.strategy_kwargs(projected, options),
+            **cls.strategy_kwargs(projected),
         )
 
     @classmethod
-    def strategy_kwargs(
-        cls, projected: Sequence[str], options: Options | None
-    ) -> dict[str, Any]:
-        """Constructor arguments of the method's own (none here)."""
+    def strategy_kwargs(cls, projected: Sequence[str]) -> dict[str, Any]:
+        """Constructor arguments besides the options (none here)."""
         return {}
 
     # ----------------------------------------------------------------- stream
@@ -176,10 +175,20 @@ class FedAvgContinual(FedLRStrategy):
 class FOTOptions(ContinualOptions):
     """FOT's run-config keys (the ``gpse`` payload's and its own)."""
 
-    fot_eps: float = option(0.95, "FOT energy threshold ε of the first task boundary")
-    fot_eps_inc: float = option(0.01, "FOT: ε grows by this after each boundary")
+    fot_eps: float = option(
+        0.95,
+        "GPSE energy threshold ε in [0, 1] at the first task boundary",
+        bad=[(1.5, r"in \[0, 1\]")],
+    )
+    fot_eps_inc: float = option(
+        0.01,
+        "added to ε after each boundary (capped at 1), in [0, 1]",
+        bad=[(-0.1, r"in \[0, 1\]")],
+    )
     fot_sketch_dim: int = option(
-        0, "GPSE sketch columns m per layer (0: the layer's d)"
+        0,
+        "sketch columns m per layer (`0`: the layer's input dimension d); ≥ 0",
+        bad=[(-1, "must be >= 0")],
     )
 
     def check(self) -> None:
@@ -206,6 +215,7 @@ class FOTOptions(ContinualOptions):
     payload=GPSE,
     options=FOTOptions,
     summary="FedAvg with updates projected off GPSE bases of earlier tasks",
+    sum_only=True,
 )
 class FOT(FedAvgContinual):
     """Federated orthogonal training (FedProject + GPSE).
@@ -215,12 +225,11 @@ class FOT(FedAvgContinual):
     projected : sequence of str
         Names of the projected layers; their weights are ``<name>.weight``
         in ``shapes``, of shape ``(out, *rest)``, ``d = prod(rest)``.
-    eps : float
-        Energy threshold ``ε`` in [0, 1] at the first boundary.
-    eps_inc : float
-        Added to ``ε`` after each boundary (capped at 1).
-    sketch_dim : int
-        Sketch columns ``m`` (0: each layer's ``d``).
+    options : FOTOptions, optional
+        Besides the stream's: ``fot_eps`` (energy threshold ``ε`` in [0, 1]
+        at the first boundary), ``fot_eps_inc`` (added to ``ε`` after each
+        boundary, capped at 1) and ``fot_sketch_dim`` (sketch columns ``m``,
+        0: each layer's ``d``); each can be passed by name.
     **kwargs
         Other parameters: see :class:`FedAvgContinual`.
     """
@@ -229,18 +238,9 @@ class FOT(FedAvgContinual):
         self,
         *,
         projected: Sequence[str],
-        eps: float,
-        eps_inc: float,
-        sketch_dim: int = 0,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if not 0.0 <= eps <= 1.0 or eps_inc < 0:
-            raise ValueError(
-                f"need eps in [0, 1] and eps_inc >= 0, got {eps}, {eps_inc}"
-            )
-        if sketch_dim < 0:
-            raise ValueError(f"sketch_dim must be >= 0, got {sketch_dim}")
         self.dims: dict[str, int] = {}
         for name in projected:
             shape = self.shapes.get(f"{name}.weight")
@@ -250,9 +250,8 @@ class FOT(FedAvgContinual):
                     "in the global arrays"
                 )
             self.dims[name] = math.prod(shape[1:])
-        self.eps = eps
-        self.eps_inc = eps_inc
-        self.sketch_dim = sketch_dim
+        self.eps = self.fot_options.fot_eps
+        """The current threshold ``ε`` (grows after each boundary)."""
         self.bases: dict[str, torch.Tensor] = {}
         self._round = 0
 
@@ -280,25 +279,25 @@ class FOT(FedAvgContinual):
         self.eps = float(state.get("eps", self.eps))
         self._round = int(state.get("round", 0))
 
-    @classmethod
-    def strategy_kwargs(
-        cls, projected: Sequence[str], options: Options | None
-    ) -> dict[str, Any]:
-        opts = FOTOptions.of(options)
-        return {
-            "projected": projected,
-            "eps": opts.fot_eps,
-            "eps_inc": opts.fot_eps_inc,
-            "sketch_dim": opts.fot_sketch_dim,
-        }
+    @property
+    def fot_options(self) -> FOTOptions:
+        """The method's options (:attr:`method_options`), typed."""
+        return cast(FOTOptions, self.method_options)
 
-    def options(self) -> dict[str, Any]:
-        return {
-            **super().options(),
-            "eps": self.eps,
-            "eps_inc": self.eps_inc,
-            "sketch_dim": self.sketch_dim,
-        }
+    @property
+    def eps_inc(self) -> float:
+        """The ``fot-eps-inc`` option."""
+        return self.fot_options.fot_eps_inc
+
+    @property
+    def sketch_dim(self) -> int:
+        """The ``fot-sketch-dim`` option."""
+        return self.fot_options.fot_sketch_dim
+
+    @classmethod
+    def strategy_kwargs(cls, projected: Sequence[str]) -> dict[str, Any]:
+        """The projected layers (the model's, not an option)."""
+        return {"projected": projected}
 
     def summary(self) -> None:
         """Log the settings, then FedAvg's."""

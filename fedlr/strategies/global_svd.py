@@ -106,7 +106,7 @@ class GlobalSVD(PersonalLoraStrategy):
     Parameters: see :class:`~fedlr.strategies.lora_svd.PersonalLoraStrategy`.
     """
 
-    extra_columns: ClassVar[tuple[str, ...]] = (
+    extra_columns: tuple[str, ...] = (
         *PersonalLoraStrategy.extra_columns,
         "svd-randomized",
     )

@@ -50,6 +50,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from fedlr import protocol
+from fedlr.adapters.ranks import leading_rank
 from fedlr.adapters.roles import AdapterLayout, LoraModule, Role
 from fedlr.config import RunConfig
 from fedlr.downlink import lowrank_delta
@@ -64,7 +65,7 @@ from fedlr.linalg import (
     received_gap,
     stacked_update,
 )
-from fedlr.options import NoOptions, Options, option, require
+from fedlr.options import NoOptions, option, require
 from fedlr.payloads import LORA
 from fedlr.pruning import pruning_settings, round_pruning, tail_norm
 from fedlr.strategies.base import ClientUpdate, RoundReport
@@ -162,7 +163,7 @@ class HeteroRankLoRA(LoraStrategy):
         self.client_ranks = ranks
         self.node_ranks: dict[int, int] = {}
         self.extra_columns: tuple[str, ...] = (
-            *getattr(type(self), "extra_columns", ()),
+            *type(self).extra_columns,
             *(f"gap-rank-{r}" for r in ranks),
             *(f"bytes-down-rank-{r}" for r in ranks),
             *(f"bytes-up-rank-{r}" for r in ranks),
@@ -170,11 +171,10 @@ class HeteroRankLoRA(LoraStrategy):
         self._down_by_rank: dict[int, list[int]] = {}
 
     @classmethod
-    def strategy_kwargs(
-        cls, config: RunConfig, options: Options | None
-    ) -> dict[str, Any]:
+    def strategy_kwargs(cls, config: RunConfig) -> dict[str, Any]:
+        """``client-ranks`` (default: ``lora-rank`` alone)."""
         return {
-            **super().strategy_kwargs(config, options),
+            **super().strategy_kwargs(config),
             "client_ranks": config.rank_list or (config.lora_rank,),
         }
 
@@ -354,10 +354,8 @@ class HeteroRankLoRA(LoraStrategy):
 
     def _at_rank(self, record: ArrayRecord, rank: int) -> ArrayRecord:
         """The leading ``rank`` components of the global A, B, rescaled
-        (:func:`fedlr.protocol.leading_rank`, the rule nodes apply)."""
-        cut = protocol.leading_rank(
-            layout_at_rank(self.layout, rank), record_to_state(record)
-        )
+        (:func:`fedlr.adapters.ranks.leading_rank`, the rule nodes apply)."""
+        cut = leading_rank(layout_at_rank(self.layout, rank), record_to_state(record))
         return state_to_record(cut)
 
     def validate_reply(
@@ -453,16 +451,19 @@ class HetLoRAOptions(NoOptions):
 
     hetlora_prune_gamma: float = option(
         1.0,
-        "hetlora: rank self-pruning's decay factor gamma in (0, 1]; a client of "
-        "rank r whose last components [max(1, floor(gamma r)), r) shrank in "
-        "norm during local training prunes to rank max(1, floor(gamma r)) for "
-        "good; 1.0: no pruning",
+        "decay factor γ of the clients' rank self-pruning, in (0, 1]; `1.0` "
+        "turns it off. A client of rank r regularises its last components "
+        "[r′, r), r′ = max(1, ⌊γr⌋), and, if their norm went down during its "
+        "local training, prunes to rank r′ for the rest of the run "
+        "([methods/hetlora.md](methods/hetlora.md#rank-self-pruning))",
+        bad=[(0.0, r"in \(0, 1\]")],
     )
     hetlora_prune_lambda: float = option(
         0.1,
-        "hetlora: weight lambda >= 0 of the pruning term lambda * sum over "
-        "layers of ||(alpha / r) B_tail A_tail||_F in the clients' loss (used "
-        "when hetlora-prune-gamma < 1)",
+        "weight λ of the pruning term λ·Σ_layers ‖(α/r) B_tail A_tail‖_F added "
+        "to the clients' loss (only with `hetlora-prune-gamma` < 1); finite and "
+        "≥ 0 (0: prune only when training alone shrinks the tail)",
+        bad=[(-1.0, "finite and >= 0")],
     )
 
     def check(self) -> None:
@@ -490,7 +491,7 @@ class RankSelfPruning(ClientFeature):
     norm of its components ``[r', r)`` to the loss
     (:func:`fedlr.pruning.round_pruning`); if that norm went down during
     training, it replies at rank ``r'`` (the leading components, rescaled by
-    :func:`fedlr.protocol.leading_rank`), reports ``rank-pruned`` and keeps
+    :func:`fedlr.adapters.ranks.leading_rank`), reports ``rank-pruned`` and keeps
     rank ``r'`` in ``context.state`` (:func:`fedlr.pruning.node_rank` conforms
     later rounds to it).
     """
@@ -536,7 +537,7 @@ class RankSelfPruning(ClientFeature):
             )
             return trained
         lora = cast(AdapterLayout, layout)  # round_pruning checked it
-        cut = protocol.leading_rank(lora.at_rank(rank), trained)
+        cut = leading_rank(lora.at_rank(rank), trained)
         job.context.state[protocol.RANK_STATE] = ConfigRecord({"rank": rank})
         _LOG.log(
             INFO,
@@ -573,7 +574,8 @@ class RankSelfPruning(ClientFeature):
 class HetLoRA(HeteroRankLoRA):
     """HetLoRA: zero-padding aggregation, truncation to each client's rank.
 
-    Rank self-pruning (``prune_gamma`` < 1; the paper's Section 3): the round's
+    Rank self-pruning (``hetlora_prune_gamma`` < 1; the paper's Section 3): the
+    round's
     ConfigRecord carries ``prune-gamma`` and ``prune-lambda``; a client of
     rank ``r`` adds ``lambda * sum_layers ||s B[:, r':] A[r':]||_F``
     (``r' = max(1, floor(gamma r))``, ``s = alpha / r``) to its loss and, if
@@ -590,10 +592,10 @@ class HetLoRA(HeteroRankLoRA):
 
     Parameters
     ----------
-    prune_gamma : float, default 1.0
-        The decay factor ``gamma`` in (0, 1]; 1: no pruning.
-    prune_lambda : float, default 0.1
-        The pruning term's weight ``lambda`` >= 0.
+    options : HetLoRAOptions, optional
+        ``hetlora_prune_gamma``, the decay factor ``gamma`` in (0, 1] (1: no
+        pruning; default), and ``hetlora_prune_lambda``, the pruning term's
+        weight ``lambda`` >= 0 (default 0.1); either can be passed by name.
     **kwargs
         Other parameters: see :class:`HeteroRankLoRA`.
 
@@ -604,43 +606,26 @@ class HetLoRA(HeteroRankLoRA):
         out of range.
     """
 
-    def __init__(
-        self, *, prune_gamma: float = 1.0, prune_lambda: float = 0.1, **kwargs: Any
-    ) -> None:
-        HetLoRAOptions(  # the same checks as the keys
-            hetlora_prune_gamma=prune_gamma, hetlora_prune_lambda=prune_lambda
-        )
+    def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.prune_gamma = float(prune_gamma)
-        self.prune_lambda = float(prune_lambda)
         self._shrunk: set[int] = set()
         if self.pruning:
             self.extra_columns = (*self.extra_columns, *PRUNING_COLUMNS)
 
     @property
+    def prune_gamma(self) -> float:
+        """The decay factor ``gamma`` (the ``hetlora-prune-gamma`` option)."""
+        return cast(HetLoRAOptions, self.method_options).hetlora_prune_gamma
+
+    @property
+    def prune_lambda(self) -> float:
+        """The pruning term's weight (the ``hetlora-prune-lambda`` option)."""
+        return cast(HetLoRAOptions, self.method_options).hetlora_prune_lambda
+
+    @property
     def pruning(self) -> bool:
         """Whether clients prune their rank (``prune_gamma`` < 1)."""
         return self.prune_gamma < 1.0
-
-    @classmethod
-    def strategy_kwargs(
-        cls, config: RunConfig, options: Options | None
-    ) -> dict[str, Any]:
-        opts = HetLoRAOptions.of(options)
-        return {
-            **super().strategy_kwargs(config, options),
-            "prune_gamma": opts.hetlora_prune_gamma,
-            "prune_lambda": opts.hetlora_prune_lambda,
-        }
-
-    def options(self) -> dict[str, Any]:
-        if not self.pruning:
-            return super().options()
-        return {
-            **super().options(),
-            "prune_gamma": self.prune_gamma,
-            "prune_lambda": self.prune_lambda,
-        }
 
     def round_config(self, server_round: int) -> dict[str, Any]:
         """The base round config, plus ``prune-gamma`` and ``prune-lambda``."""
@@ -725,15 +710,6 @@ class HeteroFoldLoRA(HeteroRankLoRA, FactoredDownlink):
     Parameters: see :class:`HeteroRankLoRA` and ``fedex_downlink``
     (:class:`~fedlr.strategies.fedex_downlink.FactoredDownlink`).
     """
-
-    @classmethod
-    def strategy_kwargs(
-        cls, config: RunConfig, options: Options | None
-    ) -> dict[str, Any]:
-        return {
-            **super().strategy_kwargs(config, options),
-            "fedex_downlink": DownlinkOptions.of(options).fedex_downlink,
-        }
 
     def finish_report(
         self, state: Mapping[str, torch.Tensor], report: RoundReport

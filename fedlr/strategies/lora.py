@@ -63,6 +63,8 @@ class LoraStrategy(FedLRStrategy):
     def __init__(self, *, layout: AdapterLayout, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.layout = layout
+        self.last_evaluation: dict[str, float] = {}
+        """Personalised methods: the last federated evaluation's aggregate."""
 
     @classmethod
     def from_run_config(
@@ -78,8 +80,8 @@ class LoraStrategy(FedLRStrategy):
         config : RunConfig
         layout : AdapterLayout
         options : Options, optional
-            The method's registered options (:meth:`strategy_kwargs` reads
-            them); ``None``: their defaults.
+            The method's registered options (:attr:`options_type`), passed
+            on as ``options=``; ``None``: their defaults.
 
         With ``client-ranks`` set and a :attr:`hetero_variant`, that variant
         is built instead (``layout`` at the largest client rank).
@@ -89,16 +91,24 @@ class LoraStrategy(FedLRStrategy):
             return cast(Self, variant.from_run_config(config, layout, options))
         return cls(
             layout=layout,
+            options=options,
             **cls.base_options(config),
-            **cls.strategy_kwargs(config, options),
+            **cls.strategy_kwargs(config),
         )
 
     @classmethod
-    def strategy_kwargs(
-        cls, config: RunConfig, options: Options | None
-    ) -> dict[str, Any]:
-        """Constructor arguments of the method's own (none here)."""
+    def strategy_kwargs(cls, config: RunConfig) -> dict[str, Any]:
+        """Constructor arguments from the run config's common keys that are
+        no option (none here; the seed, ``client-ranks``)."""
         return {}
+
+    def bind_initial(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Be told the model's seeded initial A, B and head (the clients' too).
+
+        Called by fedlr's server plan once the model is built; the SVD family
+        keeps them (FFA-LoRA's frozen A, the gap reports of methods whose
+        clients never send A). Default: nothing to keep.
+        """
 
     def summary(self) -> None:
         """Log the settings, then FedAvg's."""

@@ -50,7 +50,6 @@ from fedlr.linalg import (
     personal_change,
     require_common_rank,
 )
-from fedlr.options import Options
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.lora import LoraStrategy
 
@@ -150,7 +149,7 @@ class SvdLoraStrategy(LoraStrategy):
         Other parameters: see :class:`~fedlr.strategies.lora.LoraStrategy`.
     """
 
-    extra_columns: ClassVar[tuple[str, ...]] = ()
+    extra_columns: tuple[str, ...] = ()
     keep_roles: ClassVar[tuple[Role, ...]] = ()
 
     def __init__(self, *, layout: AdapterLayout, seed: int = 0, **kwargs: Any) -> None:
@@ -159,9 +158,7 @@ class SvdLoraStrategy(LoraStrategy):
         self.initial_state: dict[str, torch.Tensor] = {}
 
     @classmethod
-    def strategy_kwargs(
-        cls, config: RunConfig, options: Options | None
-    ) -> dict[str, Any]:
+    def strategy_kwargs(cls, config: RunConfig) -> dict[str, Any]:
         """The run's seed (padding of grown ranks is seeded)."""
         return {"seed": config.seed}
 
@@ -310,7 +307,7 @@ class PersonalLoraStrategy(SvdLoraStrategy):
     Parameters: see :class:`SvdLoraStrategy`.
     """
 
-    extra_columns: ClassVar[tuple[str, ...]] = (
+    extra_columns: tuple[str, ...] = (
         "accuracy-std",
         "accuracy-min",
         "accuracy-max",
@@ -318,6 +315,7 @@ class PersonalLoraStrategy(SvdLoraStrategy):
     )
     keep_roles: ClassVar[tuple[Role, ...]] = (Role.LORA_B,)
     federated_evaluation: ClassVar[bool] = True
+    personalised: ClassVar[bool] = True
 
     def __init__(self, *, layout: AdapterLayout, **kwargs: Any) -> None:
         kwargs.setdefault("fraction_evaluate", 1.0)

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from logging import INFO
 from pathlib import Path
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Self, cast
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
@@ -54,6 +54,7 @@ _ORTHONORMAL_TOL = 1e-3  # eigenvectors travel as float32
     "fedavg",
     payload=QRMIX,
     summary="FedAvg of every weight of a vision model (local SGD)",
+    sum_only=True,
 )
 class VisionFedAvg(FedLRStrategy):
     """Example-weighted FedAvg of every parameter of a vision model.
@@ -100,17 +101,8 @@ class VisionFedAvg(FedLRStrategy):
     ) -> Self:
         """Build from the run config's common keys and the method's options."""
         return cls(
-            shapes=shapes,
-            head=head,
-            **cls.base_options(config),
-            **cls.strategy_kwargs(options),
+            shapes=shapes, head=head, options=options, **cls.base_options(config)
         )
-
-    @classmethod
-    def strategy_kwargs(cls, options: Options | None) -> dict[str, Any]:
-        """Constructor arguments of the method's own (none here)."""
-        EigenOptions.of(options)
-        return {}
 
     @property
     def head_dim(self) -> int:
@@ -167,16 +159,28 @@ class _EigenHeadSpace(ParameterSpace):
 class QRMixOptions(EigenOptions):
     """QR-Mix's run-config keys (the ``qrmix`` payload's and its own)."""
 
-    warmup_rounds: int = option(5, "qrmix: FedAvg rounds before the QR-Mix head update")
-    qrmix_tau: float = option(1.0, "qrmix: ridge tau of (H + tau I)")
-    qrmix_gamma: float = option(1.0, "qrmix: step scale gamma of the head update")
+    warmup_rounds: int = option(
+        5,
+        "FedAvg rounds before the QR-Mix head update (≥ 0)",
+        bad=[(-1, "must be >= 0")],
+    )
+    qrmix_tau: float = option(
+        1.0, "ridge τ of (H̄ + τI) (> 0)", bad=[(0.0, "finite and > 0")]
+    )
+    qrmix_gamma: float = option(
+        1.0, "step scale γ (> 0)", bad=[(float("nan"), "finite and > 0")]
+    )
     qrmix_form: str = option(
         "fisher",
-        "qrmix: fisher = gamma (H + tau I)^-1 b; literal = the source's "
-        "gamma (tau Q z + b - Q Q^T b)",
+        "`fisher` = γ(H̄ + τI)⁻¹b, `literal` = the source's γ(τQz + b − QQᵀb) "
+        "([methods/qrmix.md](methods/qrmix.md))",
+        bad=[("exact", "not one of fisher, literal")],
     )
     qrmix_warmup_checkpoint: str = option(
-        "", "qrmix: absolute path of a final_arrays.pt to start at stage 2"
+        "",
+        "absolute path of a `final_arrays.pt` (same model and data) to start "
+        "from; every round is then stage 2",
+        bad=[("warm.pt", "absolute path")],
     )
 
     def check(self) -> None:
@@ -220,66 +224,42 @@ class QRMix(VisionFedAvg):
 
     Parameters
     ----------
-    warmup_rounds : int
-        Stage-1 (FedAvg) rounds; stage 2 from round ``warmup_rounds + 1``.
-    tau : float
-        Ridge ``τ > 0`` (the source's ``beta``).
-    gamma : float
-        Step scale ``γ``.
-    k : int
-        Eigenpairs per client (capped at the head's ``P``).
-    form : {"fisher", "literal"}
-        See :func:`fedlr.linalg.qrmix_update`.
+    options : QRMixOptions, optional
+        ``warmup_rounds`` (stage-1, FedAvg, rounds; stage 2 from round
+        ``warmup_rounds + 1``; 0 with ``qrmix_warmup_checkpoint``),
+        ``qrmix_tau`` (ridge ``τ > 0``, the source's ``beta``),
+        ``qrmix_gamma`` (step scale ``γ``), ``qrmix_k`` (eigenpairs per
+        client, capped at the head's ``P``) and ``qrmix_form`` (``"fisher"``
+        or ``"literal"``, see :func:`fedlr.linalg.qrmix_update`); each can be
+        passed by name.
     **kwargs
         Other parameters: see :class:`VisionFedAvg`.
     """
 
-    def __init__(
-        self,
-        *,
-        warmup_rounds: int,
-        tau: float,
-        gamma: float = 1.0,
-        k: int = 10,
-        form: str = "fisher",
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        if warmup_rounds < 0:
-            raise ValueError(f"warmup_rounds must be >= 0, got {warmup_rounds}")
-        if not tau > 0 or not gamma > 0 or k < 1:
-            raise ValueError(
-                f"need tau > 0, gamma > 0, k >= 1; got {tau}, {gamma}, {k}"
-            )
-        if form not in ("fisher", "literal"):
-            raise ValueError(f"form must be fisher or literal, got {form!r}")
-        self.warmup_rounds = warmup_rounds
-        self.tau, self.gamma, self.form = float(tau), float(gamma), form
-        self.k = min(int(k), self.head_dim)
+        opts = cast(QRMixOptions, self.method_options)
+        self.warmup_rounds = 0 if opts.qrmix_warmup_checkpoint else opts.warmup_rounds
+        """Stage-1 rounds (0 with a warm-up checkpoint, which skips stage 1)."""
+        self.k = min(opts.qrmix_k, self.head_dim)
+        """Eigenpairs per client, ``qrmix-k`` capped at the head's size."""
         self._stage = 1
         self._current_head: torch.Tensor | None = None
 
-    @classmethod
-    def strategy_kwargs(cls, options: Options | None) -> dict[str, Any]:
-        """QR-Mix's keys (a warm-up checkpoint skips stage 1)."""
-        opts = QRMixOptions.of(options)
-        return {
-            "warmup_rounds": 0 if opts.qrmix_warmup_checkpoint else opts.warmup_rounds,
-            "tau": opts.qrmix_tau,
-            "gamma": opts.qrmix_gamma,
-            "k": opts.qrmix_k,
-            "form": opts.qrmix_form,
-        }
+    @property
+    def tau(self) -> float:
+        """The ridge ``τ`` (the ``qrmix-tau`` option)."""
+        return cast(QRMixOptions, self.method_options).qrmix_tau
 
-    def options(self) -> dict[str, Any]:
-        return {
-            **super().options(),
-            "warmup_rounds": self.warmup_rounds,
-            "tau": self.tau,
-            "gamma": self.gamma,
-            "k": self.k,
-            "form": self.form,
-        }
+    @property
+    def gamma(self) -> float:
+        """The step scale ``γ`` (the ``qrmix-gamma`` option)."""
+        return cast(QRMixOptions, self.method_options).qrmix_gamma
+
+    @property
+    def form(self) -> str:
+        """``"fisher"`` or ``"literal"`` (the ``qrmix-form`` option)."""
+        return cast(QRMixOptions, self.method_options).qrmix_form
 
     def summary(self) -> None:
         """Log the settings, then FedAvg's."""

@@ -47,6 +47,7 @@ __all__ = [
     "MethodConfig",
     "MethodSpec",
     "PayloadKind",
+    "Traits",
     "all_option_keys",
     "available_methods",
     "client_features",
@@ -60,6 +61,35 @@ __all__ = [
 T = TypeVar("T", bound=type)
 
 _NAME = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What the server plan and the tooling need to know about a method.
+
+    Attributes
+    ----------
+    personalised : bool
+        Each client keeps part of its model; the round's accuracy is the mean
+        of the clients' own evaluations (federated evaluation).
+    heterogeneous_ranks : bool
+        Accepts ``client-ranks`` (clients of different LoRA ranks).
+    folds_base : bool
+        Folds a residual into the frozen base weights (no quantised base).
+    sum_only : bool
+        The aggregation needs only (weighted) sums of the clients' arrays and
+        extra records, never one client's arrays: the methods secure
+        aggregation can serve (the per-round gap report, a diagnostic, does
+        read each client's factors).
+    plugin : bool
+        A user's own model and ClientApp can run it (the payload kind's).
+    """
+
+    personalised: bool = False
+    heterogeneous_ranks: bool = False
+    folds_base: bool = False
+    sum_only: bool = False
+    plugin: bool = False
 
 
 @dataclass(frozen=True)
@@ -82,6 +112,8 @@ class MethodSpec:
         The method's client features (:class:`fedlr.features.ClientFeature`
         subclasses, each in the method's own module): what a node does for
         this method beyond the common round.
+    sum_only : bool
+        Declared at registration: see :class:`Traits`.
     """
 
     name: str
@@ -90,6 +122,20 @@ class MethodSpec:
     options: type[Options]
     summary: str
     client: tuple[type, ...] = ()
+    sum_only: bool = False
+
+    @property
+    def traits(self) -> Traits:
+        """The method's :class:`Traits`: ``sum_only`` as registered, the
+        others as its strategy class (family) declares them."""
+        cls = self.strategy
+        return Traits(
+            personalised=cls.personalised,
+            heterogeneous_ranks=cls.heterogeneous_ranks,
+            folds_base=cls.folds_base,
+            sum_only=self.sum_only,
+            plugin=self.payload.plugin,
+        )
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -155,11 +201,13 @@ def register_method(
     summary: str,
     options: type[Options] | None = None,
     client: tuple[type, ...] = (),
+    sum_only: bool = False,
 ) -> Callable[[T], T]:
     """Class decorator registering a strategy as method ``name``.
 
     ``options`` defaults to the payload kind's options (a method without keys
-    of its own).
+    of its own); it becomes the class's ``options_type``, the options its
+    constructor takes (``options=`` or field by field).
 
     Raises
     ------
@@ -179,6 +227,7 @@ def register_method(
             options=options or payload.options,
             summary=summary,
             client=tuple(client),
+            sum_only=sum_only,
         )
         if name in _REGISTRY:
             raise ValueError(
@@ -186,6 +235,14 @@ def register_method(
                 f"{_REGISTRY[name].strategy.__qualname__}"
             )
         _check_consistent(spec)
+        declared = spec.strategy.__dict__.get("options_type")
+        if declared is not None and declared is not spec.options:
+            raise TypeError(
+                f"method '{name}': {cls.__qualname__}.options_type is "
+                f"{declared.__qualname__}, registered with "
+                f"{spec.options.__qualname__}"
+            )
+        spec.strategy.options_type = spec.options
         _REGISTRY[name] = spec
         record_method_options(name, spec.options)
         return cls
@@ -259,7 +316,7 @@ def resolve(run_config: Mapping[str, Any]) -> MethodConfig:
     run = RunConfig.from_mapping(run_config)
     spec = get_method(run.method)
     options = spec.options.from_run_config(run_config)
-    if run.quantization != "none" and getattr(spec.strategy, "folds_base", False):
+    if run.quantization != "none" and spec.traits.folds_base:
         raise ConfigError(
             "quantization",
             f"method '{spec.name}' folds each round's residual into the base "

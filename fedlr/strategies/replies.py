@@ -20,14 +20,14 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
-from flwr.app import Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
 from fedlr.errors import ProtocolError, ReplyValidationError
 from fedlr.flower.records import record_nbytes
 from fedlr.protocol import PARTITION_ID, validate_arrays
 from fedlr.updates import ClientUpdate
 
-__all__ = ["ClientUpdate", "ReplyChecks", "node_of", "short"]
+__all__ = ["ClientUpdate", "ReplyChecks", "conform_dtypes", "node_of", "short"]
 
 
 def node_of(message: Message) -> int:
@@ -43,6 +43,47 @@ def short(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+_WIRE_TORCH_DTYPES = {
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+"""Floating dtypes an ArrayRecord carries (numpy's names), as torch's."""
+
+
+def conform_dtypes(
+    update: ClientUpdate, dtypes: Mapping[str, torch.dtype]
+) -> ClientUpdate:
+    """``update`` with each array cast to the global array's dtype.
+
+    A float16 or float64 reply of a float32 model is aggregated as float32
+    (one client never changes the global dtype, nor doubles the downlink);
+    finiteness is checked after the cast, so a float64 ``1e300`` that would
+    become Inf is refused here, not published.
+
+    Raises
+    ------
+    ReplyValidationError
+        If an array overflows the global dtype.
+    """
+    cast: dict[str, torch.Tensor] = {}
+    for key, tensor in update.arrays.items():
+        target = dtypes.get(key)
+        if target is None or tensor.dtype == target:
+            continue
+        value = tensor.to(target)
+        if not bool(torch.isfinite(value).all()):
+            raise ReplyValidationError(
+                update.node_id,
+                f"'{key}' ({str(tensor.dtype).removeprefix('torch.')}) overflows "
+                f"{str(target).removeprefix('torch.')}, the global arrays' dtype",
+            )
+        cast[key] = value
+    if not cast:
+        return update
+    return dataclasses.replace(update, arrays={**update.arrays, **cast})
+
+
 class ReplyChecks:
     """Screening and validation of client replies, for a strategy to mix in.
 
@@ -55,6 +96,7 @@ class ReplyChecks:
     weighted_by_key: str
     max_num_examples: int | None
     _sent: list[int] | None
+    _current: ArrayRecord | None
 
     if TYPE_CHECKING:  # provided by the strategy
 
@@ -75,7 +117,7 @@ class ReplyChecks:
             sent an instruction this round, and each instructed node without a
             reply. The recorded instruction is used once.
         """
-        sent = self._sent
+        sent = None if self._sent is None else set(self._sent)  # O(1) lookups
         self._sent = None
         kept: list[Message] = []
         dropped: list[str] = []
@@ -98,6 +140,22 @@ class ReplyChecks:
             ]
         return kept, dropped
 
+    def layout_dtypes(self) -> dict[str, torch.dtype]:
+        """The dtype of each global array sent this round, by key.
+
+        Replies are cast to these (:func:`conform_dtypes`): the global arrays
+        keep their dtype whatever a client sends.
+        """
+        current = self._current
+        if current is None:
+            return {}
+        out: dict[str, torch.dtype] = {}
+        for key in current:
+            dtype = _WIRE_TORCH_DTYPES.get(str(current[key].dtype))
+            if dtype is not None:
+                out[key] = dtype
+        return out
+
     def validate_replies(
         self, replies: list[Message]
     ) -> tuple[list[ClientUpdate], list[str]]:
@@ -108,11 +166,13 @@ class ReplyChecks:
         is dropped too, with the error named, and the round goes on.
         """
         expected = self.reply_shapes()
+        dtypes = self.layout_dtypes()
         updates: list[ClientUpdate] = []
         dropped: list[str] = []
         for message in replies:
             try:
-                updates.append(self.validate_reply(message, expected))
+                update = self.validate_reply(message, expected)
+                updates.append(conform_dtypes(update, dtypes))
             except ReplyValidationError as exc:
                 dropped.append(str(exc))
             except Exception as exc:  # untrusted input: never crash

@@ -42,7 +42,7 @@ References
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar, Self, cast
+from typing import Any, Self, cast
 
 import torch
 from flwr.app import ArrayRecord, RecordDict
@@ -165,6 +165,7 @@ class ScaffoldCorrection(ClientFeature):
     payload=LORA,
     summary="FedAvg of A and B with SCAFFOLD control variates against drift",
     client=(ScaffoldCorrection,),
+    sum_only=True,
 )
 class ScaffoldLoRA(FedAvgLoRA):
     """FedAvg-LoRA whose clients follow SCAFFOLD's corrected gradients.
@@ -177,7 +178,7 @@ class ScaffoldLoRA(FedAvgLoRA):
     Parameters: see :class:`~fedlr.strategies.lora.LoraStrategy`.
     """
 
-    extra_columns: ClassVar[tuple[str, ...]] = ("control-norm",)
+    extra_columns: tuple[str, ...] = ("control-norm",)
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

@@ -51,7 +51,6 @@ from fedlr.payloads import SORF_VERA
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.registry import register_method
 from fedlr.strategies.vera import ProjectionChecked
-from fedlr.vera_tasks import SorfVeraOptions
 
 __all__ = ["SorfVeRA"]
 
@@ -137,15 +136,16 @@ class SorfVeRA(ProjectionChecked):
         """Build from the run config and the server's model (the projections).
 
         ``options`` (:class:`~fedlr.vera_tasks.SorfVeraOptions`) shaped the
-        model; the strategy reads nothing more from them.
+        model; the strategy keeps them (:attr:`method_options`) and reads
+        nothing more from them.
         """
-        SorfVeraOptions.of(options)
         if not isinstance(vm.layout, SorfVeraLayout):
             raise TypeError("SORF-VeRA needs a SorfVeraLayout")
         return cls(
             layout=vm.layout,
             projection_a=vm.projection_a,
             projection_b=vm.projection_b,
+            options=options,
             **cls.base_options(config),
         )
 

@@ -35,7 +35,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from logging import INFO
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Self, cast
 
 import torch
 from flwr.app import ArrayRecord, Message
@@ -59,10 +59,10 @@ from fedlr.options import Options, option, require
 from fedlr.payloads import VERA
 from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
 from fedlr.strategies.fedex_downlink import (
-    DOWNLINK_HELP,
     BaseWeights,
     FactoredDownlink,
     check_downlink,
+    downlink_option,
 )
 from fedlr.strategies.registry import register_method
 from fedlr.vera_tasks import VeraOptions
@@ -204,8 +204,6 @@ class VeraStrategy(ProjectionChecked):
         The shared frozen ``A`` (sliced per layer).
     projection_b : (max d_out, r) torch.Tensor
         The shared frozen ``B``.
-    fedex_lr : float, default 1.0
-        Step of the residual fold (VeRA-FedEx only).
     **kwargs
         Other parameters: see :class:`~fedlr.strategies.base.FedLRStrategy`.
     """
@@ -228,12 +226,9 @@ class VeraStrategy(ProjectionChecked):
         layout: VeraLayout,
         projection_a: torch.Tensor,
         projection_b: torch.Tensor,
-        fedex_lr: float = 1.0,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if not (math.isfinite(fedex_lr) and fedex_lr > 0):
-            raise ValueError(f"fedex_lr must be finite and > 0, got {fedex_lr}")
         r = layout.rank
         d_in = max(m.d_in for m in layout.modules)
         d_out = max(m.d_out for m in layout.modules)
@@ -251,7 +246,6 @@ class VeraStrategy(ProjectionChecked):
         self.layout = layout
         self.projection_a = projection_a
         self.projection_b = projection_b
-        self.fedex_lr = fedex_lr
         self.projection_seed = layout.projection_seed
         self.projection_rank = layout.rank
 
@@ -267,14 +261,9 @@ class VeraStrategy(ProjectionChecked):
             layout=vm.layout,
             projection_a=vm.projection_a,
             projection_b=vm.projection_b,
+            options=options,
             **cls.base_options(config),
-            **cls.strategy_kwargs(options),
         )
-
-    @classmethod
-    def strategy_kwargs(cls, options: Options | None) -> dict[str, Any]:
-        """Constructor arguments of the method's own (none here)."""
-        return {}
 
     def summary(self) -> None:
         """Log the settings, then FedAvg's."""
@@ -320,6 +309,7 @@ class VeraStrategy(ProjectionChecked):
     "fedavg-vera",
     payload=VERA,
     summary="weighted means of VeRA's lambda_b, lambda_d and the head",
+    sum_only=True,
 )
 class FedAvgVeRA(VeraStrategy):
     """Weighted means of ``b``, ``d`` and the head.
@@ -344,8 +334,12 @@ class FedAvgVeRA(VeraStrategy):
 class VeraFedExOptions(VeraOptions):
     """VeRA-FedEx's run-config keys (the ``vera`` payload's and its own)."""
 
-    fedex_lr: float = option(1.0, "vera-fedex: fraction of the residual folded into W0")
-    fedex_downlink: str = option("factored", DOWNLINK_HELP)
+    fedex_lr: float = option(
+        1.0,
+        "fraction of the residual folded into W0 (1 = exact), in (0, 1]",
+        bad=[(1.5, r"in \(0, 1\]")],
+    )
+    fedex_downlink: str = downlink_option()
 
     def check(self) -> None:
         super().check()
@@ -373,15 +367,16 @@ class VeraFedEx(FactoredDownlink, FedAvgVeRA):
     d_bar^T``, so only the factors of ``M`` (d_out x (k - 1) and r x (k - 1),
     from a factored SVD of the sum) travel (:func:`fedlr.downlink.vera_delta`).
 
-    Parameters: see :class:`VeraStrategy`, and ``fedex_downlink``
+    Parameters: see :class:`VeraStrategy`; its options
+    (:class:`VeraFedExOptions`) add ``fedex_lr`` and ``fedex_downlink``
     (``"factored"`` or ``"dense"``). The global arrays must include the base
     weights (role ``base``) of every adapted layer.
     """
 
-    @classmethod
-    def strategy_kwargs(cls, options: Options | None) -> dict[str, Any]:
-        own = VeraFedExOptions.of(options)
-        return {"fedex_lr": own.fedex_lr, "fedex_downlink": own.fedex_downlink}
+    @property
+    def fedex_lr(self) -> float:
+        """Step of the residual fold (the ``fedex-lr`` option)."""
+        return cast(VeraFedExOptions, self.method_options).fedex_lr
 
     def delta_projections(self) -> Any:
         return self.projections
@@ -392,9 +387,6 @@ class VeraFedEx(FactoredDownlink, FedAvgVeRA):
         return self.factored_bound(
             {m.name: (q, m.d_out, self.projection_rank) for m in self.layout.modules}
         )
-
-    def options(self) -> dict[str, Any]:
-        return {**super().options(), "fedex_lr": self.fedex_lr}
 
     send_roles: ClassVar[tuple[Role, ...]] = (
         Role.VERA_LAMBDA_B,

@@ -21,8 +21,8 @@ def main(grid: Grid, context: Context) -> Result:
     options = {}
     if method == "fedspec":
         options = {
-            "threshold": float(config["fedspec-threshold"]),
-            "max_rank": int(config["fedspec-max-rank"]),
+            "fedspec_threshold": float(config["fedspec-threshold"]),
+            "fedspec_max_rank": int(config["fedspec-max-rank"]),
         }
     nodes = int(config["min-nodes"])
     strategy = get_method(method).strategy.for_model(

@@ -38,9 +38,9 @@ def _fot(**kw) -> FOT:
     args = {
         "shapes": SHAPES,
         "projected": ["conv", "fc"],
-        "eps": 0.9,
-        "eps_inc": 0.05,
-        "sketch_dim": SKETCH_DIM,
+        "fot_eps": 0.9,
+        "fot_eps_inc": 0.05,
+        "fot_sketch_dim": SKETCH_DIM,
         "rounds_per_task": 2,
         "num_tasks": 3,
         "lr": 0.1,
@@ -146,7 +146,7 @@ def test_projected_aggregation_has_no_component_in_span():
 
 
 def test_boundary_round_expands_bases_from_summed_sketches():
-    s = _fot(eps=1.0)
+    s = _fot(fot_eps=1.0)
     s.bases = {"fc": _orthonormal(6, 1, 3)}
     current = _state(0)
     _configure(s, 3, current, num_nodes=2)

@@ -16,11 +16,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.clientapp import ClientApp
 
 from fedlr.adapters import AdapterLayout, LoraModule, Role
+from fedlr.adapters.ranks import fold_tail, leading_rank
 from fedlr.config import RunConfig
 from fedlr.errors import ConfigError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
-from fedlr.protocol import fold_tail, leading_rank
 from fedlr.server_apps.local import run_in_process
 from fedlr.strategies.fedex_downlink import DownlinkOptions
 from fedlr.strategies.fedex_lora import FedExLoRA, HeteroFedExLoRA
@@ -211,7 +211,10 @@ def _best(m: torch.Tensor, r: int) -> torch.Tensor:
 def test_hetero_fedspec_each_rank_receives_the_truncated_mean(threshold, grown):
     layout = _spec_layout()
     strategy = HeteroFedSpec(
-        layout=layout, client_ranks=SPEC_RANKS, threshold=threshold, max_rank=10
+        layout=layout,
+        client_ranks=SPEC_RANKS,
+        fedspec_threshold=threshold,
+        fedspec_max_rank=10,
     )
     assert "lora-rank" not in strategy.round_config(1)
     assert strategy.round_config(1)["leading-rank"] is True
@@ -265,7 +268,10 @@ def test_hetero_fedspec_each_rank_receives_the_truncated_mean(threshold, grown):
 def test_hetero_fedspec_sends_each_known_node_its_own_rank():
     layout = _spec_layout()
     strategy = HeteroFedSpec(
-        layout=layout, client_ranks=SPEC_RANKS, threshold=0.0, max_rank=12
+        layout=layout,
+        client_ranks=SPEC_RANKS,
+        fedspec_threshold=0.0,
+        fedspec_max_rank=12,
     )
     clients = _spec_clients(layout, seed=3)
     current = {k: v.clone() for k, v in clients[2].items()}
@@ -288,7 +294,9 @@ def test_hetero_fedspec_sends_each_known_node_its_own_rank():
 
 def test_hetero_fedspec_drops_a_reply_at_an_undeclared_rank(caplog):
     layout = _spec_layout()
-    strategy = HeteroFedSpec(layout=layout, client_ranks=SPEC_RANKS, max_rank=10)
+    strategy = HeteroFedSpec(
+        layout=layout, client_ranks=SPEC_RANKS, fedspec_max_rank=10
+    )
     clients = _spec_clients(layout, seed=5)
     clients[1] = {
         k: (v[:3] if k.endswith(".A") else v[:, :3] if k.endswith(".B") else v)

@@ -22,6 +22,7 @@ from peft import LoraConfig, get_peft_model
 from fedlr import protocol
 from fedlr.adapters import AdapterLayout, LoraModule, Role, parameters_by_key
 from fedlr.adapters.lora import adapter_state, lora_layout
+from fedlr.adapters.ranks import leading_rank, pruned_rank
 from fedlr.client import RankPruning, apply_round, tail_norm
 from fedlr.errors import ConfigError, ProtocolError
 from fedlr.flower import InProcessGrid
@@ -104,7 +105,10 @@ def _instruction(
     _randomise(server)
     layout = lora_layout(server)
     strategy = HetLoRA(
-        layout=layout, client_ranks=(2, 4, rank), prune_gamma=gamma, prune_lambda=lam
+        layout=layout,
+        client_ranks=(2, 4, rank),
+        hetlora_prune_gamma=gamma,
+        hetlora_prune_lambda=lam,
     )
     arrays = adapter_state(server, layout, strategy.send_roles)
     config = strategy.prepare_round(1, state_to_record(arrays), ConfigRecord())
@@ -248,13 +252,13 @@ def test_the_penalty_adds_fedprox_and_pruning_terms():
     ],
 )
 def test_pruned_rank_rule(rank, gamma, want):
-    assert protocol.pruned_rank(rank, gamma) == want
+    assert pruned_rank(rank, gamma) == want
 
 
 @pytest.mark.parametrize(("rank", "gamma"), [(4, 0.0), (4, 1.5), (4, -0.5), (0, 0.5)])
 def test_pruned_rank_refuses_bad_input(rank, gamma):
     with pytest.raises(ProtocolError):
-        protocol.pruned_rank(rank, gamma)
+        pruned_rank(rank, gamma)
 
 
 def test_decide_prunes_only_when_the_tail_norm_went_down():
@@ -328,7 +332,7 @@ def test_a_grown_tail_keeps_the_rank():
 def test_a_node_that_lost_its_kept_rank_takes_the_servers():
     """The server sends a known node only its pruned rank's components."""
     instruction, arrays, layout = _instruction(gamma=0.5, lam=0.3)
-    narrow = protocol.leading_rank(layout_at_rank(layout, 2), arrays)
+    narrow = leading_rank(layout_at_rank(layout, 2), arrays)
     content = RecordDict(
         {
             protocol.ARRAYS: state_to_record(narrow),
@@ -405,7 +409,10 @@ def _round(strategy, server_round, current, ranks):
 
 def test_the_server_accepts_lower_ranks_and_drops_a_grown_one(caplog):
     strategy = HetLoRA(
-        layout=_layout(), client_ranks=(4, R), prune_gamma=0.5, prune_lambda=0.1
+        layout=_layout(),
+        client_ranks=(4, R),
+        hetlora_prune_gamma=0.5,
+        hetlora_prune_lambda=0.1,
     )
     assert strategy.extra_columns[-2:] == ("mean-client-rank", "pruned-clients")
     config = strategy.round_config(1)
@@ -459,12 +466,8 @@ def test_bad_options_are_refused_naming_the_key(key, value, message):
     with pytest.raises(ConfigError, match=message) as info:
         resolve({"method": "hetlora", key: value})
     assert info.value.key == key and f"'{key}'" in str(info.value)
-    name = {
-        "hetlora-prune-gamma": "prune_gamma",
-        "hetlora-prune-lambda": "prune_lambda",
-    }
-    with pytest.raises(ConfigError) as info:
-        HetLoRA(layout=_layout(), **{name[key]: value})
+    with pytest.raises(ConfigError) as info:  # the same check by field name
+        HetLoRA(layout=_layout(), **{key.replace("-", "_"): value})
     assert info.value.key == key
 
 

@@ -11,11 +11,13 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 
 from fedlr.adapters import Role, adapter_state
+from fedlr.checkpoint import load_checkpoint
 from fedlr.client_apps.app import app as client_app
 from fedlr.config import RunConfig
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state
 from fedlr.results import COLUMNS
+from fedlr.server_apps.local import run_in_process
 from fedlr.server_apps.runner import run_server
 from fedlr.strategies import FedExLoRA
 from fedlr.tasks import TextTask
@@ -203,3 +205,33 @@ def test_run_in_process_keeps_the_method_options(tmp_path, assets):
     frame = pd.read_csv(run_dir / "results.csv")
     assert list(frame["rank"]) == [6, 8]  # threshold 0: the rank grows every round
     assert list(frame["dropped"]) == [0, 0] and list(frame["clients"]) == [3, 3]
+
+
+def test_resumed_run_appends_to_the_csvs_and_matches_an_uninterrupted_one(
+    tmp_path, assets
+):
+    """Checkpoints hold no row history; the resumed run reads the CSVs."""
+    straight = run_in_process(
+        tiny_run_config(tmp_path / "a", **{"num-server-rounds": 3}), num_nodes=3
+    )
+    first = run_in_process(
+        tiny_run_config(tmp_path / "b", **{"num-server-rounds": 2}), num_nodes=3
+    )
+    assert "results" not in load_checkpoint(first)
+    resumed = run_in_process(
+        tiny_run_config(
+            tmp_path / "b",
+            **{"num-server-rounds": 3, "resume-from": str(first)},
+        ),
+        num_nodes=3,
+    )
+    assert resumed == first
+    a, b = pd.read_csv(straight / "results.csv"), pd.read_csv(resumed / "results.csv")
+    assert b["round"].tolist() == [1, 2, 3]
+    for column in ("accuracy", "loss", "frobenius-gap", "train-loss"):
+        assert a[column].tolist() == b[column].tolist(), column
+    layers = pd.read_csv(resumed / "layers.csv")
+    assert sorted(set(layers["round"])) == [1, 2, 3]
+    final_a = torch.load(straight / "final_arrays.pt")
+    final_b = torch.load(resumed / "final_arrays.pt")
+    assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)

@@ -161,7 +161,7 @@ def test_user_client_app_completes_two_rounds_of_strategy_start(method):
         assert 0.0 <= metrics["accuracy"] <= 1.0
         assert math.isfinite(metrics["loss"]) and metrics["loss"] > 0
     # The global arrays are the strategy's send keys (and nothing else).
-    options = {"max_rank": 6} if method == "fedspec" else {}
+    options = {"fedspec_max_rank": 6} if method == "fedspec" else {}
     strategy = get_method(method).strategy.for_model(build_model(method), **options)
     assert set(record_to_state(result.arrays)) == set(strategy.send_keys())
     # Federated evaluation (the app's @app.evaluate) runs where the strategy
@@ -325,7 +325,7 @@ def test_load_into_follows_the_rank_of_the_arrays():
     # The old evaluate_fn: the arrays have rank 6, the model rank 4.
     with pytest.raises(ShapeMismatchError, match="layout declares"):
         load_adapter_state(model, lora_layout(model), final)
-    strategy = FedSpec.for_model(model, threshold=0.0, max_rank=6)
+    strategy = FedSpec.for_model(model, fedspec_threshold=0.0, fedspec_max_rank=6)
     initial = strategy.initial_arrays(model)
     strategy.load_into(model, result.arrays)
     layout = lora_layout(model)

@@ -63,9 +63,14 @@ def _reply(node: int, local, n: int, eigen=None):
 
 
 def _qrmix(**kw) -> QRMix:
-    args = {"shapes": SHAPES, "head": "classifier", "warmup_rounds": 1, "tau": 0.1}
+    args = {
+        "shapes": SHAPES,
+        "head": "classifier",
+        "warmup_rounds": 1,
+        "qrmix_tau": 0.1,
+    }
     args.update(kw)
-    return QRMix(k=K, **args)
+    return QRMix(qrmix_k=K, **args)
 
 
 def test_registry_entries():
@@ -116,7 +121,7 @@ def test_qrmix_stage_schedule_and_stage_one_is_fedavg():
 
 @pytest.mark.parametrize("form", ["fisher", "literal"])
 def test_qrmix_stage_two_head_update_matches_kernel(form):
-    strategy = _qrmix(form=form, gamma=0.7)
+    strategy = _qrmix(qrmix_form=form, qrmix_gamma=0.7)
     current = _state(0)
     msgs = _configure(strategy, 2, current)
     assert msgs[0].content["config"]["qrmix-stage"] == 2

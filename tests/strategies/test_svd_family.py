@@ -147,7 +147,7 @@ def test_fedspec_best_rank_r_factors_and_rank_growth():
         ),
         head_shapes={"head.w": (2, 8)},
     )
-    strategy = FedSpec(layout=layout, threshold=0.05, max_rank=6)
+    strategy = FedSpec(layout=layout, fedspec_threshold=0.05, fedspec_max_rank=6)
     current = _tensors(0, layout.shapes(Role.LORA_A, Role.LORA_B, Role.HEAD))
     messages = _configured(strategy, current)
     assert messages[0].content["config"]["lora-rank"] == 2
@@ -186,7 +186,7 @@ def test_fedspec_best_rank_r_factors_and_rank_growth():
     assert strategy.reply_shapes()["l0.A"] == (4, 8)
 
 
-def test_fedspec_pads_when_the_mean_has_fewer_singular_values():
+def test_fedspec_pads_when_the_mean_has_fewer_singular_values(monkeypatch):
     layout = AdapterLayout(
         modules=(
             LoraModule("l0", "l0.A", "l0.B", "l0.W", 1.0, d_out=9, d_in=8, rank=1),
@@ -194,8 +194,8 @@ def test_fedspec_pads_when_the_mean_has_fewer_singular_values():
     )
     strategy = FedSpec(
         layout=layout,
-        threshold=0.0,
-        max_rank=4,
+        fedspec_threshold=0.0,
+        fedspec_max_rank=4,
         min_train_nodes=1,
         min_available_nodes=1,
     )
@@ -207,8 +207,9 @@ def test_fedspec_pads_when_the_mean_has_fewer_singular_values():
     new = record_to_state(arrays)
     # one rank-1 client: rank 1 would be exact, the tail is 0 -> no growth
     assert strategy.rank == 1
-    # force growth past k r = 1 with a second round at threshold -1 < 0
-    strategy.threshold = -1.0
+    # force growth past k r = 1 with a second round at threshold -1 < 0 (a
+    # value the fedspec-threshold option refuses)
+    monkeypatch.setattr(FedSpec, "threshold", -1.0)
     _configured(strategy, new, num_nodes=1)
     arrays, _ = strategy.aggregate_train(2, [reply(1000, new, {"num-examples": 4})])
     grown = record_to_state(arrays)
@@ -221,13 +222,13 @@ def test_fedspec_pads_when_the_mean_has_fewer_singular_values():
 
 def test_fedspec_max_rank_is_checked_against_the_layers():
     with pytest.raises(ConfigError, match="fedspec-max-rank"):
-        FedSpec(layout=LAYOUT, max_rank=6)  # l0 is 6 x 5
+        FedSpec(layout=LAYOUT, fedspec_max_rank=6)  # l0 is 6 x 5
     with pytest.raises(ConfigError, match="below the initial rank"):
-        FedSpec(layout=LAYOUT, max_rank=1)
+        FedSpec(layout=LAYOUT, fedspec_max_rank=1)
 
 
 def test_rank_mismatch_raises_a_named_error_and_drops_live_replies(caplog):
-    strategy = FedSpec(layout=LAYOUT, max_rank=4)
+    strategy = FedSpec(layout=LAYOUT, fedspec_max_rank=4)
     shapes = LAYOUT.shapes(Role.LORA_A, Role.LORA_B, Role.HEAD)
     other = {
         **shapes,

@@ -1,10 +1,12 @@
 """Every run-config key: an invalid value is refused by name before training.
 
-``AT_PARSE`` holds, for every key that ``RunConfig`` or a registered method's
-options validate themselves, a bad value and the expected message (a method
-option is parsed with a method that declares it); ``AT_START`` the keys whose
-validity depends on a registry or the model (checked when the ServerApp builds
-its plan, before round 1). A new key without an entry in either table fails
+``AT_PARSE`` holds the bad values that the keys' declarations list
+(``option(default, help, bad=[(value, message regex), ...])`` in
+``RunConfig`` and the registered methods' options): each is parsed, a method
+option with a method that declares it, and must be refused with its message.
+``AT_START`` holds the keys whose validity depends on a registry or the model
+(checked when the ServerApp builds its plan, before round 1). A new key
+without a bad value in its declaration or an entry in ``AT_START`` fails
 ``test_every_key_has_a_bad_value_case``.
 """
 
@@ -19,80 +21,18 @@ from fedlr.flower import InProcessGrid
 from fedlr.strategies.registry import all_option_keys, registered_methods, resolve
 from tests.conftest import tiny_run_config
 
-AT_PARSE: dict[str, tuple[object, str]] = {
-    "method": ("", "is empty"),
-    "num-server-rounds": (0, "must be >= 1"),
-    "local-steps": (0, "must be >= 1"),
-    "lr": (0.0, "finite and > 0"),
-    "lr-decay": (1.5, r"in \(0, 1\]"),
-    "weight-decay": (1.0, r"in \[0, 1\)"),
-    "batch-size": (0, "must be >= 1"),
-    "eval-batch-size": (-1, "must be >= 0"),
-    "eval-every": (0, "must be >= 1"),
-    "max-length": (4, r"in \[8, 4096\]"),
-    "pooling": ("max", "not one of mean, cls"),
-    "lora-rank": (0, "must be >= 1"),
-    "client-ranks": ("2,x", "not an integer"),
-    "lora-alpha": (-1.0, "finite and > 0"),
-    "lora-dropout": (1.0, r"in \[0, 1\)"),
-    "target-modules": (",", "names no module"),
-    "max-new-tokens": (0, r"in \[1, 1024\]"),
-    "prompt-template": ("Q: {question}", "must contain"),
-    "precision": ("fp8", "not one of"),
-    "quantization": ("2bit", "not one of"),
-    "partitioner": ("random", "not one of"),
-    "dirichlet-alpha": (0.0, "finite and > 0"),
-    "classes-per-partition": (0, "must be >= 1"),
-    "num-partitions": (0, "must be >= 1"),
-    "min-partition-size": (0, "must be >= 1"),
-    "eval-fraction": (0.0, r"in \(0, 1\)"),
-    "max-eval-examples": (-1, "must be >= 0"),
-    "fraction-train": (1.5, r"in \(0, 1\]"),
-    "min-replies": (0, "must be >= 1"),
-    "seed": (-1, "must be in"),
-    "device": ("cuda:abc", "not one of auto, cpu, mps, cuda, cuda:<index>"),
-    "output-dir": ("relative", "absolute path"),
-    "round-timeout": (0.0, "finite and > 0"),
-    "keep-checkpoints": (0, "must be >= 1"),
-    "robust": ("krum", "must be one of"),
-    "clip-norm": (-1.0, "must be >= 0"),
-    "trim-fraction": (0.5, r"in \[0, 0.5\)"),
-    "max-client-weight": (0.0, r"in \(0, 1\]"),
-    "max-num-examples": (-1, "must be >= 0"),
-    "max-update-ratio": (float("nan"), "finite and >= 0"),
-    "fedspec-threshold": (1.0, r"in \[0, 1\)"),
-    "fedspec-max-rank": (0, "must be >= 1"),
-    "proximal-mu": (float("inf"), "finite and >= 0"),
-    "server-momentum": (1.0, r"in \[0, 1\)"),
-    "server-lr": (0.0, "finite and > 0"),
-    "momentum": (1.0, r"in \[0, 1\)"),
-    "warmup-rounds": (-1, "must be >= 0"),
-    "qrmix-tau": (0.0, "finite and > 0"),
-    "qrmix-gamma": (float("nan"), "finite and > 0"),
-    "qrmix-k": (0, "must be >= 1"),
-    "qrmix-oversample": (-1, "must be >= 0"),
-    "qrmix-power-iters": (-1, "must be >= 0"),
-    "qrmix-form": ("exact", "not one of fisher, literal"),
-    "qrmix-warmup-checkpoint": ("warm.pt", "absolute path"),
-    "num-tasks": (0, "must be >= 1"),
-    "rounds-per-task": (0, "must be >= 1"),
-    "task-examples": (-1, "must be >= 0"),
-    "fot-eps": (1.5, r"in \[0, 1\]"),
-    "fot-eps-inc": (-0.1, r"in \[0, 1\]"),
-    "fot-sketch-dim": (-1, "must be >= 0"),
-    "fot-activation-examples": (0, "must be >= 1"),
-    "vera-rank": (0, "must be >= 1"),
-    "projection-seed": (-1, "must be in"),
-    "vera-d-initial": (float("inf"), "must be finite"),
-    "vera-lr": (0.0, "finite and > 0"),
-    "fedex-lr": (1.5, r"in \(0, 1\]"),
-    "fedex-downlink": ("sparse", r"one of \['factored', 'dense'\]"),
-    "fedspec-energy": ("sigma3", r"one of \['sigma2', 'sigma'\]"),
-    "hetlora-prune-gamma": (0.0, r"in \(0, 1\]"),
-    "hetlora-prune-lambda": (-1.0, "finite and >= 0"),
-    "sorf-rank": (65, "must be <= 64"),
-    "sorf-d-scale-initial": (float("nan"), "must be finite"),
-}
+
+def _declared_bad_values() -> list[tuple[str, object, str]]:
+    """(key, value, message regex) for each ``bad`` value of each declaration."""
+    keys = {**RunConfig.option_fields(), **all_option_keys()}
+    return [
+        (key, value, message)
+        for key, f in keys.items()
+        for value, message in f.metadata.get("bad", ())
+    ]
+
+
+AT_PARSE = _declared_bad_values()
 
 # key -> (overrides making the value bad, expected error type, message)
 AT_START: dict[str, tuple[dict[str, object], type[Exception], str]] = {
@@ -111,13 +51,17 @@ AT_START: dict[str, tuple[dict[str, object], type[Exception], str]] = {
 
 def test_every_key_has_a_bad_value_case():
     keys = set(RunConfig.option_fields()) | set(all_option_keys())
-    missing = sorted(keys - set(AT_PARSE) - set(AT_START))
+    declared = {key for key, _, _ in AT_PARSE}
+    missing = sorted(keys - declared - set(AT_START))
     assert not missing, f"keys without an invalid-value test: {missing}"
 
 
-@pytest.mark.parametrize("key", sorted(AT_PARSE))
-def test_invalid_value_is_refused_with_the_key_named(key):
-    value, message = AT_PARSE[key]
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    AT_PARSE,
+    ids=[f"{key}={value!r}" for key, value, _ in AT_PARSE],
+)
+def test_invalid_value_is_refused_with_the_key_named(key, value, message):
     run_config: dict[str, object] = {key: value}
     if key not in RunConfig.option_fields():
         spec = next(s for s in registered_methods() if key in s.options.option_fields())

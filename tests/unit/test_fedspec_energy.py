@@ -51,7 +51,12 @@ def test_planted_spectrum_is_what_the_rule_sees():
 
 @pytest.mark.parametrize(("energy", "rank"), [("sigma2", 4), ("sigma", 6)])
 def test_energy_rule_decides_the_growth(energy, rank):
-    strategy = FedSpec(layout=LAYOUT, threshold=0.05, max_rank=8, energy=energy)
+    strategy = FedSpec(
+        layout=LAYOUT,
+        fedspec_threshold=0.05,
+        fedspec_max_rank=8,
+        fedspec_energy=energy,
+    )
     current = {"l0.B": torch.zeros(32, 4), "l0.A": torch.zeros(4, 24)}
     _, report = strategy.aggregate_updates(1, _planted(), current)
     expected_tail = 0.16 / 4.16 if energy == "sigma2" else 0.8 / 4.8
@@ -61,7 +66,7 @@ def test_energy_rule_decides_the_growth(energy, rank):
 
 def test_energy_option_is_checked():
     with pytest.raises(ValueError, match="energy"):
-        FedSpec(layout=LAYOUT, energy="sigma3")
+        FedSpec(layout=LAYOUT, fedspec_energy="sigma3")
     with pytest.raises(ConfigError, match="fedspec-energy"):
         FedSpecOptions(fedspec_energy="sigma3").check()
 

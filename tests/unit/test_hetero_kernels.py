@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fedlr.adapters.ranks import leading_rank
 from fedlr.adapters.roles import AdapterLayout, LoraModule
 from fedlr.errors import ShapeMismatchError
 from fedlr.linalg import (
@@ -25,7 +26,6 @@ from fedlr.linalg import (
     received_gap,
     stacked_update,
 )
-from fedlr.protocol import leading_rank
 
 F64 = torch.float64
 ALPHA = 16.0

@@ -7,11 +7,12 @@ import math
 import pandas as pd
 import pytest
 
+from fedlr.errors import CheckpointError
 from fedlr.flower.launch import format_run_config
 from fedlr.results import COLUMNS, ResultsWriter, read_results
 
 
-def test_writer_appends_rows_atomically(tmp_path):
+def test_writer_appends_rows(tmp_path):
     writer = ResultsWriter(tmp_path / "run", method="fedex-lora", config={"lr": 0.1})
     writer.append({"round": 1, "accuracy": 0.5, "frobenius-gap": 0.2})
     writer.append(
@@ -73,3 +74,49 @@ def test_extra_columns_may_not_repeat_core_columns(tmp_path):
         ResultsWriter(tmp_path, method="m", extra_columns=("accuracy",))
     with pytest.raises(ValueError, match="repeat a column"):
         ResultsWriter(tmp_path, method="m", extra_columns=("x", "x"))
+
+
+def test_append_writes_one_line_per_round_not_the_whole_file(tmp_path):
+    """Bookkeeping is linear in the run: each round adds its own lines only."""
+    writer = ResultsWriter(tmp_path, method="fedavg-lora")
+    writer.append({"round": 1, "accuracy": 0.5}, layers={"l0": (0.1, 0.01)})
+    first = (tmp_path / "results.csv").read_bytes()
+    first_layers = (tmp_path / "layers.csv").read_bytes()
+    writer.append({"round": 2, "accuracy": 0.6}, layers={"l0": (0.2, 0.02)})
+    after = (tmp_path / "results.csv").read_bytes()
+    assert after.startswith(first) and after.count(b"\n") == 3  # header + 2
+    layers = (tmp_path / "layers.csv").read_bytes()
+    assert layers.startswith(first_layers) and layers.count(b"\n") == 3
+
+
+def test_restore_keeps_the_checkpointed_rounds_and_drops_a_torn_line(tmp_path):
+    writer = ResultsWriter(tmp_path, method="fedavg-lora")
+    for r in (1, 2, 3):
+        writer.append({"round": r, "accuracy": 0.1 * r}, layers={"l0": (r, 0.0)})
+    with (tmp_path / "results.csv").open("a") as f:
+        f.write("1")  # a crash while appending round 4 (or 12...)
+    resumed = ResultsWriter(tmp_path, method="fedavg-lora")
+    resumed.restore(2)  # the newest checkpoint is after round 2
+    frame = read_results(tmp_path)
+    assert frame["round"].tolist() == [1, 2]
+    assert frame["accuracy"].tolist() == pytest.approx([0.1, 0.2])
+    assert pd.read_csv(tmp_path / "layers.csv")["round"].tolist() == [1, 2]
+    resumed.append({"round": 3, "accuracy": 0.9})
+    assert read_results(tmp_path)["round"].tolist() == [1, 2, 3]
+
+
+def test_restore_refuses_a_results_file_without_the_checkpointed_rounds(tmp_path):
+    writer = ResultsWriter(tmp_path, method="fedavg-lora")
+    writer.append({"round": 1, "accuracy": 0.5})
+    with pytest.raises(CheckpointError, match=r"rounds \[2, 3\] are missing"):
+        ResultsWriter(tmp_path, method="fedavg-lora").restore(3)
+
+
+def test_restore_takes_the_rows_of_an_older_checkpoint(tmp_path):
+    rows = [{"round": 1, "accuracy": 0.25}]
+    layer_rows = [
+        {"round": 1, "layer": "l0", "frobenius-gap": 1.0, "relative-gap": 0.5}
+    ]
+    ResultsWriter(tmp_path, method="fedavg-lora").restore(1, rows, layer_rows)
+    assert read_results(tmp_path)["accuracy"].tolist() == [0.25]
+    assert pd.read_csv(tmp_path / "layers.csv")["layer"].tolist() == ["l0"]

@@ -546,13 +546,13 @@ def test_fedspec_flags_a_randomized_round(monkeypatch):
         for i, (b, a, wi) in enumerate(zip(bs, as_, w, strict=True))
     ]
     current = {"l0.B": bs[0].float(), "l0.A": as_[0].float()}
-    exact_state, exact = FedSpec(layout=layout, max_rank=6).aggregate_updates(
+    exact_state, exact = FedSpec(layout=layout, fedspec_max_rank=6).aggregate_updates(
         1, updates, current
     )
     assert exact.metrics["svd-randomized"] == 0.0
     assert exact.metrics["gap-estimated"] == 0.0
     monkeypatch.setattr(fedspec_module, "DEFAULT_COST_MODEL", ESTIMATE)
-    state, report = FedSpec(layout=layout, max_rank=6).aggregate_updates(
+    state, report = FedSpec(layout=layout, fedspec_max_rank=6).aggregate_updates(
         1, updates, current
     )
     assert report.metrics["svd-randomized"] == 1.0
