@@ -58,13 +58,15 @@ def _atomic_write_csv(frame: pd.DataFrame, path: Path) -> None:
 
 
 def _append_csv(rows: list[dict[str, Any]], columns: Sequence[str], path: Path) -> None:
-    """Append ``rows`` to ``path`` (with the header if the file is new)."""
+    """Append ``rows`` to ``path`` (with the header if the file is new).
+
+    Not synced: the checkpoint after the round is, and a resumed run trusts
+    the CSV rows only up to its checkpoint's round.
+    """
     header = not path.is_file() or path.stat().st_size == 0
     frame = pd.DataFrame(rows, columns=list(columns))
     with path.open("a", encoding="utf-8", newline="") as f:
         frame.to_csv(f, header=header, index=False)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 class ResultsWriter:

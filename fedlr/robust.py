@@ -660,7 +660,7 @@ def _clip(
                 factor, moved = _bisect(update, space, bound, norm)
         else:
             factor, moved = _bisect(update, space, bound, norm)
-        out.append(moved)
+        out.append(replace(moved, clip_factor=update.clip_factor * factor))
         reasons.append(
             f"node {update.node_id}: update norm {norm:.4g} clipped to "
             f"{space.norm(moved):.4g} (clip-norm {bound:.4g}, factor {factor:.4g})"

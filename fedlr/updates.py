@@ -43,6 +43,10 @@ class ClientUpdate:
         The extra ArrayRecords the strategy declares a reply carries
         (:meth:`~fedlr.strategies.replies.ReplyChecks.reply_records`),
         decoded and checked once, by name.
+    clip_factor : float
+        The factor robust norm clipping moved the arrays by (``ref + f (x -
+        ref)``); 1 when unclipped. The strategy moves the extras to match
+        (:meth:`~fedlr.strategies.base.FedLRStrategy.clip_extras`).
     """
 
     node_id: int
@@ -53,6 +57,7 @@ class ClientUpdate:
     nbytes: int
     weight: float = -1.0
     extras: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+    clip_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.weight < 0:

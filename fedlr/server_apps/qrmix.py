@@ -18,7 +18,7 @@ from fedlr import protocol
 from fedlr.errors import ConfigError, ShapeMismatchError
 from fedlr.image_task import ImageTask, evaluate_images
 from fedlr.server_apps.plans import ServerPlan, check_strategy, register_plan
-from fedlr.strategies.qrmix import QRMixOptions, VisionFedAvg
+from fedlr.strategies.qrmix import VisionFedAvg
 from fedlr.strategies.registry import MethodConfig
 from fedlr.train import pick_device
 
@@ -74,9 +74,8 @@ def qrmix_plan(method: MethodConfig) -> ServerPlan:
         config, shapes=shapes, head=model.head, options=method.options
     )
     initial = model.parameter_state()
-    options = method.options
-    if isinstance(options, QRMixOptions) and options.qrmix_warmup_checkpoint:
-        initial = load_warmup_checkpoint(options.qrmix_warmup_checkpoint, shapes)
+    if strategy.warmup_checkpoint:
+        initial = load_warmup_checkpoint(strategy.warmup_checkpoint, shapes)
     heldout = task.heldout()
     device = pick_device(config.device)
     size = sum(t.numel() for t in initial.values())

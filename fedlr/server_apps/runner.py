@@ -333,6 +333,7 @@ class ServerRun:
             },
             keep=self.config.keep_checkpoints,
         )
+        self.started = time.perf_counter()  # a round's seconds exclude this
 
     def finish(self, arrays: ArrayRecord) -> Path:
         """Write the final arrays, ``summary.json`` and the plots."""

@@ -26,7 +26,7 @@ _NAMES = {
     "LegacyStrategy": "legacy",
     "LoraStrategy": "lora",
     "PersonalLoraStrategy": "lora_svd",
-    "SvdLoraStrategy": "lora_svd",
+    "SeededLoraStrategy": "lora_svd",
     "QRMixOptions": "qrmix",
     "MethodConfig": "registry",
     "MethodSpec": "registry",

@@ -508,6 +508,24 @@ class FedLRStrategy(ReplyChecks, FedAvg):
         """
         return {}
 
+    def clip_extras(self, update: ClientUpdate) -> ClientUpdate:
+        """Move a clipped update's extra records as its arrays were moved.
+
+        Robust norm clipping moves the arrays to ``ref + f (x - ref)``
+        (``update.clip_factor`` = f); the extra records of
+        :meth:`reply_records` follow here. Default: each scales by ``f`` (a
+        record linear in the update). A method whose records depend on the
+        update otherwise overrides this (SCAFFOLD-LoRA's control delta).
+        """
+        f = update.clip_factor
+        if f == 1.0 or not update.extras:
+            return update
+        extras = {
+            name: {k: v * f for k, v in record.items()}
+            for name, record in update.extras.items()
+        }
+        return dataclasses.replace(update, extras=extras)
+
     def count_bytes_down(self, nbytes: int) -> None:
         """Add ``nbytes`` sent beside the global arrays to the round's
         ``bytes-down`` (records a subclass adds to some instructions)."""
@@ -617,6 +635,7 @@ class FedLRStrategy(ReplyChecks, FedAvg):
                     reason,
                 )
             updates, robust_metrics = outcome.updates, outcome.metrics
+            updates = [self.clip_extras(u) for u in updates]
             self.last_robust = outcome.reasons
         snapshot = copy.deepcopy(self.state_dict())
         report = RoundReport()

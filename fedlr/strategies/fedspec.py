@@ -79,7 +79,7 @@ from fedlr.options import NoOptions, option, require
 from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.hetero import HeteroRankLoRA, layout_at_rank
-from fedlr.strategies.lora_svd import SvdLoraStrategy
+from fedlr.strategies.lora_svd import SeededLoraStrategy
 from fedlr.strategies.registry import register_method
 
 __all__ = [
@@ -144,7 +144,7 @@ class FedSpecOptions(NoOptions):
     summary="truncated SVD of the mean of products, B=U sqrt(S), A=sqrt(S) V^T; "
     "rank grows by 2 while the tail energy exceeds a threshold",
 )
-class FedSpec(SvdLoraStrategy):
+class FedSpec(SeededLoraStrategy):
     """Spectrally optimal aggregation with a monotone adaptive rank.
 
     Parameters
@@ -159,7 +159,7 @@ class FedSpec(SvdLoraStrategy):
         singular values, the Frobenius gap's, or ``"sigma"``, of the singular
         values, the FedSpec source's rule); each can be passed by name.
     **kwargs
-        Other parameters: see :class:`~fedlr.strategies.lora_svd.SvdLoraStrategy`.
+        Other parameters: see :class:`~fedlr.strategies.lora_svd.SeededLoraStrategy`.
     """
 
     extra_columns: tuple[str, ...] = (

@@ -32,7 +32,7 @@ from fedlr.adapters.roles import Role
 from fedlr.linalg import factored_svd, pad_factors
 from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
-from fedlr.strategies.lora_svd import SvdLoraStrategy
+from fedlr.strategies.lora_svd import SeededLoraStrategy
 from fedlr.strategies.registry import register_method
 
 __all__ = ["FedSVD"]
@@ -44,10 +44,10 @@ __all__ = ["FedSVD"]
     summary="clients train B with A fixed; server SVD of B_bar A -> A=V^T, B=US",
     sum_only=True,
 )
-class FedSVD(SvdLoraStrategy):
+class FedSVD(SeededLoraStrategy):
     """Average ``B``; re-factorise ``B_bar A`` as ``(U S, V^T)``.
 
-    Parameters: see :class:`~fedlr.strategies.lora_svd.SvdLoraStrategy`.
+    Parameters: see :class:`~fedlr.strategies.lora_svd.SeededLoraStrategy`.
     """
 
     send_roles: ClassVar[tuple[Role, ...]] = (Role.LORA_A, Role.LORA_B, Role.HEAD)

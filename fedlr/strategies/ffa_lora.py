@@ -25,7 +25,7 @@ import torch
 from fedlr.adapters.roles import Role
 from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
-from fedlr.strategies.lora_svd import SvdLoraStrategy
+from fedlr.strategies.lora_svd import SeededLoraStrategy
 from fedlr.strategies.registry import register_method
 
 __all__ = ["FFALoRA"]
@@ -37,14 +37,14 @@ __all__ = ["FFALoRA"]
     summary="A frozen at its seeded init and never sent; B averaged",
     sum_only=True,
 )
-class FFALoRA(SvdLoraStrategy):
+class FFALoRA(SeededLoraStrategy):
     """Average ``B`` and the head; ``A`` stays at the seeded initialisation.
 
     The frozen ``A_0`` (needed only to measure the gap) comes from
-    :meth:`~fedlr.strategies.lora_svd.SvdLoraStrategy.bind_initial`; without it the
+    :meth:`~fedlr.strategies.lora_svd.SeededLoraStrategy.bind_initial`; without it the
     gap is not measured (reported as NaN).
 
-    Parameters: see :class:`~fedlr.strategies.lora_svd.SvdLoraStrategy`.
+    Parameters: see :class:`~fedlr.strategies.lora_svd.SeededLoraStrategy`.
     """
 
     send_roles: ClassVar[tuple[Role, ...]] = (Role.LORA_B, Role.HEAD)

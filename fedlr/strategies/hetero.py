@@ -1,4 +1,8 @@
-"""Methods for clients with different LoRA ranks: FlexLoRA, HetLoRA, FLoRA.
+"""The heterogeneous-rank family's base: clients with different LoRA ranks.
+
+The methods are their own modules (:mod:`fedlr.strategies.flexlora`,
+:mod:`fedlr.strategies.hetlora`, :mod:`fedlr.strategies.flora`); this one
+holds what they share.
 
 Client ``i`` trains rank ``r_i`` (``client-ranks``, cycled over the
 partitions) with scaling ``s_i = alpha / r_i``; the server's adapters have
@@ -40,10 +44,9 @@ the round's clients of their received gaps (per layer in ``layers.csv``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from logging import DEBUG, INFO, getLogger
-from typing import Any, ClassVar, NamedTuple, Self, cast
+from collections.abc import Iterable, Mapping, Sequence
+from logging import getLogger
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
@@ -53,38 +56,22 @@ from fedlr import protocol
 from fedlr.adapters.ranks import leading_rank
 from fedlr.adapters.roles import AdapterLayout, LoraModule, Role
 from fedlr.config import RunConfig
-from fedlr.downlink import lowrank_delta
 from fedlr.errors import ReplyValidationError
-from fedlr.features import ClientFeature, RoundJob
 from fedlr.flower.records import record_nbytes, record_to_state, state_to_record
 from fedlr.linalg import (
-    factored_frobenius_norm,
     factors_for_rank,
-    flexlora_factors,
-    hetlora_factors,
-    received_gap,
-    stacked_update,
 )
-from fedlr.options import NoOptions, option, require
-from fedlr.payloads import LORA
-from fedlr.pruning import pruning_settings, round_pruning, tail_norm
 from fedlr.strategies.base import ClientUpdate, RoundReport
-from fedlr.strategies.fedex_downlink import DownlinkOptions, FactoredDownlink
+from fedlr.strategies.fedex_downlink import FactoredDownlink
 from fedlr.strategies.lora import LoraStrategy
-from fedlr.strategies.registry import register_method
 
 _LOG = getLogger("fedlr")
 
 __all__ = [
-    "FLoRA",
-    "FlexLoRA",
-    "HetLoRA",
-    "HetLoRAOptions",
     "HeteroFoldLoRA",
     "HeteroRankLoRA",
     "LayerResult",
     "LayerUpdates",
-    "RankSelfPruning",
     "layout_at_rank",
 ]
 
@@ -389,7 +376,7 @@ class HeteroRankLoRA(LoraStrategy):
     def check_reply_rank(self, message: Message) -> None:
         """No one-rank check: :meth:`validate_reply` checks the declared rank.
 
-        (A mixin's override of ``SvdLoraStrategy.check_reply_rank``, e.g. in
+        (A mixin's override of ``SeededLoraStrategy.check_reply_rank``, e.g. in
         :class:`~fedlr.strategies.fedspec.HeteroFedSpec`.)
         """
 
@@ -421,287 +408,6 @@ class HeteroRankLoRA(LoraStrategy):
         return None
 
 
-@register_method(
-    "flexlora",
-    payload=LORA,
-    summary="heterogeneous ranks: truncated SVD of the mean of products; each "
-    "client gets its best approximation at its own rank",
-)
-class FlexLoRA(HeteroRankLoRA):
-    """FlexLoRA: each client receives the best rank-``r_i`` approximation of ``M``.
-
-    Parameters: see :class:`HeteroRankLoRA`.
-    """
-
-    def aggregate_layer(
-        self,
-        layer: LayerUpdates,
-        current: Mapping[str, torch.Tensor],
-        state: dict[str, torch.Tensor],
-    ) -> LayerResult:
-        b, a, svd = flexlora_factors(*layer.factors, self.rank)
-        self.set_factors(layer.module, b, a, current, state)
-        gaps = {r: math.sqrt(max(svd.energy_beyond(r), 0.0)) for r in self.client_ranks}
-        return LayerResult(gaps, math.sqrt(max(svd.total_energy, 0.0)))
-
-
-@dataclass(frozen=True)
-class HetLoRAOptions(NoOptions):
-    """HetLoRA's run-config keys: rank self-pruning."""
-
-    hetlora_prune_gamma: float = option(
-        1.0,
-        "decay factor γ of the clients' rank self-pruning, in (0, 1]; `1.0` "
-        "turns it off. A client of rank r regularises its last components "
-        "[r′, r), r′ = max(1, ⌊γr⌋), and, if their norm went down during its "
-        "local training, prunes to rank r′ for the rest of the run "
-        "([methods/hetlora.md](methods/hetlora.md#rank-self-pruning))",
-        bad=[(0.0, r"in \(0, 1\]")],
-    )
-    hetlora_prune_lambda: float = option(
-        0.1,
-        "weight λ of the pruning term λ·Σ_layers ‖(α/r) B_tail A_tail‖_F added "
-        "to the clients' loss (only with `hetlora-prune-gamma` < 1); finite and "
-        "≥ 0 (0: prune only when training alone shrinks the tail)",
-        bad=[(-1.0, "finite and >= 0")],
-    )
-
-    def check(self) -> None:
-        require(
-            0.0 < self.hetlora_prune_gamma <= 1.0,
-            "hetlora-prune-gamma",
-            f"must be in (0, 1], got {self.hetlora_prune_gamma}",
-        )
-        require(
-            math.isfinite(self.hetlora_prune_lambda) and self.hetlora_prune_lambda >= 0,
-            "hetlora-prune-lambda",
-            f"must be finite and >= 0, got {self.hetlora_prune_lambda}",
-        )
-
-
-PRUNING_COLUMNS = ("mean-client-rank", "pruned-clients")
-"""``results.csv`` columns of HetLoRA with rank self-pruning."""
-
-
-class RankSelfPruning(ClientFeature):
-    """HetLoRA's client side: regularise the tail, prune it if it shrank.
-
-    On for a ``train`` instruction with ``prune-gamma`` < 1 (and
-    ``leading-rank``). A node of rank ``r`` adds ``prune-lambda`` times the
-    norm of its components ``[r', r)`` to the loss
-    (:func:`fedlr.pruning.round_pruning`); if that norm went down during
-    training, it replies at rank ``r'`` (the leading components, rescaled by
-    :func:`fedlr.adapters.ranks.leading_rank`), reports ``rank-pruned`` and keeps
-    rank ``r'`` in ``context.state`` (:func:`fedlr.pruning.node_rank` conforms
-    later rounds to it).
-    """
-
-    keys = (protocol.PRUNE_GAMMA, protocol.PRUNE_LAMBDA)
-    order = 50
-
-    def __init__(self, gamma: float, lam: float, leading: bool) -> None:
-        self.gamma, self.lam, self.leading = gamma, lam, leading
-        self.pruned = 0
-
-    @classmethod
-    def for_round(cls, job: RoundJob) -> Self | None:
-        gamma, lam = pruning_settings(job.config)
-        if not job.is_train or gamma >= 1:
-            return None
-        return cls(gamma, lam, bool(job.config.get(protocol.LEADING_RANK, False)))
-
-    def loss(self, job: RoundJob) -> Callable[[], torch.Tensor] | None:
-        job.pruning, term = round_pruning(
-            job.adapted, self.gamma, self.lam, self.leading
-        )
-        return term
-
-    def reply_arrays(
-        self, job: RoundJob, trained: dict[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
-        pruning, layout = job.pruning, job.adapted.layout
-        if pruning is None or not pruning.can_prune:
-            return trained
-        with torch.no_grad():
-            after = float(tail_norm(job.adapted, pruning.keep, dtype=torch.float64))
-        rank = pruning.decide(after)
-        node = job.context.node_id
-        if rank == pruning.rank:
-            _LOG.log(
-                DEBUG,
-                "node %s: tail norm %.4g -> %.4g: rank %d kept",
-                node,
-                pruning.before,
-                after,
-                rank,
-            )
-            return trained
-        lora = cast(AdapterLayout, layout)  # round_pruning checked it
-        cut = leading_rank(lora.at_rank(rank), trained)
-        job.context.state[protocol.RANK_STATE] = ConfigRecord({"rank": rank})
-        _LOG.log(
-            INFO,
-            "node %s: tail norm %.4g -> %.4g (components %d..%d): rank pruned %d -> %d",
-            node,
-            pruning.before,
-            after,
-            pruning.keep,
-            pruning.rank - 1,
-            pruning.rank,
-            rank,
-        )
-        self.pruned = 1
-        return cut
-
-    def reply_records(
-        self,
-        job: RoundJob,
-        trained: dict[str, torch.Tensor],
-        metrics: dict[str, Any],
-        content: RecordDict,
-    ) -> None:
-        metrics[protocol.RANK_PRUNED] = self.pruned
-
-
-@register_method(
-    "hetlora",
-    payload=LORA,
-    options=HetLoRAOptions,
-    summary="heterogeneous ranks: mean of the zero-padded factors; each client "
-    "keeps the leading components at its own rank (optionally pruning it)",
-    client=(RankSelfPruning,),
-)
-class HetLoRA(HeteroRankLoRA):
-    """HetLoRA: zero-padding aggregation, truncation to each client's rank.
-
-    Rank self-pruning (``hetlora_prune_gamma`` < 1; the paper's Section 3): the
-    round's
-    ConfigRecord carries ``prune-gamma`` and ``prune-lambda``; a client of
-    rank ``r`` adds ``lambda * sum_layers ||s B[:, r':] A[r':]||_F``
-    (``r' = max(1, floor(gamma r))``, ``s = alpha / r``) to its loss and, if
-    that tail norm is lower after training than as received, replies at rank
-    ``r'`` and keeps it (:func:`fedlr.client.apply_round`). One rank per
-    client, for all its layers (the norms are summed over the layers). The
-    server then accepts a reply at any rank ``1 .. R`` up to the node's
-    previous rank (:meth:`check_rank`); a node whose rank grows is dropped.
-    A pruned client is sent only its ``r'`` components from then on. The
-    round reports ``mean-client-rank`` (the round's replies) and
-    ``pruned-clients`` (replies that pruned this round); ``gap-rank-<r>`` and
-    the per-rank bytes stay those of the configured ``client-ranks`` (a
-    client pruned to one of them counts there).
-
-    Parameters
-    ----------
-    options : HetLoRAOptions, optional
-        ``hetlora_prune_gamma``, the decay factor ``gamma`` in (0, 1] (1: no
-        pruning; default), and ``hetlora_prune_lambda``, the pruning term's
-        weight ``lambda`` >= 0 (default 0.1); either can be passed by name.
-    **kwargs
-        Other parameters: see :class:`HeteroRankLoRA`.
-
-    Raises
-    ------
-    ConfigError
-        Naming ``hetlora-prune-gamma`` or ``hetlora-prune-lambda`` for a value
-        out of range.
-    """
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._shrunk: set[int] = set()
-        if self.pruning:
-            self.extra_columns = (*self.extra_columns, *PRUNING_COLUMNS)
-
-    @property
-    def prune_gamma(self) -> float:
-        """The decay factor ``gamma`` (the ``hetlora-prune-gamma`` option)."""
-        return cast(HetLoRAOptions, self.method_options).hetlora_prune_gamma
-
-    @property
-    def prune_lambda(self) -> float:
-        """The pruning term's weight (the ``hetlora-prune-lambda`` option)."""
-        return cast(HetLoRAOptions, self.method_options).hetlora_prune_lambda
-
-    @property
-    def pruning(self) -> bool:
-        """Whether clients prune their rank (``prune_gamma`` < 1)."""
-        return self.prune_gamma < 1.0
-
-    def round_config(self, server_round: int) -> dict[str, Any]:
-        """The base round config, plus ``prune-gamma`` and ``prune-lambda``."""
-        config = super().round_config(server_round)
-        if self.pruning:
-            config[protocol.PRUNE_GAMMA] = self.prune_gamma
-            config[protocol.PRUNE_LAMBDA] = self.prune_lambda
-        return config
-
-    def check_rank(self, node: int, rank: int) -> None:
-        """With pruning: any rank ``1 .. R`` not above the node's previous one.
-
-        Raises
-        ------
-        ReplyValidationError
-            Naming the node: without pruning, a rank that is not a client
-            rank; with pruning, a rank above the node's previous rank (or R).
-        """
-        if not self.pruning:
-            super().check_rank(node, rank)
-            return
-        known = node in self.node_ranks
-        previous = self.node_ranks.get(node, self.rank)
-        if rank > previous:
-            raise ReplyValidationError(
-                node,
-                f"rank {rank} grew from {previous}: a node that pruned its rank "
-                "never grows it back"
-                if known
-                else f"rank {rank} exceeds the largest client rank {previous}",
-            )
-        if known and rank < previous:
-            self._shrunk.add(node)
-
-    def validate_replies(
-        self, replies: list[Message]
-    ) -> tuple[list[ClientUpdate], list[str]]:
-        self._shrunk = set()
-        return super().validate_replies(replies)
-
-    def aggregate_updates(
-        self,
-        server_round: int,
-        updates: list[ClientUpdate],
-        current: dict[str, torch.Tensor],
-    ) -> tuple[dict[str, torch.Tensor], RoundReport]:
-        state, report = super().aggregate_updates(server_round, updates, current)
-        if self.pruning:
-            key = self.layout.modules[0].a_key
-            ranks = [int(u.arrays[key].shape[0]) for u in updates]
-            report.metrics["mean-client-rank"] = sum(ranks) / len(ranks)
-            report.metrics["pruned-clients"] = float(
-                sum(
-                    1
-                    for u in updates
-                    if u.node_id in self._shrunk
-                    or u.metrics.get(protocol.RANK_PRUNED, 0.0) >= 0.5
-                )
-            )
-        return state, report
-
-    def aggregate_layer(
-        self,
-        layer: LayerUpdates,
-        current: Mapping[str, torch.Tensor],
-        state: dict[str, torch.Tensor],
-    ) -> LayerResult:
-        b, a = hetlora_factors(*layer.factors, self.rank)
-        self.set_factors(layer.module, b, a, current, state)
-        left, right = stacked_update(*layer.factors)
-        # The configured ranks (report columns) and any pruned rank this round.
-        ranks = sorted({*self.client_ranks, *(int(x.shape[0]) for x in layer.as_)})
-        gaps = {r: received_gap(left, right, b, a, r) for r in ranks}
-        return LayerResult(gaps, factored_frobenius_norm(left, right))
-
-
 class HeteroFoldLoRA(HeteroRankLoRA, FactoredDownlink):
     """Heterogeneous ranks with a fold into the base weights (FLoRA,
     FedEx-LoRA's :class:`~fedlr.strategies.fedex_lora.HeteroFedExLoRA`):
@@ -715,59 +421,3 @@ class HeteroFoldLoRA(HeteroRankLoRA, FactoredDownlink):
         self, state: Mapping[str, torch.Tensor], report: RoundReport
     ) -> RoundReport:
         return self.publish_base(state, report)
-
-
-@register_method(
-    "flora",
-    payload=LORA,
-    options=DownlinkOptions,
-    summary="heterogeneous ranks: the exact sum of products (stacked factors) "
-    "folded into W0; fresh adapters at each client's rank every round",
-)
-class FLoRA(HeteroFoldLoRA):
-    """FLoRA: stack the clients' factors, fold the exact sum into ``W0``.
-
-    Sends the head and the base weights (``A``, ``B`` never travel down:
-    every client starts from its model's seeded initial adapter at its own
-    rank, ``B = 0``), so every client receives ``M`` exactly: the gap is 0.
-
-    Parameters: see :class:`HeteroRankLoRA` and ``fedex_downlink``.
-    """
-
-    send_roles: ClassVar[tuple[Role, ...]] = (Role.HEAD, Role.BASE)
-
-    def aggregate_layer(
-        self,
-        layer: LayerUpdates,
-        current: Mapping[str, torch.Tensor],
-        state: dict[str, torch.Tensor],
-    ) -> LayerResult:
-        module = layer.module
-        base = current.get(module.base_key)
-        if base is None:
-            raise KeyError(
-                f"global arrays lack the base weight '{module.base_key}' that "
-                "FLoRA folds the sum of the updates into"
-            )
-        # M = left @ right is (d_out, d_in); a Conv1D stores W0 as (d_in, d_out):
-        # fold and send M^T there (the Frobenius norm is the same).
-        left, right = module.as_stored(*stacked_update(*layer.factors))
-        delta = (
-            lowrank_delta(left, right, 1.0, dtype=base.dtype) if self.factored else None
-        )
-        state[module.base_key] = self.fold_base(
-            module.base_key,
-            base,
-            delta,
-            lambda: torch.addmm(base.to(torch.float64), left, right).to(base.dtype),
-        )
-        return LayerResult(
-            {r: 0.0 for r in self.client_ranks}, factored_frobenius_norm(left, right)
-        )
-
-    def step_bytes_bound(self, sampled: int) -> float:
-        """The stacked sum has rank at most ``k R``."""
-        q = sampled * self.rank
-        return self.factored_bound(
-            {m.name: (q, m.d_out, m.d_in) for m in self.layout.modules}
-        )

@@ -1,13 +1,13 @@
-"""Shared base of the SVD family of LoRA strategies.
+"""Shared base of the LoRA strategies whose nodes share the seeded initial adapter.
 
-:class:`SvdLoraStrategy` adds to :class:`~fedlr.strategies.lora.LoraStrategy`:
+:class:`SeededLoraStrategy` adds to :class:`~fedlr.strategies.lora.LoraStrategy`:
 
 * a rank check: a reply whose ``A`` or ``B`` has another rank than this
   round's is dropped with a ``rank mismatch`` reason, and
-  :meth:`SvdLoraStrategy.check_ranks` raises
+  :meth:`SeededLoraStrategy.check_ranks` raises
   :class:`~fedlr.errors.RankMismatchError` naming every client's shapes when
   updates of different ranks reach the aggregation directly;
-* the adapter's seeded initial state (:meth:`SvdLoraStrategy.bind_initial`),
+* the adapter's seeded initial state (:meth:`SeededLoraStrategy.bind_initial`),
   for methods whose frozen factors are not sent;
 * the Frobenius gap of an aggregate given as factors,
   ``||sum_i w_i B_i A_i - B_agg A_agg||_F``, without a dense product.
@@ -53,7 +53,7 @@ from fedlr.linalg import (
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.lora import LoraStrategy
 
-__all__ = ["PersonalArrays", "PersonalLoraStrategy", "SvdLoraStrategy"]
+__all__ = ["PersonalArrays", "PersonalLoraStrategy", "SeededLoraStrategy"]
 
 _LOG = getLogger("fedlr")
 
@@ -133,8 +133,15 @@ class PersonalArrays(ClientFeature):
             )
 
 
-class SvdLoraStrategy(LoraStrategy):
-    """A LoRA strategy of the SVD family.
+class SeededLoraStrategy(LoraStrategy):
+    """A LoRA strategy whose server and clients share the seeded initial adapter.
+
+    The base of the methods that rely on every node building the same
+    adapter from a fixed seed: FFA-LoRA (A frozen at it, never sent), FedSVD
+    and FedSpec (server SVDs, padding of grown ranks seeded here) and the
+    personalised methods (:class:`PersonalLoraStrategy`). The server plan
+    binds the initial A, B and head (:meth:`bind_initial`); a reply is
+    checked to have this round's rank before its shapes.
 
     Class attributes: ``extra_columns`` are the ``results.csv`` columns the
     method adds (declared to the server plan); ``keep_roles`` are roles the
@@ -293,7 +300,7 @@ class SvdLoraStrategy(LoraStrategy):
         return record
 
 
-class PersonalLoraStrategy(SvdLoraStrategy):
+class PersonalLoraStrategy(SeededLoraStrategy):
     """Base of personalised LoRA methods: personal factors stay with clients.
 
     Federated evaluation is on (``fraction_evaluate`` 1): every client
@@ -304,7 +311,7 @@ class PersonalLoraStrategy(SvdLoraStrategy):
     counts the round's clients that started from their own kept (or
     received) personal factors.
 
-    Parameters: see :class:`SvdLoraStrategy`.
+    Parameters: see :class:`SeededLoraStrategy`.
     """
 
     extra_columns: tuple[str, ...] = (

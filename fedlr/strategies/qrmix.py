@@ -70,6 +70,10 @@ class VisionFedAvg(FedLRStrategy):
         Other parameters: see :class:`~fedlr.strategies.base.FedLRStrategy`.
     """
 
+    warmup_checkpoint: str = ""
+    """A ``final_arrays.pt`` the run starts from instead of the seeded model
+    (QR-Mix's ``qrmix-warmup-checkpoint``); empty: the seeded model."""
+
     columns: ClassVar[tuple[str, ...]] = (
         "stage",
         "head-step",
@@ -245,6 +249,7 @@ class QRMix(VisionFedAvg):
         """Eigenpairs per client, ``qrmix-k`` capped at the head's size."""
         self._stage = 1
         self._current_head: torch.Tensor | None = None
+        self.warmup_checkpoint = opts.qrmix_warmup_checkpoint
 
     @property
     def tau(self) -> float:

@@ -13,7 +13,7 @@ strategy module registers its method once, with the class decorator::
         options=FedSpecOptions,
         summary="truncated SVD of the mean of products, adaptive rank",
     )
-    class FedSpec(SvdLoraStrategy): ...
+    class FedSpec(SeededLoraStrategy): ...
 
 The registry finds the built-in methods itself: the first lookup imports every
 module of :mod:`fedlr.strategies`

@@ -41,6 +41,7 @@ References
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any, Self, cast
 
@@ -194,6 +195,26 @@ class ScaffoldLoRA(FedAvgLoRA):
     def reply_records(self) -> dict[str, dict[str, tuple[int, ...]]]:
         """Every reply carries ``scaffold-delta``, keyed as the trained arrays."""
         return {CONTROL_DELTA: self.layout.shapes(*self.train_roles)}
+
+    def clip_extras(self, update: ClientUpdate) -> ClientUpdate:
+        """A clipped reply's control delta, as if its step had been the clipped one.
+
+        ``Delta c_i = -c + (x - y_i) / (K eta)``; with ``y_i`` moved to
+        ``x + f (y_i - x)`` it becomes ``f (Delta c_i + c) - c``.
+        """
+        f = update.clip_factor
+        if f == 1.0:
+            return update
+        delta = update.extras[CONTROL_DELTA]
+        moved = {
+            k: (
+                f * (v.double() + self.control[k].double()) - self.control[k].double()
+            ).to(v.dtype)
+            for k, v in delta.items()
+        }
+        return dataclasses.replace(
+            update, extras={**update.extras, CONTROL_DELTA: moved}
+        )
 
     def aggregate_updates(
         self,

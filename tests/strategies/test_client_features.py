@@ -8,11 +8,12 @@ docs/methods/scaffold-lora.md and docs/methods/fedavgm-lora.md in float64.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
 from fedlr import apply_round
 from fedlr.adapters import Role
@@ -20,9 +21,11 @@ from fedlr.errors import ProtocolError
 from fedlr.features import ClientFeature
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state
+from fedlr.robust import RobustConfig, robust_aggregate
 from fedlr.strategies.fedavgm_lora import FedAvgMLoRA, ServerMomentumOptions
 from fedlr.strategies.registry import client_features, registered_methods
 from fedlr.strategies.scaffold_lora import CONTROL, CONTROL_DELTA, ScaffoldLoRA
+from fedlr.updates import ClientUpdate
 from tests.plugin_app.client_app import app as plugin_client
 from tests.plugin_app.task import build_model, load_data
 from tests.strategies.conftest import reply
@@ -277,3 +280,63 @@ def test_fedavgm_with_zero_momentum_and_unit_step_is_fedavg_bit_for_bit():
     for k in out[0]:
         torch.testing.assert_close(out[0][k], out[1][k], rtol=0, atol=0)
     assert Role.HEAD in plain.train_roles
+
+
+def test_a_clipped_scaffold_reply_moves_its_control_delta_with_its_step():
+    """Robust norm clipping moves a reply's arrays to ``x + f (y - x)``; its
+    ``scaffold-delta`` follows as ``f (delta + c) - c`` (what the node would
+    have reported had its step been the clipped one)."""
+    model = build_model("scaffold-lora")
+    strategy = ScaffoldLoRA.for_model(model, robust=RobustConfig(rule="norm-clip"))
+    current = record_to_state(strategy.initial_arrays(model))
+    keys = strategy.layout.keys(*strategy.train_roles)
+    g = torch.Generator().manual_seed(5)
+    strategy.control = {
+        k: 0.1 * torch.randn(v.shape, generator=g) for k, v in strategy.control.items()
+    }
+    control = {k: v.clone() for k, v in strategy.control.items()}
+    strategy.prepare_round(1, ArrayRecord(current), ConfigRecord({}))
+    strategy.nodes_sampled_from = 3
+    replies, deltas = [], []
+    for node, scale in enumerate((0.01, 0.01, 10.0)):  # the third is clipped
+        arrays = {
+            k: v + scale * torch.randn(v.shape, generator=g) if k in keys else v
+            for k, v in current.items()
+        }
+        delta = {k: torch.randn(current[k].shape, generator=g) for k in keys}
+        deltas.append(delta)
+        message = reply(1000 + node, arrays, {"num-examples": 4})
+        message.content[CONTROL_DELTA] = ArrayRecord(delta)
+        replies.append(message)
+    updates, _ = strategy.validate_replies(replies)
+    outcome = robust_aggregate(updates, strategy.robust_space(current), strategy.robust)
+    factors = [u.clip_factor for u in outcome.updates]
+    assert factors[:2] == [1.0, 1.0] and 0.0 < factors[2] < 0.5
+    _, metrics = strategy.aggregate_train(1, replies)
+    assert metrics["clients"] == 3
+    for k in keys:
+        c = control[k].double()
+        moved = [d[k].double() for d in deltas[:2]]
+        moved.append(factors[2] * (deltas[2][k].double() + c) - c)
+        want = c + torch.stack(moved).mean(0)
+        torch.testing.assert_close(
+            strategy.control[k].double(), want, rtol=1e-5, atol=1e-6
+        )
+
+
+def test_clipped_extras_scale_linearly_by_default():
+    strategy = FedAvgMLoRA.for_model(build_model("fedavgm-lora"))
+    update = ClientUpdate(
+        node_id=1,
+        arrays={},
+        num_examples=1,
+        metrics={},
+        content=RecordDict(),
+        nbytes=0,
+        extras={"x": {"a": torch.ones(2)}},
+        clip_factor=0.25,
+    )
+    moved = strategy.clip_extras(update)
+    torch.testing.assert_close(moved.extras["x"]["a"], torch.full((2,), 0.25))
+    same = dataclasses.replace(update, clip_factor=1.0)
+    assert strategy.clip_extras(same) is same

@@ -28,7 +28,8 @@ from fedlr.errors import ConfigError, ProtocolError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.server_apps.local import run_in_process
-from fedlr.strategies.hetero import HetLoRA, layout_at_rank
+from fedlr.strategies.hetero import layout_at_rank
+from fedlr.strategies.hetlora import HetLoRA
 from fedlr.strategies.registry import resolve
 from tests.conftest import tiny_run_config
 from tests.strategies.conftest import reply
