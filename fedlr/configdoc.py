@@ -363,14 +363,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     root = args.root.resolve()
     if args.command == "write":
         for path in write(root):
-            print(f"wrote {path.relative_to(root)}")
+            sys.stdout.write(f"wrote {path.relative_to(root)}\n")
         return 0
     stale = outdated(root)
     for item in stale:
         sys.stdout.write(item.diff)
     if stale:
         names = ", ".join(str(item.path.relative_to(root)) for item in stale)
-        print(f"\n{names} differ from the declarations: run `{COMMAND}`")
+        sys.stdout.write(f"\n{names} differ from the declarations: run `{COMMAND}`\n")
         return 1
     return 0
 

@@ -31,6 +31,7 @@ from fedlr.options import NoOptions, option, require
 from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
+from fedlr.strategies.lora import saved_tensors
 from fedlr.strategies.registry import register_method
 
 __all__ = ["FedAvgMLoRA", "ServerMomentumOptions"]
@@ -125,14 +126,6 @@ class FedAvgMLoRA(FedAvgLoRA):
         return {"momentum": {k: v.clone() for k, v in self.momentum.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        unknown = sorted(set(state) - {"momentum"})
-        if unknown:
-            raise ValueError(f"{type(self).__name__}: unknown state keys {unknown}")
-        saved = dict(state.get("momentum", {}))
         shapes = self.layout.shapes(*self.train_roles)
-        bad = sorted(k for k, v in saved.items() if shapes.get(k) != tuple(v.shape))
-        if bad:
-            raise ValueError(
-                f"{type(self).__name__}: saved momentum {bad} does not fit the layout"
-            )
-        self.momentum = {k: v.clone() for k, v in saved.items()}
+        saved = saved_tensors(self, state, "momentum", shapes, complete=False)
+        self.momentum = saved or {}

@@ -291,6 +291,41 @@ class LoraStrategy(FedLRStrategy):
         load_from_initial(view, state)
 
 
+def saved_tensors(
+    owner: object,
+    state: Mapping[str, Any],
+    name: str,
+    shapes: Mapping[str, tuple[int, ...]],
+    *,
+    complete: bool,
+) -> dict[str, torch.Tensor] | None:
+    """Checked copies of the tensors ``state[name]`` a strategy saved by key.
+
+    ``state`` may hold no other key than ``name``; each tensor must have its
+    key's shape in ``shapes`` (with ``complete``, every key of ``shapes``
+    must be there). ``None`` when ``state`` has no ``name``.
+
+    Raises
+    ------
+    ValueError
+        Naming the owner's class and what does not fit.
+    """
+    who = type(owner).__name__
+    unknown = sorted(set(state) - {name})
+    if unknown:
+        raise ValueError(f"{who}: unknown state keys {unknown}")
+    saved = state.get(name)
+    if saved is None:
+        return None
+    bad = sorted(k for k, v in saved.items() if shapes.get(k) != tuple(v.shape))
+    if bad or (complete and set(saved) != set(shapes)):
+        raise ValueError(
+            f"{who}: the saved {name} does not fit the layout (keys or shapes: "
+            f"{bad or sorted(set(shapes) ^ set(saved))})"
+        )
+    return {k: v.clone() for k, v in saved.items()}
+
+
 def _lora_view(model: torch.nn.Module | AdaptedModel) -> LoraModel:
     """``model`` as a :class:`LoraModel` (UnsupportedModelError otherwise)."""
     view = adapted(model)

@@ -56,6 +56,7 @@ from fedlr.flower.records import config_float, record_to_state
 from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
+from fedlr.strategies.lora import saved_tensors
 from fedlr.strategies.registry import register_method
 
 __all__ = ["CONTROL", "CONTROL_DELTA", "ScaffoldCorrection", "ScaffoldLoRA"]
@@ -240,17 +241,7 @@ class ScaffoldLoRA(FedAvgLoRA):
         return {"control": {k: v.clone() for k, v in self.control.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        unknown = sorted(set(state) - {"control"})
-        if unknown:
-            raise ValueError(f"{type(self).__name__}: unknown state keys {unknown}")
-        saved = state.get("control")
-        if saved is None:
-            return
-        if set(saved) != set(self.control) or any(
-            tuple(saved[k].shape) != tuple(v.shape) for k, v in self.control.items()
-        ):
-            raise ValueError(
-                f"{type(self).__name__}: the saved control variate does not fit the "
-                "layout (other keys or shapes)"
-            )
-        self.control = {k: v.clone() for k, v in saved.items()}
+        shapes = self.layout.shapes(*self.train_roles)
+        saved = saved_tensors(self, state, "control", shapes, complete=True)
+        if saved is not None:
+            self.control = saved
