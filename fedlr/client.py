@@ -31,6 +31,10 @@ by the instruction's keys (the method named after each item below):
 * **projections** (VeRA family): checks that the model's projection seed and
   rank are the ``projection-seed`` and ``projection-rank`` every node uses
   (else :class:`~fedlr.errors.ProjectionMismatchError`);
+* **fingerprint** (strategies made by ``for_model``): checks that the
+  model's frozen base weights and never-sent factors, as built, are the
+  server's (``base-fingerprint``, :mod:`fedlr.fingerprint`; else
+  :class:`~fedlr.errors.BaseMismatchError`, naming the layer);
 * **arrays**: loads the ArrayRecord ``arrays`` over the model's initial
   values, then the node's personal arrays: an ArrayRecord ``personal`` in the
   instruction (Global SVD), kept in ``context.state``, or the ``keep-roles``
@@ -108,16 +112,17 @@ from fedlr.adapters.sorf_vera import SorfVeraLayout
 from fedlr.adapters.vera import VeraLayout, check_projection
 from fedlr.errors import ProtocolError
 from fedlr.features import ClientFeature
+from fedlr.fingerprint import check_instruction
 from fedlr.flower.records import (
-    array_record,
     config_float,
     config_int,
     config_record,
-    record_to_state,
     state_to_record,
 )
+from fedlr.instruction_checks import check_model_instruction
 from fedlr.pruning import RankPruning, node_rank, pruning_settings, tail_norm
 from fedlr.strategies.registry import client_features
+from fedlr.train import LoopControl
 
 __all__ = ["ClientRound", "RankPruning", "apply_round", "tail_norm"]
 
@@ -258,6 +263,35 @@ class ClientRound:
         for feature in self.features:
             feature.after_backward(self)
 
+    def loop_control(self) -> LoopControl | None:
+        """The active feature that runs the training loop (DP-SGD), if any.
+
+        Pass it to :func:`fedlr.train.train_steps` (``control=``).
+
+        Raises
+        ------
+        ProtocolError
+            If two features would run the loop, or the one that does is
+            combined with a loss term or a gradient transform (FedProx,
+            HetLoRA's pruning, SCAFFOLD), whose gradients its per-example
+            clipping would not see.
+        """
+        controls = [(f, c) for f in self.features if (c := f.loop(self)) is not None]
+        if not controls:
+            return None
+        runs = {id(f) for f, _ in controls}
+        clash = [type(f).__name__ for f, _ in controls[1:]] + [
+            type(f).__name__ for f in self.features if id(f) not in runs and f.trains
+        ]
+        if clash or self.has_penalty:
+            raise ProtocolError(
+                f"{type(controls[0][0]).__name__} runs the training loop "
+                "(per-example clipping and noise) and cannot be combined with "
+                f"{clash or 'a loss term'} this round (its clipping would not see "
+                "their gradients); switch one of them off"
+            )
+        return controls[0][1]
+
     def optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer to step with: ``optimizer`` as the features wrap it."""
         for feature in self.features:
@@ -376,11 +410,18 @@ def apply_round(
 
     Raises
     ------
+    InstructionError
+        Before anything changes, naming the key: a ConfigRecord value or an
+        array outside what the node accepts (:mod:`fedlr.instruction_checks`).
     UnsupportedModelError
         If ``model`` is not a LoRA or VeRA peft model or an AdaptedModel.
     ProjectionMismatchError
         If a VeRA-family model was built from another projection seed or rank
         than the server's.
+    BaseMismatchError
+        If the model's frozen weights, as built, differ from the server's
+        model's (another seed or checkpoint; the instruction's
+        ``base-fingerprint``).
     ProtocolError
         If the ConfigRecord names roles the model does not have, a
         ``lora-rank`` / ``lora-alpha`` that is not positive, a
@@ -403,6 +444,10 @@ def apply_round(
     )
     if rank is not None and rank < 1:
         raise ValueError(f"rank must be >= 1, got {rank}")
+    # Everything the node acts on is checked before anything changes.
+    checked = check_model_instruction(
+        model, content, config, context.node_config, rank=rank
+    )
     leading = bool(config.get(protocol.LEADING_RANK, False))
     view, changes = _conform_model(model, message, context, config, rank, leading)
     _check_projection(view.layout, config)
@@ -423,8 +468,9 @@ def apply_round(
     active = (feature.for_round(job) for feature in client_features())
     job.features = tuple(f for f in active if f is not None)
 
-    received = record_to_state(array_record(content, protocol.ARRAYS))
+    received = checked.arrays
     state = initial_state(view)
+    check_instruction(view, config)  # built like the server's model (fingerprint)
     loaded = received
     if leading and isinstance(view, LoraModel):
         loaded = leading_rank(view.layout, received)

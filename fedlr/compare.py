@@ -12,13 +12,21 @@ Two sub-commands::
 ``run`` reads the TOML run config (the same file ``flwr run . --run-config
 FILE`` takes), sets ``method``, ``seed`` and ``output-dir`` per cell, runs it
 with :func:`fedlr.flower.launch.flwr_run` and keeps going when one cell fails
-(the failure is listed in the table). ``table`` writes:
+(the failure is listed in the table). Every cell's run config is resolved
+before the first cell starts (a typo is one line, in seconds). A cell whose
+directory already holds a finished run (``summary.json``) is skipped, and an
+unfinished one (interrupted: rows and a checkpoint, no ``summary.json``)
+continues from its checkpoint (``resume-from``): rerunning the same command
+resumes the sweep. Ctrl-C stops the running cell (its run and every process
+it started) and the sweep. ``table`` writes:
 
 ``table.md``
     One row per method (and per setting, when the runs differ in ``--by``
     keys): final accuracy mean ± std over seeds, mean Frobenius gap over rounds
     and seeds, total bytes (up + down) per run, wall time per run, and ACC/FGT
-    for continual runs; the seeds counted.
+    for continual runs; the seeds counted. Only finished runs (with a
+    ``summary.json``) count; unfinished ones are counted apart (``2 (+1
+    unfinished)``), and a row with none finished reads ``unfinished``.
 ``table.csv``
     The same numbers, unformatted.
 ``comparison.png``
@@ -35,7 +43,8 @@ import re
 import sys
 import time
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -47,14 +56,25 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from transformers.utils import logging as hf_logging
 
 from fedlr.errors import ConfigError, FedLRError
-from fedlr.plots import load_run
+from fedlr.flower.launch import (
+    FlwrRunError,
+    RunInterrupted,
+    check_run_config,
+    cli_logging,
+    flwr_run,
+    is_noise,
+)
+from fedlr.plots import RunData, load_run, per_round_axes
 from fedlr.server_apps.local import run_in_process
 from fedlr.strategies.registry import resolve
 
 __all__ = [
     "ENGINES",
+    "SweepInterrupted",
+    "cell_state",
     "collect",
     "comparison_figure",
     "main",
@@ -70,6 +90,40 @@ _LOG = logging.getLogger("fedlr")
 
 #: How :func:`run_sweep` runs a cell: the real ``flwr run`` or in this process.
 ENGINES = ("flwr", "inprocess")
+
+#: What a cell's or a table row's numbers read when no run of it finished.
+UNFINISHED = "unfinished"
+
+
+class SweepInterrupted(FedLRError):
+    """Ctrl-C stopped a sweep; the message says where and how to resume."""
+
+
+def cell_state(cell_dir: Path | str) -> tuple[Path | None, Path | None]:
+    """A sweep cell's finished run and its newest unfinished one, if any.
+
+    A run directory is finished when it holds ``summary.json`` (written last,
+    after the final round); an unfinished one that holds a checkpoint
+    manifest (``checkpoint.json``) can continue with ``resume-from``.
+
+    Returns
+    -------
+    (finished, resumable) : (Path or None, Path or None)
+    """
+    runs = sorted(
+        (p for p in Path(cell_dir).glob("*/") if p.is_dir()),
+        key=lambda p: p.stat().st_mtime,
+    )
+    finished = [p for p in runs if (p / "summary.json").is_file()]
+    resumable = [
+        p
+        for p in runs
+        if not (p / "summary.json").is_file() and (p / "checkpoint.json").is_file()
+    ]
+    return (
+        finished[-1] if finished else None,
+        resumable[-1] if resumable else None,
+    )
 
 
 def read_conf(path: Path | str) -> dict[str, Any]:
@@ -125,7 +179,8 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
 def collect(run_dirs: Sequence[Path | str], by: Sequence[str] = ()) -> pd.DataFrame:
     """One row per run: method, seed, the ``by`` settings and its totals.
 
-    Columns: ``run``, ``method``, ``seed``, the ``by`` keys, ``final-accuracy``,
+    Columns: ``run``, ``method``, ``finished`` (the run wrote ``summary.json``),
+    ``seed``, the ``by`` keys, ``final-accuracy``,
     ``mean-gap`` (mean over rounds of ``frobenius-gap``), ``total-bytes``
     (bytes up + down over all rounds), ``seconds`` (sum of round times),
     ``rounds``, and ``acc``/``fgt`` when the run's summary has them.
@@ -139,7 +194,10 @@ def collect(run_dirs: Sequence[Path | str], by: Sequence[str] = ()) -> pd.DataFr
         gap = pd.to_numeric(frame["frobenius-gap"], errors="coerce")
         row: dict[str, Any] = {
             "run": Path(run_dir).name,
-            "method": str(frame["method"].iloc[0]) if len(frame) else "",
+            "method": str(frame["method"].iloc[0])
+            if len(frame)
+            else str(run.config.get("method", "")),
+            "finished": summary_path.is_file(),
             "seed": run.config.get("seed"),
             **{key: run.config.get(key) for key in by},
             "final-accuracy": float(frame["accuracy"].iloc[-1])
@@ -161,7 +219,12 @@ def collect(run_dirs: Sequence[Path | str], by: Sequence[str] = ()) -> pd.DataFr
 
 
 def summarise(runs: pd.DataFrame, by: Sequence[str] = ()) -> pd.DataFrame:
-    """Mean and std over seeds per method (and ``by`` settings), in run order."""
+    """Mean and std over seeds per method (and ``by`` settings), in run order.
+
+    Only finished runs count (``runs["finished"]`` when present); the others
+    are counted in ``unfinished``, and a group with no finished run has NaN
+    numbers (:func:`to_markdown` writes ``unfinished``).
+    """
     keys = ["method", *by]
     order = list(dict.fromkeys(tuple(r) for r in runs[keys].itertuples(index=False)))
     out = []
@@ -170,11 +233,19 @@ def summarise(runs: pd.DataFrame, by: Sequence[str] = ()) -> pd.DataFrame:
         for name, value in zip(keys, key, strict=True):
             mask &= (runs[name] == value).to_numpy()
         group = runs[mask]
+        if "finished" in group:
+            done = group["finished"].astype(bool)
+            unfinished, group = int((~done).sum()), group[done]
+        else:
+            unfinished = 0
         row: dict[str, Any] = dict(zip(keys, key, strict=True))
         row["seeds"] = len(group)
+        row["unfinished"] = unfinished
         acc = group["final-accuracy"]
         row["accuracy-mean"] = float(acc.mean())
-        row["accuracy-std"] = float(acc.std(ddof=1)) if len(group) > 1 else 0.0
+        row["accuracy-std"] = (
+            float(acc.std(ddof=1)) if len(group) > 1 else 0.0 if len(group) else np.nan
+        )
         if "perplexity" in group and group["perplexity"].notna().any():
             ppl = group["perplexity"]
             row["perplexity-mean"] = float(ppl.mean())
@@ -206,7 +277,14 @@ def to_markdown(table: pd.DataFrame, by: Sequence[str] = ()) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for row in table.to_dict("records"):
         gap = row.get("mean-gap", np.nan)
-        cells = [str(row["method"]), *(str(row[k]) for k in by), str(row["seeds"])]
+        seeds = str(row["seeds"])
+        if row.get("unfinished", 0):
+            seeds += f" (+{int(row['unfinished'])} {UNFINISHED})"
+        cells = [str(row["method"]), *(str(row[k]) for k in by), seeds]
+        if not row["seeds"]:  # no run of this row finished: no numbers
+            cells += [UNFINISHED] * (len(headers) - len(cells))
+            lines.append("| " + " | ".join(cells) + " |")
+            continue
         cells.append(f"{row['accuracy-mean']:.4f} ± {row['accuracy-std']:.4f}")
         if has_lm:
             cells.append(f"{row['perplexity-mean']:.3f} ± {row['perplexity-std']:.3f}")
@@ -225,13 +303,22 @@ def comparison_figure(run_dirs: Sequence[Path | str], by: Sequence[str] = ()) ->
     """Accuracy and gap per round: mean over seeds ±1 std, one line per group.
 
     When no run logs a Frobenius gap (vision methods), the second panel shows
-    the evaluation loss instead.
+    the evaluation loss instead. A group of one run is drawn without a band
+    (one seed has no spread); both panels carry the legend, rounds are whole
+    numbers from round 0 (the initial model) where the runs recorded it, and
+    QR-Mix's stage switch and continual task boundaries are marked.
     """
     groups: dict[str, list[pd.DataFrame]] = {}
+    runs: list[RunData] = []
     for run_dir in run_dirs:
         run = load_run(run_dir)
+        runs.append(run)
         label = " ".join([run.label, *(f"{k}={run.config.get(k)}" for k in by)])
-        groups.setdefault(label, []).append(run.results)
+        frame = run.results
+        if run.initial:
+            start = {"round": 0, **{k: v for k, v in run.initial.items()}}
+            frame = pd.concat([pd.DataFrame([start]), frame], ignore_index=True)
+        groups.setdefault(label, []).append(frame)
     has_gap = any(
         pd.to_numeric(frame["frobenius-gap"], errors="coerce").notna().any()
         for frames in groups.values()
@@ -248,19 +335,31 @@ def comparison_figure(run_dirs: Sequence[Path | str], by: Sequence[str] = ()) ->
             mean = stacked.mean(axis=1)
             if mean.notna().sum() == 0:
                 continue
-            std = stacked.std(axis=1, ddof=1).fillna(0.0)
-            ax.plot(mean.index, mean, color=color, label=f"{label} (n={len(frames)})")
-            ax.fill_between(mean.index, mean - std, mean + std, color=color, alpha=0.2)
-    axes[0].set(
-        title="accuracy (mean ± std over seeds)", xlabel="round", ylabel="accuracy"
-    )
+            mean = mean.dropna()
+            ax.plot(
+                mean.index,
+                mean,
+                color=color,
+                marker="o",
+                ms=3,
+                label=f"{label} (n={len(frames)})",
+            )
+            if len(frames) > 1:
+                std = stacked.std(axis=1, ddof=1).reindex(mean.index).fillna(0.0)
+                ax.fill_between(
+                    mean.index, mean - std, mean + std, color=color, alpha=0.2
+                )
+    several = any(len(frames) > 1 for frames in groups.values())
+    spread = " (mean ± std over seeds)" if several else ""
+    axes[0].set(title=f"accuracy{spread}", xlabel="round", ylabel="accuracy")
     if has_gap:
-        axes[1].set(title="Frobenius gap (mean ± std)", xlabel="round", ylabel="gap")
+        axes[1].set(title=f"Frobenius gap{spread}", xlabel="round", ylabel="gap")
         if axes[1].get_lines():
             axes[1].set_yscale("log")
     else:
-        axes[1].set(title="evaluation loss (mean ± std)", xlabel="round", ylabel="loss")
-    axes[0].legend(fontsize=7)
+        axes[1].set(title=f"evaluation loss{spread}", xlabel="round", ylabel="loss")
+    for ax in axes:
+        per_round_axes(ax, runs)
     fig.tight_layout()
     return fig
 
@@ -301,28 +400,41 @@ def run_sweep(
     app_dir: Path = Path("."),
     engine: str = "flwr",
     client_gpus: float = 0.0,
+    verbose: bool = False,
 ) -> tuple[list[Path], dict[str, str]]:
     """Run every (method, seed); return the run directories and the failures.
+
+    Every cell's run config is resolved first (a bad one raises before any
+    cell runs). A cell with a finished run in ``OUT/runs/<method>-seed<seed>/``
+    is not run again; an unfinished one with a checkpoint continues from it
+    (``resume-from``).
 
     Parameters
     ----------
     engine : {"flwr", "inprocess"}
-        ``flwr``: each cell through the real ``flwr run`` (local SuperLink, Ray
-        simulation engine, ``num_supernodes`` nodes, ``client_gpus`` of a GPU
-        per client). ``inprocess``: each cell through
-        :func:`fedlr.server_apps.local.run_in_process` (same ServerApp and ClientApp,
-        same numbers, no SuperLink or Ray start-up per cell).
+        ``flwr``: each cell through the real ``flwr run`` (a local SuperLink of
+        its own, Ray simulation engine, ``num_supernodes`` nodes,
+        ``client_gpus`` of a GPU per client). ``inprocess``: each cell through
+        :func:`fedlr.server_apps.local.run_in_process` (same ServerApp and
+        ClientApp, same numbers, no SuperLink or Ray start-up per cell).
     client_gpus : float
         ``client-resources-num-gpus`` (federation config) for the ``flwr``
         engine, e.g. 0.25 for four clients per GPU; the ``device`` key
         (``auto``) then picks CUDA, MPS or the CPU on each client.
+    verbose : bool
+        Show Flower's, Ray's and transformers' noise (``flwr`` engine).
+
+    Raises
+    ------
+    fedlr.errors.ConfigError, fedlr.errors.UnknownMethodError
+        On a bad cell config, before any cell runs.
+    SweepInterrupted
+        On Ctrl-C: the running cell was stopped; rerunning resumes.
     """
     if engine not in ENGINES:
         raise ConfigError("--engine", f"'{engine}' is not one of {', '.join(ENGINES)}")
     if client_gpus < 0:
         raise ConfigError("--client-gpus", f"must be >= 0, got {client_gpus}")
-    from fedlr.flower.launch import FlwrRunError, flwr_run, stop_local_superlinks
-
     base = {**read_conf(conf), **(overrides or {})}
     out = Path(out_dir).resolve()
     home = (flwr_home or Path(".flwr")).resolve()
@@ -330,45 +442,97 @@ def run_sweep(
     federation: dict[str, Any] = {"num-supernodes": nodes}
     if client_gpus:
         federation["client-resources-num-gpus"] = client_gpus
+    cells: list[tuple[str, dict[str, Any]]] = []
+    for method, seed in ((m, s) for m in methods for s in seeds):
+        cell = f"{method}-seed{seed}"
+        config = {
+            **base,
+            "method": method,
+            "seed": seed,
+            "output-dir": str(out / "runs" / cell),
+        }
+        if engine == "flwr":  # the keys `flwr run` accepts: the app's table
+            check_run_config(app_dir, config)
+        else:
+            resolve(config)
+        cells.append((cell, config))
     run_dirs: list[Path] = []
     failures: dict[str, str] = {}
-    total = len(methods) * len(seeds)
-    try:
-        for n, (method, seed) in enumerate(
-            ((m, s) for m in methods for s in seeds), start=1
-        ):
-            cell = f"{method}-seed{seed}"
-            cell_dir = out / "runs" / cell
-            config = {
-                **base,
-                "method": method,
-                "seed": seed,
-                "output-dir": str(cell_dir),
-            }
-            resolve(config)  # the cell's method and its options, before it runs
-            _LOG.info("[%d/%d] %s (%s engine)", n, total, cell, engine)
-            started = time.perf_counter()
-            try:
-                if engine == "flwr":
-                    flwr_run(
-                        app_dir,
-                        flwr_home=home,
-                        run_config=config,
-                        federation_config=federation,
-                    )
-                else:
-                    run_in_process(config, num_nodes=nodes)
-            except (FlwrRunError, FedLRError) as exc:
-                failures[cell] = str(exc).splitlines()[0]
-                _LOG.error("%s failed: %s", cell, exc)
-                continue
-            _LOG.info("%s done in %.0f s", cell, time.perf_counter() - started)
-            found = sorted(p.parent for p in cell_dir.glob("*/results.csv"))
-            run_dirs.append(max(found, key=lambda p: p.stat().st_mtime))
-    finally:
-        if engine == "flwr":
-            stop_local_superlinks(home)
+    for n, (cell, config) in enumerate(cells, start=1):
+        cell_dir = Path(config["output-dir"])
+        finished, resumable = cell_state(cell_dir)
+        if finished is not None:
+            _LOG.info(
+                "[%d/%d] %s: finished earlier (%s), skipped",
+                n,
+                len(cells),
+                cell,
+                finished.name,
+            )
+            run_dirs.append(finished)
+            continue
+        if resumable is not None:
+            config = {**config, "resume-from": str(resumable)}
+            _LOG.info("[%d/%d] %s: resuming %s", n, len(cells), cell, resumable.name)
+        else:
+            _LOG.info("[%d/%d] %s (%s engine)", n, len(cells), cell, engine)
+        started = time.perf_counter()
+        try:
+            if engine == "flwr":
+                flwr_run(
+                    app_dir,
+                    flwr_home=home,
+                    run_config=config,
+                    federation_config=federation,
+                    echo=True,
+                    verbose=verbose,
+                    keep_superlink=False,
+                )
+            else:
+                run_in_process(config, num_nodes=nodes)
+        except (RunInterrupted, KeyboardInterrupt) as exc:
+            how = str(exc) if isinstance(exc, RunInterrupted) else "interrupted"
+            raise SweepInterrupted(
+                f"{cell}: {how}; {len(run_dirs)} of {len(cells)} cells finished; "
+                "run the same command again to resume"
+            ) from None
+        except (FlwrRunError, FedLRError) as exc:
+            failures[cell] = str(exc).splitlines()[0]
+            _LOG.error("%s failed: %s", cell, failures[cell])
+            continue
+        _LOG.info("%s done in %.0f s", cell, time.perf_counter() - started)
+        done, _ = cell_state(cell_dir)
+        if done is None:
+            failures[cell] = "the run ended without a summary.json"
+            continue
+        run_dirs.append(done)
     return run_dirs, failures
+
+
+@contextmanager
+def _flower_lines_once(verbose: bool = False) -> Iterator[None]:
+    """Flower's log lines through Flower's own handler only (not also the root's).
+
+    In-process runs log through the ``flwr`` logger; when the root logger has
+    a handler too, every line would be printed twice. Unless ``verbose``,
+    Flower's hints (:func:`fedlr.flower.launch.is_noise`) are left out.
+    """
+    flower = logging.getLogger("flwr")
+    saved = flower.propagate
+    flower.propagate = False
+    quiet = _NoiseFilter()
+    if not verbose:
+        flower.addFilter(quiet)
+    try:
+        yield
+    finally:
+        flower.propagate = saved
+        flower.removeFilter(quiet)
+
+
+class _NoiseFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not is_noise(record.getMessage())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -402,29 +566,78 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="GPU share per simulated client with the flwr engine (e.g. 0.25)",
     )
+    run.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show Flower's, Ray's and transformers' hints, warnings and "
+        "progress bars too",
+    )
     run.add_argument("--by", default="", help="config keys that split rows")
     table = sub.add_parser("table", help="tabulate finished runs")
     table.add_argument("run_dirs", nargs="+", type=Path)
     table.add_argument("--out", required=True, type=Path)
     table.add_argument("--by", default="", help="config keys that split rows")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    verbose = getattr(args, "verbose", False)
+    with cli_logging(), _flower_lines_once(verbose), _quiet_libraries(verbose):
+        return _main(args, verbose)
+
+
+@contextmanager
+def _quiet_libraries(verbose: bool) -> Iterator[None]:
+    """transformers' warnings and progress bars off in this process (not ``verbose``).
+
+    The in-process engine builds models here; the ``flwr`` engine's processes
+    get the same through their environment (:func:`fedlr.flower.launch.flwr_env`).
+    """
+    if verbose:
+        yield
+        return
+    level = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _seeds(text: str) -> list[int]:
+    try:
+        return [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise ConfigError(
+            "--seeds", f"'{text}' is not comma-separated integers"
+        ) from None
+
+
+def _main(args: argparse.Namespace, verbose: bool) -> int:
     by = [k for k in args.by.split(",") if k]
     failures: dict[str, str] = {}
-    if args.command == "run":
-        overrides = parse_overrides(args.set)
-        run_dirs, failures = run_sweep(
-            args.conf,
-            [m.strip() for m in args.methods.split(",") if m.strip()],
-            [int(s) for s in args.seeds.split(",") if s.strip()],
-            args.out,
-            overrides=overrides,
-            num_supernodes=args.num_supernodes,
-            engine=args.engine,
-            client_gpus=args.client_gpus,
-        )
-    else:
-        run_dirs = list(args.run_dirs)
+    try:
+        if args.command == "run":
+            run_dirs, failures = run_sweep(
+                args.conf,
+                [m.strip() for m in args.methods.split(",") if m.strip()],
+                _seeds(args.seeds),
+                args.out,
+                overrides=parse_overrides(args.set),
+                num_supernodes=args.num_supernodes,
+                engine=args.engine,
+                client_gpus=args.client_gpus,
+                verbose=verbose,
+            )
+        else:
+            run_dirs = list(args.run_dirs)
+    except SweepInterrupted as exc:
+        _LOG.error("fedlr: %s", exc)
+        return 130
+    except (FedLRError, OSError) as exc:
+        _LOG.error("error: %s", str(exc).splitlines()[0])
+        return 2
     if not run_dirs:
         _LOG.error("no run finished")
         for cell, reason in failures.items():

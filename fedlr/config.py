@@ -19,10 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedlr.errors import ConfigError
+from fedlr.discovery import ExtensionImportError, import_extensions
+from fedlr.errors import ConfigError, did_you_mean
 from fedlr.method_options import method_option_keys
 from fedlr.options import Options, kebab, option
-from fedlr.robust import RobustConfig
+from fedlr.privacy.secagg import SecAggSettings
+from fedlr.privacy.settings import PrivacyConfig
+from fedlr.robust import DEFAULT_SCREEN_RATIO, RobustConfig
+from fedlr.tracking import TRACKERS
 
 __all__ = ["PARTITIONERS", "RunConfig"]
 
@@ -178,6 +182,14 @@ class RunConfig(Options):
         "set (`arith-instruct`, `alpaca`, `gsm8k`); an unknown or unfit set is "
         "refused when the server builds its task",
     )
+    extensions: str = option(
+        "",
+        "comma-separated Python modules imported on every process (server and "
+        "clients) before the rest of the config is read: a module that calls "
+        "`register_dataset` or `register_model` makes its names usable here "
+        "([data.md](data.md#your-own-data-set-or-model))",
+        bad=[("no_such_fedlr_extension", "cannot import")],
+    )
     partitioner: str = option(
         "dirichlet",
         "`iid`, `dirichlet` or `pathological`",
@@ -268,6 +280,14 @@ class RunConfig(Options):
         "([reliability.md](reliability.md))",
         bad=[(0, "must be >= 1")],
     )
+    tracker: str = option(
+        "none",
+        "where the server also logs the settings and every `results.csv` row: "
+        "`none`, `tensorboard` (`<run dir>/tensorboard/`), `mlflow` (a file "
+        "store in `<run dir>/mlruns/` or `$MLFLOW_TRACKING_URI`) or `wandb` "
+        "(needs `pip install wandb`); see [tracking.md](tracking.md)",
+        bad=[("neptune", "must be one of")],
+    )
     round_timeout: float = option(
         3600.0,
         "seconds the server waits for the replies of a round (finite and > 0); "
@@ -314,6 +334,96 @@ class RunConfig(Options):
         "results are rejected); finite and ≥ 0",
         bad=[(float("nan"), "finite and >= 0")],
     )
+    screen_ratio: float = option(
+        DEFAULT_SCREEN_RATIO,
+        "drop a reply whose update norm, in the method's update space, is more "
+        "than this times the round's median update norm and larger than the "
+        "current model's norm (with one client: this times the current "
+        "model's norm); `0` turns the screen off; finite and ≥ 0 "
+        "([reliability.md](reliability.md#the-default-update-size-screen))",
+        bad=[(-1.0, "finite and >= 0")],
+    )
+    secure_aggregation: bool = option(
+        False,
+        "sum the train round's arrays with Flower's SecAgg+ (masking, Shamir "
+        "shares, quantisation): the server sees only the weighted mean; for "
+        "sum-only methods, see [privacy.md](privacy.md#secure-aggregation)",
+        bad=[("yes", "expected true/false")],
+    )
+    secagg_num_shares: float = option(
+        1.0,
+        "SecAgg+: shares of each client's secrets, a fraction in (0, 1] of the "
+        "round's clients (`1.0`: all) or a whole number ≥ 3",
+        bad=[(2.0, "whole number >= 3")],
+    )
+    secagg_reconstruction_threshold: float = option(
+        0.6,
+        "SecAgg+: shares needed to reconstruct a dropped client's secret, a "
+        "fraction in (0, 1] of the shares (at least 2) or a whole number ≥ 2",
+        bad=[(0.0, "must be > 0")],
+    )
+    secagg_clipping_range: float = option(
+        8.0,
+        "SecAgg+: each summand entry is clipped to [-c, c] before quantisation "
+        "(clipped entries are counted in `secagg-clipped`); finite and > 0",
+        bad=[(0.0, "finite and > 0")],
+    )
+    secagg_quantization_range: int = option(
+        4194304,
+        "SecAgg+: quantisation levels T; the mean is exact up to 2c·k/(T·W) per "
+        "entry and a round holds at most (2**32 - 1) // T clients; in [2, 2**32)",
+        bad=[(1, r"in \[2, 2\*\*32\)")],
+    )
+
+    dp_max_grad_norm: float = option(
+        0.0,
+        "sample-level DP-SGD on every client (LoRA methods): per-example "
+        "gradient clip C, finite and ≥ 0; `0` turns DP-SGD off; see "
+        "[privacy.md](privacy.md#sample-level-dp-sgd)",
+        bad=[(-1.0, "finite and >= 0")],
+    )
+    dp_noise_multiplier: float = option(
+        0.0,
+        "DP-SGD: noise standard deviation over C (sigma), finite and ≥ 0; `0` "
+        "derives it from `dp-epsilon` for `num-server-rounds` × `local-steps`",
+        bad=[(-0.5, "finite and >= 0")],
+    )
+    dp_epsilon: float = option(
+        0.0,
+        "DP-SGD: each client's privacy budget; a client refuses a round that "
+        "would spend more; `0`: no budget (needs `dp-noise-multiplier`); ≥ 0",
+        bad=[(-1.0, "finite and >= 0")],
+    )
+    dp_delta: float = option(
+        0.0,
+        "DP-SGD: delta of the reported epsilon, in [0, 1); `0`: "
+        "min(1e-5, 1/(10 n)), n the client's examples",
+        bad=[(1.0, r"in \[0, 1\)")],
+    )
+    dp_accountant: str = option(
+        "rdp",
+        "DP-SGD: Opacus accountant, `rdp` or `prv`",
+        bad=[("gdp", "must be one of")],
+    )
+    client_dp_clip: float = option(
+        0.0,
+        "client-level DP on the server (sum-only methods): bound C on each "
+        "client's update norm, finite and ≥ 0; `0` turns it off; see "
+        "[privacy.md](privacy.md#client-level-dp)",
+        bad=[(-1.0, "finite and >= 0")],
+    )
+    client_dp_noise_multiplier: float = option(
+        0.0,
+        "client-level DP: noise z; the mean gets N(0, (z C / m)^2) per entry, m "
+        "the clients sent an instruction; > 0 with `client-dp-clip`",
+        bad=[(-1.0, "finite and >= 0")],
+    )
+    client_dp_delta: float = option(
+        0.0,
+        "client-level DP: delta of the reported epsilon, in [0, 1); `0`: "
+        "min(1e-5, 1/(10 N)), N the federation's nodes",
+        bad=[(1.5, r"in \[0, 1\)")],
+    )
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -330,15 +440,23 @@ class RunConfig(Options):
         ConfigError
             On a key no method knows, a value of the wrong type or out of range.
         """
+        extensions = run_config.get("extensions", "")
+        if isinstance(extensions, str):
+            try:
+                import_extensions(extensions)
+            except ExtensionImportError as exc:
+                raise ConfigError("extensions", str(exc)) from exc
         own = cls.option_fields()
         unknown = sorted(set(run_config) - set(own))
         if unknown:
             others = method_option_keys()
             for key in unknown:
                 if key not in others:
-                    known = sorted({*own, *others})
+                    hint = did_you_mean(key, {*own, *others})
                     raise ConfigError(
-                        key, f"unknown key; known keys: {', '.join(known)}"
+                        key,
+                        f"unknown key; {hint or 'no key is close; '}every key is "
+                        "listed in docs/configuration.md",
                     )
         return cls.from_run_config(run_config)
 
@@ -439,6 +557,11 @@ class RunConfig(Options):
             )
         if not self.method:
             raise ConfigError("method", "is empty")
+        if self.tracker not in TRACKERS:
+            raise ConfigError(
+                "tracker",
+                f"must be one of {', '.join(TRACKERS)}, got '{self.tracker}'",
+            )
         if self.max_num_examples < 0:
             raise ConfigError(
                 "max-num-examples", f"must be >= 0, got {self.max_num_examples}"
@@ -448,10 +571,43 @@ class RunConfig(Options):
                 "max-update-ratio",
                 f"must be finite and >= 0, got {self.max_update_ratio}",
             )
+        if not (math.isfinite(self.screen_ratio) and self.screen_ratio >= 0):
+            raise ConfigError(
+                "screen-ratio", f"must be finite and >= 0, got {self.screen_ratio}"
+            )
         self.robust_config  # noqa: B018 (validates robust, clip-norm, ...)
+        self.secagg  # noqa: B018 (validates the secagg-* keys)
         self.rank_list  # noqa: B018 (validates client-ranks)
+        self.privacy  # noqa: B018 (validates the dp-* and client-dp-* keys)
 
     # ---------------------------------------------------------------- derived
+    @property
+    def secagg(self) -> SecAggSettings:
+        """The SecAgg+ parameters (:class:`~fedlr.privacy.secagg.SecAggSettings`)."""
+        return SecAggSettings(
+            num_shares=self.secagg_num_shares,
+            reconstruction_threshold=self.secagg_reconstruction_threshold,
+            clipping_range=self.secagg_clipping_range,
+            quantization_range=self.secagg_quantization_range,
+        )
+
+    @property
+    def privacy(self) -> PrivacyConfig:
+        """The differential-privacy settings
+        (:class:`~fedlr.privacy.settings.PrivacyConfig`)."""
+        return PrivacyConfig.from_values(
+            dp_max_grad_norm=self.dp_max_grad_norm,
+            dp_noise_multiplier=self.dp_noise_multiplier,
+            dp_epsilon=self.dp_epsilon,
+            dp_delta=self.dp_delta,
+            dp_accountant=self.dp_accountant,
+            rounds=self.num_server_rounds,
+            client_dp_clip=self.client_dp_clip,
+            client_dp_noise_multiplier=self.client_dp_noise_multiplier,
+            client_dp_delta=self.client_dp_delta,
+            seed=self.seed,
+        )
+
     @property
     def robust_config(self) -> RobustConfig:
         """The robust-aggregation options (:class:`~fedlr.robust.RobustConfig`)."""

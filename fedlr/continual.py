@@ -41,7 +41,7 @@ from fedlr.data.partition import PartitionConfig
 from fedlr.errors import ConfigError, ShapeMismatchError
 from fedlr.image_task import ImageData, VisionOptions
 from fedlr.linalg.fot import ResidualSketch, conv_activations, dense_activations
-from fedlr.models.vision import VISION_MODELS, VisionModel, build_vision_model
+from fedlr.models.vision import VisionModel, build_vision_model, vision_models
 from fedlr.options import option, require
 
 __all__ = [
@@ -400,11 +400,11 @@ def build_continual_model(config: RunConfig) -> VisionModel:
     ConfigError
         If ``model`` is not a vision model or ``dataset`` not a stream.
     """
-    if config.model not in VISION_MODELS:
+    if config.model not in vision_models():
         raise ConfigError(
             "model",
             f"'{config.model}' is not a vision model; continual methods need one "
-            f"of ({', '.join(VISION_MODELS)})",
+            f"of ({', '.join(vision_models())})",
         )
     if config.dataset not in STREAMS:
         # raises the ConfigError naming the streams

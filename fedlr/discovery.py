@@ -12,9 +12,40 @@ import importlib
 import pkgutil
 from types import ModuleType
 
-__all__ = ["import_submodules"]
+__all__ = ["ExtensionImportError", "import_extensions", "import_submodules"]
 
 _DONE: set[str] = set()
+
+
+class ExtensionImportError(ImportError):
+    """A module named in the run config's ``extensions`` failed to import."""
+
+
+def import_extensions(names: str) -> None:
+    """Import the user modules ``names`` (comma-separated), once per process.
+
+    The run config's ``extensions`` key: a user's module that calls
+    :func:`fedlr.data.register_dataset` or :func:`fedlr.models.register_model`
+    at import is imported on every process of a run (server, each client)
+    before the rest of the config is resolved, so the names it registers are
+    known everywhere.
+
+    Raises
+    ------
+    ExtensionImportError
+        Naming the module and the cause, when one fails to import.
+    """
+    for name in (n.strip() for n in names.split(",")):
+        if not name:
+            continue
+        try:
+            importlib.import_module(name)
+        except Exception as exc:
+            raise ExtensionImportError(
+                f"cannot import '{name}' ({type(exc).__name__}: {exc}); "
+                "it must be importable on every process of the run (installed, "
+                "or a module of the app's directory)"
+            ) from exc
 
 
 def import_submodules(package: ModuleType) -> None:

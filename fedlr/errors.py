@@ -6,6 +6,23 @@ can fix the input without reading the source.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """``"did you mean 'x'? "`` for the choice closest to ``word``, else ``""``.
+
+    ``fedex_lora`` finds ``fedex-lora`` (underscores read as hyphens), other
+    typos the closest choice by :func:`difflib.get_close_matches`.
+    """
+    options = sorted(set(choices))
+    hyphenated = word.replace("_", "-").lower()
+    if hyphenated in options and hyphenated != word:
+        return f"did you mean '{hyphenated}'? "
+    close = difflib.get_close_matches(hyphenated, options, n=1, cutoff=0.6)
+    return f"did you mean '{close[0]}'? " if close else ""
+
 
 class FedLRError(Exception):
     """Base class of every fedlr error."""
@@ -40,6 +57,33 @@ class CheckpointError(FedLRError, ValueError):
     """
 
 
+class CheckpointLayoutError(CheckpointError):
+    """A checkpoint's arrays do not fit the run's layout (keys, shapes, dtypes).
+
+    Raised by ``resume-from`` before round 1, naming the first key that does
+    not fit and both its shape and dtype and the run's.
+    """
+
+
+class CheckpointWriteError(FedLRError, OSError):
+    """A checkpoint could not be written (no space left, no permission, I/O).
+
+    Nothing partial is left behind and the manifest still names the previous
+    checkpoint, which a ``resume-from`` continues from.
+
+    Parameters
+    ----------
+    message : str
+        What failed, how much space was needed and what to do.
+    previous_round : int or None
+        The round of the newest checkpoint the manifest still names.
+    """
+
+    def __init__(self, message: str, *, previous_round: int | None = None) -> None:
+        self.previous_round = previous_round
+        super().__init__(message)
+
+
 class UnknownKeyError(FedLRError, KeyError):
     """A tensor key that the adapter layout does not declare."""
 
@@ -71,6 +115,27 @@ class ProtocolError(FedLRError, ValueError):
     a ConfigRecord value that does not decode. On the server the strategy turns
     it into a :class:`ReplyValidationError` naming the node.
     """
+
+
+class InstructionError(ProtocolError):
+    """A node refuses an instruction: a value or array outside what it accepts.
+
+    Raised before the node changes anything (its model, its ``context.state``)
+    by :mod:`fedlr.instruction_checks`; fedlr's ClientApp answers it with an
+    error reply naming the key, and the node serves the next round as before.
+
+    Parameters
+    ----------
+    key : str
+        The ConfigRecord key, or ``'<record>' '<array key>'`` for an array.
+    reason : str
+        What is wrong with it and what the node accepts.
+    """
+
+    def __init__(self, key: str, reason: str) -> None:
+        self.key = key
+        self.reason = reason
+        super().__init__(f"instruction refused: '{key}' {reason}")
 
 
 class BaseOutOfSyncError(ProtocolError):
@@ -118,7 +183,10 @@ class UnknownMethodError(FedLRError, KeyError):
     def __init__(self, name: str, known: list[str]) -> None:
         self.name = name
         self.known = known
-        super().__init__(f"unknown method '{name}'; known methods: {', '.join(known)}")
+        super().__init__(
+            f"unknown method '{name}'; {did_you_mean(name, known)}"
+            f"known methods: {', '.join(known)}"
+        )
 
     def __str__(self) -> str:  # KeyError quotes its argument; keep the sentence.
         return str(self.args[0])
@@ -153,6 +221,18 @@ class RankMismatchError(FedLRError, ValueError):
 
 class DeploymentError(FedLRError, ValueError):
     """A deployment input (certificate host, key name, SuperLink address) is invalid."""
+
+
+class BaseMismatchError(FedLRError, ValueError):
+    """A model's frozen weights differ from those of the strategy's model.
+
+    Plug-in use: every node and the server must build the same model (same
+    seed, same checkpoint); the strategy sends a fingerprint of the frozen
+    base weights of every adapted layer (and of adapter factors that never
+    travel, FFA-LoRA's ``A``), and :func:`fedlr.apply_round` and
+    ``strategy.load_into`` refuse a model whose own differ
+    (:mod:`fedlr.fingerprint`).
+    """
 
 
 class ProjectionMismatchError(FedLRError, ValueError):
@@ -219,6 +299,33 @@ class UnsupportedModelError(FedLRError, TypeError):
     fedlr :class:`~fedlr.adapters.AdaptedModel` (e.g. SORF-VeRA's
     ``build_sorf_vera_model``). The message says what the model was and what
     was expected.
+    """
+
+
+class PrivacyBudgetError(FedLRError, RuntimeError):
+    """A node refuses to train: the round would spend more than ``dp-epsilon``.
+
+    Raised on the client (:mod:`fedlr.privacy.dp_sgd`); its reply is an error
+    naming the budget, which the server drops with that reason.
+    """
+
+
+class PrivacyUnsupportedError(FedLRError, ValueError):
+    """Differential privacy asked of a model or method that cannot have it.
+
+    Sample-level DP-SGD serves LoRA adapters (``nn.Linear`` and GPT-2
+    ``Conv1D`` targets); client-level DP serves sum-only methods. The message
+    names the option and what to use instead.
+    """
+
+
+class SecureAggregationError(FedLRError, ValueError):
+    """Secure aggregation (SecAgg+) asked of a method or round that cannot have it.
+
+    Raised before round 1 for a method whose server reads single clients'
+    arrays (not ``sum_only``) or a robust rule; at a round, for fewer than 2
+    clients or more than the quantisation range lets the sum hold. The
+    message says why and what to change.
     """
 
 

@@ -39,6 +39,16 @@ Hooks, each optional, at the three moments of a round:
   back (pruning, re-factoring), :meth:`~ClientFeature.reply_records` adds
   metrics and extra records.
 
+One feature may also run the training loop itself
+(:meth:`~ClientFeature.loop`, a :class:`fedlr.train.LoopControl`: its batches,
+its loss, its optimizer step), as sample-level DP-SGD does.
+
+Common features. A feature that any method can carry, whatever its
+registration lists, is registered once with :func:`common_feature` (DP-SGD,
+:class:`fedlr.privacy.dp_sgd.DpSgd`): every node asks it too, and it switches
+itself on when the instruction carries its keys, refusing a model it cannot
+serve by name.
+
 Nothing here imports Flower's server side or a strategy; the features'
 modules import this one.
 """
@@ -46,7 +56,7 @@ modules import this one.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, ClassVar, Protocol, Self
+from typing import TYPE_CHECKING, ClassVar, Protocol, Self, TypeVar
 
 import torch
 
@@ -55,8 +65,15 @@ if TYPE_CHECKING:
 
     from fedlr.adapters.roles import AdaptedModel, Role
     from fedlr.pruning import RankPruning
+    from fedlr.train import LoopControl
 
-__all__ = ["ClientFeature", "RoundJob", "ordered"]
+__all__ = [
+    "ClientFeature",
+    "RoundJob",
+    "common_feature",
+    "common_features",
+    "ordered",
+]
 
 
 class RoundJob(Protocol):
@@ -134,6 +151,11 @@ class ClientFeature:
         """The optimizer to step with (default: ``optimizer`` itself)."""
         return optimizer
 
+    def loop(self, job: RoundJob) -> LoopControl | None:
+        """The control of the training loop, if the feature runs it (at most
+        one active feature may)."""
+        return None
+
     def reply_arrays(
         self, job: RoundJob, trained: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
@@ -157,6 +179,33 @@ class ClientFeature:
             cls.after_backward is not ClientFeature.after_backward
             or cls.wrap_optimizer is not ClientFeature.wrap_optimizer
         )
+
+
+_COMMON: dict[str, type[ClientFeature]] = {}
+_F = TypeVar("_F", bound=type[ClientFeature])
+
+
+def common_feature(cls: _F) -> _F:
+    """Class decorator: every node asks ``cls``, whatever the method.
+
+    For a feature that is not one method's but any method's, switched on by
+    its instruction keys (DP-SGD's ``dp-max-grad-norm``). Registering the same
+    class twice is a no-op.
+
+    Raises
+    ------
+    TypeError
+        If ``cls`` is not a :class:`ClientFeature` subclass.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, ClientFeature)):
+        raise TypeError(f"{cls!r} is not a ClientFeature subclass")
+    _COMMON[f"{cls.__module__}.{cls.__qualname__}"] = cls
+    return cls
+
+
+def common_features() -> list[type[ClientFeature]]:
+    """The features registered with :func:`common_feature`."""
+    return list(_COMMON.values())
 
 
 def ordered(features: Iterable[type[ClientFeature]]) -> list[type[ClientFeature]]:

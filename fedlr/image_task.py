@@ -29,7 +29,7 @@ from fedlr.data import (
 )
 from fedlr.data.partition import FederatedSplit
 from fedlr.errors import ConfigError, ShapeMismatchError
-from fedlr.models.vision import VISION_MODELS, VisionModel, build_vision_model
+from fedlr.models.vision import VisionModel, build_vision_model, vision_models
 from fedlr.options import Options, option, require
 from fedlr.train import in_batches
 
@@ -242,11 +242,11 @@ class ImageTask:
                 f"'{spec.name}' is not an image data set (kind: {spec.kind}); "
                 f"vision models need one of ({', '.join(_image_datasets())})",
             )
-        if self.config.model not in VISION_MODELS:
+        if self.config.model not in vision_models():
             raise ConfigError(
                 "model",
                 f"'{self.config.model}' is not a vision model; image data sets "
-                f"need one of ({', '.join(VISION_MODELS)})",
+                f"need one of ({', '.join(vision_models())})",
             )
 
     @property

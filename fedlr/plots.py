@@ -8,19 +8,28 @@ figures can be regenerated, or drawn for several runs on shared axes, with::
 Figures (each written only when some run has the data):
 
 ``accuracy_loss.png``
-    Accuracy and loss per round (two panels).
+    Accuracy and loss per round (two panels), from round 0 (the initial
+    model, ``summary.json``'s ``initial-accuracy`` / ``initial-loss``) when
+    the run recorded it.
 ``gap.png``
     Frobenius gap ``||ΔW_ideal - ΔW_agg||_F`` per round, log scale.
 ``rank.png``
-    Adapter rank per round (FedSpec grows it).
+    Adapter rank per round, only when a rank changes (FedSpec grows it,
+    HetLoRA prunes) or the runs differ in rank.
 ``bytes.png``
-    Bytes up (solid) and down (dashed) per round.
+    MB sent up (clients to server) and down (server to clients) per round,
+    one panel each.
+``lm.png``
+    Causal-LM runs: exact match of the greedy answers and response
+    perplexity (log scale) per round (:func:`lm_figure`).
 ``accuracy_matrix.png``
     Continual runs: accuracy on task ``j`` (columns) after training task ``t``
     (rows), one heatmap panel per run, ACC and FGT in the title.
 
 A run is labelled by its method, plus the seed when several runs share a
-method.
+method. Round axes have integer ticks; every panel has a legend; QR-Mix's
+switch to stage 2 and a continual run's task boundaries are dashed vertical
+lines on the per-round panels.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from fedlr.results import read_results
 
@@ -51,8 +61,10 @@ __all__ = [
     "accuracy_matrix_figure",
     "continual_metrics",
     "figures",
+    "lm_figure",
     "load_run",
     "main",
+    "per_round_axes",
     "plot_runs",
     "write_run_plots",
 ]
@@ -83,6 +95,8 @@ class RunData:
     config: dict[str, Any]
     matrix: np.ndarray | None
     label: str = ""
+    initial: dict[str, float] | None = None
+    """Round 0 (the initial model): ``accuracy`` and ``loss`` where recorded."""
 
 
 def _read_matrix(path: Path) -> np.ndarray | None:
@@ -116,12 +130,21 @@ def load_run(run_dir: Path | str) -> RunData:
     config_path = path / "config.json"
     config = json.loads(config_path.read_text()) if config_path.is_file() else {}
     method = str(results["method"].iloc[0]) if len(results) else path.name
+    summary_path = path / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    initial = {
+        key: float(summary[f"initial-{key}"])
+        for key in ("accuracy", "loss", "exact-match", "perplexity")
+        if isinstance(summary.get(f"initial-{key}"), (int, float))
+        and math.isfinite(summary[f"initial-{key}"])
+    }
     return RunData(
         path=path,
         results=results,
         config=config,
         matrix=_read_matrix(path / MATRIX_FILE),
         label=method,
+        initial=initial or None,
     )
 
 
@@ -172,14 +195,85 @@ def _has(runs: Sequence[RunData], column: str, positive: bool = False) -> bool:
     return False
 
 
-def _line(ax: Any, run: RunData, column: str, **kwargs: Any) -> None:
+def _line(
+    ax: Any, run: RunData, column: str, *, from_zero: bool = False, **kwargs: Any
+) -> None:
+    """``column`` per round; with ``from_zero`` the initial model's value first."""
     frame = run.results
     if column not in frame:
         return
     values = pd.to_numeric(frame[column], errors="coerce")
     mask = values.notna()
-    if mask.any():
-        ax.plot(frame["round"][mask], values[mask], marker="o", ms=3, **kwargs)
+    rounds = [float(r) for r in frame["round"][mask]]
+    ys = [float(v) for v in values[mask]]
+    start = (run.initial or {}).get(column) if from_zero else None
+    if start is not None:
+        rounds, ys = [0.0, *rounds], [start, *ys]
+    if ys:
+        ax.plot(rounds, ys, marker="o", ms=3, **kwargs)
+
+
+_BOUNDARY = {"stage": "stage {after:g} starts", "task": "next task"}
+
+
+def _boundaries(run: RunData) -> list[tuple[float, str]]:
+    """Between which rounds something changes, and what: QR-Mix's stage, a
+    continual run's task."""
+    frame = run.results
+    marks: list[tuple[float, str]] = []
+    for column, text in _BOUNDARY.items():
+        if column not in frame:
+            continue
+        values = pd.to_numeric(frame[column], errors="coerce")
+        rounds = frame["round"]
+        for i in range(1, len(values)):
+            before, after = values.iloc[i - 1], values.iloc[i]
+            if pd.notna(before) and pd.notna(after) and after != before:
+                x = float(rounds.iloc[i - 1]) + 0.5
+                marks.append((x, text.format(after=float(after))))
+    return marks
+
+
+def per_round_axes(ax: Any, runs: Sequence[RunData]) -> None:
+    """Integer round ticks, the runs' boundary lines (QR-Mix's stage 2, a
+    continual run's next task), a legend if anything is drawn."""
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    lows, highs = [], []
+    for line in ax.get_lines():
+        xs = np.asarray(line.get_xdata(), dtype=float)
+        if xs.size:
+            lows.append(xs.min())
+            highs.append(xs.max())
+    if lows:
+        low, high = min(lows), max(highs)
+        pad = 0.5 if high - low < 4 else 0.04 * (high - low)
+        ax.set_xlim(low - pad, high + pad)
+    labelled = set()
+    for run in runs:
+        for x, text in _boundaries(run):
+            ax.axvline(
+                x,
+                color="grey",
+                linestyle=":",
+                linewidth=1,
+                label=None if text in labelled else text,
+            )
+            labelled.add(text)
+    if ax.get_lines():
+        ax.legend(fontsize=7)
+
+
+def _rank_changes(runs: Sequence[RunData]) -> bool:
+    ranks: set[float] = set()
+    for run in runs:
+        if "rank" in run.results:
+            values = pd.to_numeric(run.results["rank"], errors="coerce").dropna()
+            ranks.update(float(v) for v in values)
+    return len(ranks) > 1
+
+
+def _megabytes(value: float, _: Any) -> str:
+    return f"{value:g}"
 
 
 def figures(runs: Sequence[RunData]) -> dict[str, Figure]:
@@ -189,11 +283,12 @@ def figures(runs: Sequence[RunData]) -> dict[str, Figure]:
 
     fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(10, 3.6))
     for run in runs:
-        _line(ax_acc, run, "accuracy", label=run.label)
-        _line(ax_loss, run, "loss", label=run.label)
+        _line(ax_acc, run, "accuracy", from_zero=True, label=run.label)
+        _line(ax_loss, run, "loss", from_zero=True, label=run.label)
     ax_acc.set(title="accuracy per round", xlabel="round", ylabel="accuracy")
     ax_loss.set(title="loss per round", xlabel="round", ylabel="loss")
-    ax_acc.legend(fontsize=8)
+    for ax in (ax_acc, ax_loss):
+        per_round_axes(ax, runs)
     out["accuracy_loss.png"] = fig
 
     if _has(runs, "frobenius-gap", positive=True):
@@ -210,46 +305,79 @@ def figures(runs: Sequence[RunData]) -> dict[str, Figure]:
         ax.set(
             title="Frobenius gap ||ΔW_ideal - ΔW_agg||_F", xlabel="round", ylabel="gap"
         )
-        ax.legend(fontsize=8)
+        per_round_axes(ax, runs)
         out["gap.png"] = fig
 
-    if _has(runs, "rank"):
+    if _rank_changes(runs):
         fig, ax = plt.subplots(figsize=(5.5, 3.6))
         for run in runs:
             _line(ax, run, "rank", label=run.label, drawstyle="steps-post")
         ax.set(title="adapter rank per round", xlabel="round", ylabel="rank")
-        ax.legend(fontsize=8)
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        per_round_axes(ax, runs)
         out["rank.png"] = fig
 
-    if _has(runs, "bytes-up") or _has(runs, "bytes-down"):
-        fig, ax = plt.subplots(figsize=(5.5, 3.6))
-        for i, run in enumerate(runs):
-            color = f"C{i % 10}"
-            frame = run.results
-            for column, style in (("bytes-up", "-"), ("bytes-down", "--")):
-                if column in frame:
-                    mb = pd.to_numeric(frame[column], errors="coerce") / 1e6
+    if _has(runs, "bytes-up", positive=True) or _has(runs, "bytes-down", positive=True):
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+        titles = {
+            "bytes-up": "sent up (clients to server)",
+            "bytes-down": "sent down (server to clients)",
+        }
+        spread = 1.0
+        for ax, column in zip(axes, ("bytes-up", "bytes-down"), strict=True):
+            for i, run in enumerate(runs):
+                if column not in run.results:
+                    continue
+                mb = pd.to_numeric(run.results[column], errors="coerce") / 1e6
+                mask = mb > 0
+                if mask.any():
                     ax.plot(
-                        frame["round"],
-                        mb,
-                        style,
-                        color=color,
+                        run.results["round"][mask],
+                        mb[mask],
+                        color=f"C{i % 10}",
                         marker="o",
                         ms=3,
-                        label=f"{run.label} ({column[6:]})",
+                        label=run.label,
                     )
-        if ax.get_lines():
-            ax.set_yscale("log")
-        ax.set(
-            title="bytes per round (up solid, down dashed)", xlabel="round", ylabel="MB"
-        )
-        ax.legend(fontsize=7)
+                    spread = max(spread, float(mb[mask].max() / mb[mask].min()))
+            ax.set(title=f"MB {titles[column]}", xlabel="round", ylabel="MB")
+        for ax in axes:
+            if spread > 50:  # several orders of magnitude: log scale, plain ticks
+                ax.set_yscale("log")
+                ax.yaxis.set_major_formatter(FuncFormatter(_megabytes))
+            per_round_axes(ax, runs)
         out["bytes.png"] = fig
+
+    if _has(runs, "perplexity"):
+        out["lm.png"] = lm_figure(runs)
 
     continual = [run for run in runs if run.matrix is not None]
     if continual:
         out["accuracy_matrix.png"] = accuracy_matrix_figure(continual)
     return out
+
+
+def lm_figure(runs: Sequence[RunData]) -> Figure:
+    """Causal-LM runs: exact match and response perplexity per round.
+
+    The ``exact-match`` and ``perplexity`` columns of :mod:`fedlr.lm`'s
+    evaluation, one line per run (runs without them are left out).
+    """
+    fig, (ax_em, ax_ppl) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for run in runs:
+        _line(ax_em, run, "exact-match", from_zero=True, label=run.label)
+        _line(ax_ppl, run, "perplexity", from_zero=True, label=run.label)
+    ax_em.set(
+        title="exact match of greedy answers",
+        xlabel="round",
+        ylabel="exact match",
+    )
+    ax_ppl.set(title="response perplexity", xlabel="round", ylabel="perplexity")
+    if ax_ppl.get_lines():
+        ax_ppl.set_yscale("log")
+    for ax in (ax_em, ax_ppl):
+        per_round_axes(ax, runs)
+    return fig
 
 
 def accuracy_matrix_figure(runs: Sequence[RunData]) -> Figure:

@@ -58,6 +58,8 @@ __all__ = [
     "BASES",
     "BASE_CHECK",
     "BASE_DELTA",
+    "BASE_FINGERPRINT",
+    "BASE_FINGERPRINT_KEYS",
     "BASE_HELD",
     "BASE_STATE",
     "BASE_VERSION",
@@ -182,6 +184,12 @@ rarely, or a change is not smaller than the weights)."""
 BASE_CHECK = "base-check"
 """FedEx: per base key (layout order), a checksum of the base weights at
 ``base-version`` (:func:`fedlr.downlink.checksum`)."""
+BASE_FINGERPRINT = "base-fingerprint"
+"""Plug-in use: per key of :data:`BASE_FINGERPRINT_KEYS`, a few seeded random
+probes ``u^T W v`` of the frozen weight as the server's model was built
+(:mod:`fedlr.fingerprint`); a node whose model differs refuses the round."""
+BASE_FINGERPRINT_KEYS = "base-fingerprint-keys"
+"""The layout keys :data:`BASE_FINGERPRINT` covers, in its order."""
 LEADING_RANK = "leading-rank"
 """Heterogeneous ranks: the global ``A``, ``B`` may be wider than the node's
 rank ``r``; keep their leading ``r`` components scaled by

@@ -4,6 +4,9 @@
 round, method, accuracy, loss, frobenius-gap, relative-gap, rank, bytes-up,
 bytes-down, seconds, clients, dropped, train-loss; then the extra columns a
 method declares (e.g. ``tail-energy`` for FedSpec), in declared order.
+``dp-epsilon`` (DP-SGD, the round's largest client epsilon) and
+``client-dp-epsilon`` (client-level DP) are NaN without differential privacy
+(``docs/privacy.md``).
 ``layers.csv`` holds
 ``round, layer, frobenius-gap, relative-gap`` for methods that report gaps per
 layer. Both files are appended to, one round's rows at a time, so a round
@@ -23,9 +26,16 @@ from typing import Any
 
 import pandas as pd
 
-from fedlr.errors import CheckpointError
+from fedlr.errors import CheckpointError, ConfigError
+from fedlr.tracking import NoTracker, Tracker, numeric_metrics
 
-__all__ = ["COLUMNS", "LAYER_COLUMNS", "ResultsWriter", "read_results"]
+__all__ = [
+    "COLUMNS",
+    "LAYER_COLUMNS",
+    "ResultsWriter",
+    "ensure_output_dir",
+    "read_results",
+]
 
 COLUMNS = (
     "round",
@@ -47,13 +57,82 @@ COLUMNS = (
     "rejected-rounds",
     "robust-clipped",
     "robust-trimmed",
+    "dp-epsilon",
+    "client-dp-epsilon",
 )
 LAYER_COLUMNS = ("round", "layer", "frobenius-gap", "relative-gap")
+
+COUNT_COLUMNS = frozenset(
+    {
+        "round",
+        "rank",
+        "clients",
+        "dropped",
+        "rejected-rounds",
+        "robust-clipped",
+        "robust-trimmed",
+    }
+)
+"""Columns of counts, written as integers (``4``, not ``4.0``); so is every
+``bytes-*`` column."""
+
+
+def _is_count(column: str) -> bool:
+    return column in COUNT_COLUMNS or column.startswith("bytes-")
+
+
+def _counts_as_integers(frame: pd.DataFrame) -> pd.DataFrame:
+    """Count columns as nullable integers where every value is a whole number."""
+    for column in frame.columns:
+        if not _is_count(column):
+            continue
+        values = pd.to_numeric(frame[column], errors="coerce")
+        whole = values.dropna()
+        if len(whole) and bool(((whole % 1) == 0).all()):
+            frame[column] = values.round().astype("Int64")
+    return frame
+
+
+def ensure_output_dir(path: Path) -> Path:
+    """Create the results directory ``output-dir`` (and its parents) if needed.
+
+    Called before the server builds anything, so that a directory that
+    cannot be used is refused before round 1, not with a raw ``OSError``.
+
+    Raises
+    ------
+    ConfigError
+        (key ``output-dir``) if ``path`` is a file, a symbolic link to
+        nothing, below a file, or cannot be created or written to; the
+        message says which and what to do.
+    """
+    path = Path(path)
+    todo = "set output-dir to a directory you can write to"
+    if path.is_symlink() and not path.exists():
+        raise ConfigError(
+            "output-dir",
+            f"'{path}' is a symbolic link to '{os.readlink(path)}', which does "
+            f"not exist: create that directory, remove the link or {todo}",
+        )
+    if path.exists() and not path.is_dir():
+        raise ConfigError(
+            "output-dir",
+            f"'{path}' is a file, not a directory: move it away or {todo}",
+        )
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            "output-dir", f"cannot create '{path}': {exc.strerror or exc}; {todo}"
+        ) from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError("output-dir", f"'{path}' is not writable; {todo}")
+    return path
 
 
 def _atomic_write_csv(frame: pd.DataFrame, path: Path) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
-    frame.to_csv(tmp, index=False)
+    _counts_as_integers(frame.copy()).to_csv(tmp, index=False)
     os.replace(tmp, path)
 
 
@@ -64,7 +143,7 @@ def _append_csv(rows: list[dict[str, Any]], columns: Sequence[str], path: Path) 
     the CSV rows only up to its checkpoint's round.
     """
     header = not path.is_file() or path.stat().st_size == 0
-    frame = pd.DataFrame(rows, columns=list(columns))
+    frame = _counts_as_integers(pd.DataFrame(rows, columns=list(columns)))
     with path.open("a", encoding="utf-8", newline="") as f:
         frame.to_csv(f, header=header, index=False)
 
@@ -82,6 +161,10 @@ class ResultsWriter:
         Run configuration, saved once as ``config.json``.
     extra_columns : sequence of str, optional
         Method-specific columns written after :data:`COLUMNS`.
+    tracker : fedlr.tracking.Tracker, optional
+        Also receives ``config`` (as the run's settings) and every appended
+        row's finite numbers, the round as the step (:mod:`fedlr.tracking`);
+        :meth:`close` closes it.
     """
 
     def __init__(
@@ -91,6 +174,7 @@ class ResultsWriter:
         method: str,
         config: Mapping[str, Any] | None = None,
         extra_columns: Sequence[str] = (),
+        tracker: Tracker | None = None,
     ) -> None:
         clash = sorted(set(extra_columns) & set(COLUMNS))
         if clash or len(set(extra_columns)) != len(extra_columns):
@@ -105,7 +189,9 @@ class ResultsWriter:
         self.path = self.run_dir / "results.csv"
         self.layers_path = self.run_dir / "layers.csv"
         self._rows: list[dict[str, Any]] = []
+        self.tracker: Tracker = tracker or NoTracker()
         if config is not None:
+            self.tracker.log_params(config)
             tmp = self.run_dir / "config.json.tmp"
             tmp.write_text(json.dumps(dict(config), indent=2, sort_keys=True))
             os.replace(tmp, self.run_dir / "config.json")
@@ -134,6 +220,8 @@ class ResultsWriter:
         full["method"] = self.method
         self._rows.append(full)
         _append_csv([full], self.columns, self.path)
+        numbers = numeric_metrics({k: v for k, v in full.items() if k != "round"})
+        self.tracker.log_metrics(numbers, step=int(row["round"]))
         if layers:
             layer_rows = [
                 {
@@ -186,6 +274,10 @@ class ResultsWriter:
             )
         elif self.layers_path.is_file():
             self.layers_path.unlink()
+
+    def close(self) -> None:
+        """Close the tracker (the run is over)."""
+        self.tracker.close()
 
     @property
     def frame(self) -> pd.DataFrame:

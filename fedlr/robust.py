@@ -25,12 +25,20 @@ weight*, in the method's own update space, before the method's kernel runs:
 and, with any rule, ``max-client-weight`` caps each client's share of the
 total weight (water-filling), so no claimed example count buys the model.
 
+Before any of these, and whatever the rule (``none`` included), the
+update-size screen (:func:`screen_sizes`, ``screen-ratio``, default
+:data:`DEFAULT_SCREEN_RATIO`) drops a reply whose update norm is more than
+``screen-ratio`` times the round's median update norm and larger than the
+current state's norm: a boosted or overflowing reply never reaches the kernel.
+
 The update space is the method's (:class:`UpdateSpace`): for the LoRA family
 the change of each adapted layer's product ``B_i A_i - B A`` (computed from
 the factors' r x r Gram blocks, never a dense d_out x d_in matrix,
 :class:`ProductSpace`), for every other family the change of the arrays the
 client sends (:class:`ParameterSpace`, optionally mapped, e.g. FOT's
-projection off the protected bases).
+projection off the protected bases); for clients at their own LoRA ranks the
+scaled product change against the factors each was sent
+(:class:`RankedProductSpace`).
 """
 
 from __future__ import annotations
@@ -49,15 +57,19 @@ if TYPE_CHECKING:
     from fedlr.updates import ClientUpdate
 
 __all__ = [
+    "DEFAULT_SCREEN_RATIO",
     "ROBUST_RULES",
     "ParameterSpace",
     "ProductSpace",
+    "RankedProductSpace",
     "RobustConfig",
     "RobustOutcome",
+    "ScreenOutcome",
     "UpdateSpace",
     "cap_shares",
     "geometric_median_weights",
     "robust_aggregate",
+    "screen_sizes",
 ]
 
 ROBUST_RULES = ("none", "norm-clip", "trimmed-mean", "median")
@@ -342,6 +354,99 @@ class ProductSpace(UpdateSpace):
         return replace(update, arrays=moved)
 
 
+class RankedProductSpace(UpdateSpace):
+    """LoRA updates of clients at their own ranks: ``s_i (B_i A_i - B0_i A0_i)``.
+
+    Client ``i`` trains rank ``r_i`` with scaling ``s_i = alpha / r_i`` from the
+    factors ``B0_i``, ``A0_i`` it was sent (for the heterogeneous-rank methods,
+    the leading ``r_i`` components of the global factors, rescaled); its update
+    is the change of its layer's product, ``s_i (B_i A_i - B0_i A0_i)``. Each
+    update is the product of stacked factors ``[s_i B_i, -s_i B0_i]`` and
+    ``[A_i; A0_i]`` (rank at most ``2 r_i``), so inner products and norms come
+    from ``2 r_i x 2 r_j`` Gram blocks (:func:`_product_gram`), never a dense
+    d_out x d_in matrix, whatever the ranks. Other keys (the head) are
+    measured as parameters against the start. Moving an update interpolates
+    its factors towards the start: clipping bisects.
+
+    Parameters
+    ----------
+    pairs : sequence of (str, str)
+        ``(a_key, b_key)`` of every adapted layer.
+    start : callable
+        ``start(update) -> arrays``: the arrays the client started from, at
+        its rank, by key (every key of ``pairs`` and the others it sends).
+    scaling : callable
+        ``scaling(update) -> s_i``.
+    """
+
+    linear = False
+
+    def __init__(
+        self,
+        pairs: Sequence[tuple[str, str]],
+        start: Callable[[ClientUpdate], Mapping[str, torch.Tensor]],
+        scaling: Callable[[ClientUpdate], float],
+    ) -> None:
+        self.pairs = list(pairs)
+        self.start = start
+        self.scaling = scaling
+
+    def _stacked(
+        self, update: ClientUpdate, ref: Mapping[str, torch.Tensor]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, ``([s B, -s B0], [A; A0])``, float64."""
+        s = float(self.scaling(update))
+        out = []
+        for a_key, b_key in self.pairs:
+            b = update.arrays[b_key].to(torch.float64)
+            a = update.arrays[a_key].to(torch.float64)
+            b0 = ref[b_key].to(torch.float64)
+            a0 = ref[a_key].to(torch.float64)
+            out.append((torch.cat([s * b, -s * b0], dim=1), torch.cat([a, a0], dim=0)))
+        return out
+
+    def _rest(
+        self, update: ClientUpdate, ref: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """The other keys' change against the start, as one float64 vector."""
+        paired = {k for pair in self.pairs for k in pair}
+        parts = []
+        for key in sorted(update.arrays):
+            if key in paired:
+                continue
+            x = update.arrays[key].to(torch.float64)
+            r = ref.get(key)
+            delta = (
+                x - r.to(torch.float64) if r is not None and r.shape == x.shape else x
+            )
+            parts.append(delta.reshape(-1))
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+    def gram(self, updates: Sequence[ClientUpdate]) -> torch.Tensor:
+        refs = [self.start(u) for u in updates]
+        stacks = [self._stacked(u, r) for u, r in zip(updates, refs, strict=True)]
+        k = len(updates)
+        total = torch.zeros(k, k, dtype=torch.float64)
+        for layer in range(len(self.pairs)):
+            total += _product_gram(
+                [s[layer][0] for s in stacks], [s[layer][1] for s in stacks]
+            )
+        rest = torch.stack(
+            [self._rest(u, r) for u, r in zip(updates, refs, strict=True)]
+        )
+        return total + rest @ rest.T
+
+    def norm(self, update: ClientUpdate) -> float:
+        ref = self.start(update)
+        sq = sum(_inner(b, a, b, a) for b, a in self._stacked(update, ref))
+        rest = float(torch.linalg.vector_norm(self._rest(update, ref)))
+        return math.sqrt(max(sq, 0.0) + rest * rest)
+
+    def shrink(self, update: ClientUpdate, factor: float) -> ClientUpdate:
+        moved = _arrays_towards(update.arrays, self.start(update), factor)
+        return replace(update, arrays=moved)
+
+
 def _inner(
     b1: torch.Tensor, a1: torch.Tensor, b2: torch.Tensor, a2: torch.Tensor
 ) -> float:
@@ -509,6 +614,104 @@ def cap_shares(weights: Sequence[float], cap: float) -> torch.Tensor:
         if free_total > 0:
             shares[free] = remaining * w[free] / free_total
     return shares
+
+
+DEFAULT_SCREEN_RATIO = 20.0
+"""The default ``screen-ratio``: a reply whose update is more than 20 times
+the round's median update (and larger than the current model) is dropped.
+Honest rounds of the committed configurations measured at most 2.3 times the
+median, 3.6 times the smallest update (docs/reliability.md, "The default
+update-size screen")."""
+
+
+@dataclass
+class ScreenOutcome:
+    """What :func:`screen_sizes` did to a round's updates.
+
+    Attributes
+    ----------
+    updates : list of ClientUpdate
+        The updates kept, in their order.
+    reasons : list of (int, str)
+        ``(node, reason)`` for each update dropped.
+    ratios : list of float
+        Each update's norm over the round's reference scale (``inf`` for a
+        non-finite norm), in the order of the updates given.
+    bound : float
+        The norm above which an update was dropped (``inf``: none could be).
+    """
+
+    updates: list[ClientUpdate]
+    reasons: list[tuple[int, str]] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=list)
+    bound: float = math.inf
+
+
+def screen_sizes(
+    updates: Sequence[ClientUpdate], space: UpdateSpace, ratio: float
+) -> ScreenOutcome:
+    """Drop updates far larger than the round's median update.
+
+    Every update's norm ``n_i`` is measured in the method's update space
+    (``space``). The round's scale ``m`` is the lower median of the norms
+    (the ``ceil(k / 2)``-th smallest: with two clients, the smaller one, so
+    one attacker of two cannot set it); with one client it is the norm of
+    the current global state itself, measured in the same space (the update
+    that would zero every array the client sends). An update is dropped if
+
+        ``n_i > max(ratio * m, ||current||)``   or ``n_i`` is not finite:
+
+    the current state's norm is the floor, so an update no larger than the
+    model it changes is never dropped, whatever the round's median (a round
+    in which most clients barely moved). ``ratio`` <= 0 turns the screen
+    off; a zero bound (a zero scale and a zero current state: nothing to
+    compare with) keeps every finite update.
+
+    Parameters
+    ----------
+    updates : sequence of ClientUpdate
+        The round's validated updates.
+    space : UpdateSpace
+        The method's update space for this round.
+    ratio : float
+        The ``screen-ratio``.
+
+    Returns
+    -------
+    ScreenOutcome
+    """
+    kept = list(updates)
+    if ratio <= 0 or not kept:
+        return ScreenOutcome(kept)
+    norms = [space.norm(u) for u in kept]
+    zero = replace(
+        kept[0], arrays={k: torch.zeros_like(v) for k, v in kept[0].arrays.items()}
+    )
+    state = space.norm(zero)
+    if not math.isfinite(state):
+        state = 0.0
+    ordered = sorted(n if math.isfinite(n) else math.inf for n in norms)
+    scale = ordered[(len(ordered) - 1) // 2] if len(kept) > 1 else state
+    what = "the round's median update" if len(kept) > 1 else "the current state"
+    if not math.isfinite(scale):  # most updates not finite: none to compare with
+        scale = 0.0
+    bound = max(ratio * scale, state)
+    ratios = [n / scale if scale > 0 else math.inf for n in norms]
+    out: list[ClientUpdate] = []
+    reasons: list[tuple[int, str]] = []
+    for update, norm, r in zip(kept, norms, ratios, strict=True):
+        if math.isfinite(norm) and (bound <= 0 or norm <= bound):
+            out.append(update)
+            continue
+        if not math.isfinite(norm):
+            reason = f"update norm {norm} is not finite (screen-ratio {ratio:g})"
+        else:
+            reason = (
+                f"update norm {norm:.4g} is {r:.3g} x {what} ({scale:.4g}), above "
+                f"screen-ratio {ratio:g} (and the current state's norm {state:.4g})"
+            )
+        reasons.append((update.node_id, reason))
+    return ScreenOutcome(out, reasons, ratios, bound)
 
 
 def robust_aggregate(

@@ -10,7 +10,7 @@ import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -21,6 +21,7 @@ _LOG = logging.getLogger("fedlr")
 
 __all__ = [
     "EncodedText",
+    "LoopControl",
     "TrainData",
     "TrainSettings",
     "encode_text",
@@ -156,6 +157,45 @@ class TrainSettings:
     max_grad_norm: float = 1.0
 
 
+class LoopControl(Protocol):
+    """A client feature that runs :func:`train_steps`' batches, loss and step.
+
+    Sample-level DP-SGD (:class:`fedlr.privacy.dp_sgd.DpSgd`) is one: Poisson
+    batches, a loss whose per-example gradients Opacus can clip, and an
+    optimizer that clips each example's gradient and adds noise.
+    """
+
+    def start(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        num_examples: int,
+        settings: TrainSettings,
+        seed: int,
+    ) -> torch.optim.Optimizer:
+        """Prepare the loop (hooks on ``model``); the optimizer to step with.
+
+        May raise to refuse the round (a spent privacy budget).
+        """
+        ...
+
+    def batches(self) -> Iterator[list[int]]:
+        """The example indices of each step (possibly empty)."""
+        ...
+
+    def loss(self, output: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The step's loss from the model's output and the batch."""
+        ...
+
+    def empty_step(self) -> None:
+        """Prepare a step over an empty batch (before ``optimizer.step()``)."""
+        ...
+
+    def stop(self) -> None:
+        """Undo :meth:`start` (remove hooks) and record the steps taken."""
+        ...
+
+
 def _batches(
     n: int, batch_size: int, generator: torch.Generator
 ) -> Iterator[list[int]]:
@@ -188,6 +228,7 @@ def train_steps(
     after_backward: Callable[[], None] | None = None,
     wrap_optimizer: Callable[[torch.optim.Optimizer], torch.optim.Optimizer]
     | None = None,
+    control: LoopControl | None = None,
 ) -> float:
     """Run ``settings.local_steps`` AdamW steps on the trainable parameters.
 
@@ -210,6 +251,11 @@ def train_steps(
     wrap_optimizer : callable, optional
         Given the AdamW optimizer, returns the one to step with
         (:meth:`fedlr.client.ClientRound.optimizer`).
+    control : LoopControl, optional
+        A feature that runs the loop's batches, loss and step itself
+        (:meth:`fedlr.client.ClientRound.loop_control`: sample-level DP-SGD's
+        Poisson batches, per-sample clipping and noise). It replaces the
+        ``max_grad_norm`` clipping of the batch gradient.
 
     Returns
     -------
@@ -227,21 +273,37 @@ def train_steps(
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # dropout
     model.to(device).train()
-    total = 0.0
     batches = _batches(len(data), settings.batch_size, generator)
-    for _ in range(settings.local_steps):
-        batch = {k: v.to(device) for k, v in data.batch(next(batches)).items()}
-        loss = model(**batch).loss
-        objective = loss if penalty is None else loss + penalty()
-        optimizer.zero_grad(set_to_none=True)
-        objective.backward()
-        if after_backward is not None:
-            after_backward()
-        if settings.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
-        optimizer.step()
-        total += float(loss.detach())
-    return total / settings.local_steps
+    if control is not None:
+        optimizer = control.start(model, optimizer, len(data), settings, seed)
+        batches = control.batches()
+    total, counted = 0.0, 0
+    try:
+        for _ in range(settings.local_steps):
+            indices = next(batches)
+            if not indices:  # a Poisson draw of no example: the step is noise
+                optimizer.zero_grad(set_to_none=True)
+                if control is not None:
+                    control.empty_step()
+                optimizer.step()
+                continue
+            batch = {k: v.to(device) for k, v in data.batch(indices).items()}
+            output = model(**batch)
+            loss = output.loss if control is None else control.loss(output, batch)
+            objective = loss if penalty is None else loss + penalty()
+            optimizer.zero_grad(set_to_none=True)
+            objective.backward()
+            if after_backward is not None:
+                after_backward()
+            if settings.max_grad_norm > 0 and control is None:
+                torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
+            optimizer.step()
+            total += float(loss.detach())
+            counted += 1
+    finally:
+        if control is not None:
+            control.stop()
+    return total / counted if counted else math.nan
 
 
 @torch.no_grad()

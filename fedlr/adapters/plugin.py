@@ -19,6 +19,12 @@ seen, the values of every declared tensor are remembered (weakly, per
 module): every later load starts from them, so a model that a process reuses
 for many clients never carries one client's tensors into another's round.
 
+:func:`unsaved_heads` finds what fedlr would silently leave at its initial
+values: a module named like a task head (:data:`HEAD_NAMES`) or with
+trainable parameters that is neither adapted nor in peft's
+``modules_to_save``; the strategies' plug-in methods warn about it
+(:func:`warn_unsaved_heads`, once per model).
+
 :func:`conform_lora` rebuilds a LoRA model's layers at another rank and sets
 their scaling (FedSpec grows the rank; the scaling must be the ``alpha / r``
 the server aggregated for).
@@ -29,17 +35,20 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from logging import WARNING, getLogger
 from typing import cast
 from weakref import WeakKeyDictionary
 
 import torch
 from peft import LoraConfig, PeftModel, VeraConfig
 from peft.tuners.lora import LoraLayer
+from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.tuners.vera import VeraLayer
+from peft.utils import AuxiliaryTrainingWrapper
 
 from fedlr.adapters.lora import LoraModel, lora_layout
 from fedlr.adapters.roles import AdaptedModel, Role, RoleLayout
-from fedlr.adapters.sorf_vera import SorfVeraLayout
+from fedlr.adapters.sorf_vera import SorfVeraLayout, SorfVeraLinear
 from fedlr.adapters.vera import (
     VeraLayout,
     VeraModel,
@@ -51,6 +60,7 @@ from fedlr.adapters.vera import (
 from fedlr.errors import ShapeMismatchError, UnknownKeyError, UnsupportedModelError
 
 __all__ = [
+    "HEAD_NAMES",
     "LoraLayerChange",
     "adapted",
     "check_layout",
@@ -60,8 +70,23 @@ __all__ = [
     "load_from_initial",
     "lora_layers",
     "module_of",
+    "unsaved_heads",
     "vera_view",
+    "warn_unsaved_heads",
 ]
+
+_LOG = getLogger("fedlr")
+
+HEAD_NAMES = ("classifier", "score", "qa_outputs", "head")
+"""Module names that look like a task head (the last part of the module
+path): transformers' ``*ForSequenceClassification`` / ``*ForTokenClassification``
+(``classifier``, ``score``), ``*ForQuestionAnswering`` (``qa_outputs``), and
+the common ``head``; the names peft's task types put in ``modules_to_save``."""
+
+_WARNED: WeakKeyDictionary[torch.nn.Module, set[str]] = WeakKeyDictionary()
+
+_FEDLR_SEEN = (BaseTunerLayer, AuxiliaryTrainingWrapper, SorfVeraLinear)
+"""Modules whose tensors fedlr declares: adapted layers, ``modules_to_save``."""
 
 _INITIAL: WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = (
     WeakKeyDictionary()
@@ -242,6 +267,79 @@ def _orientations(layout: RoleLayout) -> dict[str, bool]:
     return {
         m.name: bool(m.fan_in_fan_out) for m in modules if hasattr(m, "fan_in_fan_out")
     }
+
+
+def unsaved_heads(model: torch.nn.Module | AdaptedModel) -> list[str]:
+    """Module paths of a head-like or trainable module fedlr would never send.
+
+    A module outside every adapted layer and every peft ``modules_to_save``
+    wrapper, whose parameters are not declared in the layout, is reported
+    when its name is one of :data:`HEAD_NAMES` (and it has parameters) or
+    when it has a parameter with ``requires_grad``. Such a module keeps its
+    initial values on every node and on the server: it is neither trained by
+    :func:`fedlr.apply_round` (which freezes it) nor sent.
+
+    Parameters
+    ----------
+    model : peft.PeftModel or AdaptedModel
+
+    Returns
+    -------
+    list of str
+        Module paths, outermost first (a reported module's children are not
+        listed).
+    """
+    view = adapted(model)
+    module = view.model
+    declared = set(view.layout.all_keys())
+    found: list[str] = []
+    skip: list[str] = []
+    for name, sub in module.named_modules():
+        if not name or any(name == s or name.startswith(f"{s}.") for s in skip):
+            continue
+        if isinstance(sub, _FEDLR_SEEN):
+            skip.append(name)
+            continue
+        params = [f"{name}.{p}" for p, _ in sub.named_parameters(recurse=True)]
+        if not params or all(p in declared for p in params):
+            continue
+        own_trainable = any(p.requires_grad for p in sub.parameters(recurse=False))
+        head_like = name.rsplit(".", 1)[-1] in HEAD_NAMES and not any(
+            isinstance(m, _FEDLR_SEEN) for m in sub.modules()
+        )  # a "head" holding adapted layers or saved modules is handled
+        if head_like or own_trainable:
+            found.append(name)
+            skip.append(name)
+    return found
+
+
+def warn_unsaved_heads(model: torch.nn.Module | AdaptedModel) -> list[str]:
+    """Log a warning for each module of :func:`unsaved_heads` (the first time
+    a model is seen; later calls with the same model return at once).
+
+    Returns
+    -------
+    list of str
+        The modules warned about now.
+    """
+    view = adapted(model)
+    if view.model in _WARNED:  # checked already: heads do not come and go
+        return []
+    warned = _WARNED.setdefault(view.model, set())
+    new = unsaved_heads(view)
+    for name in new:
+        _LOG.log(
+            WARNING,
+            "module '%s' looks like a task head (or is trainable) but is neither "
+            "adapted nor in modules_to_save: fedlr never trains or sends it, so it "
+            "keeps its initial values on every node and on the server; if it is "
+            "your head, add it to modules_to_save (e.g. LoraConfig(..., "
+            "modules_to_save=['%s']))",
+            name,
+            name.rsplit(".", 1)[-1],
+        )
+    warned.update(new)
+    return new
 
 
 def vera_view(

@@ -41,6 +41,7 @@ from fedlr.linalg.sorf import (
 __all__ = [
     "SorfVeraLayout",
     "SorfVeraLinear",
+    "SorfVeraModel",
     "SorfVeraModule",
     "SorfVeraSettings",
     "apply_sorf_vera",
@@ -348,10 +349,51 @@ def apply_sorf_vera(
     )
 
 
+class SorfVeraModel(torch.nn.Module, VeraModel):
+    """A SORF-VeRA model: an ``nn.Module`` and its :class:`VeraModel` view.
+
+    Calling it runs the wrapped module (``model``, registered as the
+    submodule ``model``), so it trains, moves (``.to``), switches mode
+    (``.train()``, ``.eval()``) and lists parameters like any module; its
+    ``layout``, ``projection_a``, ``projection_b`` and ``pristine_base`` are
+    those of :class:`VeraModel`, keyed relative to ``model``. Equality and
+    hashing are by identity, as for every module.
+    """
+
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        layout: RoleLayout,
+        projection_a: torch.Tensor,
+        projection_b: torch.Tensor,
+        pristine_base: dict[str, torch.Tensor],
+    ) -> None:
+        torch.nn.Module.__init__(self)
+        self.model = model
+        self.layout = layout
+        self.projection_a = projection_a
+        self.projection_b = projection_b
+        self.pristine_base = pristine_base
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        """The wrapped module's forward."""
+        return self.model(*args, **kwargs)
+
+
 def build_sorf_vera_model(
     model: torch.nn.Module, settings: SorfVeraSettings
-) -> VeraModel:
-    """Apply SORF-VeRA and collect layout, projections and pristine bases."""
+) -> SorfVeraModel:
+    """Apply SORF-VeRA and collect layout, projections and pristine bases.
+
+    Returns
+    -------
+    SorfVeraModel
+        An ``nn.Module`` (calling it calls ``model``, now with SORF-VeRA
+        layers) that is also the :class:`VeraModel` fedlr's helpers take.
+    """
     layout = apply_sorf_vera(model, settings)
     a, b = shared_sorf_projections(
         settings.rank,
@@ -360,7 +402,7 @@ def build_sorf_vera_model(
         settings.projection_seed,
     )
     params = live_parameters(model, layout.keys(Role.BASE))
-    return VeraModel(
+    return SorfVeraModel(
         model=model,
         layout=layout,
         projection_a=a,

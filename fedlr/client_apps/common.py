@@ -10,6 +10,7 @@ from fedlr import protocol
 from fedlr.config import RunConfig
 from fedlr.errors import ConfigError
 from fedlr.flower.records import config_float, config_int
+from fedlr.instruction_checks import NodeLimits, check_value
 from fedlr.train import TrainSettings
 
 __all__ = ["partition_of", "train_settings"]
@@ -47,12 +48,29 @@ def partition_of(context: Context, config: RunConfig) -> tuple[int, int]:
 
 
 def train_settings(
-    round_config: ConfigRecord, config: RunConfig, *, default_lr: float
+    round_config: ConfigRecord,
+    config: RunConfig,
+    *,
+    default_lr: float,
+    limits: NodeLimits,
 ) -> TrainSettings:
-    """Local training settings of a round: the ConfigRecord's, else the run config's."""
-    return TrainSettings(
+    """Local training settings of a round: the ConfigRecord's, else the run config's.
+
+    The values used, wherever they come from, are within the node's
+    ``limits`` (:data:`fedlr.instruction_checks.BOUNDS`).
+
+    Raises
+    ------
+    InstructionError
+        Naming ``local-steps``, ``lr`` or ``batch-size`` if one is out of range.
+    """
+    settings = TrainSettings(
         local_steps=config_int(round_config, protocol.LOCAL_STEPS, config.local_steps),
         lr=config_float(round_config, protocol.LR, default_lr),
         batch_size=config_int(round_config, protocol.BATCH_SIZE, config.batch_size),
         weight_decay=config.weight_decay,
     )
+    check_value(protocol.LOCAL_STEPS, settings.local_steps, limits)
+    check_value(protocol.LR, settings.lr, limits)
+    check_value(protocol.BATCH_SIZE, settings.batch_size, limits)
+    return settings

@@ -22,6 +22,7 @@ and the task, and never leaves the client.
 
 from __future__ import annotations
 
+import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.app import MetricRecordValues as Values
 
@@ -36,14 +37,15 @@ from fedlr.continual import (
     task_view,
 )
 from fedlr.data.continual import ContinualStream
+from fedlr.errors import InstructionError
 from fedlr.flower.records import (
     array_record,
     config_int,
     config_record,
-    record_to_state,
     state_to_record,
 )
 from fedlr.image_task import evaluate_images, train_sgd
+from fedlr.instruction_checks import NodeLimits, check_config, decode_checked
 from fedlr.models.vision import VisionModel
 from fedlr.train import client_seed, pick_device
 
@@ -81,6 +83,60 @@ def _stream(config: RunConfig, options: ContinualOptions, num: int) -> Continual
     return _STREAMS[key]
 
 
+def _input_dims(model: VisionModel) -> dict[str, int]:
+    """Input dimension ``d`` of every layer FOT projects (conv: ``c k k``)."""
+    return {
+        name: int(model.get_parameter(f"{name}.weight")[0].numel())
+        for name in model.projected_layers()
+    }
+
+
+def _checked(
+    model: VisionModel,
+    message: Message,
+    context: Context,
+    options: ContinualOptions,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], NodeLimits]:
+    """The instruction's weights and bases, checked before anything is decoded.
+
+    The ConfigRecord (if any) against :data:`BOUNDS
+    <fedlr.instruction_checks.BOUNDS>` (``sketch-dim`` at most the widest
+    projected layer's ``d``, tasks within the run's); ``arrays`` exactly the
+    model's state; ``bases`` one ``(d, k)`` basis, ``1 <= k <= d``, per
+    projected layer at most.
+    """
+    dims = _input_dims(model)
+    limits = NodeLimits.of_node(
+        context.node_config,
+        widest_input=max(dims.values(), default=0),
+        last_task=options.num_tasks - 1,
+    )
+    if protocol.CONFIG in message.content.config_records:
+        check_config(config_record(message.content), limits)
+    shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
+    state = decode_checked(array_record(message.content), shapes, required=True)
+    bases: dict[str, torch.Tensor] = {}
+    record = message.content.array_records.get(protocol.BASES)
+    if record is not None:
+        expected: dict[str, tuple[int, ...]] = {}
+        for layer in record:
+            declared = tuple(int(n) for n in record[layer].shape)
+            d = dims.get(layer)
+            if d is None:
+                raise InstructionError(
+                    layer, f"(in '{protocol.BASES}') is not a layer FOT projects"
+                )
+            if not (len(declared) == 2 and declared[0] == d and 1 <= declared[1] <= d):
+                raise InstructionError(
+                    layer,
+                    f"(in '{protocol.BASES}') has shape {declared}, expected "
+                    f"({d}, k) with 1 <= k <= {d}",
+                )
+            expected[layer] = declared
+        bases = decode_checked(record, expected, name=protocol.BASES)
+    return state, bases, limits
+
+
 def train_message(message: Message, context: Context) -> Message:
     """Handle a ``train`` instruction of a continual method."""
     config = RunConfig.from_mapping(context.run_config)
@@ -89,7 +145,8 @@ def train_message(message: Message, context: Context) -> Message:
     round_config = config_record(message.content)
     stream = _stream(config, options, num)
     model = _model(config)
-    model.load_state_dict(record_to_state(array_record(message.content)))
+    state, bases, limits = _checked(model, message, context, options)
+    model.load_state_dict(state)
     task = config_int(round_config, protocol.TASK, 0)
     gpse_task = config_int(round_config, protocol.GPSE_TASK, -1)
     device = pick_device(config.device)
@@ -98,11 +155,6 @@ def train_message(message: Message, context: Context) -> Message:
 
     # 1. GPSE on the finished task, with the received global model
     if gpse_task >= 0:
-        bases = (
-            record_to_state(array_record(message.content, protocol.BASES))
-            if protocol.BASES in message.content.array_records
-            else {}
-        )
         data = stream.partition(gpse_task, pid)
         data = data.select(range(min(len(data), options.fot_activation_examples)))
         sketches = sketch_layer_inputs(
@@ -129,7 +181,7 @@ def train_message(message: Message, context: Context) -> Message:
     server_round = config_int(round_config, protocol.SERVER_ROUND, 0)
     data = stream.partition(task, pid)
     module, view = task_view(model, data, stream.task_classes(task), stream.num_classes)
-    settings = train_settings(round_config, config, default_lr=config.lr)
+    settings = train_settings(round_config, config, default_lr=config.lr, limits=limits)
     loss = train_sgd(
         module,
         view,
@@ -155,7 +207,7 @@ def evaluate_message(message: Message, context: Context) -> Message:
     pid, num = partition_of(context, config)
     stream = _stream(config, options, num)
     model = _model(config)
-    model.load_state_dict(record_to_state(array_record(message.content)))
+    model.load_state_dict(_checked(model, message, context, options)[0])
     task = (
         config_int(config_record(message.content), protocol.TASK, 0)
         if (protocol.CONFIG in message.content.config_records)

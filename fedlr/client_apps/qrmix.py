@@ -32,7 +32,6 @@ from fedlr.flower.records import (
     array_record,
     config_int,
     config_record,
-    record_to_state,
     state_to_record,
 )
 from fedlr.image_task import (
@@ -42,6 +41,7 @@ from fedlr.image_task import (
     evaluate_images,
     train_sgd,
 )
+from fedlr.instruction_checks import NodeLimits, check_config, decode_checked
 from fedlr.linalg.qrmix import fc_flatten, fc_hessian_eigenpairs
 from fedlr.models.vision import VisionModel
 from fedlr.train import client_seed, pick_device
@@ -91,6 +91,24 @@ def head_features(
     return torch.cat(parts)
 
 
+def _checked_state(
+    model: VisionModel, message: Message, context: Context
+) -> tuple[dict[str, torch.Tensor], NodeLimits]:
+    """The instruction's parameters, checked against the model before decoding.
+
+    The ConfigRecord (if any) is checked against :data:`BOUNDS
+    <fedlr.instruction_checks.BOUNDS>`; ``arrays`` must hold exactly the
+    model's parameters, with their shapes.
+    """
+    limits = NodeLimits.of_node(context.node_config)
+    if protocol.CONFIG in message.content.config_records:
+        check_config(config_record(message.content), limits)
+    state = decode_checked(
+        array_record(message.content), model.parameter_shapes(), required=True
+    )
+    return state, limits
+
+
 def train_message(message: Message, context: Context) -> Message:
     """Handle a ``train`` instruction for ``fedavg`` / ``qrmix``."""
     config = RunConfig.from_mapping(context.run_config)
@@ -98,13 +116,13 @@ def train_message(message: Message, context: Context) -> Message:
     pid, num = partition_of(context, config)
     round_config = config_record(message.content)
     model = _model(config)
-    global_state = record_to_state(array_record(message.content))
+    global_state, limits = _checked_state(model, message, context)
     model.load_parameters(global_state)
     data = _partition(config, pid, num)
     server_round = config_int(round_config, protocol.SERVER_ROUND, 0)
     seed = client_seed(config.seed, server_round, pid)
     device = pick_device(config.device)
-    settings = train_settings(round_config, config, default_lr=config.lr)
+    settings = train_settings(round_config, config, default_lr=config.lr, limits=limits)
     loss = train_sgd(
         model,
         data,
@@ -157,7 +175,7 @@ def evaluate_message(message: Message, context: Context) -> Message:
     config = RunConfig.from_mapping(context.run_config)
     pid, num = partition_of(context, config)
     model = _model(config)
-    model.load_parameters(record_to_state(array_record(message.content)))
+    model.load_parameters(_checked_state(model, message, context)[0])
     data = _partition(config, pid, num)
     accuracy, loss = evaluate_images(
         model,

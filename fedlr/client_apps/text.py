@@ -25,6 +25,8 @@ from fedlr.adapters.roles import AdaptedModel
 from fedlr.client import ClientRound, apply_round
 from fedlr.client_apps.common import partition_of, train_settings
 from fedlr.config import RunConfig
+from fedlr.errors import InstructionError
+from fedlr.instruction_checks import NodeLimits
 from fedlr.lm import EncodedInstructions
 from fedlr.options import Options
 from fedlr.tasks import text_task
@@ -104,13 +106,21 @@ class TextClient(Generic[O]):
         One model per configuration, at most one per client rank (4 at most
         kept; the oldest goes first).
         """
-        key = tuple(sorted({**config.to_mapping(), **options.to_mapping()}.items()))
+        key = self._key(config, options)
         if key not in self._models:
             keep = min(max(len(config.rank_list), 1), 4)
             while len(self._models) >= keep:
                 self._models.pop(next(iter(self._models)))
             self._models[key] = self.build(config, options)
         return self._models[key]
+
+    def forget(self, config: RunConfig, options: O) -> None:
+        """Drop the process's model for this run (it is rebuilt when next asked)."""
+        self._models.pop(self._key(config, options), None)
+
+    @staticmethod
+    def _key(config: RunConfig, options: O) -> tuple[object, ...]:
+        return tuple(sorted({**config.to_mapping(), **options.to_mapping()}.items()))
 
     def _round(
         self, message: Message, context: Context
@@ -119,15 +129,24 @@ class TextClient(Generic[O]):
         options = self.options.from_run_config(context.run_config)
         pid, num = partition_of(context, config)
         model_config = config
-        rank = None
+        rank = config.lora_rank
         if config.rank_list:  # heterogeneous ranks: this partition's own rank
             rank = config.rank_for(pid)
             model_config = config.replace(lora_rank=rank)
         # The model may serve other nodes of this rank, one of which may have
-        # pruned it (HetLoRA): apply_round gives it this node's rank back.
-        job = apply_round(
-            self.model(model_config, options), message, context, rank=rank
-        )
+        # pruned it (HetLoRA), or have been given another lora-rank by an
+        # earlier instruction: apply_round gives it this node's rank back
+        # unless the instruction names one.
+        model = self.model(model_config, options)
+        try:
+            job = apply_round(model, message, context, rank=rank)
+        except InstructionError:
+            raise  # refused before anything changed
+        except Exception:
+            # A round that failed half-way may have left the model at
+            # another rank or scaling: the next round builds it afresh.
+            self.forget(model_config, options)
+            raise
         return config, options, job, pid, num
 
     def train(self, message: Message, context: Context) -> Message:
@@ -135,7 +154,10 @@ class TextClient(Generic[O]):
         config, options, job, pid, num = self._round(message, context)
         data = _partition(config, pid, num, "train" if job.personal_split else "all")
         settings = train_settings(
-            job.config, config, default_lr=self.lr(config, options)
+            job.config,
+            config,
+            default_lr=self.lr(config, options),
+            limits=NodeLimits.of_layout(context.node_config, job.adapted.layout),
         )
         loss = train_steps(
             job.model,
@@ -146,6 +168,7 @@ class TextClient(Generic[O]):
             penalty=job.penalty if job.has_penalty else None,
             after_backward=job.after_backward if job.has_gradient_hooks else None,
             wrap_optimizer=job.optimizer if job.has_gradient_hooks else None,
+            control=job.loop_control(),
         )
         job.model.to("cpu")
         return job.reply(num_examples=len(data), metrics={protocol.TRAIN_LOSS: loss})

@@ -49,9 +49,6 @@ class InProcessGrid(Grid):
         ``None`` to lose a reply (as if the node timed out).
     """
 
-    nodes_fixed = True
-    """Every node exists from construction (no node connects later)."""
-
     def __init__(
         self,
         client_app: ClientApp,

@@ -1,11 +1,25 @@
 """Run the app through the real ``flwr run`` CLI and check that it finished.
 
 ``flwr run --stream`` exits 0 even when the ServerApp fails, and it starts a
-detached local SuperLink that outlives the run. This module wraps both facts:
-:func:`flwr_run` runs the app, then asks ``flwr list --format json`` for the
-run's final status and raises :class:`FlwrRunError` unless it is
-``finished:completed``; :func:`stop_local_superlinks` stops the SuperLinks
-started under a given ``FLWR_HOME`` by PID.
+detached local SuperLink on fixed ports that outlives the run and that every
+later ``flwr run`` on the machine attaches to. This module wraps these facts:
+
+- :func:`check_run_config` resolves the run config that ``flwr run`` would
+  start (the app's ``[tool.flwr.app.config]`` plus the overrides) through the
+  same registry the ServerApp uses, before anything starts: a typo is one
+  line in seconds, not a traceback after the SuperLink and Ray started;
+- :func:`flwr_run` gives each local simulation its own SuperLink (a fresh
+  ``FLWR_HOME`` under ``flwr_home/local/`` and free ports), reads the status
+  of its own run id only (``flwr list --run-id``) and raises
+  :class:`FlwrRunError` unless it is ``finished:completed``; on Ctrl-C it
+  stops the run (``flwr stop``) and every process it started, then raises
+  :class:`RunInterrupted` with a one-line message;
+- Flower's, Ray's and transformers' noise (the SuperNode-count hint, Ray's
+  accelerator FutureWarning, weight-loading progress bars) is kept out of the
+  output unless ``verbose``.
+
+:func:`stop_local_superlinks` stops the SuperLinks started under a given
+``FLWR_HOME`` by PID.
 
 For a deployment (a SuperLink started with ``flower-superlink`` and SuperNodes
 started with ``flower-supernode``, see ``docs/deployment.md``),
@@ -25,25 +39,43 @@ import argparse
 import json
 import logging
 import os
+import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 import tomllib
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from types import FrameType
+from typing import IO, Any
 
-from fedlr.errors import DeploymentError
+import click
+import psutil
+from flwr.common.config import flatten_dict, parse_config_args
+
+from fedlr.errors import ConfigError, DeploymentError, FedLRError
+from fedlr.strategies.registry import MethodConfig, resolve
 
 __all__ = [
     "FlwrRunError",
+    "LocalSuperLink",
+    "RunInterrupted",
     "RunOutcome",
+    "app_run_config",
+    "check_run_config",
+    "cli_logging",
     "flwr_env",
     "flwr_run",
     "format_run_config",
+    "is_fedlr_app",
+    "is_noise",
+    "parse_run_config",
     "register_supernode",
     "stop_local_superlinks",
     "write_superlink_connection",
@@ -51,9 +83,32 @@ __all__ = [
 
 _LOG = logging.getLogger("fedlr")
 
+#: Seconds between two looks at the processes a run started.
+_SAMPLE_SECONDS = 2.0
+
+#: Lines of Flower, Ray and transformers that say nothing about the run:
+#: dropped from the output unless ``verbose`` (they stay in the SuperLink log).
+_NOISE = re.compile(
+    r"default simulated SuperNodes changed from"
+    r"|Flower configuration not found\. Created default configuration"
+    r"|To change federation size, use the following command"
+    r"|flwr federation simulation-config"
+    r"|fraction_evaluate is set to 0\.0"
+    r"|FutureWarning"
+    r"|RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"
+    r"|^\s*warnings\.warn\("
+    r"|\d+%\|"  # tqdm progress bars (model loading)
+    r"|Loading weights"
+)
+_RUN_ID = re.compile(r"Successfully started run (\d+)")
+
 
 class FlwrRunError(RuntimeError):
     """``flwr run`` did not end with a completed run."""
+
+
+class RunInterrupted(FlwrRunError):
+    """The run was interrupted (Ctrl-C / SIGTERM) and stopped; one-line message."""
 
 
 @dataclass(frozen=True)
@@ -98,14 +153,180 @@ def format_run_config(values: Mapping[str, bool | int | float | str]) -> str:
     return " ".join(parts)
 
 
-def flwr_env(flwr_home: Path) -> dict[str, str]:
-    """Environment for the CLI: project-local ``FLWR_HOME``, no runtime ``uv sync``."""
+# --------------------------------------------------------- local config check
+def app_run_config(app_dir: Path | str) -> dict[str, Any]:
+    """The app's ``[tool.flwr.app.config]`` table, flattened as Flower does.
+
+    Raises
+    ------
+    ConfigError
+        If ``APP_DIR/pyproject.toml`` is missing or not TOML.
+    """
+    path = Path(app_dir) / "pyproject.toml"
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError("--app", f"cannot read {path}: {exc}") from None
+    table = data.get("tool", {}).get("flwr", {}).get("app", {})
+    return dict(flatten_dict(table.get("config", {})))
+
+
+def is_fedlr_app(app_dir: Path | str) -> bool:
+    """Whether the app's ServerApp is fedlr's (so its run config is fedlr's)."""
+    path = Path(app_dir) / "pyproject.toml"
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError):
+        return False
+    components = data.get("tool", {}).get("flwr", {}).get("app", {})
+    server = str(components.get("components", {}).get("serverapp", ""))
+    return server.startswith(("server_apps.", "fedlr."))
+
+
+def parse_run_config(text: str | None) -> dict[str, Any]:
+    """``--run-config`` text (``'k=v k2="s"'`` or a ``.toml`` path) as Flower parses it.
+
+    Raises
+    ------
+    ConfigError
+        On text that is not ``key=value`` TOML, naming ``--run-config``.
+    """
+    if not text or not text.strip():
+        return {}
+    try:
+        return dict(parse_config_args([text]))
+    except click.ClickException as exc:
+        raise ConfigError("--run-config", exc.message) from None
+    except (ValueError, OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError("--run-config", str(exc).splitlines()[0]) from None
+
+
+def check_run_config(
+    app_dir: Path | str, run_config: Mapping[str, Any] | str | None = None
+) -> MethodConfig:
+    """Resolve the run config ``flwr run`` would start, here and now.
+
+    The app's defaults plus the overrides go through
+    :func:`fedlr.strategies.registry.resolve`, the ServerApp's own parsing, so
+    a method typo, an unknown key or a value of the wrong type is reported
+    before any SuperLink, Ray or model starts.
+
+    Raises
+    ------
+    ConfigError
+        On an unknown key (with the closest key), a bad type or value.
+    fedlr.errors.UnknownMethodError
+        On a method no one registered (with the closest name).
+    """
+    overrides = (
+        parse_run_config(run_config)
+        if run_config is None or isinstance(run_config, str)
+        else dict(run_config)
+    )
+    defaults = app_run_config(app_dir)
+    method = resolve({**defaults, **overrides})
+    stale = sorted(set(overrides) - set(defaults))
+    if stale:  # fedlr knows the key, the app's table does not: Flower refuses it
+        raise ConfigError(
+            stale[0],
+            "missing from the app's [tool.flwr.app.config]; regenerate it with "
+            "`python -m fedlr.configdoc write`",
+        )
+    return method
+
+
+# ------------------------------------------------------------- environment
+@dataclass(frozen=True)
+class LocalSuperLink:
+    """A private local simulation SuperLink: its own ``FLWR_HOME`` and ports.
+
+    ``flwr run`` starts the local SuperLink on the ports named by
+    ``FLWR_LOCAL_SUPERLINK_HTTP_API_PORT`` and ``FLWR_LOCAL_CONTROL_API_PORT``
+    (39091 and 39093 when unset) and uses any SuperLink already answering
+    there; free ports and a home of its own keep concurrent runs apart.
+
+    Attributes
+    ----------
+    home : Path
+        ``FLWR_HOME`` of this SuperLink (its ``local-superlink/`` database
+        and log live there).
+    http_port, control_port : int
+    """
+
+    home: Path
+    http_port: int
+    control_port: int
+
+    @classmethod
+    def allocate(cls, flwr_home: Path | str) -> LocalSuperLink:
+        """Two free loopback ports and ``flwr_home/local/<http-port>``."""
+        http = _free_port()
+        control = _free_port()
+        while control == http:
+            control = _free_port()
+        home = Path(flwr_home).resolve() / "local" / str(http)
+        return cls(home=home, http_port=http, control_port=control)
+
+    @property
+    def log_file(self) -> Path:
+        """The SuperLink's log (the ServerApp's and clients' full output)."""
+        return self.home / "local-superlink" / "superlink.log"
+
+    def env(self) -> dict[str, str]:
+        """Environment entries that point the ``flwr`` CLI at this SuperLink."""
+        return {
+            "FLWR_HOME": str(self.home),
+            "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(self.http_port),
+            "FLWR_LOCAL_CONTROL_API_PORT": str(self.control_port),
+        }
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def flwr_env(
+    flwr_home: Path, *, link: LocalSuperLink | None = None, quiet: bool = False
+) -> dict[str, str]:
+    """Environment for the CLI: project-local ``FLWR_HOME``, no runtime ``uv sync``.
+
+    Parameters
+    ----------
+    flwr_home : Path
+        ``FLWR_HOME`` (replaced by ``link.home`` when ``link`` is given).
+    link : LocalSuperLink, optional
+        A private local SuperLink: its home and ports; Ray then starts a
+        cluster of its own (``RAY_ADDRESS=local``) unless ``RAY_ADDRESS`` is set.
+    quiet : bool
+        Silence transformers' warnings and progress bars and Ray's accelerator
+        FutureWarning in every process the run starts (SuperLink, ServerApp,
+        Ray workers inherit this environment).
+    """
     env = os.environ.copy()
     env["FLWR_HOME"] = str(Path(flwr_home).resolve())
     env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
     bin_dir = str(Path(sys.executable).parent)
     env["PATH"] = bin_dir + os.pathsep + env.get("PATH", "")
+    if link is not None:
+        env.update(link.env())
+        env.setdefault("RAY_ADDRESS", "local")
+    if quiet:
+        env.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        ray_warning = "ignore::FutureWarning:ray._private.worker"
+        env["PYTHONWARNINGS"] = ",".join(
+            w for w in (env.get("PYTHONWARNINGS", ""), ray_warning) if w
+        )
     return env
+
+
+def is_noise(line: str) -> bool:
+    """Whether a CLI output line is Flower/Ray/transformers noise (see ``_NOISE``)."""
+    return _NOISE.search(line) is not None
 
 
 def _superlink_arg(superlink: str | None) -> list[str]:
@@ -113,10 +334,18 @@ def _superlink_arg(superlink: str | None) -> list[str]:
 
 
 def _list_runs(
-    env: Mapping[str, str], superlink: str | None = None
+    env: Mapping[str, str], superlink: str | None = None, run_id: str | None = None
 ) -> list[dict[str, object]]:
+    only = [] if run_id is None else ["--run-id", str(run_id)]
     proc = subprocess.run(
-        [_flwr_executable(), "list", *_superlink_arg(superlink), "--format", "json"],
+        [
+            _flwr_executable(),
+            "list",
+            *_superlink_arg(superlink),
+            *only,
+            "--format",
+            "json",
+        ],
         env=dict(env),
         capture_output=True,
         text=True,
@@ -131,6 +360,118 @@ def _list_runs(
     return list(runs) if isinstance(runs, list) else []
 
 
+def _run_status(
+    env: Mapping[str, str], run_id: str, superlink: str | None = None
+) -> str:
+    """The status of run ``run_id`` alone (``flwr list --run-id``)."""
+    for run in _list_runs(env, superlink, run_id):
+        if str(run.get("run-id")) == str(run_id):
+            return str(run.get("status"))
+    raise FlwrRunError(f"`flwr list --run-id {run_id}` does not know the run")
+
+
+# ---------------------------------------------------------------- processes
+@dataclass
+class _Processes:
+    """Every process a run started: the CLI's descendants and our SuperLink's.
+
+    Sampled while the run goes on, so processes whose parent died (and that
+    were re-parented) are still known; psutil's ``Process`` remembers each
+    one's start time, so a reused PID is never signalled.
+    """
+
+    home: Path | None
+    seen: dict[int, psutil.Process] = field(default_factory=dict)
+
+    def sample(self, root: int) -> None:
+        roots: list[psutil.Process] = []
+        with suppress(psutil.NoSuchProcess):
+            roots.append(psutil.Process(root))
+        if self.home is not None:
+            roots += _superlinks_under(self.home)
+        for proc in roots:
+            try:
+                family = [proc, *proc.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                continue
+            for member in family:
+                self.seen.setdefault(member.pid, member)
+
+    def stop(self, root: int) -> int:
+        """Terminate (then kill) every process seen alive; return how many."""
+        self.sample(root)
+        alive = [p for p in self.seen.values() if _alive(p)]
+        for proc in alive:
+            with suppress(psutil.NoSuchProcess):
+                proc.terminate()
+        _, left = psutil.wait_procs(alive, timeout=10)
+        for proc in left:
+            with suppress(psutil.NoSuchProcess):
+                proc.kill()
+        psutil.wait_procs(left, timeout=5)
+        return len(alive)
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _superlinks_under(home: Path) -> list[psutil.Process]:
+    text = str(Path(home).resolve())
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = proc.info.get("cmdline") or []
+        if any("flower-superlink" in part for part in cmdline) and any(
+            text in part for part in cmdline
+        ):
+            found.append(proc)
+    return found
+
+
+@contextmanager
+def _no_interrupts() -> Iterator[None]:
+    """Ignore Ctrl-C while a run is being stopped (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@dataclass
+class _Stream:
+    """The CLI's output as it arrives: kept whole, echoed without noise."""
+
+    echo: bool
+    verbose: bool
+    lines: list[str] = field(default_factory=list)
+    run_id: str | None = None
+
+    def read(self, stream: IO[str]) -> None:
+        try:
+            for line in stream:
+                self.lines.append(line)
+                if self.run_id is None:
+                    match = _RUN_ID.search(line)
+                    if match:
+                        self.run_id = match.group(1)
+                if self.echo and (self.verbose or not is_noise(line)):
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
+        except (ValueError, OSError):  # the pipe was closed: the CLI is gone
+            return
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+
 def flwr_run(
     app_dir: Path,
     *,
@@ -140,6 +481,8 @@ def flwr_run(
     timeout: float = 3600.0,
     echo: bool = False,
     superlink: str | None = None,
+    verbose: bool = False,
+    keep_superlink: bool = True,
 ) -> RunOutcome:
     """Run ``flwr run APP_DIR [SUPERLINK] --stream`` and return the final status.
 
@@ -148,28 +491,42 @@ def flwr_run(
     app_dir : Path
         The Flower app (the folder with ``pyproject.toml``).
     flwr_home : Path
-        ``FLWR_HOME`` of the CLI: its ``config.toml`` names the SuperLinks.
+        ``FLWR_HOME`` of the CLI: its ``config.toml`` names the SuperLinks. A
+        local simulation runs on a SuperLink of its own, in
+        ``flwr_home/local/<port>/`` (:class:`LocalSuperLink`).
     run_config : mapping or str, optional
         ``--run-config`` overrides.
     federation_config : mapping, optional
         ``--federation-config`` overrides (simulation only, e.g.
         ``num-supernodes``).
     timeout : float
-        Seconds before the CLI is stopped and the run counts as failed.
+        Seconds before the run is stopped and counts as failed.
     echo : bool
         Copy the CLI's output to stdout as it arrives.
     superlink : str, optional
         Name of a SuperLink connection in ``FLWR_HOME/config.toml`` (see
-        :func:`write_superlink_connection`); ``None`` uses the default one,
-        the local simulation SuperLink unless configured otherwise.
+        :func:`write_superlink_connection`); ``None``: a local simulation.
+    verbose : bool
+        Echo Flower's, Ray's and transformers' hints, warnings and progress
+        bars too (:func:`is_noise`), and let the processes print them.
+    keep_superlink : bool
+        Leave the local SuperLink running after the run (stop it with
+        :func:`stop_local_superlinks`); otherwise it and every process it
+        started are stopped, and its home is removed after a completed run.
 
     Raises
     ------
+    RunInterrupted
+        On Ctrl-C (``KeyboardInterrupt``): the run was stopped (``flwr
+        stop``), so were the CLI and, for a local simulation, the SuperLink
+        and every process it started.
     FlwrRunError
         If the CLI fails, times out, or the run did not complete.
     """
-    env = flwr_env(flwr_home)
-    before = {str(r.get("run-id")) for r in _safe_list(env, superlink)}
+    link = None if superlink is not None else LocalSuperLink.allocate(flwr_home)
+    home = link.home if link is not None else Path(flwr_home).resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    env = flwr_env(home, link=link, quiet=not verbose)
     cmd = [_flwr_executable(), "run", str(app_dir), *_superlink_arg(superlink)]
     cmd.append("--stream")
     if run_config:
@@ -179,68 +536,125 @@ def flwr_run(
         cmd += ["--run-config", text]
     if federation_config:
         cmd += ["--federation-config", format_run_config(federation_config)]
-    _LOG.info("running: %s", " ".join(cmd))
-    lines: list[str] = []
-    with subprocess.Popen(
+    _LOG.debug("running: %s", " ".join(cmd))
+    stream = _Stream(echo=echo, verbose=verbose)
+    processes = _Processes(home=link.home if link is not None else None)
+    proc = subprocess.Popen(
         cmd,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
-    ) as proc:
-        if proc.stdout is None:  # pragma: no cover - PIPE was requested
-            raise FlwrRunError("no output pipe from `flwr run`")
-        # A reader thread keeps the deadline exact even when the CLI goes quiet.
-        reader = threading.Thread(
-            target=_collect_lines, args=(proc.stdout, lines, echo), daemon=True
-        )
-        reader.start()
+    )
+    if proc.stdout is None:  # pragma: no cover - PIPE was requested
+        raise FlwrRunError("no output pipe from `flwr run`")
+    reader = threading.Thread(target=stream.read, args=(proc.stdout,), daemon=True)
+    reader.start()
+    completed = False
+    try:
         try:
-            code = proc.wait(timeout=timeout)
+            code = _wait(proc, processes, timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-            reader.join(timeout=5)
+            _stop_run(env, stream.run_id, superlink)
             raise FlwrRunError(
-                f"`flwr run` exceeded {timeout:.0f} s:\n{''.join(lines)[-3000:]}"
+                f"`flwr run` exceeded {timeout:.0f} s:\n{stream.text[-3000:]}"
             ) from None
         reader.join(timeout=15)
-    output = "".join(lines)
-    if code != 0:
-        raise FlwrRunError(f"`flwr run` exited {code}:\n{output[-3000:]}")
-    runs = _list_runs(env, superlink)
-    new = [r for r in runs if str(r.get("run-id")) not in before]
-    if not new:
-        raise FlwrRunError(f"no new run appeared in `flwr list`:\n{output[-3000:]}")
-    run = max(new, key=lambda r: str(r.get("pending-at", "")))
-    outcome = RunOutcome(str(run.get("run-id")), str(run.get("status")), output)
-    if outcome.status != "finished:completed":
-        raise FlwrRunError(
-            f"run {outcome.run_id} ended with status {outcome.status}:\n"
-            f"{output[-3000:]}"
+        output = stream.text
+        if code != 0:
+            raise FlwrRunError(f"`flwr run` exited {code}:\n{output[-3000:]}")
+        if stream.run_id is None:
+            raise FlwrRunError(f"`flwr run` printed no run id:\n{output[-3000:]}")
+        outcome = RunOutcome(
+            stream.run_id, _run_status(env, stream.run_id, superlink), output
         )
-    return outcome
+        if outcome.status != "finished:completed":
+            raise FlwrRunError(
+                f"run {outcome.run_id} ended with status {outcome.status}:\n"
+                f"{output[-3000:]}"
+            )
+        completed = True
+        return outcome
+    except KeyboardInterrupt:
+        with _no_interrupts():
+            status = _stop_run(env, stream.run_id, superlink)
+            stopped = _stop_processes(proc, processes, link, keep=False)
+        run = f"run {stream.run_id}" if stream.run_id else "the run (not started yet)"
+        raise RunInterrupted(
+            f"interrupted: {run} stopped ({status}); stopped {stopped} processes "
+            "it started"
+            + ("" if link is None else f" (SuperLink log: {link.log_file})")
+        ) from None
+    finally:
+        with _no_interrupts():
+            _stop_processes(proc, processes, link, keep=keep_superlink)
+            reader.join(timeout=5)
+            proc.stdout.close()
+            if completed and link is not None and not keep_superlink:
+                shutil.rmtree(link.home, ignore_errors=True)
 
 
-def _collect_lines(stream: IO[str], lines: list[str], echo: bool) -> None:
-    for line in stream:
-        lines.append(line)
-        if echo:
-            sys.stdout.write(line)
-            sys.stdout.flush()
+def _wait(proc: subprocess.Popen[str], processes: _Processes, timeout: float) -> int:
+    """Wait for the CLI, noting the processes it starts; its exit code."""
+    deadline = time.monotonic() + timeout
+    while True:
+        processes.sample(proc.pid)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise subprocess.TimeoutExpired(proc.args, timeout)
+        try:
+            return proc.wait(timeout=min(_SAMPLE_SECONDS, left))
+        except subprocess.TimeoutExpired:
+            continue
 
 
-def _safe_list(
-    env: Mapping[str, str], superlink: str | None = None
-) -> list[dict[str, object]]:
+def _stop_run(env: Mapping[str, str], run_id: str | None, superlink: str | None) -> str:
+    """``flwr stop RUN_ID``; the run's status afterwards (or why it is unknown)."""
+    if run_id is None:
+        return "no run id yet"
     try:
-        return _list_runs(env, superlink)
-    except (FlwrRunError, subprocess.TimeoutExpired):
-        return []
+        subprocess.run(
+            [_flwr_executable(), "stop", run_id, *_superlink_arg(superlink)],
+            env=dict(env),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        deadline = time.monotonic() + 20
+        status = _run_status(env, run_id, superlink)
+        while status.startswith(("running", "pending", "starting")):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(1)
+            status = _run_status(env, run_id, superlink)
+        return status
+    except (FlwrRunError, subprocess.TimeoutExpired, OSError) as exc:
+        return f"status unknown: {str(exc).splitlines()[0]}"
+
+
+def _stop_processes(
+    proc: subprocess.Popen[str],
+    processes: _Processes,
+    link: LocalSuperLink | None,
+    *,
+    keep: bool,
+) -> int:
+    """Stop the CLI; unless ``keep``, every process of the local SuperLink too."""
+    count = 0
+    if proc.poll() is None:
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=5)
+        count += 1
+    if link is not None and not keep:
+        count += processes.stop(proc.pid)
+    return count
 
 
 def write_superlink_connection(
@@ -361,36 +775,68 @@ def register_supernode(
 def stop_local_superlinks(flwr_home: Path) -> list[int]:
     """Stop the ``flower-superlink`` processes whose files live under ``flwr_home``.
 
+    This includes the private SuperLinks of :func:`flwr_run` in
+    ``flwr_home/local/``, of any launch that used this ``flwr_home``.
+
     Returns
     -------
     list of int
         PIDs that were signalled.
     """
-    import psutil
-
-    home = str(Path(flwr_home).resolve())
     stopped: list[int] = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        cmdline = proc.info.get("cmdline") or []
-        if any("flower-superlink" in part for part in cmdline) and any(
-            home in part for part in cmdline
-        ):
-            try:
-                proc.terminate()
-                proc.wait(timeout=15)
-            except psutil.TimeoutExpired:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                continue
-            stopped.append(int(proc.info["pid"]))
+    for proc in _superlinks_under(Path(flwr_home)):
+        try:
+            proc.terminate()
+            proc.wait(timeout=15)
+        except psutil.TimeoutExpired:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            continue
+        stopped.append(int(proc.pid))
     return stopped
 
 
+@contextmanager
+def cli_logging(level: int = logging.INFO) -> Iterator[None]:
+    """Plain one-line messages of the ``fedlr`` logger on stderr, each once.
+
+    While the block runs the logger has a handler of its own and does not
+    propagate, so a handler another library put on the root logger neither
+    reformats nor repeats its lines; the previous state is restored after.
+    """
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    saved = (_LOG.level, _LOG.propagate)
+    _LOG.addHandler(handler)
+    _LOG.setLevel(level)
+    _LOG.propagate = False
+    try:
+        yield
+    finally:
+        _LOG.removeHandler(handler)
+        _LOG.setLevel(saved[0])
+        _LOG.propagate = saved[1]
+
+
+def _interrupt_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
-    """CLI: run the app in the current directory and verify the run."""
+    """CLI: check the run config, run the app, verify the run (exit 0 if completed).
+
+    Exit codes: 0 completed, 1 the run failed, 2 a bad run config (one line on
+    stderr, before anything starts), 130 interrupted (Ctrl-C or SIGTERM: the
+    run and every process the launch started are stopped).
+    """
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--app", default=".", help="app directory")
-    parser.add_argument("--flwr-home", default=".flwr", help="FLWR_HOME to use")
+    parser.add_argument(
+        "--flwr-home",
+        default=".flwr",
+        help="FLWR_HOME to use; each local simulation gets a SuperLink of its "
+        "own under FLWR_HOME/local/<port>/ (free ports)",
+    )
     parser.add_argument("--num-supernodes", type=int, default=4)
     parser.add_argument(
         "--superlink",
@@ -420,8 +866,36 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="leave the local SuperLink running after the run",
     )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show Flower's, Ray's and transformers' hints, warnings and "
+        "progress bars too",
+    )
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    with cli_logging():
+        try:
+            return _launch(args)
+        except KeyboardInterrupt:  # before the run started: nothing to stop
+            _LOG.error("fedlr: interrupted before the run started")
+            return 130
+
+
+def _launch(args: argparse.Namespace) -> int:
+    app = Path(args.app)
+    try:
+        if is_fedlr_app(app):
+            method = check_run_config(app, args.run_config)
+            _LOG.info(
+                "fedlr: run config checked: method %s, %d rounds",
+                method.spec.name,
+                method.run.num_server_rounds,
+            )
+        else:
+            parse_run_config(args.run_config)
+    except FedLRError as exc:
+        _LOG.error("error: %s", exc)
+        return 2
     federation: dict[str, bool | int | float | str] = {
         "num-supernodes": args.num_supernodes
     }
@@ -429,23 +903,26 @@ def main(argv: list[str] | None = None) -> int:
         federation["client-resources-num-cpus"] = args.client_cpus
     if args.client_gpus:
         federation["client-resources-num-gpus"] = args.client_gpus
-    home = Path(args.flwr_home).resolve()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
     try:
         outcome = flwr_run(
-            Path(args.app),
-            flwr_home=home,
+            app,
+            flwr_home=Path(args.flwr_home).resolve(),
             run_config=args.run_config or None,
             federation_config=None if args.superlink else federation,
             echo=True,
             superlink=args.superlink,
+            verbose=args.verbose,
+            keep_superlink=args.keep_superlink,
         )
+    except RunInterrupted as exc:
+        _LOG.error("fedlr: %s", exc)
+        return 130
     except FlwrRunError as exc:
         _LOG.error("%s", exc)
         return 1
-    finally:
-        if not args.keep_superlink and not args.superlink:
-            stop_local_superlinks(home)
-    _LOG.info("run %s: %s", outcome.run_id, outcome.status)
+    _LOG.info("fedlr: run %s: %s", outcome.run_id, outcome.status)
     return 0
 
 

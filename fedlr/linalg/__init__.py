@@ -60,8 +60,11 @@ from fedlr.linalg.qrmix import (
     subspace_iteration,
 )
 from fedlr.linalg.randomized import (
+    SVD_SOLVERS,
+    frobenius_sq_of_mean,
     randomized_svd_of_mean,
     randomized_updates_svd,
+    solver_cost_model,
     svd_of_mean,
     updates_svd,
 )
@@ -141,6 +144,7 @@ __all__ = [
     "QRMIX_FORMS",
     "RANDOMIZED",
     "SIGN_RULES",
+    "SVD_SOLVERS",
     "BFit",
     "ClientEigen",
     "CostModel",
@@ -188,6 +192,7 @@ __all__ = [
     "flexlora_factors",
     "fold_residual",
     "fold_vera_residual",
+    "frobenius_sq_of_mean",
     "fwht",
     "gamma_apply",
     "gamma_apply_t",
@@ -218,6 +223,7 @@ __all__ = [
     "residual_factors",
     "residualise",
     "sketch_residual",
+    "solver_cost_model",
     "sorf_apply",
     "sorf_apply_t",
     "sorf_left",

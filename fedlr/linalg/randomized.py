@@ -16,10 +16,28 @@ Two SVDs of the LoRA family grow with the number of clients ``k``:
   client by client, then ``eigh``), or a randomized subspace iteration on that
   Gram operator, which only needs each client's ``r x r`` Gram ``B_i^T B_i``.
 
-The choice is :class:`fedlr.linalg.CostModel`'s, not the caller's. A
+By default (``solver="auto"``) the choice is :class:`fedlr.linalg.CostModel`'s;
+``solver="exact"`` restricts it to the exact paths (the cheapest that fits,
+whatever the size) and ``solver="randomized"`` to the randomized one (at any
+size). The run-config key ``svd-solver`` passes it through the strategies. A
 randomized result says so (``TruncatedSVD.randomized``) and, where its
 energies are estimated, by how much they may be off
 (``TruncatedSVD.energy_error``).
+
+How far the randomized factors are from the exact ones depends on the
+spectrum, not only on the sketch. Measured at ``d = 1024``, ``k = 20``
+clients of rank 16, rank 18 kept (the size from which FedSpec's ``auto``
+switches; ``python -m benchmarks.svd_solver``, 5 seeds): the sine of the
+largest principal angle between the randomized and the exact leading
+16-dimensional subspaces is 0.001-0.004 for singular values decaying as
+``0.91^j``, 0.05-0.09 for ``1/j``, 0.28-0.41 for ``1/sqrt(j)``, and 1.0 on a
+flat spectrum (``sigma_j = 1 - j/2000``), where the leading subspace is
+ill-defined and the randomized one captures 0.5 % of ``||M||_F^2`` less than
+the best rank-16 subspace (1e-3 for ``1/sqrt(j)``, below 2e-5 for the
+others). Its singular values are lower bounds of the true ones, so its point
+estimate of the tail energy is biased upward; FedSpec's rank rule therefore
+decides on bounds (:meth:`TruncatedSVD.tail_fraction_bounds`) and
+recomputes a round near the threshold exactly.
 
 References
 ----------
@@ -32,6 +50,7 @@ References
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -42,6 +61,7 @@ from fedlr.linalg.cost import (
     DENSE,
     FACTORED,
     GRAM,
+    RANDOMIZED,
     CostModel,
 )
 from fedlr.linalg.lowrank import check_factors, normalise_weights
@@ -56,11 +76,104 @@ from fedlr.linalg.svd import (
 )
 
 __all__ = [
+    "SVD_SOLVERS",
+    "frobenius_sq_of_mean",
     "randomized_svd_of_mean",
     "randomized_updates_svd",
+    "solver_cost_model",
     "svd_of_mean",
     "updates_svd",
 ]
+
+SVD_SOLVERS = ("auto", "exact", "randomized")
+"""``solver`` values of :func:`svd_of_mean` and :func:`updates_svd`: the cost
+model's choice, the exact paths only, the randomized path only."""
+
+
+def solver_cost_model(
+    cost: CostModel, solver: str, exact_paths: frozenset[str]
+) -> CostModel:
+    """``cost`` restricted to the paths ``solver`` allows.
+
+    Parameters
+    ----------
+    cost : CostModel
+    solver : {"auto", "exact", "randomized"}
+        ``auto`` keeps ``cost``; ``exact`` allows ``exact_paths``;
+        ``randomized`` allows the randomized path.
+    exact_paths : frozenset of str
+        The kernel's exact paths (``factored`` and ``dense`` or ``gram``).
+
+    Raises
+    ------
+    ValueError
+        If ``solver`` is not one of :data:`SVD_SOLVERS`.
+    """
+    if solver not in SVD_SOLVERS:
+        raise ValueError(f"solver must be one of {list(SVD_SOLVERS)}, got {solver!r}")
+    if solver == "auto":
+        return cost
+    allowed = exact_paths if solver == "exact" else frozenset({RANDOMIZED})
+    return dataclasses.replace(cost, only=allowed)
+
+
+def frobenius_sq_of_mean(
+    bs: Sequence[torch.Tensor],
+    as_: Sequence[torch.Tensor],
+    weights: Sequence[float] | torch.Tensor,
+    *,
+    cost: CostModel | None = None,
+) -> float:
+    """``||M||_F^2`` of ``M = sum_i w_i B_i A_i``, exactly, linear memory in ``k``.
+
+    The cheaper of two exact forms, in float64:
+
+    * the trace of Gram products, ``sum_{I,J} <L_I^T L_J, R_I R_J^T>`` over
+      blocks ``I``, ``J`` of clients (``L_I = [w_i B_i]_{i in I}``,
+      ``R_I = [A_i]_{i in I}``): ``O((d_out + d_in) p^2)`` flops, ``p = k r``,
+      a block pair at a time (no ``d_out x d_in`` matrix at all);
+    * ``M`` accumulated in place into one ``d_out x d_in`` buffer, then its
+      norm: ``O(d_out d_in p)`` flops, taken when ``p`` exceeds
+      ``d_out d_in / (d_out + d_in)`` and the buffer fits the memory budget.
+
+    Parameters
+    ----------
+    bs : k tensors (d_out, r)
+    as_ : k tensors (r, d_in)
+    weights : (k,) sequence of float
+        Normalised internally.
+    cost : CostModel, optional
+        ``memory_budget`` and ``max_chunk_rank`` (block width).
+
+    Returns
+    -------
+    float
+    """
+    d_out, r, d_in = check_factors(bs, as_)
+    cost = cost if cost is not None else DEFAULT_COST_MODEL
+    w = normalise_weights(weights, len(bs))
+    p = len(bs) * r
+    if p * (d_out + d_in) > d_out * d_in and 8 * d_out * d_in <= cost.memory_budget:
+        m = ProductSum(bs, as_, w, dtype=torch.float64, cost=cost).dense()
+        return float(torch.linalg.matrix_norm(m)) ** 2
+    step = max(1, cost.max_chunk_rank // max(r, 1))
+    blocks = [range(i, min(i + step, len(bs))) for i in range(0, len(bs), step)]
+    device = bs[0].device
+
+    def stacks(block: range) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = w[block.start : block.stop].to(device, torch.float64)
+        left = torch.stack([bs[i] for i in block], dim=1).double() * scale[:, None]
+        right = torch.cat([as_[i] for i in block], dim=0).double()
+        return left.reshape(d_out, -1), right
+
+    total = 0.0
+    for n, block in enumerate(blocks):
+        left, right = stacks(block)
+        total += float(((left.T @ left) * (right @ right.T)).sum())
+        for other in blocks[:n]:
+            left_o, right_o = stacks(other)
+            total += 2.0 * float(((left.T @ left_o) * (right @ right_o.T)).sum())
+    return max(total, 0.0)
 
 
 def _orth(y: torch.Tensor) -> torch.Tensor:
@@ -165,15 +278,16 @@ def svd_of_mean(
     *,
     cost: CostModel | None = None,
     seed: int = 0,
+    solver: str = "auto",
 ) -> TruncatedSVD:
     """Rank-``rank`` truncated SVD of ``sum_i w_i B_i A_i``, cheapest adequate path.
 
     :meth:`CostModel.svd_of_mean` picks ``factored`` (QR of the stacked
     factors, :func:`fedlr.linalg.truncated_svd_of_mean`), ``dense`` (``M``
     accumulated in place in float64, then its SVD) or ``randomized``
-    (:func:`randomized_svd_of_mean`). The exact paths return every singular
-    value (so the tail energy beyond any rank is exact); the randomized one
-    says it is randomized and estimated.
+    (:func:`randomized_svd_of_mean`), among the paths ``solver`` allows. The
+    exact paths return every singular value (so the tail energy beyond any
+    rank is exact); the randomized one says it is randomized and estimated.
 
     Parameters
     ----------
@@ -185,6 +299,10 @@ def svd_of_mean(
     cost : CostModel, optional
     seed : int, default 0
         Of the randomized path.
+    solver : {"auto", "exact", "randomized"}, default "auto"
+        ``auto``: the cost model's choice; ``exact``: ``factored`` or
+        ``dense`` at any size; ``randomized``: the range finder at any size
+        (:func:`solver_cost_model`).
 
     Returns
     -------
@@ -195,6 +313,7 @@ def svd_of_mean(
         raise ValueError(f"rank must be >= 1, got {rank}")
     d_out, r, d_in = check_factors(bs, as_)
     cost = cost if cost is not None else DEFAULT_COST_MODEL
+    cost = solver_cost_model(cost, solver, frozenset({FACTORED, DENSE}))
     path = cost.svd_of_mean(len(bs), r, d_out, d_in, rank).path
     if path == FACTORED:
         return truncate(truncated_svd_of_mean(bs, as_, weights), rank)
@@ -419,6 +538,7 @@ def updates_svd(
     *,
     cost: CostModel | None = None,
     seed: int = 0,
+    solver: str = "auto",
 ) -> tuple[torch.Tensor, list[torch.Tensor], TruncatedSVD]:
     """Global SVD's shared factor and client factors by the cheapest adequate path.
 
@@ -426,14 +546,18 @@ def updates_svd(
     (:func:`fedlr.linalg.stacked_updates_svd`: exact, per-client blocks),
     ``gram`` (exact: the dense ``d_in x d_in`` Gram matrix accumulated client
     by client in float64, then ``eigh``) or ``randomized``
-    (:func:`randomized_updates_svd`). Parameters and returns as
-    :func:`fedlr.linalg.stacked_updates_svd` (plus ``cost`` and ``seed``); the
-    returned ``TruncatedSVD.randomized`` says which kind of path ran.
+    (:func:`randomized_updates_svd`), among the paths ``solver`` allows
+    (``auto``, ``exact``: ``factored`` or ``gram``, ``randomized``; see
+    :func:`solver_cost_model`). Parameters and returns as
+    :func:`fedlr.linalg.stacked_updates_svd` (plus ``cost``, ``seed`` and
+    ``solver``); the returned ``TruncatedSVD.randomized`` says which kind of
+    path ran.
     """
     w = _positive_weights(bs, as_, weights)
     if rank < 1:
         raise ValueError(f"rank must be >= 1, got {rank}")
     cost = cost if cost is not None else DEFAULT_COST_MODEL
+    cost = solver_cost_model(cost, solver, frozenset({FACTORED, GRAM}))
     d_out, r, d_in = check_factors(bs, as_)
     path = cost.updates_svd(len(bs), r, d_out, d_in, rank).path
     if path == FACTORED:

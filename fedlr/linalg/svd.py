@@ -132,6 +132,83 @@ class TruncatedSVD:
         tail = float(values[rank:].sum()) + unseen
         return tail / total if total > 0 else 0.0
 
+    def tail_fraction_bounds(self, rank: int) -> tuple[float, float]:
+        """Bounds ``(low, high)`` of the exact tail fraction at ``rank``.
+
+        The exact fraction is ``sum_{j>=rank} sigma_j^2 / sum_j sigma_j^2`` of
+        ``M``. An exact path gives it: ``low == high ==``
+        :meth:`tail_fraction_at`. A randomized path computed ``s_j <= sigma_j``
+        (interlacing) and the energy outside its sketch up to
+        ``energy_error``; with ``E`` the largest total energy the error
+        allows,
+
+        * ``high = (E - sum_{j<rank} s_j^2) / E``: the squared error of the
+          rank-``rank`` factors it returns (a projection of ``M``), never
+          below the optimal (Eckart-Young) tail;
+        * ``low = sum_{rank<=j<l} s_j^2 / E``: the tail it saw, never above
+          the exact tail.
+
+        The fraction is in ``[low, high]`` (up to the estimate's bound:
+        ``energy_error`` is ``error_sigmas`` standard errors, not a
+        certainty, when ``energy_estimated``).
+        """
+        if rank < 0:
+            raise ValueError(f"rank must be >= 0, got {rank}")
+        if not self.randomized:
+            fraction = self.tail_fraction_at(rank)
+            return fraction, fraction
+        energy = self.singular_values.double() ** 2
+        head = float(energy[:rank].sum())
+        seen_tail = float(energy[rank:].sum())
+        unseen = max(self.residual_energy, 0.0) + self._energy_slack
+        total = head + seen_tail + unseen
+        if total <= 0:
+            return 0.0, 0.0
+        return seen_tail / total, min((seen_tail + unseen) / total, 1.0)
+
+    def sigma_fraction_bounds(self, rank: int) -> tuple[float, float]:
+        """Bounds ``(low, high)`` of the exact ``sum_{j>=rank} sigma_j / sum sigma``.
+
+        Exact paths: both are :meth:`sigma_fraction_at`. A randomized path:
+        ``s_j <= sigma_j <= sqrt(s_j^2 + R)`` for the kept values (Weyl; ``R``
+        the largest energy outside the sketch), the tail at least the seen
+        ``sum_{rank<=j<l} s_j`` and at most ``sqrt((n - rank) T)`` (Cauchy-
+        Schwarz; ``T`` the largest tail energy, ``n = min(m, n)``). Wide unless
+        the sketch saw nearly everything: a randomized round near the
+        threshold is then decided exactly (:class:`fedlr.strategies.FedSpec`).
+        """
+        if rank < 0:
+            raise ValueError(f"rank must be >= 0, got {rank}")
+        if not self.randomized:
+            fraction = self.sigma_fraction_at(rank)
+            return fraction, fraction
+        values = self.singular_values.double()
+        unseen = max(self.residual_energy, 0.0) + self._energy_slack
+        head_low = float(values[:rank].sum())
+        head_high = float((values[:rank] ** 2 + unseen).sqrt().sum())
+        tail_low = float(values[rank:].sum())
+        tail_energy = float((values[rank:] ** 2).sum()) + unseen
+        size = min(int(self.u.shape[0]), int(self.vh.shape[1]))
+        tail_high = max(math.sqrt(max(size - rank, 0) * tail_energy), tail_low)
+        low = tail_low / (head_high + tail_low) if head_high + tail_low > 0 else 0.0
+        high = tail_high / (head_low + tail_high) if head_low + tail_high > 0 else 0.0
+        return low, min(high, 1.0)
+
+    @property
+    def _energy_slack(self) -> float:
+        return max(self.energy_error, 0.0) if self.energy_estimated else 0.0
+
+    def with_total_energy(self, total: float) -> TruncatedSVD:
+        """This result with the exact ``||M||_F^2`` (a randomized one's residual
+        energy becomes exact: ``total - sum(singular_values^2)``)."""
+        seen = float((self.singular_values.double() ** 2).sum())
+        return dataclasses.replace(
+            self,
+            residual_energy=max(float(total) - seen, 0.0),
+            energy_error=0.0,
+            energy_estimated=False,
+        )
+
     @property
     def tail_energy(self) -> float:
         """``sum sigma^2`` of the discarded singular values (squared error)."""

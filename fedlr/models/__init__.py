@@ -8,6 +8,8 @@ from fedlr.models.vision import (
     VisionMLP,
     VisionModel,
     build_vision_model,
+    register_model,
+    vision_models,
 )
 
 __all__ = [
@@ -20,4 +22,6 @@ __all__ = [
     "build_text_classifier",
     "build_vision_model",
     "load_tokenizer",
+    "register_model",
+    "vision_models",
 ]

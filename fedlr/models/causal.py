@@ -9,10 +9,13 @@
     split of the generated arithmetic problems written as plain text
     (``"<instruction> Answer: <response>"``, never the instruction template,
     never a test problem) and caches it under
-    ``<cache>/arith-instruct/tiny-llama-<key>/``. ``make setup`` does this
-    (about four minutes on 2 CPU cores); a first use without it does it too.
-    Federated instruction tuning then teaches it the prompt template and the
-    answer format on top of what it knows.
+    ``<cache>/arith-instruct/tiny-llama-<key>/``. The first use does this
+    (about four minutes on 2 CPU cores, a progress line every 100 steps),
+    under a file lock: of several processes that need it at once (a
+    simulation's clients, the SuperNodes of a shared cache) one trains, the
+    others say so and wait for its files. ``make setup-llm`` does it ahead of
+    time. Federated instruction tuning then teaches it the prompt template
+    and the answer format on top of what it knows.
 ``tiny-gpt2``
     A GPT-2 decoder (2 layers, hidden 64) with the same tokenizer, randomly
     initialised from the run seed: GPT-2 stores its projections as ``Conv1D``
@@ -38,11 +41,14 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from filelock import FileLock, Timeout
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -186,14 +192,49 @@ def _warm_up_texts() -> list[str]:
     ]
 
 
-def warm_up(spec: WarmUp | None = None, *, progress: bool = True) -> Path:
-    """Train tiny-llama on the generated problems as plain text; cache it.
+def _is_warm(path: Path) -> bool:
+    return (path / "config.json").is_file()
 
-    Next-token loss on ``"<instruction> Answer: <response><eos>"`` for every
-    ``train`` problem of the default ``arith-instruct`` set, AdamW with a
-    linear warm-up and cosine decay. A present cache is reused (one
-    ``stat``); the model is written to a temporary folder and renamed, so an
-    interrupted warm-up leaves nothing half-written.
+
+@contextmanager
+def _progress_log() -> Iterator[None]:
+    """Make the ``fedlr`` logger's INFO lines visible for the block.
+
+    A process whose logging nobody configured (a Flower app) would drop
+    them; there a handler to stderr is attached for the block only.
+    """
+    if logger.hasHandlers() and logger.getEffectiveLevel() <= logging.INFO:
+        yield
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def warm_up(spec: WarmUp | None = None, *, progress: bool = True) -> Path:
+    """The warmed-up tiny-llama's folder: cached, or trained now (once).
+
+    A present cache is reused (one ``stat``). Otherwise the process takes
+    the file lock ``<folder>.lock`` beside the cache folder and trains
+    (:func:`_train`); a process that finds the lock taken logs that it waits
+    for another process's warm-up and uses its files once the lock is
+    released. An interrupted warm-up leaves nothing half-written (the model
+    is written to a temporary folder and renamed) and releases the lock.
+
+    Parameters
+    ----------
+    spec : WarmUp, optional
+        Architecture and schedule (the default is the one every fedlr
+        process uses).
+    progress : bool
+        Log a line every 100 steps.
 
     Returns
     -------
@@ -203,8 +244,42 @@ def warm_up(spec: WarmUp | None = None, *, progress: bool = True) -> Path:
     """
     spec = spec or WarmUp()
     path = warm_up_path(spec)
-    if (path / "config.json").is_file():
+    if _is_warm(path):
         return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(path.parent / f"{path.name}.lock"))
+    with _progress_log():
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            logger.warning(
+                "tiny-llama: another process is warming it up (lock %s); "
+                "waiting for it",
+                lock.lock_file,
+            )
+            lock.acquire()
+        try:
+            if _is_warm(path):
+                return path  # the other process finished it
+            logger.warning(
+                "tiny-llama is not in the cache yet: warming it up once "
+                "(%d AdamW steps, about 4 min on 2 CPU cores; `make setup-llm` "
+                "does it ahead of time), into %s",
+                spec.steps,
+                path,
+            )
+            return _train(spec, path, progress=progress)
+        finally:
+            lock.release()
+
+
+def _train(spec: WarmUp, path: Path, *, progress: bool) -> Path:
+    """Train tiny-llama on the generated problems as plain text; cache it.
+
+    Next-token loss on ``"<instruction> Answer: <response><eos>"`` for every
+    ``train`` problem of the default ``arith-instruct`` set, AdamW with a
+    linear warm-up and cosine decay. The caller holds the lock.
+    """
     tok = _tokenizer("tiny-llama")
     hf_logging.set_verbosity_error()
     torch.manual_seed(spec.seed)
@@ -266,8 +341,8 @@ def warm_up(spec: WarmUp | None = None, *, progress: bool = True) -> Path:
         try:
             os.rename(tmp, path)
         except OSError:
-            if not (path / "config.json").is_file():
-                raise  # else a concurrent warm-up won the race: use its files
+            if not _is_warm(path):
+                raise  # else a warm-up without the lock (an older fedlr) won
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     logger.info("tiny-llama warmed up (loss %.3f), cached at %s", loss_avg, path)

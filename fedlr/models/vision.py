@@ -52,6 +52,8 @@ __all__ = [
     "VisionMLP",
     "VisionModel",
     "build_vision_model",
+    "register_model",
+    "vision_models",
 ]
 
 
@@ -361,7 +363,10 @@ class CifarResNet(VisionModel):
         return self.blocks(x).mean(dim=(2, 3))
 
 
-_BUILDERS: dict[str, Callable[[tuple[int, int, int], int], VisionModel]] = {
+VisionBuilder = Callable[[tuple[int, int, int], int], VisionModel]
+"""``builder(in_shape, num_classes) -> VisionModel`` (seeded by the caller)."""
+
+_BUILDERS: dict[str, VisionBuilder] = {
     "cnn": SmallCNN,
     "mlp": VisionMLP,
     "alexnet": AlexNetLike,
@@ -369,7 +374,46 @@ _BUILDERS: dict[str, Callable[[tuple[int, int, int], int], VisionModel]] = {
 }
 
 VISION_MODELS: tuple[str, ...] = tuple(_BUILDERS)
-"""Names accepted by :func:`build_vision_model` (``model`` in the run config)."""
+"""fedlr's own vision models; :func:`vision_models` adds the registered ones."""
+
+
+def register_model(name: str, builder: VisionBuilder) -> VisionBuilder:
+    """Add a vision model under ``name`` (``model = "<name>"`` in the run config).
+
+    Parameters
+    ----------
+    name : str
+        The run-config name; must not be taken.
+    builder : callable
+        ``builder(in_shape, num_classes) -> VisionModel``: ``in_shape`` is
+        ``(C, H, W)``; the model is a :class:`VisionModel` (its ``head`` layer
+        an ``nn.Linear`` of ``num_classes`` outputs, ``projected`` the layers
+        FOT projects). :func:`build_vision_model` seeds the call.
+
+    Returns
+    -------
+    callable
+        ``builder``, so the function can decorate a class or a factory.
+
+    Raises
+    ------
+    ValueError
+        If ``name`` is empty or already registered.
+
+    Inside ``flwr run`` every process must run the registration: name the
+    module in the run config's ``extensions`` key (docs/data.md).
+    """
+    if not name:
+        raise ValueError("a vision model needs a non-empty name")
+    if name in _BUILDERS:
+        raise ValueError(f"vision model '{name}' is already registered")
+    _BUILDERS[name] = builder
+    return builder
+
+
+def vision_models() -> tuple[str, ...]:
+    """Names accepted by :func:`build_vision_model`: fedlr's and the registered."""
+    return tuple(_BUILDERS)
 
 
 def build_vision_model(
@@ -379,7 +423,9 @@ def build_vision_model(
 
     Parameters
     ----------
-    name : {"cnn", "mlp", "alexnet", "resnet"}
+    name : str
+        ``"cnn"``, ``"mlp"``, ``"alexnet"``, ``"resnet"`` or a name given to
+        :func:`register_model`.
     in_shape : (C, H, W)
         Shape of one image.
     num_classes : int
@@ -394,13 +440,14 @@ def build_vision_model(
     ------
     ConfigError
         On an unknown ``name`` (listing the known ones), a bad ``in_shape``
-        or ``num_classes``, or images too small for the model.
+        or ``num_classes``, images too small for the model, or a registered
+        builder that does not return a :class:`VisionModel`.
     """
     builder = _BUILDERS.get(name)
     if builder is None:
         raise ConfigError(
             "model",
-            f"'{name}' is not a vision model; known: {', '.join(VISION_MODELS)}",
+            f"'{name}' is not a vision model; known: {', '.join(vision_models())}",
         )
     if len(in_shape) != 3 or min(in_shape) < 1:
         raise ConfigError("model", f"in_shape must be (C, H, W) >= 1, got {in_shape}")
@@ -408,4 +455,11 @@ def build_vision_model(
         raise ConfigError("model", f"num_classes must be >= 2, got {num_classes}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return builder(tuple(int(s) for s in in_shape), int(num_classes))  # type: ignore[arg-type]
+        model = builder(tuple(int(s) for s in in_shape), int(num_classes))  # type: ignore[arg-type]
+    if not isinstance(model, VisionModel):
+        raise ConfigError(
+            "model",
+            f"the builder of '{name}' returned a {type(model).__name__}, not a "
+            "fedlr.models.VisionModel (subclass it: set head and projected)",
+        )
+    return model

@@ -13,6 +13,7 @@ rebuilt at the rank of the arrays it receives.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import cast
 
 import torch
 
@@ -42,7 +43,9 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
     config, spec = method.run, method.spec
     traits = spec.traits
     check_strategy(spec, LoraStrategy)
-    strategy_cls: type[LoraStrategy] = spec.strategy  # type: ignore[assignment]
+    strategy_cls = cast(
+        "type[LoraStrategy]", spec.strategy_for(client_ranks=bool(config.rank_list))
+    )
     if config.rank_list:
         if not traits.heterogeneous_ranks:
             raise ConfigError(

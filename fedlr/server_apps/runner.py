@@ -10,7 +10,8 @@
    if the method asks for it); after each, evaluate, append a CSV row, log a
    progress line and save ``checkpoint.pt`` (:mod:`fedlr.checkpoint`), from
    which ``resume-from`` continues a crashed run.
-4. Save the final arrays, a ``summary.json`` and the plots
+4. Save the final arrays, the adapter directory (:mod:`fedlr.export`), a
+   ``summary.json`` (with the settings and the code version) and the plots
    (:mod:`fedlr.plots`).
 
 Tests call :func:`run_server` with an :class:`~fedlr.flower.InProcessGrid`;
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -35,20 +35,32 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from fedlr.checkpoint import (
+    check_checkpoint_arrays,
     check_resumable,
     get_rng_state,
     load_checkpoint,
+    save_arrays,
     save_checkpoint,
     set_rng_state,
 )
 from fedlr.config import RunConfig
-from fedlr.errors import CheckpointError, ConfigError, InitialArraysError
+from fedlr.errors import ConfigError
+from fedlr.export import export_adapter
+from fedlr.flower.grid import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.plots import write_run_plots
-from fedlr.results import ResultsWriter
+from fedlr.privacy.client_dp import CLIENT_DP_EPSILON, DP_EPSILON
+from fedlr.results import ResultsWriter, ensure_output_dir
 from fedlr.server_apps.plans import ServerPlan, build_plan
+from fedlr.server_apps.progress import RoundClock, gap_text, round_progress
+from fedlr.server_apps.secagg import (
+    SECAGG_COLUMNS,
+    SecAggPlusExchange,
+    secure_exchange,
+)
 from fedlr.strategies.base import FedLRStrategy
 from fedlr.strategies.registry import MethodConfig, resolve
+from fedlr.tracking import code_version, open_tracker
 
 __all__ = ["ServerRun", "run_server"]
 
@@ -62,7 +74,7 @@ def _run_dir(config: RunConfig, run_id: int) -> Path:
     """
     stamp = time.strftime("%Y%m%d-%H%M%S")
     name = f"{config.method}-{config.dataset}-seed{config.seed}-{stamp}-run{run_id}"
-    config.output_path.mkdir(parents=True, exist_ok=True)
+    ensure_output_dir(config.output_path)
     for attempt in range(1, 1000):
         path = config.output_path / (name if attempt == 1 else f"{name}-{attempt}")
         try:
@@ -80,7 +92,8 @@ def _check_federation(grid: Grid, config: RunConfig) -> int:
     ``fraction-train`` of those connected) could never be met: refused before
     round 1 rather than after a round of training.
     In deployment, nodes may still be connecting: the check waits up to 10 s
-    for enough of them (not on a grid whose ``nodes_fixed`` is true) before it refuses.
+    for enough of them (not on an in-process grid, whose nodes all exist) before
+    it refuses.
     """
     deadline = time.monotonic() + min(10.0, config.round_timeout)
     while True:
@@ -89,7 +102,7 @@ def _check_federation(grid: Grid, config: RunConfig) -> int:
         if (
             config.min_replies <= sampled
             or time.monotonic() >= deadline
-            or getattr(grid, "nodes_fixed", False)
+            or isinstance(grid, InProcessGrid)
         ):
             break
         time.sleep(1.0)  # deployment: nodes may still be connecting
@@ -122,11 +135,12 @@ def run_server(grid: Grid, context: Context) -> Path:
         log(INFO, "")
         log(INFO, "[ROUND %d/%d]", server_round, config.num_server_rounds)
         arrays = strategy.run_round(
-            grid,
+            round_progress(grid, server_round, config.num_server_rounds),
             server_round,
             arrays,
             train_config,
             timeout=config.round_timeout,
+            exchange=run.exchange,
         )
         run.evaluate_round(server_round, arrays)
         run.checkpoint(server_round, arrays)
@@ -148,8 +162,11 @@ class ServerRun:
     writer: ResultsWriter
     resume: dict[str, Any] | None
     initial_metrics: dict[str, float] = field(default_factory=dict)
+    clock: RoundClock = field(default_factory=RoundClock)
     started: float = field(default_factory=time.perf_counter)
     first_round: int = 1
+    exchange: SecAggPlusExchange | None = None
+    """``secure-aggregation``: the train rounds' SecAgg+ exchange."""
 
     @property
     def config(self) -> RunConfig:
@@ -167,6 +184,8 @@ class ServerRun:
         resume = load_checkpoint(config.resume_from) if config.resume_from else None
         if resume is not None:
             check_resumable(resume["config"], method.to_mapping())
+        else:
+            ensure_output_dir(config.output_path)  # before the model is built
         random.seed(config.seed)  # Flower samples nodes with `random`
         torch.manual_seed(config.seed)
 
@@ -182,15 +201,22 @@ class ServerRun:
                 min(nodes, config.num_partitions) if nodes else config.num_partitions
             )
             strategy.max_num_examples = plan.largest_partition(parts)
+        exchange = secure_exchange(method, strategy, nodes)
         if resume is not None:
             run_dir = Path(config.resume_from)
         else:
             run_dir = _run_dir(config, int(context.run_id))
+        tracker = open_tracker(
+            config.tracker,
+            run_dir,
+            resume_step=None if resume is None else int(resume["round"]) + 1,
+        )
         writer = ResultsWriter(
             run_dir,
             method=config.method,
             config=method.to_mapping() if resume is None else None,
-            extra_columns=plan.columns,
+            extra_columns=plan.columns + (SECAGG_COLUMNS if exchange else ()),
+            tracker=tracker,
         )
         log(
             INFO,
@@ -202,7 +228,7 @@ class ServerRun:
         if plan.description:
             log(INFO, "fedlr: %s", plan.description)
         strategy.summary()
-        return cls(method, plan, run_dir, writer, resume)
+        return cls(method, plan, run_dir, writer, resume, exchange=exchange)
 
     def start(self) -> tuple[ArrayRecord, int]:
         """The arrays the first round starts from, and that round's number.
@@ -217,15 +243,11 @@ class ServerRun:
             self.evaluate_round(0, arrays)
             self.checkpoint(0, arrays)
             return arrays, 1
-        arrays = ArrayRecord(resume["arrays"])
         strategy.load_state_dict(resume["strategy"])
-        try:
-            strategy.check_arrays(arrays)
-        except InitialArraysError as exc:
-            raise CheckpointError(
-                f"{config.resume_from}: the checkpoint's arrays do not fit this "
-                f"run's layout: {exc}"
-            ) from None
+        check_checkpoint_arrays(
+            resume["arrays"], self.expected_arrays(), source=config.resume_from
+        )
+        arrays = ArrayRecord(resume["arrays"])
         if self.plan.load_state is not None:
             self.plan.load_state(resume.get("plan", {}))
         self.writer.restore(
@@ -242,6 +264,26 @@ class ServerRun:
         )
         self.started = time.perf_counter()
         return arrays, self.first_round
+
+    def expected_arrays(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Keys, shapes and dtypes of the global arrays this run sends.
+
+        The strategy's ``expected_arrays()`` (after its state is restored: a
+        grown FedSpec rank) where it declares them, else the plan's initial
+        arrays; the dtypes are the initial arrays'.
+        """
+        initial = self.plan.initial_arrays
+        declared = self.strategy.expected_arrays()
+        shapes = (
+            {key: tuple(t.shape) for key, t in initial.items()}
+            if declared is None
+            else declared
+        )
+        fallback = next(iter(initial.values())).dtype
+        return {
+            key: (tuple(shape), initial[key].dtype if key in initial else fallback)
+            for key, shape in shapes.items()
+        }
 
     def should_evaluate(self, server_round: int) -> bool:
         """Whether the server evaluates the global model after this round."""
@@ -284,7 +326,11 @@ class ServerRun:
                 + timing.get("federated-eval-seconds", 0.0),
             }
         )
-        self.writer.append(row, layers=report.layers)
+        layers = report.layers
+        if self.exchange is not None:  # what travelled; no per-client gaps
+            row.update(self.exchange.row())
+            layers = {}
+        self.writer.append(row, layers=layers)
         extras = " ".join(
             f"{c} {row[c]:.4g}"
             for c in self.plan.columns
@@ -292,19 +338,19 @@ class ServerRun:
         )
         log(
             INFO,
-            "fedlr [round %d/%d] accuracy %.4f loss %.4f gap %.3e (rel %.3e) "
-            "up %s down %s clients %d dropped %d %.1fs%s",
+            "fedlr [round %d/%d] accuracy %.4f loss %.4f %s"
+            "up %s down %s clients %d dropped %d %.1fs %s%s",
             server_round,
             self.config.num_server_rounds,
             accuracy,
             loss,
-            m.get("frobenius-gap", float("nan")),
-            m.get("relative-gap", float("nan")),
-            _mb(m.get("bytes-up", 0.0)),
-            _mb(m.get("bytes-down", 0.0)),
+            gap_text({**m, **row}),  # the row's values (secure aggregation's)
+            _mb(row.get("bytes-up", 0.0)),
+            _mb(row.get("bytes-down", 0.0)),
             int(m.get("clients", 0)),
             int(m.get("dropped", 0)),
             seconds,
+            self.clock.lap(seconds, self.config.num_server_rounds - server_round),
             f" {extras}" if extras else "",
         )
 
@@ -336,12 +382,11 @@ class ServerRun:
         self.started = time.perf_counter()  # a round's seconds exclude this
 
     def finish(self, arrays: ArrayRecord) -> Path:
-        """Write the final arrays, ``summary.json`` and the plots."""
+        """Write the final arrays, the adapter (:func:`fedlr.export.export_adapter`),
+        ``summary.json`` and the plots; close the tracker."""
         config, run_dir = self.config, self.run_dir
         final = record_to_state(arrays)
-        tmp = run_dir / "final_arrays.pt.tmp"
-        torch.save(final, tmp)
-        os.replace(tmp, run_dir / "final_arrays.pt")
+        save_arrays(run_dir / "final_arrays.pt", final)
         frame = self.writer.frame
         initial = self.initial_metrics
         summary: dict[str, Any] = {
@@ -349,6 +394,7 @@ class ServerRun:
             "method": config.method,
             "rounds": len(frame),
             "initial-accuracy": initial.get("accuracy", float("nan")),
+            "initial-loss": initial.get("loss", float("nan")),
             "final-accuracy": float(frame["accuracy"].iloc[-1]),
             "final-loss": float(frame["loss"].iloc[-1]),
             "total-bytes-up": float(frame["bytes-up"].sum()),
@@ -359,11 +405,19 @@ class ServerRun:
             if key not in ("accuracy", "loss") and key in frame:
                 summary[f"initial-{key}"] = float(value)
                 summary[f"final-{key}"] = float(frame[key].iloc[-1])
+        for key in (DP_EPSILON, CLIENT_DP_EPSILON):  # the privacy spent, if any
+            if key in frame and bool(frame[key].notna().any()):
+                summary[key] = float(frame[key].max())
         if self.resume is not None:
             summary["resumed-after-round"] = self.first_round - 1
         if self.plan.finish is not None:
             summary.update(self.plan.finish(run_dir))
+        last = int(frame["round"].iloc[-1]) if len(frame) else 0
+        summary.update(export_adapter(self.method, final, run_dir, rounds=last))
+        summary["code-version"] = code_version()
+        summary["settings"] = self.method.to_mapping()
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        self.writer.close()
         plots = write_run_plots(run_dir)
         log(INFO, "fedlr: plots %s", ", ".join(p.name for p in plots))
         log(

@@ -16,7 +16,7 @@ import dataclasses
 import math
 import time
 from abc import abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from typing import Any, ClassVar, cast
@@ -34,16 +34,25 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore import log
 
-from fedlr.adapters.roles import Role, RoleLayout
+from fedlr.adapters.plugin import warn_unsaved_heads
+from fedlr.adapters.roles import AdaptedModel, Role, RoleLayout
 from fedlr.config import RunConfig
 from fedlr.errors import (
     InitialArraysError,
     NoValidRepliesError,
     ReplyValidationError,
 )
+from fedlr.fingerprint import (
+    BaseFingerprint,
+    check_model,
+    fingerprint_roles,
+    model_fingerprint,
+)
 from fedlr.flower.records import record_nbytes, record_to_state, state_to_record
 from fedlr.linalg import weighted_mean
 from fedlr.options import NoOptions, Options, coerce, kebab
+from fedlr.privacy.client_dp import DP_EPSILON, check_robust, largest_spent, privatize
+from fedlr.privacy.settings import PrivacyConfig
 from fedlr.protocol import (
     LR,
     NUM_EXAMPLES,
@@ -53,11 +62,21 @@ from fedlr.protocol import (
     encode_roles,
     train_loss_of,
 )
-from fedlr.robust import ParameterSpace, RobustConfig, UpdateSpace, robust_aggregate
+from fedlr.robust import (
+    DEFAULT_SCREEN_RATIO,
+    ParameterSpace,
+    RobustConfig,
+    ScreenOutcome,
+    UpdateSpace,
+    robust_aggregate,
+)
 from fedlr.strategies.replies import ReplyChecks, short
 from fedlr.updates import ClientUpdate
 
-__all__ = ["ClientUpdate", "FedLRStrategy", "RoundReport"]
+__all__ = ["ClientUpdate", "Exchange", "FedLRStrategy", "RoundReport"]
+
+Exchange = Callable[[Grid, Iterable[Message], float | None], Iterable[Message]]
+"""Sends a round's train instructions and returns the replies (``run_round``)."""
 
 NUMERIC_FAULTS: tuple[type[BaseException], ...] = (
     torch.linalg.LinAlgError,  # type: ignore[attr-defined]
@@ -164,6 +183,15 @@ class FedLRStrategy(ReplyChecks, FedAvg):
         A round whose new global arrays differ from the current ones by more
         than this times the current arrays' norm is rejected (the previous
         global state is kept); 0: only non-finite results are rejected.
+    screen_ratio : float, default 20.0
+        A reply whose update norm (in :meth:`robust_space`) exceeds this times
+        the round's median update norm, and the current state's norm, is
+        dropped before aggregation (:func:`fedlr.robust.screen_sizes`); 0
+        turns the screen off.
+    privacy : PrivacyConfig, optional
+        Differential privacy (:mod:`fedlr.privacy`): DP-SGD settings sent to
+        the clients, client-level DP applied here after validation. Default:
+        none.
     options : Options, optional
         The method's options, an instance of :attr:`options_type` (default:
         its defaults); kept as :attr:`method_options`.
@@ -180,6 +208,10 @@ class FedLRStrategy(ReplyChecks, FedAvg):
     folds_base: ClassVar[bool] = False
     personalised: ClassVar[bool] = False
     heterogeneous_ranks: ClassVar[bool] = False
+    hetero_variant: ClassVar[type[FedLRStrategy] | None] = None
+    """The class a run with ``client-ranks`` builds instead of this one (set by
+    FedEx-LoRA and FedSpec, whose heterogeneous-rank rounds are another
+    class); read by :meth:`fedlr.strategies.registry.MethodSpec.strategy_for`."""
     extra_columns: tuple[str, ...] = ()
     options_type: ClassVar[type[Options]] = NoOptions
     """The method's options class: the ``options`` it is registered with
@@ -194,6 +226,8 @@ class FedLRStrategy(ReplyChecks, FedAvg):
         robust: RobustConfig | None = None,
         max_num_examples: int | None = None,
         max_update_ratio: float = 0.0,
+        screen_ratio: float = DEFAULT_SCREEN_RATIO,
+        privacy: PrivacyConfig | None = None,
         options: Options | None = None,
         **kwargs: Any,
     ) -> None:
@@ -206,12 +240,18 @@ class FedLRStrategy(ReplyChecks, FedAvg):
             raise ValueError(f"max_num_examples must be >= 1, got {max_num_examples}")
         if not (math.isfinite(max_update_ratio) and max_update_ratio >= 0):
             raise ValueError(f"max_update_ratio must be >= 0, got {max_update_ratio}")
+        if not (math.isfinite(screen_ratio) and screen_ratio >= 0):
+            raise ValueError(f"screen_ratio must be >= 0, got {screen_ratio}")
         super().__init__(**kwargs)
         self.lr_decay = lr_decay
         self.min_replies = min_replies
         self.robust = robust if robust is not None else RobustConfig()
         self.max_num_examples = max_num_examples
         self.max_update_ratio = max_update_ratio
+        self.privacy = privacy if privacy is not None else PrivacyConfig()
+        check_robust(self.privacy, self.robust)
+        self.screen_ratio = screen_ratio
+        self.last_screen: ScreenOutcome | None = None
         self.rejected_rounds = 0
         self.last_rejection: str | None = None
         self.last_robust: list[str] = []
@@ -223,6 +263,9 @@ class FedLRStrategy(ReplyChecks, FedAvg):
         self.last_report: RoundReport = RoundReport()
         self.nodes_sampled_from = 0
         self.last_dropped: list[str] = []
+        self.base_fingerprint: BaseFingerprint | None = None
+        """Plug-in use: the server's model's frozen weights (:meth:`bind_model`),
+        sent with every instruction; ``None``: not sent, not checked."""
 
     @classmethod
     def own_options(cls, options: Options | None, kwargs: dict[str, Any]) -> Options:
@@ -279,6 +322,43 @@ class FedLRStrategy(ReplyChecks, FedAvg):
         """Extra per-round values for the clients' ConfigRecord."""
         return {}
 
+    def instruction_config(self, server_round: int) -> dict[str, Any]:
+        """:meth:`round_config` plus the base fingerprint (when bound): the
+        values every train and evaluate instruction of the round carries."""
+        config = self.round_config(server_round)
+        if self.base_fingerprint is not None:
+            config = {**config, **self.base_fingerprint.config()}
+        return config
+
+    def bind_model(self, view: AdaptedModel) -> None:
+        """Plug-in use (``for_model``): fingerprint the server's model.
+
+        Remembers :attr:`base_fingerprint`, the frozen base weights of every
+        adapted layer and the adapter factors that never travel, as built
+        (:mod:`fedlr.fingerprint`), and warns about a task head fedlr would
+        never send (:func:`~fedlr.adapters.plugin.warn_unsaved_heads`).
+        """
+        roles = fingerprint_roles(
+            view.layout,
+            self.send_roles,
+            self.train_roles,
+            getattr(self, "keep_roles", ()),
+        )
+        self.base_fingerprint = model_fingerprint(view, roles)
+        warn_unsaved_heads(view)
+
+    def check_model(self, view: AdaptedModel, *, what: str) -> None:
+        """Plug-in use (``initial_arrays``, ``load_into``): ``view`` was built
+        like the model the strategy was made for.
+
+        Raises
+        ------
+        BaseMismatchError
+            If its frozen weights differ from :attr:`base_fingerprint`.
+        """
+        check_model(self.base_fingerprint, view, what=what)
+        warn_unsaved_heads(view)
+
     def options(self) -> dict[str, Any]:
         """The strategy's fedlr settings, for :meth:`summary`: the common
         ones by constructor name, then every :attr:`method_options` key.
@@ -300,6 +380,7 @@ class FedLRStrategy(ReplyChecks, FedAvg):
             options["max_num_examples"] = self.max_num_examples
         if self.max_update_ratio > 0:
             options["max_update_ratio"] = self.max_update_ratio
+        options["screen_ratio"] = self.screen_ratio or "off"
         return {**options, **self.method_options.to_mapping()}
 
     def robust_space(self, current: Mapping[str, torch.Tensor]) -> UpdateSpace:
@@ -363,6 +444,8 @@ class FedLRStrategy(ReplyChecks, FedAvg):
             "robust": config.robust_config,
             "max_num_examples": config.max_num_examples or None,
             "max_update_ratio": config.max_update_ratio,
+            "privacy": config.privacy,
+            "screen_ratio": config.screen_ratio,
             "fraction_evaluate": 1.0 if cls.federated_evaluation else 0.0,
             "min_train_nodes": 1,
             "min_evaluate_nodes": 1,
@@ -417,6 +500,13 @@ class FedLRStrategy(ReplyChecks, FedAvg):
         for i, (name, value) in enumerate(items):
             branch = "└" if i == len(items) - 1 else "├"
             log(INFO, "\t│\t%s── %s: %s", branch, name, value)
+        if self.base_fingerprint is not None:
+            log(
+                INFO,
+                "\t├──> nodes' models checked against a fingerprint of %d frozen "
+                "weights of the server's model",
+                len(self.base_fingerprint.keys),
+            )
         super().summary()
 
     # ---------------------------------------------------------- round driver
@@ -428,6 +518,7 @@ class FedLRStrategy(ReplyChecks, FedAvg):
         train_config: ConfigRecord,
         evaluate_config: ConfigRecord | None = None,
         timeout: float | None = 3600.0,
+        exchange: Exchange | None = None,
     ) -> ArrayRecord:
         """One round as ``Strategy.start`` runs it: train, then federated eval.
 
@@ -441,6 +532,11 @@ class FedLRStrategy(ReplyChecks, FedAvg):
         (instructions out, replies in), ``aggregate-seconds`` (validation and
         the kernel) and ``federated-eval-seconds``.
 
+        ``exchange(grid, instructions, timeout)``, when given, sends the train
+        instructions and returns the replies in place of
+        ``grid.send_and_receive`` (secure aggregation:
+        :class:`fedlr.server_apps.secagg.SecAggPlusExchange`).
+
         Returns
         -------
         ArrayRecord
@@ -448,7 +544,10 @@ class FedLRStrategy(ReplyChecks, FedAvg):
         """
         start = time.perf_counter()
         sent = self.configure_train(server_round, arrays, train_config, grid)
-        replies = grid.send_and_receive(messages=sent, timeout=timeout)
+        if exchange is None:
+            replies = grid.send_and_receive(messages=sent, timeout=timeout)
+        else:
+            replies = exchange(grid, sent, timeout)
         trained = time.perf_counter()
         new_arrays, _ = self.aggregate_train(server_round, replies)
         if new_arrays is not None:
@@ -577,8 +676,11 @@ class FedLRStrategy(ReplyChecks, FedAvg):
         if LR in round_config:
             lr = float(cast(float, round_config[LR]))
             round_config[LR] = lr * self.lr_decay ** (server_round - 1)
-        for key, value in self.round_config(server_round).items():
+        for key, value in self.instruction_config(server_round).items():
             round_config[key] = value
+        if self.privacy.dp_sgd is not None:  # the clients' DP-SGD settings
+            for key, value in self.privacy.dp_sgd.instruction().items():
+                round_config[key] = value
         return round_config
 
     def note_sent(self, arrays: ArrayRecord, count: int) -> None:
@@ -591,9 +693,11 @@ class FedLRStrategy(ReplyChecks, FedAvg):
         """Validate every reply, aggregate the valid ones, report metrics.
 
         Dropped, each with a logged reason and counted in ``dropped``: replies
-        that fail validation, a node's second reply, replies from nodes that
-        were not sent an instruction this round, and (as ``no reply``) nodes
-        that were sent one but did not answer.
+        that fail validation, updates far larger than the round's median
+        (:meth:`screen_update_sizes`, ``screen_ratio``), a node's second
+        reply, replies from nodes that were not sent an instruction this
+        round, and (as ``no reply``) nodes that were sent one but did not
+        answer.
 
         Returns
         -------
@@ -612,7 +716,9 @@ class FedLRStrategy(ReplyChecks, FedAvg):
             )
         fresh, dropped = self.screen_replies(list(replies))
         updates, invalid = self.validate_replies(fresh)
-        dropped = invalid + dropped
+        current = record_to_state(self._current)
+        updates, oversized = self.screen_update_sizes(updates, current)
+        dropped = invalid + oversized + dropped
         self.last_dropped = dropped
         for reason in dropped:
             log(WARNING, "round %d: dropped a reply: %s", server_round, reason)
@@ -620,9 +726,9 @@ class FedLRStrategy(ReplyChecks, FedAvg):
             raise NoValidRepliesError(
                 server_round, len(updates), self.min_replies, dropped
             )
-        current = record_to_state(self._current)
         valid = len(updates)
         robust_metrics: dict[str, float] = {}
+        left_out: list[ClientUpdate] = []
         self.last_robust = []
         if self.robust.active:
             outcome = robust_aggregate(updates, self.robust_space(current), self.robust)
@@ -634,9 +740,25 @@ class FedLRStrategy(ReplyChecks, FedAvg):
                     self.robust.rule,
                     reason,
                 )
+            kept_nodes = {u.node_id for u in outcome.updates}
+            left_out = [u for u in updates if u.node_id not in kept_nodes]
             updates, robust_metrics = outcome.updates, outcome.metrics
             updates = [self.clip_extras(u) for u in updates]
             self.last_robust = outcome.reasons
+        if self.privacy.client_dp is not None:  # fedlr.privacy.client_dp
+            updates, dp_metrics = privatize(
+                updates,
+                current,
+                list(self.reply_shapes()),
+                self.privacy.client_dp,
+                sent=len(self._sent) if self._sent else len(updates),
+                population=self.nodes_sampled_from,
+                server_round=server_round,
+            )
+            robust_metrics.update(dp_metrics)
+        spent = largest_spent(updates)  # DP-SGD: the round's largest epsilon
+        if spent is not None:
+            robust_metrics[DP_EPSILON] = spent
         snapshot = copy.deepcopy(self.state_dict())
         report = RoundReport()
         try:
@@ -653,13 +775,19 @@ class FedLRStrategy(ReplyChecks, FedAvg):
             "dropped": float(len(dropped)),
             "bytes-up": float(sum(u.nbytes for u in updates)),
             "bytes-down": float(self._bytes_down),
-            TRAIN_LOSS: self.mean_train_loss(updates),
             "rejected": 0.0 if rejection is None else 1.0,
             **robust_metrics,
         }
+        if any(key in u.metrics for u in updates for key in TRAIN_LOSS_ALIASES):
+            metrics[TRAIN_LOSS] = self.mean_train_loss(updates)
         clients = self.train_metrics_aggr_fn(
             [u.content for u in updates], self.weighted_by_key
         )
+        if left_out:  # the robust rule's trimmed clients, reported apart
+            trimmed = self.train_metrics_aggr_fn(
+                [u.content for u in left_out], self.weighted_by_key
+            )
+            clients = with_trimmed(clients, trimmed)
         if rejection is not None:
             self.load_state_dict(snapshot)
             self.rejected_rounds += 1
@@ -735,16 +863,20 @@ class FedLRStrategy(ReplyChecks, FedAvg):
         return sum(loss * n for loss, n in reported) / sum(n for _, n in reported)
 
     def merge_metrics(
-        self, clients: MetricRecord | None, own: Mapping[str, float]
+        self,
+        clients: MetricRecord | None,
+        own: Mapping[str, float],
+        *,
+        quiet: Iterable[str] = (),
     ) -> MetricRecord:
         """The clients' aggregated metrics with fedlr's own on top.
 
         A key of the clients' that fedlr also reports is replaced by fedlr's
-        value, with a warning logged once per key (``num-examples`` and the
-        training loss are fedlr's own reply keys and replaced silently).
+        value, with a warning logged once per key (``num-examples``, the
+        training loss and the keys of ``quiet`` are replaced silently).
         """
         values: dict[str, MetricRecordValues] = dict(clients or {})
-        quiet = {NUM_EXAMPLES, self.weighted_by_key, *TRAIN_LOSS_ALIASES}
+        quiet = {NUM_EXAMPLES, self.weighted_by_key, *TRAIN_LOSS_ALIASES, *quiet}
         clashes = sorted((set(values) & set(own)) - quiet - self._warned_clashes)
         if clashes:
             self._warned_clashes.update(clashes)
@@ -768,7 +900,7 @@ class FedLRStrategy(ReplyChecks, FedAvg):
         ``arrays``. Nothing is sent when ``fraction_evaluate`` is 0.
         """
         eval_config = ConfigRecord(dict(config))
-        for key, value in self.round_config(server_round).items():
+        for key, value in self.instruction_config(server_round).items():
             eval_config[key] = value
         return super().configure_evaluate(server_round, arrays, eval_config, grid)
 
@@ -802,6 +934,17 @@ class FedLRStrategy(ReplyChecks, FedAvg):
         if not contents:
             return None
         return self.evaluate_metrics_aggr_fn(contents, self.weighted_by_key)
+
+
+def with_trimmed(
+    clients: MetricRecord | None, trimmed: MetricRecord | None
+) -> MetricRecord:
+    """The clients' aggregated metrics plus those of the clients a robust rule
+    left out, aggregated apart, each key prefixed ``trimmed-``."""
+    values: dict[str, MetricRecordValues] = dict(clients or {})
+    for key, value in (trimmed or {}).items():
+        values[f"trimmed-{key}"] = value
+    return MetricRecord(values)
 
 
 def with_records(message: Message, records: Mapping[str, ArrayRecord]) -> Message:

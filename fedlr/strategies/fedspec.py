@@ -27,11 +27,23 @@ peft scales ``B A`` by ``alpha / r``; so that the model's update
 ``(alpha / r') B A`` equals ``(alpha / r) M_{r'}``, both factors are multiplied
 by ``sqrt(r' / r)``.
 
-With many clients the SVD may be randomized: ``svd-randomized`` is then 1.0,
-and the tail energy (hence ``tail-energy``, the rank rule's input, and the
+With many clients the SVD may be randomized (``svd-solver``:
+:mod:`fedlr.strategies.svd_solver`; ``auto`` logs the first switch):
+``svd-randomized`` is then 1.0, and the tail energy (``tail-energy`` and the
 gap) includes a Hutch++ estimate of the energy outside the sketched subspace:
 ``gap-estimated`` is 1.0 and ``gap-error-bound`` bounds the relative error of
-``frobenius-gap`` (three standard errors of the estimate).
+``frobenius-gap`` (three standard errors of the estimate). The randomized
+singular values are lower bounds of the true ones, so that point estimate of
+the tail is biased upward; the rank rule decides on bounds instead
+(:meth:`~fedlr.linalg.TruncatedSVD.tail_fraction_bounds`): it grows the rank
+when even the lower bound exceeds the threshold, keeps it when even the upper
+bound does not, and otherwise (near the threshold) measures the layer again:
+first ``||M||_F^2`` exactly (:func:`fedlr.linalg.frobenius_sq_of_mean`, trace
+of Gram products, no ``d x d`` matrix per client), which makes the upper
+bound the exact error of the rank-``r`` factors, then, if still undecided,
+the exact SVD of that layer (``auto``; with ``svd-solver = "randomized"`` an
+undecided layer is judged by the exact tail of the factors it sends, which
+exceeds the optimal tail by what the randomized subspace misses).
 
 Heterogeneous ranks (``client-ranks``): :meth:`FedSpec.from_run_config`
 builds a :class:`HeteroFedSpec`. Client ``i`` trains rank ``r_i`` with
@@ -69,18 +81,20 @@ from fedlr.linalg import (
     TruncatedSVD,
     adaptive_rank,
     factored_svd,
+    frobenius_sq_of_mean,
     gap_summary,
     pad_factors,
     stacked_update,
     svd_of_mean,
     truncate,
 )
-from fedlr.options import NoOptions, option, require
+from fedlr.options import option, require
 from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.hetero import HeteroRankLoRA, layout_at_rank
 from fedlr.strategies.lora_svd import SeededLoraStrategy
 from fedlr.strategies.registry import register_method
+from fedlr.strategies.svd_solver import SvdSolverChoice, SvdSolverOptions
 
 __all__ = [
     "ENERGY_RULES",
@@ -95,8 +109,8 @@ ENERGY_RULES = ("sigma2", "sigma")
 
 
 @dataclass(frozen=True)
-class FedSpecOptions(NoOptions):
-    """FedSpec's run-config keys."""
+class FedSpecOptions(SvdSolverOptions):
+    """FedSpec's run-config keys (and ``svd-solver``)."""
 
     fedspec_threshold: float = option(
         0.05,
@@ -120,6 +134,7 @@ class FedSpecOptions(NoOptions):
     )
 
     def check(self) -> None:
+        super().check()
         require(
             self.fedspec_energy in ENERGY_RULES,
             "fedspec-energy",
@@ -144,7 +159,7 @@ class FedSpecOptions(NoOptions):
     summary="truncated SVD of the mean of products, B=U sqrt(S), A=sqrt(S) V^T; "
     "rank grows by 2 while the tail energy exceeds a threshold",
 )
-class FedSpec(SeededLoraStrategy):
+class FedSpec(SvdSolverChoice, SeededLoraStrategy):
     """Spectrally optimal aggregation with a monotone adaptive rank.
 
     Parameters
@@ -157,7 +172,8 @@ class FedSpec(SeededLoraStrategy):
         the smallest side of an adapted layer; default 16) and
         ``fedspec_energy`` (``"sigma2"``, the tail fraction of the squared
         singular values, the Frobenius gap's, or ``"sigma"``, of the singular
-        values, the FedSpec source's rule); each can be passed by name.
+        values, the FedSpec source's rule) and ``svd_solver`` (``"auto"``,
+        ``"exact"``, ``"randomized"``); each can be passed by name.
     **kwargs
         Other parameters: see :class:`~fedlr.strategies.lora_svd.SeededLoraStrategy`.
     """
@@ -243,20 +259,37 @@ class FedSpec(SeededLoraStrategy):
         #    the rule can reach; the path (factored QR, dense, randomized) is the
         #    cost model's (fedlr.linalg.svd_of_mean), exact while that is cheap.
         reach = max(rank, min(rank + 2, self.max_rank))
-        svds = {
-            m.name: svd_of_mean(
+        factors = {
+            m.name: (
                 [u.arrays[m.b_key] for u in updates],
                 [u.arrays[m.a_key] for u in updates],
+            )
+            for m in self.layout.modules
+        }
+        svds: dict[str, TruncatedSVD] = {}
+        for m in self.layout.modules:
+            svds[m.name] = svd_of_mean(
+                *factors[m.name],
                 weights,
                 reach,
                 cost=DEFAULT_COST_MODEL,
                 seed=self.seed + server_round,
+                solver=self.svd_solver,
             )
-            for m in self.layout.modules
-        }
-        # 2. Rank rule on the largest tail fraction at the current rank.
+            self.note_svd(
+                "fedspec",
+                m.name,
+                svds[m.name],
+                clients=len(updates),
+                rank=rank,
+                shape=(m.d_out, m.d_in),
+            )
+        # 2. Rank rule on the largest tail fraction at the current rank, from
+        #    bounds where the SVD was randomized (undecided layers measured
+        #    again, exactly).
+        decisive = self.decide(server_round, svds, factors, weights, reach)
         tail = self.tail_fraction(svds.values())
-        new_rank = adaptive_rank(rank, min(tail, 1.0), self.threshold, self.max_rank)
+        new_rank = adaptive_rank(rank, decisive, self.threshold, self.max_rank)
         new_layout = layout_at_rank(self.layout, new_rank)
         gain = math.sqrt(new_rank / rank)  # (alpha / r') B A == (alpha / r) M_r'
         # 3. Balanced factors of the rank-r' truncation, padded if needed.
@@ -283,6 +316,80 @@ class FedSpec(SeededLoraStrategy):
         )
         report.metrics["tail-energy"] = tail
         return state, report
+
+    def fraction_bounds(self, svd: TruncatedSVD) -> tuple[float, float]:
+        """Bounds of one layer's tail fraction at the current rank (of
+        ``sigma^2`` or of ``sigma``, ``energy``); equal for an exact SVD."""
+        if self.energy == "sigma2":
+            return svd.tail_fraction_bounds(self.rank)
+        return svd.sigma_fraction_bounds(self.rank)
+
+    def decide(
+        self,
+        server_round: int,
+        svds: dict[str, TruncatedSVD],
+        factors: Mapping[str, tuple[list[torch.Tensor], list[torch.Tensor]]],
+        weights: list[float],
+        reach: int,
+    ) -> float:
+        """The rank rule's input: the largest upper bound of the layers' tail
+        fractions, after measuring the undecided layers again.
+
+        A layer is undecided when its bounds straddle the threshold (only a
+        randomized SVD has distinct bounds). It is measured again, in place
+        in ``svds``: first with the exact ``||M||_F^2``, which makes the
+        upper bound the exact tail of the rank-``r`` factors the randomized
+        SVD returns; then, if still undecided and ``svd-solver`` is ``auto``,
+        by the exact SVD. A decided layer's upper bound is on the right side
+        of the threshold; an undecided one left (``svd-solver =
+        "randomized"``) is judged by the exact tail of its own factors, never
+        by a point estimate: the rank grows when the factors it would send
+        lose more than the threshold.
+        """
+        threshold = self.threshold
+        for name, svd in list(svds.items()):
+            low, high = self.fraction_bounds(svd)
+            if not low <= threshold < high:
+                continue
+            bs, as_ = factors[name]
+            if svd.energy_estimated:
+                svd = svd.with_total_energy(
+                    frobenius_sq_of_mean(bs, as_, weights, cost=DEFAULT_COST_MODEL)
+                )
+                svds[name] = svd
+                low, high = self.fraction_bounds(svd)
+            if low <= threshold < high and self.svd_solver == "auto":
+                svds[name] = svd_of_mean(
+                    bs, as_, weights, reach, cost=DEFAULT_COST_MODEL, solver="exact"
+                )
+                log(
+                    INFO,
+                    "fedspec round %d: layer %s's tail fraction is within "
+                    "[%.4f, %.4f] of the randomized SVD, around the threshold "
+                    "%.4f: decided by the exact SVD",
+                    server_round,
+                    name,
+                    low,
+                    high,
+                    threshold,
+                )
+        return min(max(self.judged_fraction(s) for s in svds.values()), 1.0)
+
+    def judged_fraction(self, svd: TruncatedSVD) -> float:
+        """One layer's value for the rank rule (see :meth:`decide`).
+
+        The upper bound, which is on the threshold's side of the exact value
+        when the bounds do not straddle it, and the exact tail fraction of
+        the returned factors when they do (``sigma2``, the total measured
+        exactly). For ``energy="sigma"`` its upper bound is loose (only
+        ``||M||_F^2`` is known beyond the sketch); an undecided layer is then
+        judged by the point value :meth:`TruncatedSVD.sigma_fraction_at`,
+        which underestimates the sigma-tail (the rank grows later).
+        """
+        low, high = self.fraction_bounds(svd)
+        if self.energy == "sigma" and low <= self.threshold < high:
+            return svd.sigma_fraction_at(self.rank)
+        return high
 
     def tail_fraction(self, svds: Iterable[TruncatedSVD]) -> float:
         """The rank rule's input: the largest layer's tail fraction at the
@@ -325,9 +432,22 @@ class HeteroFedSpec(HeteroRankLoRA, FedSpec):
     rank-``r`` approximation of ``M``. ``frobenius-gap`` is FedSpec's,
     ``||M - M_R||_F``; ``gap-rank-<r>`` is ``||M - M_r||_F``.
 
+    Its SVD is always the exact one of the stacked updates; ``svd-solver =
+    "randomized"`` is refused.
+
     Parameters: see :class:`FedSpec` and
     :class:`~fedlr.strategies.hetero.HeteroRankLoRA`.
     """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if self.svd_solver == "randomized":
+            raise ConfigError(
+                "svd-solver",
+                '"randomized" is not available with client-ranks: FedSpec over '
+                "heterogeneous ranks takes the exact SVD of the stacked updates; "
+                'use "auto" or "exact"',
+            )
 
     def round_config(self, server_round: int) -> dict[str, Any]:
         """FedSpec's, without ``lora-rank``: every client keeps its own rank."""

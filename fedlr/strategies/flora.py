@@ -21,6 +21,7 @@ from fedlr.linalg import (
     stacked_update,
 )
 from fedlr.payloads import LORA
+from fedlr.strategies.base import ClientUpdate
 from fedlr.strategies.fedex_downlink import DownlinkOptions
 from fedlr.strategies.hetero import (
     HeteroFoldLoRA,
@@ -50,6 +51,18 @@ class FLoRA(HeteroFoldLoRA):
     """
 
     send_roles: ClassVar[tuple[Role, ...]] = (Role.HEAD, Role.BASE)
+
+    def start_of(
+        self, update: ClientUpdate, current: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """A fresh adapter: ``B0 = 0`` (its product is 0), ``A0`` the client's
+        own ``A`` (so moving the update scales its product), the global head.
+        """
+        start = dict(current)
+        for m in self.layout.modules:
+            start[m.a_key] = update.arrays[m.a_key]
+            start[m.b_key] = torch.zeros_like(update.arrays[m.b_key])
+        return start
 
     def aggregate_layer(
         self,

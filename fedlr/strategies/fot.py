@@ -42,7 +42,6 @@ References
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -58,7 +57,7 @@ from fedlr import protocol
 from fedlr.config import RunConfig
 from fedlr.continual import ContinualOptions
 from fedlr.errors import ReplyValidationError
-from fedlr.flower.records import record_nbytes, record_to_state
+from fedlr.flower.records import record_nbytes
 from fedlr.linalg.fot import (
     expand_basis,
     project_update,
@@ -359,11 +358,6 @@ class FOT(FedAvgContinual):
         if self.boundary_task(self._round) < 0:
             return update
         node = update.node_id
-        self.extra_arrays(
-            update,
-            protocol.SKETCHES,
-            {layer: self.sketch_shape(layer) for layer in self.dims},
-        )
         for layer in self.dims:
             r = update.metrics.get(protocol.gpse_fraction_key(layer))
             if r is None or not 0.0 <= r <= 1.0:
@@ -376,16 +370,26 @@ class FOT(FedAvgContinual):
             raise ReplyValidationError(
                 node, f"'{protocol.GPSE_EXAMPLES}' must be >= 1, got {b}"
             )
-        record = update.content.array_records[protocol.SKETCHES]
-        return dataclasses.replace(update, nbytes=update.nbytes + record_nbytes(record))
+        return update
+
+    def reply_records(self) -> dict[str, dict[str, tuple[int, ...]]]:
+        """Boundary rounds: the ``sketches`` record, one per projected layer."""
+        if self.boundary_task(self._round) < 0:
+            return {}
+        return {
+            protocol.SKETCHES: {layer: self.sketch_shape(layer) for layer in self.dims}
+        }
+
+    def clip_extras(self, update: ClientUpdate) -> ClientUpdate:
+        """The sketches are of the trained model's activations, not of the
+        update: clipping the update leaves them as sent."""
+        return update
 
     # ------------------------------------------------------------- aggregation
     def expand_bases(self, updates: list[ClientUpdate]) -> dict[str, int]:
         """GPSE on the server: extend every layer's basis; return the k added."""
         counts = [u.metrics[protocol.GPSE_EXAMPLES] for u in updates]
-        sketches = [
-            record_to_state(u.content.array_records[protocol.SKETCHES]) for u in updates
-        ]
+        sketches = [u.extras[protocol.SKETCHES] for u in updates]
         added: dict[str, int] = {}
         for layer in self.dims:
             total = torch.stack([s[layer].to(torch.float64) for s in sketches]).sum(0)

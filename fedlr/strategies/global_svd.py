@@ -55,6 +55,7 @@ from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.lora_svd import PersonalArrays, PersonalLoraStrategy
 from fedlr.strategies.registry import register_method
+from fedlr.strategies.svd_solver import SvdSolverChoice, SvdSolverOptions
 
 __all__ = ["ClientSvd", "GlobalSVD", "LocalSVD"]
 
@@ -95,13 +96,22 @@ class ClientSvd(ClientFeature):
     payload=LORA,
     summary="server SVD of the client updates side by side: shared lora_A, "
     "client-specific lora_B",
+    options=SvdSolverOptions,
     client=(PersonalArrays,),
 )
-class GlobalSVD(PersonalLoraStrategy):
+class GlobalSVD(SvdSolverChoice, PersonalLoraStrategy):
     """Server-side SVD of the stacked client updates.
 
     The server keeps each node's latest ``lora_B`` block only to deliver it
-    (with the next train and evaluate instructions).
+    (with the next train and evaluate instructions). ``svd_solver``
+    (``svd-solver``: ``auto``, ``exact``, ``randomized``;
+    :mod:`fedlr.strategies.svd_solver`) picks the SVD's path.
+
+    The global arrays are the shared ``lora_A`` and the head: a server-side
+    ``evaluate_fn`` that loads them (``strategy.load_into``) keeps the
+    model's initial ``lora_B`` and so evaluates no client's model; the
+    clients' federated evaluation (each with its own block) is the method's
+    accuracy, and their own metrics go to ``evaluate_metrics_aggr_fn`` too.
 
     Parameters: see :class:`~fedlr.strategies.lora_svd.PersonalLoraStrategy`.
     """
@@ -135,6 +145,15 @@ class GlobalSVD(PersonalLoraStrategy):
                 m.rank,
                 cost=DEFAULT_COST_MODEL,
                 seed=self.seed + server_round,
+                solver=self.svd_solver,
+            )
+            self.note_svd(
+                "global-svd",
+                m.name,
+                svd,
+                clients=len(updates),
+                rank=m.rank,
+                shape=(m.d_out, m.d_in),
             )
             randomized = randomized or svd.randomized
             dtype = current[m.a_key].dtype

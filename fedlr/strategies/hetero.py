@@ -30,10 +30,20 @@ says ``leading-rank``, so a node of rank ``r`` keeps their leading ``r``
 components, scaled by ``sqrt(r / R)`` (then ``(alpha / r) B A`` is the
 leading part of ``(alpha / R) B_R A_R``; :func:`fedlr.client.apply_round`).
 Once a node has replied, the server knows its rank and sends it only those
-``r`` components. Replies are validated at the rank their ``A`` declares,
-which must be one of the ``client-ranks`` (:meth:`HeteroRankLoRA.check_rank`;
-with HetLoRA's pruning, any rank up to the node's previous one); a reply
-whose layers disagree on the rank is dropped naming the key.
+``r`` components. Replies are validated at the rank their ``A`` declares
+(:meth:`HeteroRankLoRA.check_rank`): one of the ``client-ranks``, the rank
+its partition trains when the reply reports its ``partition-id`` (fedlr's
+own clients: ``client-ranks`` cycled over the partitions), and, once a reply
+of the node was accepted, that rank for good (with HetLoRA's pruning, any
+rank up to the node's previous one); any other rank is dropped naming the
+node and both ranks. A reply whose layers disagree on the
+rank is dropped naming the key.
+
+Robust options and the update-size screen measure client ``i``'s update as
+the change of each layer's scaled product against what it was sent,
+``s_i (B_i A_i - B0_i A0_i)`` (:class:`~fedlr.robust.RankedProductSpace`,
+from ``2 r x 2 r`` Gram blocks, never a dense matrix per client), so clients
+of different ranks are compared in one space.
 
 Each round reports, per rank, the Frobenius gap of what a client of that rank
 receives against ``M`` (``gap-rank-<r>``), and the mean bytes down and up per
@@ -61,6 +71,8 @@ from fedlr.flower.records import record_nbytes, record_to_state, state_to_record
 from fedlr.linalg import (
     factors_for_rank,
 )
+from fedlr.protocol import PARTITION_ID
+from fedlr.robust import RankedProductSpace, UpdateSpace
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.fedex_downlink import FactoredDownlink
 from fedlr.strategies.lora import LoraStrategy
@@ -121,6 +133,10 @@ class HeteroRankLoRA(LoraStrategy):
         At the largest client rank.
     client_ranks : sequence of int, optional
         The ranks clients may train; default: the layout's rank only.
+    partition_ranks : sequence of int, optional
+        The rank each partition trains, cycled: a reply reporting
+        ``partition-id`` ``p`` must be at ``partition_ranks[p % len]``
+        (fedlr's own clients: ``client-ranks`` in order). Default: not checked.
     **kwargs
         Other parameters: see :class:`~fedlr.strategies.lora.LoraStrategy`.
     """
@@ -131,7 +147,12 @@ class HeteroRankLoRA(LoraStrategy):
     """Send a node of known rank ``r`` only the leading ``r`` components."""
 
     def __init__(
-        self, *, layout: AdapterLayout, client_ranks: Sequence[int] = (), **kwargs: Any
+        self,
+        *,
+        layout: AdapterLayout,
+        client_ranks: Sequence[int] = (),
+        partition_ranks: Sequence[int] = (),
+        **kwargs: Any,
     ) -> None:
         super().__init__(layout=layout, **kwargs)
         if len({m.rank for m in layout.modules}) != 1:
@@ -142,12 +163,13 @@ class HeteroRankLoRA(LoraStrategy):
                 f"client ranks {list(ranks)} must be >= 1 with the largest equal "
                 f"to the layout's rank {self.rank}"
             )
-        if self.robust.active:
+        cycle = tuple(int(r) for r in partition_ranks)
+        if not set(cycle) <= set(ranks):
             raise ValueError(
-                f"{type(self).__name__}: robust aggregation of clients with "
-                "different ranks is not supported"
+                f"partition ranks {list(cycle)} must be client ranks {list(ranks)}"
             )
         self.client_ranks = ranks
+        self.partition_ranks = cycle
         self.node_ranks: dict[int, int] = {}
         self.extra_columns: tuple[str, ...] = (
             *type(self).extra_columns,
@@ -160,9 +182,11 @@ class HeteroRankLoRA(LoraStrategy):
     @classmethod
     def strategy_kwargs(cls, config: RunConfig) -> dict[str, Any]:
         """``client-ranks`` (default: ``lora-rank`` alone)."""
+        ranks = config.rank_list or (config.lora_rank,)
         return {
             **super().strategy_kwargs(config),
-            "client_ranks": config.rank_list or (config.lora_rank,),
+            "client_ranks": ranks,
+            "partition_ranks": ranks,
         }
 
     def options(self) -> dict[str, Any]:
@@ -193,6 +217,31 @@ class HeteroRankLoRA(LoraStrategy):
         """Each update's scaling ``alpha / r_i``."""
         key = self.layout.modules[0].a_key
         return [self.alpha() / int(u.arrays[key].shape[0]) for u in updates]
+
+    def robust_space(self, current: Mapping[str, torch.Tensor]) -> UpdateSpace:
+        """Each layer's scaled product change against what the client was sent.
+
+        Client ``i`` of rank ``r_i`` is measured as ``s_i (B_i A_i - B0_i
+        A0_i)`` (:class:`~fedlr.robust.RankedProductSpace`), ``B0_i``,
+        ``A0_i`` its start (:meth:`start_of`); the head as parameters.
+        """
+        return RankedProductSpace(
+            [(m.a_key, m.b_key) for m in self.layout.modules],
+            start=lambda update: self.start_of(update, current),
+            scaling=lambda update: self.scalings([update])[0],
+        )
+
+    def start_of(
+        self, update: ClientUpdate, current: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """The arrays a client of the update's rank started the round from.
+
+        The leading ``r`` components of the global factors, rescaled
+        (:func:`fedlr.adapters.ranks.leading_rank`, what the node applies),
+        and the global head.
+        """
+        rank = int(update.arrays[self.layout.modules[0].a_key].shape[0])
+        return leading_rank(layout_at_rank(self.layout, rank), current)
 
     def layer_updates(self, updates: Sequence[ClientUpdate]) -> list[LayerUpdates]:
         """Every adapted layer's client factors, scalings and weights."""
@@ -348,7 +397,12 @@ class HeteroRankLoRA(LoraStrategy):
     def validate_reply(
         self, message: Message, expected: Mapping[str, tuple[int, ...]]
     ) -> ClientUpdate:
-        """Check a reply at the rank its first ``A`` (or ``B``) declares."""
+        """Check a reply at the rank its first ``A`` (or ``B``) declares.
+
+        The rank is checked (:meth:`check_rank`) before the arrays, and the
+        partition's rank (:meth:`check_partition_rank`) after them; a valid
+        reply fixes the node's rank (:attr:`node_ranks`).
+        """
         node = int(message.metadata.src_node_id)
         rank = self._declared_rank(message)
         if rank is None:
@@ -356,21 +410,55 @@ class HeteroRankLoRA(LoraStrategy):
         self.check_rank(node, rank)
         shapes = layout_at_rank(self.layout, rank).shapes(*self.train_roles)
         update = super().validate_reply(message, shapes)  # at the declared rank
+        if node not in self.node_ranks:
+            self.check_partition_rank(update, rank)
         self.node_ranks[node] = rank
         return update
 
     def check_rank(self, node: int, rank: int) -> None:
-        """Refuse a reply of ``node`` at ``rank`` unless it is a client rank.
+        """Refuse a reply of ``node`` at ``rank`` unless it is a client rank
+        and, once the node's rank is known, that rank.
 
         Raises
         ------
         ReplyValidationError
-            Naming the node, if ``rank`` is not one of ``client_ranks``.
+            Naming the node, if ``rank`` is not one of ``client_ranks``, or
+            differs from the node's rank (fixed by its first accepted reply).
         """
         if rank not in self.client_ranks:
             raise ReplyValidationError(
                 node,
                 f"rank {rank} is not one of the client ranks {list(self.client_ranks)}",
+            )
+        known = self.node_ranks.get(node)
+        if known is not None and rank != known:
+            raise ReplyValidationError(
+                node,
+                f"rank {rank} differs from the node's rank {known} (fixed by its "
+                "first accepted reply)",
+            )
+
+    def partition_rank(self, update: ClientUpdate) -> int | None:
+        """The rank the reply's ``partition-id`` trains, if both are known."""
+        if not self.partition_ranks or PARTITION_ID not in update.metrics:
+            return None
+        partition = update.partition_id
+        return self.partition_ranks[partition % len(self.partition_ranks)]
+
+    def check_partition_rank(self, update: ClientUpdate, rank: int) -> None:
+        """A node's first reply must be at its partition's rank.
+
+        Raises
+        ------
+        ReplyValidationError
+            Naming the node, the partition and both ranks.
+        """
+        want = self.partition_rank(update)
+        if want is not None and rank != want:
+            raise ReplyValidationError(
+                update.node_id,
+                f"rank {rank} is not partition {update.partition_id}'s rank {want} "
+                "(client-ranks, cycled over the partitions)",
             )
 
     def check_reply_rank(self, message: Message) -> None:

@@ -238,11 +238,17 @@ class HetLoRA(HeteroRankLoRA):
     def check_rank(self, node: int, rank: int) -> None:
         """With pruning: any rank ``1 .. R`` not above the node's previous one.
 
+        Self-pruning is the one change of a node's rank the server accepts
+        (a smaller rank, for good); a node not seen yet may reply at any
+        rank ``1 .. R`` (its partition's rank, or a smaller one, is checked
+        after the arrays: :meth:`check_partition_rank`).
+
         Raises
         ------
         ReplyValidationError
             Naming the node: without pruning, a rank that is not a client
-            rank; with pruning, a rank above the node's previous rank (or R).
+            rank or differs from the node's; with pruning, a rank above the
+            node's previous rank (or R).
         """
         if not self.pruning:
             super().check_rank(node, rank)
@@ -259,6 +265,26 @@ class HetLoRA(HeteroRankLoRA):
             )
         if known and rank < previous:
             self._shrunk.add(node)
+
+    def check_partition_rank(self, update: ClientUpdate, rank: int) -> None:
+        """With pruning, a first reply may be at its partition's rank or a
+        smaller one (it pruned in its first round).
+
+        Raises
+        ------
+        ReplyValidationError
+            Naming the node, the partition and both ranks.
+        """
+        want = self.partition_rank(update)
+        if not self.pruning or want is None:
+            super().check_partition_rank(update, rank)
+            return
+        if rank > want:
+            raise ReplyValidationError(
+                update.node_id,
+                f"rank {rank} exceeds partition {update.partition_id}'s rank {want} "
+                "(client-ranks, cycled over the partitions)",
+            )
 
     def validate_replies(
         self, replies: list[Message]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from logging import INFO, WARNING
-from typing import Any, ClassVar, Self, cast
+from typing import Any, ClassVar, Self
 
 import torch
 from flwr.app import ArrayRecord
@@ -20,7 +20,7 @@ from fedlr.adapters.plugin import (
 )
 from fedlr.adapters.roles import AdaptedModel, AdapterLayout, Role
 from fedlr.config import RunConfig
-from fedlr.errors import UnsupportedModelError
+from fedlr.errors import ConfigError, UnsupportedModelError
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.linalg import (
     DEFAULT_COST_MODEL,
@@ -56,10 +56,6 @@ class LoraStrategy(FedLRStrategy):
     send_roles: ClassVar[tuple[Role, ...]] = (Role.LORA_A, Role.LORA_B, Role.HEAD)
     train_roles: ClassVar[tuple[Role, ...]] = (Role.LORA_A, Role.LORA_B, Role.HEAD)
 
-    hetero_variant: ClassVar[type[LoraStrategy] | None] = None
-    """The strategy :meth:`from_run_config` builds instead when the run sets
-    ``client-ranks`` (FedEx-LoRA, FedSpec); ``None``: this one."""
-
     def __init__(self, *, layout: AdapterLayout, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.layout = layout
@@ -83,12 +79,23 @@ class LoraStrategy(FedLRStrategy):
             The method's registered options (:attr:`options_type`), passed
             on as ``options=``; ``None``: their defaults.
 
-        With ``client-ranks`` set and a :attr:`hetero_variant`, that variant
-        is built instead (``layout`` at the largest client rank).
+        Always builds ``cls``; which class a run with ``client-ranks`` builds
+        is the registry's choice (:meth:`MethodSpec.strategy_for
+        <fedlr.strategies.registry.MethodSpec.strategy_for>`).
+
+        Raises
+        ------
+        ConfigError
+            For ``client-ranks`` on a class whose heterogeneous-rank rounds
+            are another class (:attr:`hetero_variant`).
         """
         variant = cls.hetero_variant
         if config.rank_list and variant is not None and not issubclass(cls, variant):
-            return cast(Self, variant.from_run_config(config, layout, options))
+            raise ConfigError(
+                "client-ranks",
+                f"{cls.__name__} trains one rank on every client; build "
+                f"{variant.__name__} for client-ranks",
+            )
         return cls(
             layout=layout,
             options=options,
@@ -118,8 +125,8 @@ class LoraStrategy(FedLRStrategy):
             type(self).__name__,
             len(self.layout.modules),
             self.rank,
-            [r.value for r in self.train_roles],
-            [r.value for r in self.send_roles],
+            [r.value for r in self.train_roles if self.layout.keys(r)],
+            [r.value for r in self.send_roles if self.layout.keys(r)],
         )
         super().summary()
 
@@ -222,7 +229,10 @@ class LoraStrategy(FedLRStrategy):
         UnsupportedModelError
             If ``model`` is not a LoRA model.
         """
-        return cls(layout=_lora_view(model).layout, **kwargs)
+        view = _lora_view(model)
+        strategy = cls(layout=view.layout, **kwargs)
+        strategy.bind_model(view)  # fingerprint, head warning (fedlr.fingerprint)
+        return strategy
 
     def initial_arrays(self, model: torch.nn.Module | AdaptedModel) -> ArrayRecord:
         """The first round's global arrays: the ``send_roles`` tensors of ``model``.
@@ -241,6 +251,7 @@ class LoraStrategy(FedLRStrategy):
         """
         view = _lora_view(model)
         check_layout(self.layout, view.layout, self.send_roles, what="the model")
+        self.check_model(view, what="the model given to initial_arrays")
         return state_to_record(view.state(self.send_roles), self.send_keys())
 
     def load_into(
@@ -288,6 +299,7 @@ class LoraStrategy(FedLRStrategy):
                 log(WARNING, "%s: set to the strategy's LoRA alpha", change)
         if changes:
             view = _lora_view(view.model)
+        self.check_model(view, what="the model given to load_into")
         load_from_initial(view, state)
 
 

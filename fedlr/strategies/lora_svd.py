@@ -411,10 +411,17 @@ class PersonalLoraStrategy(SeededLoraStrategy):
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
-        """Mean and spread of the clients' accuracies; kept in ``last_evaluation``."""
+        """Mean and spread of the clients' accuracies; kept in ``last_evaluation``.
+
+        Beside them, the clients' own metrics as ``evaluate_metrics_aggr_fn``
+        aggregates them (replies with a valid ``num-examples``); fedlr's
+        ``accuracy`` and ``loss`` (unweighted means over clients) replace
+        the aggregation function's values of those keys.
+        """
         accuracies: list[float] = []
         losses: list[float] = []
         extras: dict[str, list[float]] = {k: [] for k in protocol.TASK_EVAL_METRICS}
+        contents: list[RecordDict] = []
         for message in replies:
             if message.has_error():
                 log(INFO, "round %d: evaluate error: %s", server_round, message.error)
@@ -422,6 +429,11 @@ class PersonalLoraStrategy(SeededLoraStrategy):
             metrics = next(iter(message.content.metric_records.values()), None)
             if metrics is None:
                 continue
+            try:  # the user's metrics are aggregated by evaluate_metrics_aggr_fn
+                self.reply_weight(int(message.metadata.src_node_id), message.content)
+                contents.append(message.content)
+            except ReplyValidationError as exc:
+                log(WARNING, "round %d: evaluate reply: %s", server_round, exc)
             acc, loss = metrics.get("accuracy"), metrics.get("loss")
             if not isinstance(acc, (int, float)) or not isinstance(loss, (int, float)):
                 log(
@@ -437,9 +449,14 @@ class PersonalLoraStrategy(SeededLoraStrategy):
                     value = metrics.get(key)
                     if isinstance(value, (int, float)) and math.isfinite(value):
                         values.append(float(value))
+        clients = (
+            self.evaluate_metrics_aggr_fn(contents, self.weighted_by_key)
+            if contents
+            else None
+        )
         if not accuracies:
             self.last_evaluation = {}
-            return None
+            return clients
         self.last_evaluation = {
             "accuracy": statistics.fmean(accuracies),
             "loss": statistics.fmean(losses),
@@ -449,21 +466,22 @@ class PersonalLoraStrategy(SeededLoraStrategy):
             "evaluated-clients": float(len(accuracies)),
             **{k: statistics.fmean(v) for k, v in extras.items() if v},
         }
-        return MetricRecord(dict(self.last_evaluation))
+        quiet = ("accuracy", "loss", *protocol.TASK_EVAL_METRICS)
+        return self.merge_metrics(clients, self.last_evaluation, quiet=quiet)
 
     # -------------------------------------------------------------- validation
-    def validate_reply(
-        self, message: Message, expected: Mapping[str, tuple[int, ...]]
-    ) -> ClientUpdate:
-        """Base checks, plus the ``personal-gram`` record when B is kept."""
-        update = super().validate_reply(message, expected)
+    def reply_records(self) -> dict[str, dict[str, tuple[int, ...]]]:
+        """The ``personal-gram`` record (``B^T B``, r x r per layer) when B is kept."""
         if Role.LORA_B not in self.keep_roles:
-            return update
-        self.extra_arrays(
-            update,
-            protocol.PERSONAL_GRAM,
-            {m.b_key: (m.rank, m.rank) for m in self.layout.modules},
-        )
+            return {}
+        return {
+            protocol.PERSONAL_GRAM: {
+                m.b_key: (m.rank, m.rank) for m in self.layout.modules
+            }
+        }
+
+    def clip_extras(self, update: ClientUpdate) -> ClientUpdate:
+        """The gram is of the node's own ``B``, which clipping does not move."""
         return update
 
     # --------------------------------------------------------------------- gap
@@ -483,7 +501,7 @@ class PersonalLoraStrategy(SeededLoraStrategy):
             change_sq = 0.0
             own_sq = 0.0
             for weight, u in zip(w.tolist(), updates, strict=True):
-                gram = record_to_state(u.content.array_records[protocol.PERSONAL_GRAM])
+                gram = u.extras[protocol.PERSONAL_GRAM]
                 change, own = personal_change(
                     gram[module.b_key], u.arrays[module.a_key], new_state[module.a_key]
                 )

@@ -29,19 +29,18 @@ from pathlib import Path
 from typing import Any, ClassVar, Self, cast
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from fedlr import protocol
 from fedlr.config import RunConfig
 from fedlr.errors import ReplyValidationError
-from fedlr.flower.records import record_nbytes, record_to_state
+from fedlr.flower.records import record_to_state
 from fedlr.image_task import EigenOptions
 from fedlr.linalg.qrmix import ClientEigen, fc_flatten, fc_unflatten, qrmix_update
 from fedlr.options import Options, option, require
 from fedlr.payloads import QRMIX
-from fedlr.robust import ParameterSpace, UpdateSpace
 from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
 from fedlr.strategies.registry import register_method
 
@@ -145,18 +144,6 @@ class VisionFedAvg(FedLRStrategy):
             }
         )
         return state, report
-
-
-class _EigenHeadSpace(ParameterSpace):
-    """Stage-2 updates: moving the head's arrays moves the ``eigen`` delta too."""
-
-    def shrink(self, update: ClientUpdate, factor: float) -> ClientUpdate:
-        moved = super().shrink(update, factor)
-        eigen = record_to_state(update.content.array_records[protocol.EIGEN])
-        eigen["delta"] = (eigen["delta"].double() * factor).to(eigen["delta"].dtype)
-        content = RecordDict(dict(update.content))
-        content[protocol.EIGEN] = ArrayRecord(eigen)
-        return dataclasses.replace(moved, content=content)
 
 
 @dataclass(frozen=True)
@@ -310,26 +297,34 @@ class QRMix(VisionFedAvg):
         update = super().validate_reply(message, expected)
         if self._stage == 2:
             self.parse_eigen(update)
-            eigen_bytes = record_nbytes(update.content.array_records[protocol.EIGEN])
-            update = dataclasses.replace(update, nbytes=update.nbytes + eigen_bytes)
         return update
 
-    def robust_space(self, current: Mapping[str, torch.Tensor]) -> UpdateSpace:
-        """The change of the reply's arrays; in stage 2 moving one also scales
-        its ``eigen`` record's ``delta`` (the head's change), which stage 2's
-        least squares consumes."""
-        if self._stage == 2:
-            return _EigenHeadSpace(current)
-        return super().robust_space(current)
+    def reply_records(self) -> dict[str, dict[str, tuple[int, ...]]]:
+        """Stage 2: the ``eigen`` record (vectors p x k, values k, delta p)."""
+        if self._stage != 2:
+            return {}
+        p, k = self.head_dim, self.k
+        shapes = ((p, k), (k,), (p,))
+        return {protocol.EIGEN: dict(zip(protocol.EIGEN_KEYS, shapes, strict=True))}
+
+    def clip_extras(self, update: ClientUpdate) -> ClientUpdate:
+        """Clipping moves the head by ``f``; the ``eigen`` delta (the head's
+        change, which stage 2's least squares consumes) moves with it, the
+        curvature (vectors, values) does not."""
+        f = update.clip_factor
+        if f == 1.0 or protocol.EIGEN not in update.extras:
+            return update
+        eigen = dict(update.extras[protocol.EIGEN])
+        eigen["delta"] = (eigen["delta"].double() * f).to(eigen["delta"].dtype)
+        return dataclasses.replace(
+            update, extras={**update.extras, protocol.EIGEN: eigen}
+        )
 
     def parse_eigen(self, update: ClientUpdate) -> ClientEigen:
         """Check and unpack a stage-2 reply's ``eigen`` record."""
         node = update.node_id
-        p, k = self.head_dim, self.k
-        shapes = ((p, k), (k,), (p,))  # vectors, values, delta
-        eigen = self.extra_arrays(
-            update, protocol.EIGEN, dict(zip(protocol.EIGEN_KEYS, shapes, strict=True))
-        )
+        k = self.k
+        eigen = update.extras[protocol.EIGEN]
         values = eigen["values"].double()
         if bool((values < 0).any()):
             raise ReplyValidationError(

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 from fedlr.config import RunConfig
 from fedlr.errors import ConfigError, UnknownMethodError
-from fedlr.features import ClientFeature, ordered
+from fedlr.features import ClientFeature, common_features, ordered
 from fedlr.method_options import (
     load_builtin_methods,
     method_option_keys,
@@ -41,6 +41,8 @@ from fedlr.method_options import (
 )
 from fedlr.options import Options
 from fedlr.payload_kind import PayloadKind
+from fedlr.privacy import dp_sgd  # noqa: F401  (registers the common DP-SGD feature)
+from fedlr.privacy.client_dp import check_privacy
 from fedlr.strategies.base import FedLRStrategy
 
 __all__ = [
@@ -136,6 +138,15 @@ class MethodSpec:
             sum_only=self.sum_only,
             plugin=self.payload.plugin,
         )
+
+    def strategy_for(self, client_ranks: bool) -> type[FedLRStrategy]:
+        """The strategy class a run builds: the registered one, or with
+        ``client-ranks`` its declared heterogeneous-rank variant
+        (:attr:`FedLRStrategy.hetero_variant`)."""
+        variant = self.strategy.hetero_variant
+        if client_ranks and variant is not None:
+            return variant
+        return self.strategy
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -270,8 +281,10 @@ def _is_feature(cls: object) -> bool:
 
 
 def client_features() -> list[type[ClientFeature]]:
-    """Every registered method's client features, each once, in run order."""
-    return ordered(c for spec in registered_methods() for c in spec.client)
+    """Every registered method's client features and the common ones
+    (:func:`fedlr.features.common_feature`), each once, in run order."""
+    own = [c for spec in registered_methods() for c in spec.client]
+    return ordered([*own, *common_features()])
 
 
 def get_method(name: str) -> MethodSpec:
@@ -325,6 +338,7 @@ def resolve(run_config: Mapping[str, Any]) -> MethodConfig:
             "method that keeps the base frozen (fedavg-lora, fedsvd, fedspec, "
             "ffa-lora, fedsa-lora, ...)",
         )
+    check_privacy(spec.name, spec.traits.sum_only, spec.payload.name, run.privacy)
     return MethodConfig(run=run, spec=spec, options=options)
 
 

@@ -7,6 +7,8 @@ shapes, dtypes, finiteness and the weight (:meth:`~ReplyChecks.validate_reply`,
 the arrays by :func:`fedlr.protocol.validate_arrays`). What passes becomes a
 :class:`ClientUpdate`; what does not is dropped with a reason naming the node,
 and nothing a client sends can raise past :meth:`~ReplyChecks.validate_replies`.
+Then the update-size screen (:meth:`~ReplyChecks.screen_update_sizes`,
+``screen-ratio``) drops an update far larger than the round's median one.
 Methods add checks by overriding :meth:`~ReplyChecks.validate_reply` and
 calling ``super()``, or read extra records with
 :meth:`~ReplyChecks.extra_arrays`.
@@ -25,6 +27,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from fedlr.errors import ProtocolError, ReplyValidationError
 from fedlr.flower.records import record_nbytes
 from fedlr.protocol import PARTITION_ID, validate_arrays
+from fedlr.robust import ScreenOutcome, UpdateSpace, screen_sizes
 from fedlr.updates import ClientUpdate
 
 __all__ = ["ClientUpdate", "ReplyChecks", "conform_dtypes", "node_of", "short"]
@@ -88,13 +91,16 @@ class ReplyChecks:
     """Screening and validation of client replies, for a strategy to mix in.
 
     The strategy provides :attr:`arrayrecord_key`, :attr:`weighted_by_key`,
-    :attr:`max_num_examples`, the nodes instructed this round
-    (:attr:`_sent`), :meth:`reply_shapes` and :meth:`reply_hint`.
+    :attr:`max_num_examples`, :attr:`screen_ratio`, the nodes instructed this
+    round (:attr:`_sent`), :meth:`reply_shapes`, :meth:`reply_hint` and
+    :meth:`robust_space`.
     """
 
     arrayrecord_key: str
     weighted_by_key: str
     max_num_examples: int | None
+    screen_ratio: float
+    last_screen: ScreenOutcome | None
     _sent: list[int] | None
     _current: ArrayRecord | None
 
@@ -103,6 +109,8 @@ class ReplyChecks:
         def reply_shapes(self) -> dict[str, tuple[int, ...]]: ...
 
         def reply_hint(self) -> str: ...
+
+        def robust_space(self, current: Mapping[str, torch.Tensor]) -> UpdateSpace: ...
 
     def screen_replies(self, replies: list[Message]) -> tuple[list[Message], list[str]]:
         """Keep each instructed node's first reply; name the others and the silent.
@@ -188,6 +196,28 @@ class ReplyChecks:
                 )
         updates.sort(key=lambda u: (u.partition_id, u.node_id))
         return updates, dropped
+
+    def screen_update_sizes(
+        self, updates: list[ClientUpdate], current: Mapping[str, torch.Tensor]
+    ) -> tuple[list[ClientUpdate], list[str]]:
+        """Drop validated updates far larger than the round's median update.
+
+        :func:`fedlr.robust.screen_sizes` in the method's update space
+        (:meth:`robust_space` of ``current``) with :attr:`screen_ratio` (0:
+        off). Kept in :attr:`last_screen` (every update's ratio).
+
+        Returns
+        -------
+        kept : list of ClientUpdate
+        dropped : list of str
+            One reason per dropped update, naming its node, its norm, its
+            ratio to the round's median and the ``screen-ratio``.
+        """
+        outcome = screen_sizes(updates, self.robust_space(current), self.screen_ratio)
+        self.last_screen = outcome
+        return outcome.updates, [
+            str(ReplyValidationError(node, reason)) for node, reason in outcome.reasons
+        ]
 
     def reply_weight(self, node: int, content: RecordDict) -> tuple[MetricRecord, int]:
         """A reply's one MetricRecord and its weight (``weighted_by_key``).

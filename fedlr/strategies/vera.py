@@ -148,12 +148,14 @@ class ProjectionChecked(FedLRStrategy):
             If ``model`` is not a model of the strategy's family.
         """
         view = vera_view(model, cls.layout_type)
-        return cls(
+        strategy = cls(
             layout=view.layout,
             projection_a=view.projection_a,
             projection_b=view.projection_b,
             **kwargs,
         )
+        strategy.bind_model(view)  # fingerprint, head warning (fedlr.fingerprint)
+        return strategy
 
     def initial_arrays(self, model: torch.nn.Module | AdaptedModel) -> ArrayRecord:
         """The first round's global arrays: the ``send_roles`` tensors of ``model``.
@@ -167,6 +169,7 @@ class ProjectionChecked(FedLRStrategy):
         """
         view = vera_view(model, self.layout_type)
         check_projection_model(self.layout, view, self.send_roles)
+        self.check_model(view, what="the model given to initial_arrays")
         return state_to_record(view.state(self.send_roles), self.send_keys())
 
     def load_into(
@@ -191,6 +194,7 @@ class ProjectionChecked(FedLRStrategy):
         state = (
             record_to_state(arrays) if isinstance(arrays, ArrayRecord) else dict(arrays)
         )
+        self.check_model(view, what="the model given to load_into")
         load_from_initial(view, state)
 
 
@@ -304,6 +308,20 @@ class VeraStrategy(ProjectionChecked):
             layers[m.name] = (m.scaling * gap, m.scaling * ideal)
         return RoundReport.from_layers(layers, rank=float(self.layout.rank))
 
+    def aggregate_updates(
+        self,
+        server_round: int,
+        updates: list[ClientUpdate],
+        current: dict[str, torch.Tensor],
+    ) -> tuple[dict[str, torch.Tensor], RoundReport]:
+        """Weighted means of ``b``, ``d`` and the head (FedAvg-VeRA's rule,
+        and the lambdas VeRA-FedEx folds its residual around)."""
+        weights = [u.weight for u in updates]
+        state = dict(current)
+        for key in self.layout.keys(*self.train_roles):
+            state[key] = weighted_mean([u.arrays[key] for u in updates], weights)
+        return state, self.gap_report(updates)
+
 
 @register_method(
     "fedavg-vera",
@@ -314,20 +332,9 @@ class VeraStrategy(ProjectionChecked):
 class FedAvgVeRA(VeraStrategy):
     """Weighted means of ``b``, ``d`` and the head.
 
-    Parameters: see :class:`VeraStrategy`.
+    The family's aggregation (:meth:`VeraStrategy.aggregate_updates`) as it
+    is. Parameters: see :class:`VeraStrategy`.
     """
-
-    def aggregate_updates(
-        self,
-        server_round: int,
-        updates: list[ClientUpdate],
-        current: dict[str, torch.Tensor],
-    ) -> tuple[dict[str, torch.Tensor], RoundReport]:
-        weights = [u.weight for u in updates]
-        state = dict(current)
-        for key in self.layout.keys(*self.train_roles):
-            state[key] = weighted_mean([u.arrays[key] for u in updates], weights)
-        return state, self.gap_report(updates)
 
 
 @dataclass(frozen=True)
@@ -358,7 +365,7 @@ class VeraFedExOptions(VeraOptions):
     summary="FedAvg of VeRA's lambdas plus the exact residual folded into W0",
     client=(BaseWeights,),
 )
-class VeraFedEx(FactoredDownlink, FedAvgVeRA):
+class VeraFedEx(FactoredDownlink, VeraStrategy):
     """FedAvg-VeRA whose residual (times ``fedex_lr``) is folded into ``W0``.
 
     The new base weights reach the nodes through the factored downlink

@@ -88,11 +88,12 @@ def test_boosted_update_claiming_1e15_examples_is_capped_out(tmp_path, reference
 
 
 def test_poisoned_rounds_are_rejected_and_never_checkpointed(tmp_path, caplog):
-    """1e30 in float32 (finite) makes FedEx's base weights Inf: every round is
-    rejected, the initial model stays published, only round 0 is checkpointed,
-    and the run finishes."""
+    """1e30 in float32 (finite) makes FedEx's base weights Inf: with the
+    update-size screen off, every round is rejected, the initial model stays
+    published, only round 0 is checkpointed, and the run finishes."""
     run_dir = run_in_process(
-        _config("fedex-lora", tmp_path), client_app=malicious_app("huge-float32")
+        _config("fedex-lora", tmp_path, **{"screen-ratio": 0.0}),
+        client_app=malicious_app("huge-float32"),
     )
     frame = pd.read_csv(run_dir / "results.csv")
     assert frame["rejected-rounds"].tolist() == [1, 2]
@@ -107,10 +108,11 @@ def test_poisoned_rounds_are_rejected_and_never_checkpointed(tmp_path, caplog):
 
 
 def test_trimmed_mean_removes_the_poisoner(tmp_path, references):
-    """The same attacker under robust = trimmed-mean: trimmed every round; the
-    result is the run without it (up to the re-normalised weights' rounding)."""
+    """The same attacker under robust = trimmed-mean (the update-size screen
+    off): trimmed every round; the result is the run without it (up to the
+    re-normalised weights' rounding)."""
     run_dir = run_in_process(
-        _config("fedex-lora", tmp_path, robust="trimmed-mean"),
+        _config("fedex-lora", tmp_path, robust="trimmed-mean", **{"screen-ratio": 0.0}),
         client_app=malicious_app("huge-float32"),
     )
     frame = pd.read_csv(run_dir / "results.csv")

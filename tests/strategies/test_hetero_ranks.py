@@ -25,6 +25,7 @@ from fedlr.server_apps.local import run_in_process
 from fedlr.strategies.fedex_downlink import DownlinkOptions
 from fedlr.strategies.fedex_lora import FedExLoRA, HeteroFedExLoRA
 from fedlr.strategies.fedspec import FedSpec, HeteroFedSpec, layout_at_rank
+from fedlr.strategies.registry import get_method
 from tests.conftest import tiny_run_config
 from tests.strategies.conftest import instruction, reply
 
@@ -318,8 +319,10 @@ def test_fedspec_from_run_config_picks_the_hetero_strategy_for_client_ranks():
     assert type(plain) is FedSpec and "gap-rank-16" not in plain.extra_columns
     assert plain.round_config(1)["lora-rank"] == 16
     config = RunConfig.from_mapping({**base, "client-ranks": "2,4,8,16"})
-    hetero = FedSpec.from_run_config(config, layout)
-    assert isinstance(hetero, HeteroFedSpec)
+    spec = get_method("fedspec")
+    assert spec.strategy_for(client_ranks=False) is FedSpec
+    hetero = spec.strategy_for(client_ranks=True).from_run_config(config, layout)
+    assert type(hetero) is HeteroFedSpec
     assert hetero.client_ranks == (2, 4, 8, 16) and hetero.max_rank == 16
     assert "gap-rank-2" in hetero.extra_columns
     assert "tail-energy" in hetero.extra_columns
@@ -327,7 +330,7 @@ def test_fedspec_from_run_config_picks_the_hetero_strategy_for_client_ranks():
     assert state["rank"] == 16 and "node-ranks" in state
     hetero.load_state_dict(state)
     with pytest.raises(ConfigError, match="below the initial rank"):
-        FedSpec.from_run_config(
+        HeteroFedSpec.from_run_config(
             RunConfig.from_mapping({**base, "client-ranks": "2,18"}),
             layout_at_rank(layout, 18),
         )
@@ -474,10 +477,13 @@ def test_fedex_from_run_config_picks_the_hetero_strategy_for_client_ranks():
     plain = FedExLoRA.from_run_config(RunConfig.from_mapping(base), layout)
     assert type(plain) is FedExLoRA
     config = RunConfig.from_mapping({**base, "client-ranks": "2,4,8,16"})
-    hetero = FedExLoRA.from_run_config(
+    with pytest.raises(ConfigError, match="HeteroFedExLoRA"):
+        FedExLoRA.from_run_config(config, layout)
+    cls = get_method("fedex-lora").strategy_for(client_ranks=True)
+    hetero = cls.from_run_config(
         config, layout, DownlinkOptions(fedex_downlink="dense")
     )
-    assert isinstance(hetero, HeteroFedExLoRA)
+    assert type(hetero) is HeteroFedExLoRA
     assert hetero.client_ranks == (2, 4, 8, 16) and not hetero.factored
     assert "gap-rank-2" in hetero.extra_columns
     assert "dense-base-sends" in hetero.extra_columns

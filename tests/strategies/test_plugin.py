@@ -607,7 +607,8 @@ def test_legacy_drops_bad_fitres_and_failures_with_reasons(caplog):
     initial = adapter_state(model, layout, FedAvgLoRA.send_roles)
     legacy = LegacyStrategy(FedAvgLoRA(layout=layout), initial_arrays=initial)
     legacy.strategy.prepare_round(1, ArrayRecord(initial), ConfigRecord({}))
-    (good,) = _client_states(layout, 5)[:1]
+    (noise,) = _client_states(layout, 5)[:1]  # a trained-looking step from initial
+    good = {k: initial[k] + 0.01 * v for k, v in noise.items()}
     keys = legacy.reply_keys
     results = [
         (

@@ -17,6 +17,7 @@ from fedlr.errors import ConfigError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.linalg.qrmix import ClientEigen, fc_flatten, fc_unflatten, qrmix_update
+from fedlr.robust import RobustConfig, robust_aggregate
 from fedlr.server_apps.runner import run_server
 from fedlr.strategies import QRMix, VisionFedAvg, get_method
 from fedlr.strategies.qrmix import QRMixOptions
@@ -33,8 +34,10 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
     return {k: torch.randn(*s, generator=g) for k, s in SHAPES.items()}
 
 
-def _configure(strategy: VisionFedAvg, server_round: int, state) -> list:
-    grid = InProcessGrid(ClientApp(), num_nodes=3, run_config={})
+def _configure(
+    strategy: VisionFedAvg, server_round: int, state, num_nodes: int = 3
+) -> list:
+    grid = InProcessGrid(ClientApp(), num_nodes=num_nodes, run_config={})
     return list(
         strategy.configure_train(
             server_round, ArrayRecord(dict(state)), ConfigRecord(), grid
@@ -171,6 +174,57 @@ def test_qrmix_stage_two_head_update_matches_kernel(form):
     )
     # eigen records count in the bytes sent up
     assert metrics["bytes-up"] > 3 * (20 + 15) * 4 + 3 * (P * K + K + P) * 4 - 1
+
+
+def test_clipped_stage_two_reply_moves_its_eigen_delta_with_its_head():
+    """Norm clipping moves a reply to ``x + f (y - x)``; its ``eigen`` delta
+    (the head's change) follows as ``f delta`` and the curvature stays, so the
+    head step is the kernel's on the clipped deltas."""
+    strategy = _qrmix(robust=RobustConfig(rule="norm-clip"))
+    current = _state(0)
+    _configure(strategy, 2, current, num_nodes=4)
+    g = torch.Generator().manual_seed(9)
+    clients = [
+        {k: v + s * torch.randn(v.shape, generator=g) for k, v in current.items()}
+        for s in (0.01, 0.01, 0.01, 0.05)  # the fourth is clipped
+    ]
+    eigens = [_eigen(c, current, 70 + i) for i, c in enumerate(clients)]
+    replies = [
+        _reply(1000 + i, c, 5, e)
+        for i, (c, e) in enumerate(zip(clients, eigens, strict=True))
+    ]
+    updates, _ = strategy.validate_replies(replies)
+    outcome = robust_aggregate(updates, strategy.robust_space(current), strategy.robust)
+    factors = [u.clip_factor for u in outcome.updates]
+    assert min(factors[:3]) > 0.9 and 0.0 < factors[3] < 0.5
+    moved = strategy.clip_extras(outcome.updates[3])
+    torch.testing.assert_close(
+        moved.extras["eigen"]["delta"].double(),
+        factors[3] * eigens[3]["delta"].double(),
+    )
+    for key in ("vectors", "values"):
+        assert torch.equal(moved.extras["eigen"][key], eigens[3][key])
+    arrays, metrics = strategy.aggregate_train(2, replies)
+    assert metrics["clients"] == 4 and metrics["rejected"] == 0.0
+    step = qrmix_update(
+        [
+            ClientEigen(
+                e["vectors"].double(), e["values"].double(), f * e["delta"].double()
+            )
+            for e, f in zip(eigens, factors, strict=True)
+        ],
+        [5, 5, 5, 5],
+        tau=0.1,
+        gamma=1.0,
+        form="fisher",
+    )
+    d_w, _ = fc_unflatten(step, 3, 4)
+    torch.testing.assert_close(
+        record_to_state(arrays)["classifier.weight"].double(),
+        current["classifier.weight"].double() + d_w,
+        rtol=0,
+        atol=1e-5,
+    )
 
 
 def _corrupt(eigen, how):

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
+import re
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from fedlr.compare import (
@@ -211,15 +214,38 @@ def test_comparison_figure_shows_loss_when_no_run_has_a_gap(tmp_path):
     assert fig.axes[1].get_yscale() == "log"
 
 
+def test_comparison_figure_has_legends_everywhere_and_no_band_for_one_seed(tmp_path):
+    from matplotlib.collections import PolyCollection
+
+    from fedlr.compare import comparison_figure
+
+    one = [_run(tmp_path / "l", "fedavg-lora", 0, [0.5, 0.6], [0.2, 0.1])]
+    fig = comparison_figure(one)
+    for ax in fig.axes:
+        assert ax.get_legend() is not None
+        assert not [c for c in ax.collections if isinstance(c, PolyCollection)]
+        assert "±" not in ax.get_title()
+    fig.canvas.draw()
+    ticks = [t for t in fig.axes[0].get_xticks() if 1 <= t <= 2]
+    assert ticks and all(float(t).is_integer() for t in ticks)
+    two = [
+        _run(tmp_path / f"s{s}", "fedavg-lora", s, [0.5, 0.6 + s / 10], [0.2, 0.1])
+        for s in (0, 1)
+    ]
+    fig = comparison_figure(two)
+    bands = [c for c in fig.axes[0].collections if isinstance(c, PolyCollection)]
+    assert len(bands) == 1 and "± std" in fig.axes[0].get_title()
+
+
 def test_flwr_engine_passes_the_gpu_share_and_nodes_to_flwr_run(tmp_path, monkeypatch):
     """`--client-gpus 0.25` reaches `flwr run` as the clients' num-gpus."""
-    import fedlr.flower.launch as launch
+    import fedlr.compare as compare
     from fedlr.compare import run_sweep
 
     calls = []
 
-    def fake_flwr_run(app_dir, *, flwr_home, run_config, federation_config):
-        calls.append((run_config, federation_config))
+    def fake_flwr_run(app_dir, *, flwr_home, run_config, federation_config, **kw):
+        calls.append((run_config, federation_config, kw))
         run_dir = _run(
             tmp_path / "made", run_config["method"], run_config["seed"], [0.5], [0.1]
         )
@@ -227,8 +253,7 @@ def test_flwr_engine_passes_the_gpu_share_and_nodes_to_flwr_run(tmp_path, monkey
         out.parent.mkdir(parents=True, exist_ok=True)
         run_dir.rename(out)
 
-    monkeypatch.setattr(launch, "flwr_run", fake_flwr_run)
-    monkeypatch.setattr(launch, "stop_local_superlinks", lambda home: [])
+    monkeypatch.setattr(compare, "flwr_run", fake_flwr_run)
     conf = tmp_path / "c.toml"
     conf.write_text('method = "fedex-lora"\nnum-partitions = 3\n')
     run_dirs, failures = run_sweep(
@@ -237,8 +262,128 @@ def test_flwr_engine_passes_the_gpu_share_and_nodes_to_flwr_run(tmp_path, monkey
     assert failures == {}
     assert len(run_dirs) == 2
     assert [c[0]["seed"] for c in calls] == [0, 1]
-    for _, federation in calls:
+    for _, federation, kw in calls:
         assert federation == {
             "num-supernodes": 3,
             "client-resources-num-gpus": 0.25,
         }
+        assert kw["keep_superlink"] is False  # each cell stops its SuperLink
+
+
+def test_table_marks_unfinished_runs(tmp_path):
+    """Runs without summary.json are counted apart and never averaged in."""
+    dirs = [
+        _run(tmp_path, "fedex-lora", 0, [0.5, 0.70], [0.2, 0.1]),
+        _run(tmp_path, "fedex-lora", 1, [0.5, 0.80], [0.4, 0.3]),
+        _run(tmp_path, "fedex-lora", 2, [0.5, 0.10], [0.6, 0.5]),
+        _run(tmp_path, "fedavg-lora", 0, [0.5], [1.0]),
+    ]
+    (dirs[2] / "summary.json").unlink()  # interrupted after round 2
+    (dirs[3] / "summary.json").unlink()
+    runs = collect(dirs)
+    assert runs["finished"].tolist() == [True, True, False, False]
+    table = summarise(runs)
+    fedex, fedavg = table.iloc[0], table.iloc[1]
+    assert (fedex["seeds"], fedex["unfinished"]) == (2, 1)
+    assert fedex["accuracy-mean"] == pytest.approx(0.75)  # 0.10 is not counted
+    assert (fedavg["seeds"], fedavg["unfinished"]) == (0, 1)
+    text = to_markdown(table)
+    assert "| fedex-lora | 2 (+1 unfinished) | 0.7500 ± 0.0707 |" in text
+    fedavg_line = next(x for x in text.splitlines() if x.startswith("| fedavg-lora"))
+    cells = [c.strip() for c in fedavg_line.strip("|").split("|")]
+    assert cells[1] == "0 (+1 unfinished)"
+    assert cells[2:] == ["unfinished"] * (len(cells) - 2)
+    out = tmp_path / "out"
+    assert main(["table", *map(str, dirs), "--out", str(out)]) == 0
+    assert "unfinished" in (out / "table.md").read_text()
+
+
+def _tiny_conf(tmp_path):
+    from tests.conftest import tiny_run_config
+
+    conf = tmp_path / "tiny.toml"
+    values = tiny_run_config(
+        tmp_path, **{"num-server-rounds": 1, "local-steps": 1, "num-partitions": 2}
+    )
+    del values["output-dir"], values["seed"]
+    conf.write_text(
+        "".join(
+            f"{k} = {json.dumps(v) if isinstance(v, str) else v}\n"
+            for k, v in values.items()
+        )
+    )
+    return conf
+
+
+class _Lines(logging.Handler):
+    """The messages of the logger it is added to."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_sweep_resumes_skipping_finished_cells(tmp_path, assets, monkeypatch, capfd):
+    """Ctrl-C stops the sweep; a rerun skips finished cells, resumes the rest."""
+    import fedlr.compare as compare
+
+    conf, out = _tiny_conf(tmp_path), tmp_path / "sweep"
+    argv = ["run", "--conf", str(conf), "--methods", "fedavg-lora", "--seeds", "0,1"]
+    argv += ["--out", str(out), "--engine", "inprocess"]
+    real = compare.run_in_process
+
+    def interrupted_at_seed_1(config, **kw):
+        if config["seed"] == 1:
+            raise KeyboardInterrupt
+        return real(config, **kw)
+
+    monkeypatch.setattr(compare, "run_in_process", interrupted_at_seed_1)
+    capfd.readouterr()
+    assert main(argv) == 130
+    err = capfd.readouterr().err
+    (line,) = [x for x in err.splitlines() if "interrupted" in x]
+    assert "1 of 2 cells finished" in line and "again to resume" in line
+    assert "Traceback" not in err
+    seed0 = out / "runs" / "fedavg-lora-seed0"
+    (first,) = [p.parent for p in seed0.glob("*/summary.json")]
+
+    monkeypatch.setattr(compare, "run_in_process", real)
+    flower_lines = _Lines()
+    logging.getLogger("flwr").addHandler(flower_lines)
+    try:
+        assert main(argv) == 0
+    finally:
+        logging.getLogger("flwr").removeHandler(flower_lines)
+    assert [p.parent for p in seed0.glob("*/results.csv")] == [first]  # skipped
+    err = capfd.readouterr().err
+    assert "finished earlier" in err
+    # the round line: elapsed time and (on the last round) no ETA
+    (line,) = [x for x in flower_lines.messages if "[round 1/1] accuracy" in x]
+    assert re.search(r"\d+\.\ds elapsed \d+(m\d\d)?s$", line), line
+    seed1 = out / "runs" / "fedavg-lora-seed1"
+    (second,) = [p.parent for p in seed1.glob("*/summary.json")]
+
+    # an interrupted cell (rows and checkpoints, no summary.json) continues
+    (second / "summary.json").unlink()
+    assert main([*argv, "--set", "num-server-rounds=2"]) == 0
+    assert [p.parent for p in seed1.glob("*/results.csv")] == [second]
+    summary = json.loads((second / "summary.json").read_text())
+    assert summary["resumed-after-round"] == 1
+    assert pd.read_csv(second / "results.csv")["round"].tolist() == [1, 2]
+    runs = collect([first, second])
+    assert runs["rounds"].tolist() == [1, 2]
+
+
+def test_a_bad_cell_is_refused_before_any_cell_runs(tmp_path, capfd):
+    conf = tmp_path / "c.toml"
+    conf.write_text('method = "fedex-lora"\n')
+    out = tmp_path / "out"
+    argv = ["run", "--conf", str(conf), "--methods", "fedavg-lora,fedex_lora"]
+    code = main([*argv, "--out", str(out), "--engine", "inprocess"])
+    err = [x for x in capfd.readouterr().err.splitlines() if x.strip()]
+    assert code == 2
+    assert len(err) == 1 and "did you mean 'fedex-lora'?" in err[0]
+    assert not (out / "runs").exists()  # fedavg-lora did not run either

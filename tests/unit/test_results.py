@@ -120,3 +120,32 @@ def test_restore_takes_the_rows_of_an_older_checkpoint(tmp_path):
     ResultsWriter(tmp_path, method="fedavg-lora").restore(1, rows, layer_rows)
     assert read_results(tmp_path)["accuracy"].tolist() == [0.25]
     assert pd.read_csv(tmp_path / "layers.csv")["layer"].tolist() == ["l0"]
+
+
+def test_counts_are_written_as_integers_and_measures_as_floats(tmp_path):
+    writer = ResultsWriter(
+        tmp_path, method="m", extra_columns=("bytes-up-rank-2", "tail-energy")
+    )
+    writer.append(
+        {
+            "round": 1,
+            "accuracy": 1.0,
+            "clients": 4.0,
+            "dropped": 0.0,
+            "bytes-up": 7282848.0,
+            "bytes-up-rank-2": 1024.0,
+            "tail-energy": 2.0,
+        }
+    )
+    writer.append({"round": 2.0, "clients": 3.0})  # bytes missing: empty, not 'nan'
+    header, first, second = (
+        (tmp_path / "results.csv").read_text(encoding="utf-8").splitlines()
+    )
+    row = dict(zip(header.split(","), first.split(","), strict=True))
+    assert row["round"] == "1" and row["clients"] == "4" and row["dropped"] == "0"
+    assert row["bytes-up"] == "7282848" and row["bytes-up-rank-2"] == "1024"
+    assert row["accuracy"] == "1.0" and row["tail-energy"] == "2.0"
+    later = dict(zip(header.split(","), second.split(","), strict=True))
+    assert later["round"] == "2" and later["clients"] == "3" and later["bytes-up"] == ""
+    frame = read_results(tmp_path)
+    assert frame["clients"].tolist() == [4, 3]

@@ -1,0 +1,365 @@
+"""Sample-level DP-SGD on the clients, through Opacus.
+
+DP-SGD [1]_ protects each training example of a client: every local step
+clips each example's gradient to L2 norm ``C`` (``dp-max-grad-norm``), sums
+the clipped gradients, adds Gaussian noise of standard deviation ``sigma C``
+(``dp-noise-multiplier``) and divides by the expected batch size, over
+batches drawn by Poisson sampling (each example joins a step with
+probability ``q = batch-size / n``, ``n`` the client's examples, as the
+subsampled-Gaussian accountants assume). The per-example gradients come from
+Opacus's hooks (``GradSampleHooks``) on the trained modules: LoRA's ``lora_A``
+and ``lora_B`` are ``nn.Linear`` whether the adapted layer is an
+``nn.Linear`` or GPT-2's ``Conv1D``, and so is the classifier head; the step
+is Opacus's ``DPOptimizer`` around the round's AdamW.
+
+A node's privacy loss is accounted across rounds: the ``(sigma, q, steps)``
+of every round it trained are kept in ``context.state`` and Opacus's RDP or
+PRV accountant (``dp-accountant``) turns them into ``epsilon`` at ``delta``
+(``dp-delta``; 0: ``min(1e-5, 1 / (10 n))``). The reply reports it
+(``dp-epsilon-spent``; the server's ``dp-epsilon`` column is the largest over
+the round's clients). With a budget ``dp-epsilon`` and no
+``dp-noise-multiplier``, ``sigma`` is Opacus's ``get_noise_multiplier`` for
+``dp-rounds`` x local steps at ``q``; a node whose next round would spend
+more than the budget refuses to train (:class:`~fedlr.errors.PrivacyBudgetError`,
+an error reply naming ``dp-epsilon``).
+
+The feature is a *common* client feature (:func:`fedlr.features.common_feature`):
+every method gets it when its instruction carries ``dp-max-grad-norm`` > 0.
+It serves LoRA models only (VeRA and SORF-VeRA are refused with
+:class:`~fedlr.errors.PrivacyUnsupportedError`), and refuses rounds that also
+add a loss term or a gradient correction (FedProx, HetLoRA's pruning,
+SCAFFOLD), whose gradients Opacus's per-example clipping would not see.
+
+References
+----------
+.. [1] Abadi et al., "Deep Learning with Differential Privacy", CCS 2016.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from typing import Any, Self
+
+import torch
+import torch.nn.functional as F
+from flwr.app import ConfigRecord, RecordDict
+
+from fedlr.adapters.lora import LoraModel
+from fedlr.errors import (
+    ConfigError,
+    PrivacyBudgetError,
+    PrivacyUnsupportedError,
+    ProtocolError,
+)
+from fedlr.features import ClientFeature, RoundJob, common_feature
+from fedlr.flower.records import config_float, config_int
+from fedlr.privacy.accounting import History, epsilon, noise_multiplier_for
+from fedlr.privacy.backend import opacus_api
+from fedlr.privacy.settings import DpSgdSettings, default_delta
+from fedlr.train import TrainSettings
+
+__all__ = [
+    "DP_ACCOUNTANT",
+    "DP_DELTA",
+    "DP_EPSILON",
+    "DP_EPSILON_SPENT",
+    "DP_MAX_GRAD_NORM",
+    "DP_NOISE_MULTIPLIER",
+    "DP_ROUNDS",
+    "DP_SAMPLE_RATE",
+    "DpSgd",
+    "PrivateLoop",
+    "node_history",
+    "sample_mean_loss",
+]
+
+DP_MAX_GRAD_NORM = "dp-max-grad-norm"
+DP_NOISE_MULTIPLIER = "dp-noise-multiplier"
+DP_EPSILON = "dp-epsilon"
+DP_DELTA = "dp-delta"
+DP_ACCOUNTANT = "dp-accountant"
+DP_ROUNDS = "dp-rounds"
+"""Instruction keys (the run-config keys of the same names; ``dp-rounds`` is
+the run's ``num-server-rounds``)."""
+
+DP_EPSILON_SPENT = "dp-epsilon-spent"
+DP_SAMPLE_RATE = "dp-sample-rate"
+"""Reply metrics, beside ``dp-noise-multiplier`` and ``dp-delta`` (the values
+the node used)."""
+
+_NODE_HISTORY = "fedlr-dp-sgd"
+"""``context.state`` ConfigRecord: the node's ``(sigma, q, steps)`` history."""
+
+IGNORE_INDEX = -100
+
+# Opacus's backward hooks sit on the first trained module too, whose inputs
+# need no gradient; torch warns about that on every step, harmlessly.
+warnings.filterwarnings(
+    "ignore",
+    message="Full backward hook is firing when gradients are computed with "
+    "respect to module outputs",
+    category=UserWarning,
+)
+
+
+def node_history(state: RecordDict) -> History:
+    """The ``(sigma, q, steps)`` rounds a node's ``context.state`` records."""
+    record = state.config_records.get(_NODE_HISTORY)
+    if record is None:
+        return []
+    try:
+        sigmas = [float(v) for v in record["noise-multipliers"]]  # type: ignore[union-attr]
+        rates = [float(v) for v in record["sample-rates"]]  # type: ignore[union-attr]
+        steps = [int(v) for v in record["steps"]]  # type: ignore[union-attr]
+        return list(zip(sigmas, rates, steps, strict=True))
+    except (KeyError, TypeError, ValueError) as exc:
+        # Restarting the account at zero would under-report; refuse instead.
+        raise ProtocolError(
+            f"the node's DP-SGD history ('{_NODE_HISTORY}' in context.state) is "
+            f"unreadable ({exc}); the node cannot account its privacy"
+        ) from None
+
+
+def _save_history(state: RecordDict, history: History) -> None:
+    state[_NODE_HISTORY] = ConfigRecord(
+        {
+            "noise-multipliers": [float(s) for s, _, _ in history],
+            "sample-rates": [float(q) for _, q, _ in history],
+            "steps": [int(n) for _, _, n in history],
+        }
+    )
+
+
+def sample_mean_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The batch's mean of per-example losses (each example's gradient its own).
+
+    A transformers model's own loss over a causal-LM batch is the mean over
+    all the batch's tokens, which weights an example by the others' lengths;
+    DP-SGD needs each example's loss to depend on that example only.
+
+    Parameters
+    ----------
+    logits : (B, K) or (B, T, V) torch.Tensor
+        A classifier's logits, or a causal LM's.
+    labels : (B,) or (B, T) torch.Tensor of int64
+        Class labels; or token labels (``-100``: ignored), predicted from the
+        previous position as transformers' causal LMs do.
+
+    Returns
+    -------
+    torch.Tensor
+        Scalar: ``mean_i loss_i``, a causal example's loss the mean over its
+        labelled tokens.
+    """
+    if labels.dim() == 1:
+        return F.cross_entropy(logits.float(), labels)
+    if labels.dim() == 2 and logits.dim() == 3:
+        shifted = logits[:, :-1].float()
+        target = labels[:, 1:]
+        tokens = F.cross_entropy(
+            shifted.reshape(-1, shifted.shape[-1]),
+            target.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="none",
+        ).view(target.shape)
+        mask = (target != IGNORE_INDEX).to(tokens.dtype)
+        per_example = (tokens * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1.0)
+        return per_example.mean()
+    raise PrivacyUnsupportedError(
+        f"DP-SGD computes per-example losses for class labels (B,) or token "
+        f"labels (B, T); got logits {tuple(logits.shape)} and labels "
+        f"{tuple(labels.shape)}"
+    )
+
+
+class PrivateLoop:
+    """DP-SGD's :class:`~fedlr.train.LoopControl`: one node's training loop.
+
+    Parameters
+    ----------
+    settings : DpSgdSettings
+        The instruction's settings.
+    state : flwr.app.RecordDict
+        The node's ``context.state``: the privacy history is read from it and
+        the round's steps are appended to it when the loop stops.
+    """
+
+    def __init__(self, settings: DpSgdSettings, state: RecordDict) -> None:
+        self.settings = settings
+        self.state = state
+        self.history: History = node_history(state)
+        self.sigma = settings.noise_multiplier
+        self.delta = settings.delta
+        self.sample_rate = 1.0
+        self.taken = 0
+        self._n = 0
+        self._hooks: Any = None  # Opacus's GradSampleHooks while a round trains
+        self._params: list[torch.nn.Parameter] = []
+        self._sampler = torch.Generator()
+
+    def start(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        num_examples: int,
+        settings: TrainSettings,
+        seed: int,
+    ) -> torch.optim.Optimizer:
+        """Check the budget, attach Opacus's hooks, wrap the optimizer.
+
+        ``q = min(1, batch-size / n)``; ``sigma`` is the instruction's, or
+        derived from ``dp-epsilon`` for ``dp-rounds`` x local steps; the noise
+        is drawn from a generator seeded with ``seed``, the batches from one
+        seeded with ``seed + 1``.
+
+        Raises
+        ------
+        PrivacyBudgetError
+            If ``dp-epsilon`` > 0 and this round's steps would spend more.
+        """
+        s = self.settings
+        n = int(num_examples)
+        self._n = n
+        self.sample_rate = min(1.0, settings.batch_size / n)
+        self.delta = s.delta or default_delta(n)
+        steps = settings.local_steps
+        if self.sigma <= 0:
+            self.sigma = noise_multiplier_for(
+                s.epsilon, self.delta, self.sample_rate, s.rounds * steps, s.accountant
+            )
+        if s.epsilon > 0:
+            planned = [*self.history, (self.sigma, self.sample_rate, steps)]
+            after = epsilon(planned, self.delta, s.accountant)
+            if after > s.epsilon:
+                spent = epsilon(self.history, self.delta, s.accountant)
+                raise PrivacyBudgetError(
+                    f"{DP_EPSILON} {s.epsilon:g} would be exceeded: this node has "
+                    f"spent epsilon {spent:.4g} (delta {self.delta:.3g}) in "
+                    f"{len(self.history)} rounds and this round would reach "
+                    f"{after:.4g}; it trains no more (raise {DP_EPSILON} or "
+                    f"{DP_NOISE_MULTIPLIER}, or plan fewer rounds)"
+                )
+        self._params = [p for group in optimizer.param_groups for p in group["params"]]
+        device = self._params[0].device if self._params else torch.device("cpu")
+        noise = torch.Generator(device=device).manual_seed(seed)
+        self._sampler = torch.Generator().manual_seed(seed + 1)
+        api = opacus_api()
+        private = api.DPOptimizer(
+            optimizer,
+            noise_multiplier=self.sigma,
+            max_grad_norm=s.max_grad_norm,
+            expected_batch_size=max(1, round(self.sample_rate * n)),
+            loss_reduction="mean",
+            generator=noise,
+        )
+        self._hooks = api.GradSampleHooks(
+            model, batch_first=True, loss_reduction="mean", strict=False
+        )
+        return private
+
+    def batches(self) -> Iterator[list[int]]:
+        """Poisson sampling: each example joins a step with probability ``q``."""
+        while True:
+            drawn = torch.rand(self._n, generator=self._sampler) < self.sample_rate
+            yield drawn.nonzero().flatten().tolist()
+
+    def loss(self, output: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """:func:`sample_mean_loss` of the model's logits."""
+        self.taken += 1
+        return sample_mean_loss(output.logits, batch["labels"])
+
+    def empty_step(self) -> None:
+        """No example drawn: zero per-example gradients, so the step is noise."""
+        self.taken += 1
+        for p in self._params:
+            empty = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
+            setattr(p, "grad_sample", empty)  # noqa: B010 (Opacus's attribute)
+
+    def stop(self) -> None:
+        """Remove the hooks and the per-example gradients; record the steps."""
+        if self._hooks is not None:
+            self._hooks.remove_hooks()
+            self._hooks = None
+        for p in self._params:
+            for name in ("grad_sample", "summed_grad"):
+                if hasattr(p, name):
+                    delattr(p, name)
+        if self.taken:
+            self.history.append((self.sigma, self.sample_rate, self.taken))
+            _save_history(self.state, self.history)
+            self.taken = 0
+
+    def spent(self) -> float:
+        """The node's ``epsilon`` at ``delta`` over every round it trained."""
+        return epsilon(self.history, self.delta, self.settings.accountant)
+
+
+@common_feature
+class DpSgd(ClientFeature):
+    """The client side of sample-level DP-SGD (see the module docstring).
+
+    On for a ``train`` instruction with ``dp-max-grad-norm`` > 0. It does not
+    change the arrays; it runs the training loop (:meth:`loop`, a
+    :class:`PrivateLoop`) and reports the node's ``epsilon``.
+    """
+
+    keys = (
+        DP_MAX_GRAD_NORM,
+        DP_NOISE_MULTIPLIER,
+        DP_EPSILON,
+        DP_DELTA,
+        DP_ACCOUNTANT,
+        DP_ROUNDS,
+    )
+    order = 90
+
+    def __init__(self, settings: DpSgdSettings, state: RecordDict) -> None:
+        self.control = PrivateLoop(settings, state)
+        self.rounds_before = len(self.control.history)
+
+    @classmethod
+    def for_round(cls, job: RoundJob) -> Self | None:
+        config = job.config
+        if not job.is_train or config_float(config, DP_MAX_GRAD_NORM, 0.0) <= 0:
+            return None
+        if not isinstance(job.adapted, LoraModel):
+            raise PrivacyUnsupportedError(
+                f"{DP_MAX_GRAD_NORM}: DP-SGD serves LoRA adapters; this model is "
+                f"a {type(job.adapted.layout).__name__} (VeRA-family layers have "
+                "no per-example gradient sampler); use a LoRA method or set "
+                f"{DP_MAX_GRAD_NORM} = 0"
+            )
+        try:
+            settings = DpSgdSettings(
+                max_grad_norm=config_float(config, DP_MAX_GRAD_NORM),
+                noise_multiplier=config_float(config, DP_NOISE_MULTIPLIER, 0.0),
+                epsilon=config_float(config, DP_EPSILON, 0.0),
+                delta=config_float(config, DP_DELTA, 0.0),
+                accountant=str(config.get(DP_ACCOUNTANT, "rdp")),
+                rounds=config_int(config, DP_ROUNDS, 1),
+            )
+        except ConfigError as exc:
+            raise ProtocolError(f"the instruction's DP-SGD settings: {exc}") from None
+        return cls(settings, job.context.state)
+
+    def loop(self, job: RoundJob) -> PrivateLoop:
+        return self.control
+
+    def reply_records(
+        self,
+        job: RoundJob,
+        trained: dict[str, torch.Tensor],
+        metrics: dict[str, Any],
+        content: RecordDict,
+    ) -> None:
+        control = self.control
+        if len(control.history) == self.rounds_before:
+            raise ProtocolError(
+                f"{DP_MAX_GRAD_NORM} is set but no private step ran: train with "
+                "fedlr.train.train_steps(..., control=job.loop_control())"
+            )
+        metrics[DP_EPSILON_SPENT] = control.spent()
+        metrics[DP_NOISE_MULTIPLIER] = float(control.sigma)
+        metrics[DP_DELTA] = float(control.delta)
+        metrics[DP_SAMPLE_RATE] = float(control.sample_rate)

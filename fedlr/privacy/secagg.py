@@ -1,0 +1,312 @@
+"""Secure aggregation (SecAgg+) settings, eligibility and error bound.
+
+fedlr runs Flower's SecAgg+ protocol [1]_ (its masking, Shamir shares and
+quantisation: ``flwr.client.mod.secaggplus_mod`` on the nodes, the stages
+driven by :mod:`fedlr.server_apps.secagg`) for the train round's arrays of
+methods whose server needs only sums (the registry trait ``sum_only``).
+This module is the Flower-free part: the settings and their checks, the
+refusal of other methods, how a reply's arrays become one flat vector of
+summands and back, and the bound on what the quantisation costs.
+
+What a client contributes
+-------------------------
+Client ``i`` with ``n_i`` examples and weight scale ``s`` (the largest
+``num-examples`` the server accepts, ``n_i <= s``) masks one vector of
+
+* ``y_i = (n_i / s) x_i`` for every array of the reply's main ArrayRecord
+  (``arrays``: the factors, the head), whose server mean is weighted by
+  examples; the server divides the secure sum by ``W = sum_i n_i / s``
+  (``num-examples`` travels in plain, as in Flower's SecAgg+);
+* ``y_i = x_i`` for every array of an extra record (SCAFFOLD's control
+  deltas, GPSE's activation sketches), which sum-only methods reduce by an
+  unweighted sum or mean; the server divides the secure sum by ``k``.
+
+Error bound
+-----------
+Each entry is clipped to ``[-c, c]`` (``c = secagg-clipping-range``) and
+stochastically rounded to one of ``T + 1`` levels (``T =
+secagg-quantization-range``), a step of ``2c / T``. Every client's rounding
+error is below one step, so with ``k`` clients and no entry clipped
+(``|y_i| <= c``),
+
+    |secure mean - exact weighted mean| < 2 c k / (T W)   per entry,
+
+``W = sum_i n_i / s`` (``= k`` when all clients hold ``s`` examples: the
+bound is then ``2c / T``, 3.8e-6 at the defaults), and ``2 c / T`` for the
+extra records' means. The sums live modulo ``2**32``: ``k T < 2**32`` (at
+most 1023 clients per round at the default ``T = 2**22``).
+
+References
+----------
+.. [1] Bell et al., "Secure Single-Server Aggregation with (Poly)Logarithmic
+   Overhead", CCS 2020.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import NDArray
+
+from fedlr.errors import ConfigError, SecureAggregationError
+
+__all__ = [
+    "MODULUS_RANGE",
+    "SecAggSettings",
+    "Summand",
+    "check_eligible",
+    "flatten_summands",
+    "mean_error_bound",
+    "unflatten_sums",
+]
+
+MODULUS_RANGE = 2**32
+"""Masks and sums live modulo this (Flower's default ``modulus_range``)."""
+
+
+@dataclass(frozen=True)
+class SecAggSettings:
+    """The SecAgg+ parameters of a run (``secagg-*`` keys).
+
+    Attributes
+    ----------
+    num_shares : float
+        Shares each client's secrets are split into: a fraction in (0, 1] of
+        the round's sampled clients (1: every client, i.e. SecAgg), or a
+        whole number of neighbours ``>= 3``.
+    reconstruction_threshold : float
+        Shares needed to reconstruct a secret, as a fraction in (0, 1] of
+        ``num_shares`` (at least 2), or a whole number ``>= 2`` below a whole
+        ``num_shares``. Higher: more privacy against colluding clients, fewer
+        dropouts tolerated.
+    clipping_range : float
+        ``c``: each summand entry is clipped to ``[-c, c]`` (> 0).
+    quantization_range : int
+        ``T``: levels of the quantiser (>= 2, below ``2**32``).
+    """
+
+    num_shares: float = 1.0
+    reconstruction_threshold: float = 0.6
+    clipping_range: float = 8.0
+    quantization_range: int = 2**22
+
+    def __post_init__(self) -> None:
+        shares, threshold = self.num_shares, self.reconstruction_threshold
+        if not (math.isfinite(shares) and shares > 0):
+            raise ConfigError("secagg-num-shares", f"must be > 0, got {shares}")
+        if shares > 1 and (shares != int(shares) or shares < 3):
+            raise ConfigError(
+                "secagg-num-shares",
+                f"must be a fraction in (0, 1] or a whole number >= 3, got {shares}",
+            )
+        if not (math.isfinite(threshold) and threshold > 0):
+            raise ConfigError(
+                "secagg-reconstruction-threshold", f"must be > 0, got {threshold}"
+            )
+        if threshold > 1 and (threshold != int(threshold) or threshold < 2):
+            raise ConfigError(
+                "secagg-reconstruction-threshold",
+                f"must be a fraction in (0, 1] or a whole number >= 2, got {threshold}",
+            )
+        if threshold > 1 and shares > 1 and threshold >= shares:
+            raise ConfigError(
+                "secagg-reconstruction-threshold",
+                f"must be below secagg-num-shares ({int(shares)}), "
+                f"got {int(threshold)}",
+            )
+        if not (math.isfinite(self.clipping_range) and self.clipping_range > 0):
+            raise ConfigError(
+                "secagg-clipping-range",
+                f"must be finite and > 0, got {self.clipping_range}",
+            )
+        if not 2 <= self.quantization_range < MODULUS_RANGE:
+            raise ConfigError(
+                "secagg-quantization-range",
+                f"must be in [2, 2**32), got {self.quantization_range}",
+            )
+
+    @property
+    def max_clients(self) -> int:
+        """Most clients a round's sum holds without wrapping modulo ``2**32``."""
+        return (MODULUS_RANGE - 1) // self.quantization_range
+
+    def shares_and_threshold(self, clients: int) -> tuple[int, int]:
+        """``(num_shares, threshold)`` for a round of ``clients`` sampled nodes.
+
+        Flower's ``SecAggPlusWorkflow`` rules: a fractional ``num_shares`` is
+        rounded to an odd count (all clients when that is 2 or fewer), a
+        fractional threshold is a share of it, at least 2.
+
+        Raises
+        ------
+        SecureAggregationError
+            Fewer than 2 clients, more than :attr:`max_clients`, or more shares
+            than clients.
+        """
+        if clients < 2:
+            raise SecureAggregationError(
+                f"a secure round needs at least 2 clients, got {clients}: the sum "
+                "of one client is its update"
+            )
+        if clients > self.max_clients:
+            raise SecureAggregationError(
+                f"{clients} clients overflow the sum modulo 2**32 at "
+                f"secagg-quantization-range {self.quantization_range} (at most "
+                f"{self.max_clients}); lower secagg-quantization-range"
+            )
+        if self.num_shares <= 1:
+            shares = round(self.num_shares * clients)
+            if shares < clients and shares % 2 == 0:
+                shares += 1
+            if shares <= 2:
+                shares = clients
+        else:
+            shares = int(self.num_shares)
+        if shares > clients:
+            raise SecureAggregationError(
+                f"secagg-num-shares {shares} exceeds the round's {clients} clients"
+            )
+        if self.reconstruction_threshold <= 1:
+            threshold = max(round(self.reconstruction_threshold * shares), 2)
+        else:
+            threshold = int(self.reconstruction_threshold)
+        if shares != clients and shares % 2 == 0:
+            shares += 1  # SecAgg+ neighbourhoods are symmetric: an odd count
+        return shares, threshold
+
+    def step(self) -> float:
+        """The quantiser's step ``2c / T``."""
+        return 2.0 * self.clipping_range / self.quantization_range
+
+
+def mean_error_bound(settings: SecAggSettings, weights: Sequence[float]) -> float:
+    """Bound on ``|secure weighted mean - exact weighted mean|`` per entry.
+
+    Parameters
+    ----------
+    settings : SecAggSettings
+    weights : (k,) sequence of float
+        Each client's relative weight ``n_i / s`` (in (0, 1]).
+
+    Returns
+    -------
+    float
+        ``2 c k / (T W)``, ``W = sum(weights)``; valid when no entry was
+        clipped.
+    """
+    total = float(sum(weights))
+    if not weights or total <= 0:
+        raise ValueError(f"weights must be positive, got {list(weights)}")
+    return settings.step() * len(weights) / total
+
+
+def check_eligible(
+    method: str,
+    sum_only: bool,
+    eligible: Iterable[str],
+    *,
+    robust: str = "none",
+    max_client_weight: float = 1.0,
+) -> None:
+    """Refuse secure aggregation for a method or setting that needs single replies.
+
+    Raises
+    ------
+    SecureAggregationError
+        If the method's aggregation is not sum-only, or a robust rule or
+        weight cap (which read each client's update) is on.
+    """
+    if not sum_only:
+        names = ", ".join(sorted(eligible))
+        raise SecureAggregationError(
+            f"{method} needs each client's arrays: secure-aggregation is for "
+            f"sum-only methods: {names}"
+        )
+    if robust != "none" or max_client_weight < 1.0:
+        raise SecureAggregationError(
+            f"robust aggregation (robust={robust}, max-client-weight="
+            f"{max_client_weight}) reads each client's update, which "
+            "secure-aggregation hides: set robust=none and max-client-weight=1.0"
+        )
+
+
+@dataclass(frozen=True)
+class Summand:
+    """One array of a reply in the masked vector: where it goes, its shape."""
+
+    record: str
+    key: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def name(self) -> str:
+        """``record/key``."""
+        return f"{self.record}/{self.key}"
+
+
+def flatten_summands(
+    records: Mapping[str, Mapping[str, NDArray[np.floating]]],
+    *,
+    weighted: str,
+    weight: float,
+) -> tuple[list[Summand], list[NDArray[np.float64]]]:
+    """A reply's arrays as the summands of its masked vector.
+
+    Records in name order, keys in name order; the arrays of record
+    ``weighted`` are multiplied by ``weight`` (``n_i / s``), the others are
+    sent as they are. Both sides order alike, so the server checks a reply's
+    manifest against the one it expects.
+
+    Returns
+    -------
+    manifest : list of Summand
+    values : list of float64 arrays, in the manifest's order
+    """
+    manifest: list[Summand] = []
+    values: list[NDArray[np.float64]] = []
+    for record in sorted(records):
+        factor = weight if record == weighted else 1.0
+        arrays = records[record]
+        for key in sorted(arrays):
+            array = np.asarray(arrays[key])
+            manifest.append(Summand(record, key, tuple(array.shape), str(array.dtype)))
+            values.append(array.astype(np.float64) * factor)
+    return manifest, values
+
+
+def unflatten_sums(
+    manifest: Sequence[Summand],
+    sums: Sequence[NDArray[np.float64]],
+    *,
+    weighted: str,
+    total_weight: float,
+    clients: int,
+) -> dict[str, dict[str, NDArray[np.floating]]]:
+    """The secure sums as the means a strategy aggregates, by record and key.
+
+    The ``weighted`` record's sums are divided by ``total_weight`` (``W``: the
+    weighted mean), the others' by ``clients`` (the unweighted mean; ``k``
+    copies of it sum to the sum). Each array gets its manifest dtype back.
+
+    Raises
+    ------
+    ValueError
+        If ``sums`` and ``manifest`` differ in length or shape.
+    """
+    if len(manifest) != len(sums):
+        raise ValueError(f"{len(sums)} sums for {len(manifest)} summands")
+    out: dict[str, dict[str, NDArray[np.floating]]] = {}
+    for summand, total in zip(manifest, sums, strict=True):
+        if tuple(total.shape) != summand.shape:
+            raise ValueError(
+                f"sum of '{summand.name}' has shape {tuple(total.shape)}, "
+                f"expected {summand.shape}"
+            )
+        divisor = total_weight if summand.record == weighted else float(clients)
+        mean = np.asarray(total, dtype=np.float64) / divisor
+        out.setdefault(summand.record, {})[summand.key] = mean.astype(summand.dtype)
+    return out
