@@ -714,51 +714,12 @@ class FedLRStrategy(ReplyChecks, FedAvg):
                 "aggregate_train called before configure_train: the strategy does "
                 "not know the current global arrays"
             )
-        fresh, dropped = self.screen_replies(list(replies))
-        updates, invalid = self.validate_replies(fresh)
         current = record_to_state(self._current)
-        updates, oversized = self.screen_update_sizes(updates, current)
-        dropped = invalid + oversized + dropped
-        self.last_dropped = dropped
-        for reason in dropped:
-            log(WARNING, "round %d: dropped a reply: %s", server_round, reason)
-        if len(updates) < self.min_replies:
-            raise NoValidRepliesError(
-                server_round, len(updates), self.min_replies, dropped
-            )
+        updates, dropped = self.accepted_updates(server_round, replies, current)
         valid = len(updates)
-        robust_metrics: dict[str, float] = {}
-        left_out: list[ClientUpdate] = []
-        self.last_robust = []
-        if self.robust.active:
-            outcome = robust_aggregate(updates, self.robust_space(current), self.robust)
-            for reason in outcome.reasons:
-                log(
-                    WARNING,
-                    "round %d: robust (%s): %s",
-                    server_round,
-                    self.robust.rule,
-                    reason,
-                )
-            kept_nodes = {u.node_id for u in outcome.updates}
-            left_out = [u for u in updates if u.node_id not in kept_nodes]
-            updates, robust_metrics = outcome.updates, outcome.metrics
-            updates = [self.clip_extras(u) for u in updates]
-            self.last_robust = outcome.reasons
-        if self.privacy.client_dp is not None:  # fedlr.privacy.client_dp
-            updates, dp_metrics = privatize(
-                updates,
-                current,
-                list(self.reply_shapes()),
-                self.privacy.client_dp,
-                sent=len(self._sent) if self._sent else len(updates),
-                population=self.nodes_sampled_from,
-                server_round=server_round,
-            )
-            robust_metrics.update(dp_metrics)
-        spent = largest_spent(updates)  # DP-SGD: the round's largest epsilon
-        if spent is not None:
-            robust_metrics[DP_EPSILON] = spent
+        updates, left_out, round_metrics = self.protected_updates(
+            server_round, updates, current
+        )
         snapshot = copy.deepcopy(self.state_dict())
         report = RoundReport()
         try:
@@ -776,32 +737,14 @@ class FedLRStrategy(ReplyChecks, FedAvg):
             "bytes-up": float(sum(u.nbytes for u in updates)),
             "bytes-down": float(self._bytes_down),
             "rejected": 0.0 if rejection is None else 1.0,
-            **robust_metrics,
+            **round_metrics,
         }
         if any(key in u.metrics for u in updates for key in TRAIN_LOSS_ALIASES):
             metrics[TRAIN_LOSS] = self.mean_train_loss(updates)
-        clients = self.train_metrics_aggr_fn(
-            [u.content for u in updates], self.weighted_by_key
-        )
-        if left_out:  # the robust rule's trimmed clients, reported apart
-            trimmed = self.train_metrics_aggr_fn(
-                [u.content for u in left_out], self.weighted_by_key
-            )
-            clients = with_trimmed(clients, trimmed)
+        clients = self.client_metrics(updates, left_out)
         if rejection is not None:
             self.load_state_dict(snapshot)
-            self.rejected_rounds += 1
-            self.last_rejection = rejection
-            metrics["rejected-rounds"] = float(self.rejected_rounds)
-            self.last_report = RoundReport(metrics=dict(metrics))
-            log(
-                WARNING,
-                "round %d rejected: %s; the previous global model is kept and the "
-                "run goes on (%d rejected so far)",
-                server_round,
-                rejection,
-                self.rejected_rounds,
-            )
+            self.reject_round(server_round, rejection, metrics)
             return None, self.merge_metrics(clients, metrics)
         self.last_rejection = None
         metrics["rejected-rounds"] = float(self.rejected_rounds)
@@ -815,6 +758,116 @@ class FedLRStrategy(ReplyChecks, FedAvg):
             len(dropped),
         )
         return state_to_record(state), self.merge_metrics(clients, metrics)
+
+    def client_metrics(
+        self, updates: list[ClientUpdate], left_out: list[ClientUpdate]
+    ) -> MetricRecord | None:
+        """The clients' own metrics by ``train_metrics_aggr_fn``; those of the
+        clients the robust rule left out are aggregated apart (``trimmed-``)."""
+        clients = self.train_metrics_aggr_fn(
+            [u.content for u in updates], self.weighted_by_key
+        )
+        if left_out:
+            trimmed = self.train_metrics_aggr_fn(
+                [u.content for u in left_out], self.weighted_by_key
+            )
+            clients = with_trimmed(clients, trimmed)
+        return clients
+
+    def accepted_updates(
+        self,
+        server_round: int,
+        replies: Iterable[Message],
+        current: Mapping[str, torch.Tensor],
+    ) -> tuple[list[ClientUpdate], list[str]]:
+        """The round's valid updates and why the others were dropped.
+
+        In order: who may answer (:meth:`screen_replies`), what the reply holds
+        (:meth:`validate_replies`), how large its update is
+        (:meth:`screen_update_sizes`); each drop is logged.
+
+        Raises
+        ------
+        NoValidRepliesError
+            With fewer than ``min_replies`` valid updates.
+        """
+        fresh, dropped = self.screen_replies(list(replies))
+        updates, invalid = self.validate_replies(fresh)
+        updates, oversized = self.screen_update_sizes(updates, current)
+        dropped = invalid + oversized + dropped
+        self.last_dropped = dropped
+        for reason in dropped:
+            log(WARNING, "round %d: dropped a reply: %s", server_round, reason)
+        if len(updates) < self.min_replies:
+            raise NoValidRepliesError(
+                server_round, len(updates), self.min_replies, dropped
+            )
+        return updates, dropped
+
+    def protected_updates(
+        self,
+        server_round: int,
+        updates: list[ClientUpdate],
+        current: Mapping[str, torch.Tensor],
+    ) -> tuple[list[ClientUpdate], list[ClientUpdate], dict[str, float]]:
+        """The updates the method aggregates, after the robust rule and DP.
+
+        Returns the updates (clipped, re-weighted or trimmed by the robust
+        rule, their extra records moved along, clipped and noised by
+        client-level DP), the updates the robust rule left out, and the
+        round's robust and privacy metrics (with DP-SGD's largest client
+        epsilon).
+        """
+        metrics: dict[str, float] = {}
+        left_out: list[ClientUpdate] = []
+        self.last_robust = []
+        if self.robust.active:
+            outcome = robust_aggregate(updates, self.robust_space(current), self.robust)
+            for reason in outcome.reasons:
+                log(
+                    WARNING,
+                    "round %d: robust (%s): %s",
+                    server_round,
+                    self.robust.rule,
+                    reason,
+                )
+            kept_nodes = {u.node_id for u in outcome.updates}
+            left_out = [u for u in updates if u.node_id not in kept_nodes]
+            updates, metrics = outcome.updates, dict(outcome.metrics)
+            updates = [self.clip_extras(u) for u in updates]
+            self.last_robust = outcome.reasons
+        if self.privacy.client_dp is not None:  # fedlr.privacy.client_dp
+            updates, dp_metrics = privatize(
+                updates,
+                current,
+                list(self.reply_shapes()),
+                self.privacy.client_dp,
+                sent=len(self._sent) if self._sent else len(updates),
+                population=self.nodes_sampled_from,
+                server_round=server_round,
+            )
+            metrics.update(dp_metrics)
+        spent = largest_spent(updates)  # DP-SGD: the round's largest epsilon
+        if spent is not None:
+            metrics[DP_EPSILON] = spent
+        return updates, left_out, metrics
+
+    def reject_round(
+        self, server_round: int, rejection: str, metrics: dict[str, float]
+    ) -> None:
+        """Count and log a rejected round (the previous state was restored)."""
+        self.rejected_rounds += 1
+        self.last_rejection = rejection
+        metrics["rejected-rounds"] = float(self.rejected_rounds)
+        self.last_report = RoundReport(metrics=dict(metrics))
+        log(
+            WARNING,
+            "round %d rejected: %s; the previous global model is kept and the "
+            "run goes on (%d rejected so far)",
+            server_round,
+            rejection,
+            self.rejected_rounds,
+        )
 
     def check_new_state(
         self, state: Mapping[str, torch.Tensor], current: Mapping[str, torch.Tensor]
