@@ -316,7 +316,7 @@ def comparison_figure(run_dirs: Sequence[Path | str], by: Sequence[str] = ()) ->
         label = " ".join([run.label, *(f"{k}={run.config.get(k)}" for k in by)])
         frame = run.results
         if run.initial:
-            start = {"round": 0, **{k: v for k, v in run.initial.items()}}
+            start = {"round": 0, **run.initial}
             frame = pd.concat([pd.DataFrame([start]), frame], ignore_index=True)
         groups.setdefault(label, []).append(frame)
     has_gap = any(
