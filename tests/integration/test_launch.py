@@ -118,6 +118,18 @@ def _start(name: str, home: Path, output: Path, rounds: int) -> Launch:
     return launch
 
 
+def _cmdlines(processes: dict[int, psutil.Process]) -> str:
+    """The command lines of the processes still there (a short-lived child may
+    have gone between being seen and being read)."""
+    names = []
+    for proc in processes.values():
+        try:
+            names.append(" ".join(proc.cmdline()))
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return " ".join(names)
+
+
 def _left(processes: dict[int, psutil.Process]) -> list[str]:
     left = []
     for proc in processes.values():
@@ -162,7 +174,7 @@ def test_concurrent_launches_keep_to_their_runs_and_ctrl_c_stops_one(tmp_path, a
         for _ in range(6):  # let the clients (Ray) start
             stopped.watch()
             time.sleep(1)
-        names = " ".join(" ".join(p.cmdline()) for p in stopped.seen.values())
+        names = _cmdlines(stopped.seen)
         assert "flower-superlink" in names, names
         os.kill(stopped.proc.pid, signal.SIGINT)
         assert stopped.proc.wait(timeout=120) == 130, stopped.text[-3000:]
