@@ -3,7 +3,10 @@
 # 2 cores). Each sweep runs methods x seeds with `python -m fedlr.compare run`;
 # the runs land in outputs/results/NAME/runs/, and table.md, table.csv,
 # comparison.png (and FOT's seed-0 accuracy matrices) are copied to
-# docs/results/NAME/.
+# docs/results/NAME/. `privacy` runs the lora-family task under DP-SGD at
+# epsilon 1, 3 and 6 (its no-DP runs are lora-dirichlet's) and writes the
+# privacy table, claims and plot (benchmarks/privacy.py); it is not in the
+# default list (about 1 h more on 2 cores).
 #
 #   bash benchmarks/results.sh [NAME ...]     # default: every sweep
 #   ENGINE=flwr bash benchmarks/results.sh    # through `flwr run` instead
@@ -29,10 +32,13 @@ sweep() {  # NAME CONF METHODS SEEDS [SET]
 
 publish() {  # NAME: copy the sweep's table and plots into docs/results/NAME/
     mkdir -p "docs/results/$1"
-    cp "$OUT/$1"/{table.md,table.csv} "$OUT/$1"/*.png "docs/results/$1/"
+    cp "$OUT/$1"/table.{md,csv} "$OUT/$1"/*.png "docs/results/$1/"
+    [[ -f $OUT/$1/claims.md ]] && cp "$OUT/$1/claims.md" "docs/results/$1/"
+    return 0
 }
 
 LORA=fedavg-lora,fedex-lora,ffa-lora,fedsvd,fedspec,fedsa-lora
+PRIVATE=fedavg-lora,ffa-lora,fedsvd,fedex-lora,fedspec
 run_one() {
     case $1 in
     lora-dirichlet) sweep lora-dirichlet benchmarks/conf/lora-family.toml $LORA 0,1,2 ;;
@@ -54,7 +60,18 @@ run_one() {
         done
         "$PY" -m fedlr.compare table "$OUT"/svd-rank*/runs/*/*/ \
             --by lora-rank --out "$OUT/svd" >/dev/null ;;
-    *) echo "unknown sweep '$1' (lora-dirichlet lora-iid vera llm qrmix fot svd)" >&2; exit 2 ;;
+    privacy)  # DP-SGD at each epsilon; the no-DP runs are lora-dirichlet's
+        # (publish copies table.md, table.csv and privacy.png; claims.md too)
+        [[ -d $OUT/lora-dirichlet/runs ]] || run_one lora-dirichlet
+        for e in 1 3 6; do
+            sweep "privacy-eps$e" benchmarks/conf/lora-family.toml $PRIVATE 0,1,2 \
+                "dp-epsilon=$e.0 dp-delta=1e-5 dp-max-grad-norm=1.0"
+        done
+        local plain=()
+        for m in ${PRIVATE//,/ }; do plain+=("$OUT"/lora-dirichlet/runs/$m-seed*/*/); done
+        "$PY" -m benchmarks.privacy --out "$OUT/privacy" \
+            "$OUT"/privacy-eps*/runs/*/*/ "${plain[@]}" ;;
+    *) echo "unknown sweep '$1' (lora-dirichlet lora-iid vera llm qrmix fot svd privacy)" >&2; exit 2 ;;
     esac
 }
 

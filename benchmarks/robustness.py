@@ -1,136 +1,245 @@
-"""Robust aggregation on the default run, with and without one attacker.
+"""Robust rules against adaptive attackers on the default task, with clean costs.
 
-``python -m benchmarks.robustness [--out DIR] [--rounds N] [--runs a,b,...]
-[--set 'key=value,...']``
+``python -m benchmarks.robustness run [--out DIR] [--rounds N] [--seeds 0,1,2]
+[--shard I/N] [--set 'key=value,...']``, then ``python -m benchmarks.robustness
+table [--out DIR]``.
 
-The default run (fedex-lora, MiniLM on polarity, 15 rounds) with five clients,
-in process (:func:`fedlr.server_apps.local.run_in_process`). The attacker is
-partition 0: every round it trains honestly, then sends ``x_ref + 50 (x -
-x_ref)`` (its update boosted 50x) and claims ``num-examples = 10**15``.
+The default task (fedex-lora, MiniLM with LoRA r = 8 on polarity, Dirichlet
+0.5) with five clients, in process
+(:func:`fedlr.server_apps.local.run_in_process`), under each rule of
+:data:`fedlr.robust.ROBUST_RULES`. Each run is one of:
 
-Runs (each a row of the table written to ``DIR/robustness.md`` and
-``DIR/robustness.csv``):
+* ``clean``: five honest clients (the accuracy a rule costs without attack);
+* ``<attack>-<m>of5``: the last ``m`` partitions (1 or 2) collude. They train
+  honestly, see every honest reply of the round (the omniscient adversary of
+  the ALIE paper, :class:`Colluders`, through the in-process grid's
+  ``round_hook``) and replace their replies by:
 
-* ``clean-<rule>``: no attacker, ``robust = <rule>`` (the accuracy a rule
-  costs without an attack);
-* ``attack-capped``: the attacker against the default server, whose
-  ``max-num-examples`` (the largest partition) drops its replies;
-* ``attack-<rule>``: the attacker with ``max-num-examples`` lifted (its
-  claimed 1e15 examples accepted), under each rule.
+  ``sign-flip``
+      their own honest update, negated (``x_ref - d``), honest example count;
+  ``alie``
+      "a little is enough" (Baruch et al., 2019): per coordinate, the honest
+      mean minus ``z`` honest standard deviations, ``z = Phi^-1((n - s) / n)``
+      with ``s = floor(n / 2 + 1) - m``, honest example count;
+  ``under-the-clip``
+      the negated honest mean, scaled to 0.99 of the honest median update
+      norm in the method's update space (so ``norm-clip``, whose bound is the
+      round's median, does not clip it), honest example count;
+  ``under-the-cap``
+      the negated honest mean, scaled to 0.9 of what the default update-size
+      screen lets through (``screen-ratio`` times the honest median norm),
+      claiming ``max-num-examples`` examples (the server's cap, the largest
+      partition): the most the default bounds let one reply weigh.
+
+Every run is one line of ``DIR/runs*.jsonl`` (resumable: a finished run is not
+run again; ``--shard I/N`` runs every N-th run starting at I, so that two
+processes share the grid). ``table`` writes ``DIR/robustness.csv`` (one row
+per run) and ``DIR/summary.md`` (mean ± std over seeds per rule and setting,
+and each rule's clean cost against ``none``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pandas as pd
-from flwr.app import Message, MetricRecord, RecordDict
+import torch
+from flwr.app import Message, MessageType, MetricRecord, RecordDict
 
 from fedlr import protocol
 from fedlr.flower.records import record_to_state, state_to_record
+from fedlr.robust import DEFAULT_SCREEN_RATIO, ROBUST_RULES, ProductSpace
 from fedlr.server_apps.local import run_in_process
+from fedlr.server_apps.plans import build_plan
+from fedlr.strategies.registry import resolve
 
-RULES = ("none", "norm-clip", "trimmed-mean", "median")
-BOOST = 50.0
-CLAIM = 10**15
+ATTACKS = ("sign-flip", "alie", "under-the-clip", "under-the-cap")
+NUM_CLIENTS = 5
+CLIP_MARGIN = 0.99
+SCREEN_MARGIN = 0.9
 
 
-def boosted_reply(partition: int, instruction: Message, reply: Message) -> Message:
-    """Partition 0 boosts its update 50x and claims 1e15 examples."""
-    if partition != 0 or reply.has_error():
-        return reply
-    sent = record_to_state(instruction.content.array_records[protocol.ARRAYS])
-    mine = record_to_state(reply.content.array_records[protocol.ARRAYS])
-    forged = {}
+def alie_z(n: int, m: int) -> float:
+    """The ALIE paper's largest undetected deviation for ``m`` of ``n``."""
+    s = math.floor(n / 2 + 1) - m
+    return statistics.NormalDist().inv_cdf((n - s) / n)
+
+
+def _pairs(keys: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """``(A key, B key)`` of every adapted layer, by PEFT's key names."""
+    return [
+        (k, k.replace("lora_A", "lora_B"))
+        for k in keys
+        if "lora_A" in k and k.replace("lora_A", "lora_B") in keys
+    ]
+
+
+class Colluders:
+    """The last ``m`` partitions, replacing their train replies each round.
+
+    Parameters
+    ----------
+    attack : str
+        One of :data:`ATTACKS`.
+    attackers : set of int
+        Their partition ids.
+    cap : int
+        The server's ``max-num-examples`` (``under-the-cap`` claims it).
+    screen_ratio : float
+        The server's ``screen-ratio``.
+    """
+
+    def __init__(
+        self, attack: str, attackers: set[int], cap: int, screen_ratio: float
+    ) -> None:
+        if attack not in ATTACKS:
+            raise ValueError(f"attack must be one of {ATTACKS}, got {attack!r}")
+        self.attack = attack
+        self.attackers = attackers
+        self.cap = cap
+        self.screen_ratio = screen_ratio
+        self.norms: list[tuple[float, float]] = []  # (attacker, honest median)
+
+    def __call__(
+        self, round_: list[tuple[int, Message, Message]]
+    ) -> list[Message | None]:
+        train = [
+            (p, ins, rep)
+            for p, ins, rep in round_
+            if ins.metadata.message_type == MessageType.TRAIN and not rep.has_error()
+        ]
+        honest = [t for t in train if t[0] not in self.attackers]
+        if not honest or len(honest) == len(train):
+            return [rep for _, _, rep in round_]
+        ref = _state(honest[0][1])
+        space = ProductSpace(ref, _pairs(ref))
+        deltas = [_delta(_state(rep), _state(ins)) for _, ins, rep in honest]
+        keys = list(deltas[0])
+        stacked = {k: torch.stack([d[k] for d in deltas]) for k in keys}
+        mean = {k: v.mean(0) for k, v in stacked.items()}
+        std = {k: v.std(0, unbiased=False) for k, v in stacked.items()}
+        honest_median = statistics.median(space.norm(_update(ref, d)) for d in deltas)
+        z = alie_z(len(train), len(train) - len(honest))
+        trained = {id(rep) for _, _, rep in train}
+        out = []
+        for p, ins, rep in round_:
+            if id(rep) not in trained or p not in self.attackers:
+                out.append(rep)
+                continue
+            sent, own = _state(ins), _state(rep)
+            claim = None
+            if self.attack == "sign-flip":
+                delta = {k: -d for k, d in _delta(own, sent).items()}
+            elif self.attack == "alie":
+                delta = {k: mean[k] - z * std[k] for k in keys}
+            else:
+                target = honest_median * (
+                    CLIP_MARGIN
+                    if self.attack == "under-the-clip"
+                    else SCREEN_MARGIN * self.screen_ratio
+                )
+                delta = _scaled(space, ref, {k: -mean[k] for k in keys}, target)
+                if self.attack == "under-the-cap":
+                    claim = self.cap
+            forged = {
+                k: (sent.get(k, torch.zeros_like(v)) + delta[k].to(v.dtype))
+                if k in delta
+                else v
+                for k, v in own.items()
+            }
+            self.norms.append((space.norm(_update(ref, delta)), honest_median))
+            out.append(_reply(ins, rep, forged, claim))
+        return out
+
+
+def _state(message: Message) -> dict[str, torch.Tensor]:
+    return record_to_state(message.content.array_records[protocol.ARRAYS])
+
+
+def _delta(
+    mine: Mapping[str, torch.Tensor], sent: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    out = {}
     for key, x in mine.items():
         ref = sent.get(key)
-        base = ref.to(x.dtype) if ref is not None and ref.shape == x.shape else 0
-        forged[key] = base + BOOST * (x - base)
+        base = ref.double() if ref is not None and ref.shape == x.shape else 0.0
+        out[key] = x.double() - base
+    return out
+
+
+def _update(
+    ref: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]
+) -> SimpleNamespace:
+    """What :class:`~fedlr.robust.ProductSpace` measures: the sent arrays."""
+    arrays = {k: ref[k].double() + d if k in ref else d for k, d in delta.items()}
+    return SimpleNamespace(arrays=arrays)
+
+
+def _scaled(
+    space: ProductSpace,
+    ref: Mapping[str, torch.Tensor],
+    direction: Mapping[str, torch.Tensor],
+    target: float,
+) -> dict[str, torch.Tensor]:
+    """``t * direction`` with the update-space norm ``target`` (bisection on t:
+    a factor pair's product change is not linear in t)."""
+
+    def norm(t: float) -> float:
+        return space.norm(_update(ref, {k: t * d for k, d in direction.items()}))
+
+    hi = 1.0
+    while norm(hi) < target and hi < 1e12:
+        hi *= 2.0
+    lo = 0.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if norm(mid) < target else (lo, mid)
+    return {k: lo * d for k, d in direction.items()}
+
+
+def _reply(
+    instruction: Message,
+    reply: Message,
+    arrays: Mapping[str, torch.Tensor],
+    claim: int | None,
+) -> Message:
     records = dict(reply.content)
-    records[protocol.ARRAYS] = state_to_record(forged)
-    metrics = dict(reply.content.metric_records[protocol.METRICS])
-    metrics[protocol.NUM_EXAMPLES] = CLAIM
-    records[protocol.METRICS] = MetricRecord(metrics)
+    records[protocol.ARRAYS] = state_to_record(dict(arrays))
+    if claim is not None:
+        metrics = dict(reply.content.metric_records[protocol.METRICS])
+        metrics[protocol.NUM_EXAMPLES] = claim
+        records[protocol.METRICS] = MetricRecord(metrics)
     return Message(RecordDict(records), reply_to=instruction)
 
 
-def plan(rules: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+def plan(seeds: list[int]) -> dict[str, dict[str, Any]]:
+    """Every run of the study, by name."""
     runs: dict[str, dict[str, Any]] = {}
-    for rule in rules:
-        runs[f"clean-{rule}"] = {"robust": rule, "attack": False}
-    runs["attack-capped"] = {"robust": "none", "attack": True}
-    for rule in rules:
-        runs[f"attack-{rule}"] = {
-            "robust": rule,
-            "attack": True,
-            "max-num-examples": 10**18,
-        }
+    for seed in seeds:
+        for rule in ROBUST_RULES:
+            runs[f"clean-{rule}-seed{seed}"] = {
+                "robust": rule,
+                "seed": seed,
+                "attack": "none",
+                "attackers": 0,
+            }
+            for attack in ATTACKS:
+                for m in (1, 2):
+                    runs[f"{attack}-{m}of5-{rule}-seed{seed}"] = {
+                        "robust": rule,
+                        "seed": seed,
+                        "attack": attack,
+                        "attackers": m,
+                    }
     return runs
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("outputs/robustness"))
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--runs", default="", help="comma-separated run names")
-    parser.add_argument(
-        "--set",
-        default="",
-        help="extra run-config values, 'key=value,key=value' (TOML scalars)",
-    )
-    args = parser.parse_args(argv)
-    out = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    runs = plan(RULES)
-    chosen = [r for r in args.runs.split(",") if r] or list(runs)
-    rows = []
-    done = out / "runs.jsonl"
-    finished = {}
-    if done.exists():
-        for line in done.read_text().splitlines():
-            row = json.loads(line)
-            finished[row["run"]] = row
-    for name in chosen:
-        if name in finished:
-            rows.append(finished[name])
-            continue
-        spec = dict(runs[name])
-        attacked = spec.pop("attack")
-        config = {
-            "num-partitions": 5,
-            "num-server-rounds": args.rounds,
-            "output-dir": str(out / "runs"),
-            **_overrides(args.set),
-            **spec,
-        }
-        start = time.perf_counter()
-        run_dir = run_in_process(config, reply_hook=boosted_reply if attacked else None)
-        frame = pd.read_csv(run_dir / "results.csv")
-        row = {
-            "run": name,
-            "robust": spec["robust"],
-            "attacker": attacked,
-            "final-accuracy": float(frame["accuracy"].iloc[-1]),
-            "final-loss": float(frame["loss"].iloc[-1]),
-            "dropped": int(frame["dropped"].sum()),
-            "rejected-rounds": int(frame["rejected-rounds"].iloc[-1]),
-            "clipped": int(frame["robust-clipped"].fillna(0).sum()),
-            "trimmed": int(frame["robust-trimmed"].fillna(0).sum()),
-            "seconds": round(time.perf_counter() - start, 1),
-        }
-        rows.append(row)
-        with done.open("a") as handle:
-            handle.write(json.dumps(row) + "\n")
-        print(json.dumps(row), flush=True)
-    table = pd.DataFrame(rows)
-    table.to_csv(out / "robustness.csv", index=False)
-    markdown = _markdown(table)
-    (out / "robustness.md").write_text(markdown)
-    print(markdown)
 
 
 def _overrides(text: str) -> dict[str, Any]:
@@ -139,15 +248,134 @@ def _overrides(text: str) -> dict[str, Any]:
     return tomllib.loads("\n".join(text.split(","))) if text else {}
 
 
-def _markdown(table: pd.DataFrame) -> str:
-    """A GitHub table (pandas' to_markdown needs tabulate, not a dependency)."""
-    header = "| " + " | ".join(table.columns) + " |"
-    rule = "|" + "---|" * len(table.columns)
-    lines = [header, rule]
-    for row in table.itertuples(index=False):
-        cells = [f"{v:.4f}" if isinstance(v, float) else str(v) for v in row]
-        lines.append("| " + " | ".join(cells) + " |")
+def run(args: argparse.Namespace) -> None:
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    runs = plan([int(s) for s in args.seeds.split(",")])
+    index, count = (int(x) for x in args.shard.split("/"))
+    finished = {row["run"] for row in _rows(out)}
+    todo = [n for i, n in enumerate(runs) if i % count == index]
+    todo = [n for n in todo if n not in finished]
+    print(f"robustness: {len(todo)} runs to go in shard {args.shard}", flush=True)
+    done = out / f"runs-{index}.jsonl"
+    for number, name in enumerate(todo, 1):
+        spec = runs[name]
+        config = {
+            "num-partitions": NUM_CLIENTS,
+            "num-server-rounds": args.rounds,
+            "eval-every": args.rounds,
+            "output-dir": str(out / "runs" / name),
+            "robust": spec["robust"],
+            "seed": spec["seed"],
+            **_overrides(args.set),
+        }
+        hook = None
+        if spec["attack"] != "none":
+            method = resolve(config)
+            largest = build_plan(method).largest_partition
+            cap = method.run.max_num_examples or (
+                largest(NUM_CLIENTS) if largest else 0
+            )
+            attackers = set(range(NUM_CLIENTS - spec["attackers"], NUM_CLIENTS))
+            hook = Colluders(
+                spec["attack"],
+                attackers,
+                cap,
+                float(config.get("screen-ratio", DEFAULT_SCREEN_RATIO)),
+            )
+        start = time.perf_counter()
+        run_dir = run_in_process(config, round_hook=hook)
+        frame = pd.read_csv(run_dir / "results.csv")
+        row = {
+            "run": name,
+            **spec,
+            "final-accuracy": float(frame["accuracy"].dropna().iloc[-1]),
+            "final-loss": float(frame["loss"].dropna().iloc[-1]),
+            "dropped": int(frame["dropped"].sum()),
+            "rejected-rounds": int(frame["rejected-rounds"].iloc[-1]),
+            "clipped": int(frame["robust-clipped"].fillna(0).sum()),
+            "trimmed": int(frame["robust-trimmed"].fillna(0).sum()),
+            "attack-norm-ratio": (
+                round(statistics.mean(a / h for a, h in hook.norms), 3)
+                if hook is not None and hook.norms
+                else None
+            ),
+            "seconds": round(time.perf_counter() - start, 1),
+        }
+        with done.open("a") as handle:
+            handle.write(json.dumps(row) + "\n")
+        print(f"[{number}/{len(todo)}] {json.dumps(row)}", flush=True)
+
+
+def _rows(out: Path) -> list[dict[str, Any]]:
+    rows = []
+    for path in sorted(out.glob("runs-*.jsonl")):
+        rows.extend(json.loads(line) for line in path.read_text().splitlines())
+    return rows
+
+
+def summarise(rows: pd.DataFrame) -> str:
+    """Mean ± std of the final accuracy per rule and setting, and clean costs."""
+    rows = rows.copy()
+    rows["setting"] = [
+        "clean" if a == "none" else f"{a} {m}/5"
+        for a, m in zip(rows["attack"], rows["attackers"], strict=True)
+    ]
+    settings = ["clean"] + [f"{a} {m}/5" for a in ATTACKS for m in (1, 2)]
+    rules = list(ROBUST_RULES)
+    lines = [
+        "| setting | " + " | ".join(f"`{r}`" for r in rules) + " |",
+        "|---|" + "---|" * len(rules),
+    ]
+    for setting in settings:
+        cells = []
+        for rule in rules:
+            acc = rows[(rows["setting"] == setting) & (rows["robust"] == rule)]
+            acc = acc["final-accuracy"]
+            cells.append(
+                f"{acc.mean():.3f} ± {acc.std(ddof=1):.3f} ({len(acc)})"
+                if len(acc) > 1
+                else (f"{acc.iloc[0]:.3f} (1)" if len(acc) else "—")
+            )
+        lines.append(f"| {setting} | " + " | ".join(cells) + " |")
+    clean = rows[rows["setting"] == "clean"].pivot_table(
+        index="seed", columns="robust", values="final-accuracy"
+    )
+    lines += ["", "| rule | clean cost vs `none` (paired over seeds) |", "|---|---|"]
+    for rule in rules[1:]:
+        if rule in clean and "none" in clean:
+            diff = (clean[rule] - clean["none"]).dropna()
+            spread = f" ± {diff.std(ddof=1):.3f}" if len(diff) > 1 else ""
+            lines.append(f"| `{rule}` | {diff.mean():+.3f}{spread} ({len(diff)}) |")
     return "\n".join(lines) + "\n"
+
+
+def table(args: argparse.Namespace) -> None:
+    out = args.out.resolve()
+    rows = pd.DataFrame(_rows(out))
+    if rows.empty:
+        raise SystemExit(f"robustness: no finished runs under {out}")
+    rows.to_csv(out / "robustness.csv", index=False)
+    text = summarise(rows)
+    (out / "summary.md").write_text(text)
+    print(text)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    go = sub.add_parser("run", help="run the grid (resumable)")
+    go.add_argument("--out", type=Path, default=Path("outputs/robustness"))
+    go.add_argument("--rounds", type=int, default=5)
+    go.add_argument("--seeds", default="0,1,2")
+    go.add_argument("--shard", default="0/1", help="I/N: every N-th run from I")
+    go.add_argument(
+        "--set", default="", help="extra run-config values, 'key=value,key=value'"
+    )
+    show = sub.add_parser("table", help="tabulate the finished runs")
+    show.add_argument("--out", type=Path, default=Path("outputs/robustness"))
+    args = parser.parse_args(argv)
+    (run if args.command == "run" else table)(args)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ modules import this one.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, ClassVar, Protocol, Self, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeVar
 
 import torch
 
@@ -115,6 +115,17 @@ class ClientFeature:
 
     keys: ClassVar[tuple[str, ...]] = ()
     order: ClassVar[int] = 100
+
+    @classmethod
+    def training_change(cls, options: Any) -> str | None:
+        """What the feature adds to local training under the method's
+        options (a loss term, a gradient transform), in words, or ``None``.
+
+        Read at configuration time: sample-level DP-SGD clips each example's
+        gradient of the loss alone and refuses a method whose features would
+        change it (:func:`fedlr.privacy.client_dp.check_privacy`).
+        """
+        return None
 
     @classmethod
     def for_round(cls, job: RoundJob) -> Self | None:

@@ -21,12 +21,13 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
-__all__ = ["InProcessGrid", "ReplyHook"]
+__all__ = ["InProcessGrid", "ReplyHook", "RoundHook"]
 
 _LOG = getLogger("fedlr")
 _SERVER_NODE_ID = 1
 
 ReplyHook = Callable[[int, Message, Message], Message | None]
+RoundHook = Callable[[list[tuple[int, Message, Message]]], list[Message | None]]
 
 
 class InProcessGrid(Grid):
@@ -57,12 +58,14 @@ class InProcessGrid(Grid):
         run_config: Mapping[str, bool | float | int | str],
         run_id: int = 1,
         reply_hook: ReplyHook | None = None,
+        round_hook: RoundHook | None = None,
     ) -> None:
         if num_nodes < 1:
             raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
         self._client_app = client_app
         self._run = Run.create_empty(run_id)
         self._reply_hook = reply_hook
+        self._round_hook = round_hook
         self._node_ids = [1000 + i for i in range(num_nodes)]
         self._partition = {nid: i for i, nid in enumerate(self._node_ids)}
         self.contexts: dict[int, Context] = {
@@ -136,13 +139,27 @@ class InProcessGrid(Grid):
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:
         start = time.monotonic()
+        sent = list(messages)
         replies: list[Message] = []
-        for message_id in self.push_messages(messages):
+        for message_id in self.push_messages(sent):
             if timeout is not None and time.monotonic() - start > timeout:
                 self._pending.pop(message_id, None)
                 continue
             replies.extend(self.pull_messages([message_id]))
-        return replies
+        if self._round_hook is None:
+            return replies
+        by_id = {m.metadata.message_id: m for m in sent}
+        round_ = [
+            (
+                self._partition[
+                    by_id[r.metadata.reply_to_message_id].metadata.dst_node_id
+                ],
+                by_id[r.metadata.reply_to_message_id],
+                r,
+            )
+            for r in replies
+        ]
+        return [r for r in self._round_hook(round_) if r is not None]
 
     # -- delivery ------------------------------------------------------------
     def _deliver(self, message: Message) -> Message | None:

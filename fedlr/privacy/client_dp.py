@@ -81,15 +81,24 @@ _SPENT = "dp-epsilon-spent"
 
 
 def check_privacy(
-    method: str, sum_only: bool, payload: str, privacy: PrivacyConfig
+    method: str,
+    sum_only: bool,
+    payload: str,
+    privacy: PrivacyConfig,
+    training_changes: Sequence[str] = (),
 ) -> None:
     """Refuse a privacy mechanism the method cannot have.
+
+    ``training_changes`` are what the method's client features add to local
+    training under its options
+    (:meth:`fedlr.features.ClientFeature.training_change`).
 
     Raises
     ------
     PrivacyUnsupportedError
-        DP-SGD for a method that does not train LoRA adapters; client-level
-        DP for a method that is not sum-only.
+        DP-SGD for a method that does not train LoRA adapters or whose
+        clients change the loss or the gradients; client-level DP for a
+        method that is not sum-only.
     """
     if privacy.dp_sgd is not None and payload != "lora":
         raise PrivacyUnsupportedError(
@@ -97,6 +106,13 @@ def check_privacy(
             f"method '{method}' trains a '{payload}' payload (no per-example "
             "gradient sampler for its layers); use a LoRA method or set "
             "dp-max-grad-norm = 0"
+        )
+    if privacy.dp_sgd is not None and training_changes:
+        raise PrivacyUnsupportedError(
+            f"dp-max-grad-norm: DP-SGD clips each example's gradient of the loss "
+            f"alone; method '{method}' adds {' and '.join(training_changes)}, "
+            "which that clipping would not bound; set dp-max-grad-norm = 0 or "
+            "switch the feature off"
         )
     if privacy.client_dp is not None and not sum_only:
         raise PrivacyUnsupportedError(

@@ -22,7 +22,7 @@ from flwr.app import Context, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedlr.client_apps.app import app as fedlr_app
-from fedlr.flower.grid import InProcessGrid, ReplyHook
+from fedlr.flower.grid import InProcessGrid, ReplyHook, RoundHook
 from fedlr.server_apps.runner import run_server
 from fedlr.strategies.registry import resolve
 
@@ -35,6 +35,7 @@ def run_in_process(
     num_nodes: int | None = None,
     run_id: int = 1,
     reply_hook: ReplyHook | None = None,
+    round_hook: RoundHook | None = None,
     client_app: ClientApp | None = None,
 ) -> Path:
     """Run a whole federation in this process; return its results directory.
@@ -52,6 +53,10 @@ def run_in_process(
     reply_hook : callable, optional
         Passed to :class:`~fedlr.flower.InProcessGrid` (tests use it to lose
         or corrupt replies).
+    round_hook : callable, optional
+        Passed to :class:`~fedlr.flower.InProcessGrid`: sees all the replies
+        of a round at once (``benchmarks/robustness.py``'s colluding
+        attackers).
     client_app : flwr.clientapp.ClientApp, optional
         The app every node runs; default fedlr's own
         (:mod:`fedlr.client_apps.app`).
@@ -72,6 +77,7 @@ def run_in_process(
         run_config=config,
         run_id=run_id,
         reply_hook=reply_hook,
+        round_hook=round_hook,
     )
     context = Context(
         run_id=run_id,

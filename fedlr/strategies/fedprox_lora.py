@@ -49,6 +49,11 @@ class ProximalTerm(ClientFeature):
         self.mu = mu
 
     @classmethod
+    def training_change(cls, options: Any) -> str | None:
+        mu = options.proximal_mu if isinstance(options, ProximalOptions) else 0.0
+        return f"FedProx's proximal term (proximal-mu = {mu:g})" if mu > 0 else None
+
+    @classmethod
     def for_round(cls, job: RoundJob) -> Self | None:
         if not job.is_train:
             return None

@@ -104,6 +104,15 @@ class RankSelfPruning(ClientFeature):
         self.pruned = 0
 
     @classmethod
+    def training_change(cls, options: Any) -> str | None:
+        if not isinstance(options, HetLoRAOptions) or options.hetlora_prune_gamma >= 1:
+            return None
+        return (
+            "HetLoRA's rank self-pruning (its tail regulariser, "
+            f"hetlora-prune-gamma = {options.hetlora_prune_gamma:g})"
+        )
+
+    @classmethod
     def for_round(cls, job: RoundJob) -> Self | None:
         gamma, lam = pruning_settings(job.config)
         if not job.is_train or gamma >= 1:

@@ -123,7 +123,7 @@ class MethodSpec:
     payload: PayloadKind
     options: type[Options]
     summary: str
-    client: tuple[type, ...] = ()
+    client: tuple[type[ClientFeature], ...] = ()
     sum_only: bool = False
 
     @property
@@ -211,7 +211,7 @@ def register_method(
     payload: PayloadKind,
     summary: str,
     options: type[Options] | None = None,
-    client: tuple[type, ...] = (),
+    client: tuple[type[ClientFeature], ...] = (),
     sum_only: bool = False,
 ) -> Callable[[T], T]:
     """Class decorator registering a strategy as method ``name``.
@@ -338,7 +338,13 @@ def resolve(run_config: Mapping[str, Any]) -> MethodConfig:
             "method that keeps the base frozen (fedavg-lora, fedsvd, fedspec, "
             "ffa-lora, fedsa-lora, ...)",
         )
-    check_privacy(spec.name, spec.traits.sum_only, spec.payload.name, run.privacy)
+    check_privacy(
+        spec.name,
+        spec.traits.sum_only,
+        spec.payload.name,
+        run.privacy,
+        [c for f in spec.client if (c := f.training_change(options)) is not None],
+    )
     return MethodConfig(run=run, spec=spec, options=options)
 
 

@@ -89,6 +89,10 @@ class ScaffoldCorrection(ClientFeature):
         self.steps = 0
 
     @classmethod
+    def training_change(cls, options: Any) -> str | None:
+        return "SCAFFOLD's control-variate gradient correction"
+
+    @classmethod
     def for_round(cls, job: RoundJob) -> Self | None:
         records = job.message.content.array_records
         if not job.is_train or CONTROL not in records:

@@ -171,6 +171,24 @@ def test_client_failure_is_dropped_and_run_continues(tmp_path, assets):
     assert frame["dropped"].tolist() == [1, 1]
 
 
+def test_a_round_hook_sees_every_reply_of_the_round_before_the_server(tmp_path, assets):
+    """The round hook gets one round's replies together, and may lose some."""
+    seen: list[list[int]] = []
+
+    def lose_partition_2(round_):
+        seen.append(sorted(p for p, _, _ in round_))
+        for _p, instruction, reply in round_:
+            assert reply.metadata.reply_to_message_id == instruction.metadata.message_id
+        return [None if p == 2 else reply for p, _, reply in round_]
+
+    config = tiny_run_config(tmp_path)
+    frame = pd.read_csv(
+        run_in_process(config, round_hook=lose_partition_2) / "results.csv"
+    )
+    assert seen == [[0, 1, 2], [0, 1, 2]]  # the two train rounds, whole
+    assert frame["clients"].tolist() == [2, 2]
+
+
 def test_train_roles_are_what_the_client_sends(tmp_path, assets):
     config = tiny_run_config(tmp_path)
     cfg = RunConfig.from_mapping(config)

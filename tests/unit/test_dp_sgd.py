@@ -354,6 +354,41 @@ def test_dp_sgd_is_refused_for_a_vera_method_by_name():
         resolve({"method": "fedavg-vera", "dp-max-grad-norm": 1.0, "dp-epsilon": 4.0})
 
 
+DP = {"dp-max-grad-norm": 1.0, "dp-epsilon": 4.0}
+HETERO = {"client-ranks": "4,8"}
+
+
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        ({"method": "fedprox-lora"}, "FedProx's proximal term"),
+        ({"method": "scaffold-lora"}, "SCAFFOLD's control-variate"),
+        (
+            {"method": "hetlora", **HETERO, "hetlora-prune-gamma": 0.9},
+            "HetLoRA's rank self-pruning",
+        ),
+    ],
+)
+def test_dp_sgd_with_a_loss_term_or_gradient_change_is_refused_at_config(config, named):
+    # At configuration time, not in every client's first round.
+    with pytest.raises(PrivacyUnsupportedError, match=named) as caught:
+        resolve({**config, **DP})
+    assert "dp-max-grad-norm: DP-SGD clips" in str(caught.value)
+    resolve(config)  # the same method without DP-SGD is fine
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"method": "fedprox-lora", "proximal-mu": 0.0},  # no proximal term
+        {"method": "hetlora", **HETERO, "hetlora-prune-gamma": 1.0},  # no pruning
+        {"method": "fedavg-lora"},
+    ],
+)
+def test_dp_sgd_is_accepted_where_the_features_leave_training_alone(config):
+    assert resolve({**config, **DP}).run.privacy.dp_sgd is not None
+
+
 @pytest.mark.parametrize(
     ("values", "key"),
     [

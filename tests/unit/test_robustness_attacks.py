@@ -1,0 +1,127 @@
+"""The robust-rule study's colluding attackers (``benchmarks/robustness.py``).
+
+The attacks are what docs/results/robustness.md measures the rules against, so
+they are checked here against their definitions: ALIE's ``z``, and the
+update-space norms of the scaled attacks, recomputed from dense float64
+products ``B' A' - B A`` (not with the :class:`~fedlr.robust.ProductSpace` the
+attack scales with).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import pandas as pd
+import pytest
+import torch
+
+from benchmarks.robustness import (
+    CLIP_MARGIN,
+    SCREEN_MARGIN,
+    Colluders,
+    alie_z,
+    plan,
+)
+from fedlr import protocol
+from fedlr.flower.records import record_to_state
+from fedlr.robust import DEFAULT_SCREEN_RATIO, ROBUST_RULES
+from fedlr.server_apps.local import run_in_process
+from tests.conftest import tiny_run_config
+
+
+def test_alie_z_is_the_papers_bound():
+    # n = 5: s = floor(n/2 + 1) - m; z = Phi^-1((n - s) / n).
+    assert alie_z(5, 1) == pytest.approx(0.2533471, abs=1e-6)  # Phi^-1(0.6)
+    assert alie_z(5, 2) == pytest.approx(0.8416212, abs=1e-6)  # Phi^-1(0.8)
+
+
+def test_the_plan_covers_every_rule_attack_count_and_seed():
+    runs = plan([0, 1, 2])
+    assert len(runs) == 3 * len(ROBUST_RULES) * (1 + 4 * 2)
+    assert {r["attack"] for r in runs.values()} == {
+        "none",
+        "sign-flip",
+        "alie",
+        "under-the-clip",
+        "under-the-cap",
+    }
+
+
+def _dense_norm(sent, arrays):
+    """||update|| in the LoRA update space, from dense float64 products."""
+    sq = 0.0
+    for key in arrays:
+        if "lora_A" in key:
+            b_key = key.replace("lora_A", "lora_B")
+            new = arrays[b_key].double() @ arrays[key].double()
+            old = sent[b_key].double() @ sent[key].double()
+            sq += float(((new - old) ** 2).sum())
+        elif "lora_B" not in key:
+            sq += float(((arrays[key].double() - sent[key].double()) ** 2).sum())
+    return sq**0.5
+
+
+class Recorder(Colluders):
+    """Keeps each train round's (partition, sent, reply arrays, examples)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.rounds = []
+
+    def __call__(self, round_):
+        replies = super().__call__(round_)
+        self.rounds.append(
+            [
+                (
+                    p,
+                    record_to_state(ins.content.array_records[protocol.ARRAYS]),
+                    record_to_state(rep.content.array_records[protocol.ARRAYS]),
+                    rep.content.metric_records[protocol.METRICS][protocol.NUM_EXAMPLES],
+                )
+                for (p, ins, _), rep in zip(round_, replies, strict=True)
+            ]
+        )
+        return replies
+
+
+@pytest.mark.parametrize(
+    ("attack", "ratio", "claims_cap"),
+    [
+        ("under-the-clip", CLIP_MARGIN, False),
+        ("under-the-cap", SCREEN_MARGIN * DEFAULT_SCREEN_RATIO, True),
+    ],
+)
+def test_scaled_attacks_sit_where_they_say_and_pass_the_default_server(
+    tmp_path, assets, attack, ratio, claims_cap
+):
+    hook = Recorder(attack, {3}, 999, DEFAULT_SCREEN_RATIO)
+    config = tiny_run_config(tmp_path, **{"num-partitions": 4})
+    frame = pd.read_csv(run_in_process(config, round_hook=hook) / "results.csv")
+    assert len(hook.rounds) == 2
+    for round_ in hook.rounds:
+        honest = [_dense_norm(s, a) for p, s, a, _ in round_ if p != 3]
+        ((_, sent, forged, claimed),) = [r for r in round_ if r[0] == 3]
+        assert _dense_norm(sent, forged) == pytest.approx(
+            ratio * statistics.median(honest), rel=1e-4
+        )
+        assert (claimed == 999) is claims_cap
+    # Under the default bounds: accepted, never dropped or screened out.
+    assert frame["dropped"].tolist() == [0, 0]
+    assert frame["clients"].tolist() == [4, 4]
+
+
+def test_sign_flip_sends_the_attackers_own_update_negated(tmp_path, assets):
+    flip = Recorder("sign-flip", {2}, 999, DEFAULT_SCREEN_RATIO)
+    honest = Recorder("sign-flip", set(), 999, DEFAULT_SCREEN_RATIO)
+    run_in_process(tiny_run_config(tmp_path / "a"), round_hook=flip)
+    run_in_process(tiny_run_config(tmp_path / "b"), round_hook=honest)
+    # Round 1 starts from the same state: the flipped reply mirrors the honest.
+    (_, sent, forged, _) = next(r for r in flip.rounds[0] if r[0] == 2)
+    (_, _, trained, _) = next(r for r in honest.rounds[0] if r[0] == 2)
+    for key in trained:
+        torch.testing.assert_close(
+            forged[key].double() - sent[key].double(),
+            -(trained[key].double() - sent[key].double()),
+            rtol=1e-5,
+            atol=1e-7,
+        )
