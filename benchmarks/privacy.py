@@ -122,10 +122,12 @@ def figure(rows: pd.DataFrame) -> plt.Figure:
     x = {lv: i for i, lv in enumerate(levels)}
     table = summary_table(rows)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for method, part in table.groupby("method", sort=False):
+    groups = list(table.groupby("method", sort=False))
+    for i, (method, part) in enumerate(groups):
         part = part.sort_values("level", key=lambda s: s.map(x))
+        dodge = 0.05 * (i - (len(groups) - 1) / 2)  # error bars side by side
         ax.errorbar(
-            [x[lv] for lv in part["level"]],
+            [x[lv] + dodge for lv in part["level"]],
             part["accuracy_mean"],
             yerr=part["accuracy_std"].fillna(0.0),
             marker="o",

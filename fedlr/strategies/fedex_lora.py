@@ -28,6 +28,12 @@ factors at its own rank and folds what they leave out into that client's
 base weights, so that every client, whatever its rank, starts each round
 from the exact mean of the client models.
 
+``fedex-fold-scale`` ``c`` in [0, 1] (default 1) folds ``c s Delta_res``
+instead: 1 is FedEx-LoRA, 0 keeps the base weights and is FedIT's
+(``fedavg-lora``'s) model, in between the model keeps ``(1 - c)`` of the
+residual's error. It exists to test what the fold itself does to accuracy
+(docs/results/drift), not as a recommended setting.
+
 References
 ----------
 .. [1] Singhal, Ponkshe, Vepakomma, "FedEx-LoRA: Exact Aggregation for
@@ -36,7 +42,9 @@ References
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, ClassVar, Self, cast
 
 import torch
@@ -46,6 +54,7 @@ from fedlr.adapters.lora import LoraModel
 from fedlr.adapters.ranks import fold_tail
 from fedlr.adapters.roles import Role
 from fedlr.downlink import lowrank_delta
+from fedlr.errors import ConfigError
 from fedlr.features import ClientFeature, RoundJob
 from fedlr.linalg import (
     StackedResidual,
@@ -53,6 +62,7 @@ from fedlr.linalg import (
     flexlora_factors,
     stacked_update,
 )
+from fedlr.options import option, require
 from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
@@ -64,7 +74,30 @@ from fedlr.strategies.fedex_downlink import (
 from fedlr.strategies.hetero import HeteroFoldLoRA, LayerResult, LayerUpdates
 from fedlr.strategies.registry import register_method
 
-__all__ = ["FedExLoRA", "FoldTail", "HeteroFedExLoRA"]
+__all__ = ["FedExLoRA", "FedExOptions", "FoldTail", "HeteroFedExLoRA"]
+
+
+@dataclass(frozen=True)
+class FedExOptions(DownlinkOptions):
+    """FedEx-LoRA's run-config keys."""
+
+    fedex_fold_scale: float = option(
+        1.0,
+        "share c of each round's exact residual folded into W0, in [0, 1]: 1 is "
+        "FedEx-LoRA (exact), 0 drops the residual as FedIT does (fedavg-lora's "
+        "model); for studying the fold, see "
+        "[results/drift](results/drift/README.md)",
+        bad=[(1.5, r"in \[0, 1\]")],
+    )
+
+    def check(self) -> None:
+        super().check()
+        scale = self.fedex_fold_scale
+        require(
+            math.isfinite(scale) and 0.0 <= scale <= 1.0,
+            "fedex-fold-scale",
+            f"must be in [0, 1], got {scale}",
+        )
 
 
 class FoldTail(ClientFeature):
@@ -102,7 +135,7 @@ class FoldTail(ClientFeature):
 @register_method(
     "fedex-lora",
     payload=LORA,
-    options=DownlinkOptions,
+    options=FedExOptions,
     summary="FedAvg of A, B plus the exact residual folded into W0",
     client=(BaseWeights, FoldTail),
 )
@@ -125,6 +158,11 @@ class FedExLoRA(FactoredDownlink, FedAvgLoRA):
     heterogeneous_ranks: ClassVar[bool] = True
     """Accepts ``client-ranks`` (then :meth:`from_run_config` builds a
     :class:`HeteroFedExLoRA`, its ``hetero_variant``)."""
+
+    @property
+    def fold_scale(self) -> float:
+        """``c``: the share of the residual folded (``fedex-fold-scale``)."""
+        return cast(FedExOptions, self.method_options).fedex_fold_scale
 
     def step_bytes_bound(self, sampled: int) -> float:
         """One change has rank at most ``(k - 1) r`` per layer."""
@@ -157,12 +195,15 @@ class FedExLoRA(FactoredDownlink, FedAvgLoRA):
         state = dict(current)
         state.update(self.weighted_means(updates, self.layout.keys(*self.train_roles)))
         for module in self.layout.modules:
+            if self.fold_scale == 0.0:
+                break  # FedIT's model: the base weights stay
             residual = residuals[module.name]
             base = current[module.base_key]
+            scaling = module.scaling * self.fold_scale
             delta = (
                 lowrank_delta(
                     *module.as_stored(residual.left, residual.right),
-                    module.scaling,
+                    scaling,
                     dtype=base.dtype,
                 )
                 if self.factored and isinstance(residual, StackedResidual)
@@ -172,8 +213,8 @@ class FedExLoRA(FactoredDownlink, FedAvgLoRA):
                 module.base_key,
                 base,
                 delta,
-                lambda r=residual, w=base, m=module: r.fold(
-                    w, m.scaling, transposed=m.fan_in_fan_out
+                lambda r=residual, w=base, s=scaling, m=module: r.fold(
+                    w, s, transposed=m.fan_in_fan_out
                 ),
             )
         return state, self.publish_base(state, self.gap_report(updates, residuals))
@@ -212,6 +253,17 @@ class HeteroFedExLoRA(HeteroFoldLoRA):
     """
 
     trims_downlink: ClassVar[bool] = False  # a node needs the tail it folds
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        scale = getattr(self.method_options, "fedex_fold_scale", 1.0)
+        if scale != 1.0:
+            raise ConfigError(
+                "fedex-fold-scale",
+                f"is for FedEx-LoRA at one rank; with client-ranks every client's "
+                f"model must be the exact mean of the client models (got {scale}); "
+                "leave it at 1.0",
+            )
 
     send_roles: ClassVar[tuple[Role, ...]] = FedExLoRA.send_roles
 

@@ -253,3 +253,25 @@ def test_resumed_run_appends_to_the_csvs_and_matches_an_uninterrupted_one(
     final_a = torch.load(straight / "final_arrays.pt")
     final_b = torch.load(resumed / "final_arrays.pt")
     assert all(torch.equal(final_a[k], final_b[k]) for k in final_a)
+
+
+def test_fedex_with_fold_scale_zero_runs_as_fedavg_lora(tmp_path, assets):
+    """The fold is the only difference: without it FedEx-LoRA is FedIT."""
+    runs = {
+        name: pd.read_csv(
+            run_in_process(tiny_run_config(tmp_path / name, **config)) / "results.csv"
+        )
+        for name, config in {
+            "fedit": {"method": "fedavg-lora"},
+            "unfolded": {"method": "fedex-lora", "fedex-fold-scale": 0.0},
+            "fedex": {"method": "fedex-lora"},
+        }.items()
+    }
+    for column in ("accuracy", "loss", "train-loss", "frobenius-gap"):
+        assert runs["unfolded"][column].tolist() == pytest.approx(
+            runs["fedit"][column].tolist(), rel=1e-6, abs=1e-7
+        ), column
+    # ... and the fold changes the run (else the comparison would be empty).
+    assert runs["fedex"]["loss"].iloc[-1] != pytest.approx(
+        runs["fedit"]["loss"].iloc[-1], rel=1e-6
+    )

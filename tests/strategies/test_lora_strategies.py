@@ -140,6 +140,51 @@ def test_fedex_folds_exact_residual():
         assert rel < 1e-6
 
 
+@pytest.mark.parametrize("downlink", ["factored", "dense"])
+@pytest.mark.parametrize("scale", [0.0, 0.25, 0.5, 1.0])
+def test_fedex_fold_scale_folds_that_share_of_the_residual(scale, downlink):
+    """W0' = W0 + c s (sum_i w_i B_i A_i - B_bar A_bar); factors as FedAvg's."""
+    strategy = FedExLoRA(layout=LAYOUT, fedex_fold_scale=scale, fedex_downlink=downlink)
+    state = _global()
+    _configured(strategy, state, num_nodes=3)
+    clients = [_client(i) for i in range(3)]
+    replies = [
+        reply(1000 + i, c, {"num-examples": n})
+        for i, (c, n) in enumerate(zip(clients, [1, 3, 6], strict=True))
+    ]
+    new = record_to_state(strategy.aggregate_train(1, replies)[0])
+    w = [0.1, 0.3, 0.6]
+    for key in LAYOUT.keys(Role.LORA_A, Role.LORA_B, Role.HEAD):
+        mean = sum(wi * c[key].double() for wi, c in zip(w, clients, strict=True))
+        torch.testing.assert_close(new[key].double(), mean, rtol=1e-6, atol=1e-6)
+    for m in LAYOUT.modules:
+        b_bar = sum(wi * c[m.b_key].double() for wi, c in zip(w, clients, strict=True))
+        a_bar = sum(wi * c[m.a_key].double() for wi, c in zip(w, clients, strict=True))
+        ideal = sum(
+            wi * c[m.b_key].double() @ c[m.a_key].double()
+            for wi, c in zip(w, clients, strict=True)
+        )
+        want = state[m.base_key].double() + scale * m.scaling * (ideal - b_bar @ a_bar)
+        torch.testing.assert_close(new[m.base_key].double(), want, rtol=1e-5, atol=1e-5)
+        if scale == 0.0:  # FedIT's model: the base weights are not touched
+            assert torch.equal(new[m.base_key], state[m.base_key])
+
+
+def test_fedex_fold_scale_is_refused_out_of_range_and_with_client_ranks():
+    from fedlr.errors import ConfigError
+    from fedlr.strategies.registry import resolve
+
+    with pytest.raises(ConfigError, match="fedex-fold-scale"):
+        resolve({"method": "fedex-lora", "fedex-fold-scale": -0.1})
+    with pytest.raises(ConfigError, match=r"fedex-fold-scale.*client-ranks"):
+        spec = resolve(
+            {"method": "fedex-lora", "fedex-fold-scale": 0.5, "client-ranks": "1,2"}
+        )
+        spec.spec.strategy_for((1, 2))(
+            layout=LAYOUT, options=spec.options, client_ranks=(1, 2)
+        )
+
+
 BAD_CASES = {
     "wrong keys": lambda c: (
         {**{k: v for k, v in c.items() if k != "l0.A"}, "x": torch.zeros(2)},
