@@ -26,6 +26,8 @@ written) is not run again, so the study can be stopped and resumed.
     the runs still missing and their estimated CPU time (:data:`COST`);
 ``python -m benchmarks.drift seeds [--datasets ...] [--count 5]``
     the Dirichlet seeds whose split gives every client data on every data set;
+``--methods`` also takes the mechanism variants of :data:`VARIANTS`
+(``fedex-half``: FedEx-LoRA folding half of each residual);
 ``python -m benchmarks.drift table [--runs DIR] [--out DIR]``
     tabulate what has finished: ``drift.csv`` (one row per run),
     ``summary.csv`` / ``summary.md`` (mean ± std over seeds, the accuracy
@@ -81,6 +83,13 @@ RUNS = ROOT / "outputs" / "drift-grid"
 OUT = ROOT / "docs" / "results" / "drift" / "grid"
 CONF = ROOT / "benchmarks" / "conf" / "drift.toml"
 METHODS = ("fedavg-lora", "fedex-lora", "flora", "fedspec", "ffa-lora", "fedsvd")
+VARIANTS: dict[str, dict[str, Any]] = {
+    "fedex-half": {"method": "fedex-lora", "fedex-fold-scale": 0.5},
+    "fedex-nofold": {"method": "fedex-lora", "fedex-fold-scale": 0.0},
+}
+"""The mechanism runs (``--methods fedex-half,...``): FedEx-LoRA with half of
+each round's residual folded into ``W0``, and with none (FedIT's model with
+FedEx's code path, a check that the fold is the only difference)."""
 BASELINE = "fedavg-lora"
 DATASETS = ("polarity", "bbc-news")
 STEPS = (5, 20)
@@ -132,8 +141,8 @@ def cell_config(
         "local-steps": steps,
         "lora-rank": rank,
         "lora-alpha": 2.0 * rank,
-        "method": method,
         "seed": seed,
+        **VARIANTS.get(method, {"method": method}),
     }
 
 

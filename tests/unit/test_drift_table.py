@@ -13,6 +13,7 @@ import torch
 
 from benchmarks import drift
 from fedlr.server_apps.local import run_in_process
+from fedlr.strategies.registry import resolve
 from fedlr.updates import ClientUpdate
 
 
@@ -189,3 +190,13 @@ def test_every_run_uses_scaling_two_and_the_conf() -> None:
     assert config["dirichlet-alpha"] == 0.1 and config["num-partitions"] == 8
     assert config["local-steps"] == 80 and config["seed"] == 12
     assert not set(drift.CELL_KEYS) & set(drift.SETTINGS)
+
+
+def test_mechanism_variants_are_fedex_runs_with_their_fold_scale() -> None:
+    half = drift.cell_config("polarity", 5, 8, "fedex-half", 0)
+    assert (half["method"], half["fedex-fold-scale"]) == ("fedex-lora", 0.5)
+    none = drift.cell_config("bbc-news", 20, 8, "fedex-nofold", 3)
+    assert (none["method"], none["fedex-fold-scale"]) == ("fedex-lora", 0.0)
+    plain = drift.cell_config("polarity", 5, 8, "fedsvd", 0)
+    assert plain["method"] == "fedsvd" and "fedex-fold-scale" not in plain
+    resolve(half)  # a valid run config
