@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +34,61 @@ PARTITIONERS = ("iid", "dirichlet", "pathological")
 PRECISIONS = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "8bit", "4bit")
 _DEVICE = re.compile(r"auto|cpu|mps|cuda(:[0-9]+)?")
+
+
+def _finite_positive(value: float) -> bool:
+    return math.isfinite(value) and value > 0
+
+
+def _finite_non_negative(value: float) -> bool:
+    return math.isfinite(value) and value >= 0
+
+
+_BOUNDS: tuple[tuple[tuple[str, ...], Callable[[Any], bool], str], ...] = (
+    (
+        (
+            "num_server_rounds",
+            "local_steps",
+            "batch_size",
+            "lora_rank",
+            "num_partitions",
+            "min_replies",
+            "classes_per_partition",
+            "min_partition_size",
+            "keep_checkpoints",
+            "eval_every",
+        ),
+        lambda v: v >= 1,
+        ">= 1",
+    ),
+    (
+        ("lr", "lora_alpha", "dirichlet_alpha", "round_timeout"),
+        _finite_positive,
+        "finite and > 0",
+    ),
+    (("max_length",), lambda v: 8 <= v <= 4096, "in [8, 4096]"),
+    (("lr_decay", "fraction_train"), lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+    (("lora_dropout", "weight_decay"), lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
+    (("eval_fraction",), lambda v: 0.0 < v < 1.0, "in (0, 1)"),
+    (
+        ("eval_batch_size", "max_eval_examples", "max_num_examples"),
+        lambda v: v >= 0,
+        ">= 0",
+    ),
+    (("max_new_tokens",), lambda v: 1 <= v <= 1024, "in [1, 1024]"),
+    (("seed",), lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
+    (("max_update_ratio", "screen_ratio"), _finite_non_negative, "finite and >= 0"),
+)
+"""The common keys' numeric ranges: ``(field names, test, "must be ..." text)``."""
+
+_CHOICES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("partitioner", PARTITIONERS),
+    ("pooling", ("mean", "cls")),
+    ("precision", PRECISIONS),
+    ("quantization", QUANTIZATIONS),
+    ("tracker", TRACKERS),
+)
+"""The common keys with a closed set of values."""
 
 
 @dataclass(frozen=True)
@@ -286,7 +341,7 @@ class RunConfig(Options):
         "`none`, `tensorboard` (`<run dir>/tensorboard/`), `mlflow` (a file "
         "store in `<run dir>/mlruns/` or `$MLFLOW_TRACKING_URI`) or `wandb` "
         "(needs `pip install wandb`); see [tracking.md](tracking.md)",
-        bad=[("neptune", "must be one of")],
+        bad=[("neptune", "not one of")],
     )
     round_timeout: float = option(
         3600.0,
@@ -462,67 +517,17 @@ class RunConfig(Options):
 
     # --------------------------------------------------------------- validation
     def check(self) -> None:
-        positive_ints = (
-            "num_server_rounds",
-            "local_steps",
-            "batch_size",
-            "lora_rank",
-            "num_partitions",
-            "min_replies",
-            "classes_per_partition",
-            "min_partition_size",
-            "keep_checkpoints",
-            "eval_every",
-        )
-        for name in positive_ints:
-            if getattr(self, name) < 1:
-                raise ConfigError(
-                    kebab(name), f"must be >= 1, got {getattr(self, name)}"
-                )
-        positive_floats = ("lr", "lora_alpha", "dirichlet_alpha", "round_timeout")
-        for name in positive_floats:
+        for names, within, text in _BOUNDS:
+            for name in names:
+                value = getattr(self, name)
+                if not within(value):
+                    raise ConfigError(kebab(name), f"must be {text}, got {value}")
+        for name, choices in _CHOICES:
             value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ConfigError(kebab(name), f"must be finite and > 0, got {value}")
-        if not 8 <= self.max_length <= 4096:
-            raise ConfigError(
-                "max-length", f"must be in [8, 4096], got {self.max_length}"
-            )
-        if not 0.0 < self.lr_decay <= 1.0:
-            raise ConfigError("lr-decay", f"must be in (0, 1], got {self.lr_decay}")
-        if not 0.0 <= self.lora_dropout < 1.0:
-            raise ConfigError(
-                "lora-dropout", f"must be in [0, 1), got {self.lora_dropout}"
-            )
-        if not 0.0 <= self.weight_decay < 1.0:
-            raise ConfigError(
-                "weight-decay", f"must be in [0, 1), got {self.weight_decay}"
-            )
-        if not 0.0 < self.eval_fraction < 1.0:
-            raise ConfigError(
-                "eval-fraction", f"must be in (0, 1), got {self.eval_fraction}"
-            )
-        if not 0.0 < self.fraction_train <= 1.0:
-            raise ConfigError(
-                "fraction-train", f"must be in (0, 1], got {self.fraction_train}"
-            )
-        if self.eval_batch_size < 0:
-            raise ConfigError(
-                "eval-batch-size", f"must be >= 0, got {self.eval_batch_size}"
-            )
-        if self.max_eval_examples < 0:
-            raise ConfigError(
-                "max-eval-examples", f"must be >= 0, got {self.max_eval_examples}"
-            )
-        if not 0 <= self.seed < 2**32:
-            raise ConfigError("seed", f"must be in [0, 2**32), got {self.seed}")
-        if self.partitioner not in PARTITIONERS:
-            raise ConfigError(
-                "partitioner",
-                f"'{self.partitioner}' is not one of {', '.join(PARTITIONERS)}",
-            )
-        if self.pooling not in ("mean", "cls"):
-            raise ConfigError("pooling", f"'{self.pooling}' is not one of mean, cls")
+            if value not in choices:
+                raise ConfigError(
+                    kebab(name), f"'{value}' is not one of {', '.join(choices)}"
+                )
         if not _DEVICE.fullmatch(self.device):
             raise ConfigError(
                 "device",
@@ -530,24 +535,10 @@ class RunConfig(Options):
             )
         if not self.targets:
             raise ConfigError("target-modules", "names no module")
-        if not 1 <= self.max_new_tokens <= 1024:
-            raise ConfigError(
-                "max-new-tokens", f"must be in [1, 1024], got {self.max_new_tokens}"
-            )
         if "{instruction}" not in self.prompt_template:
             raise ConfigError(
                 "prompt-template",
                 f"must contain {{instruction}}, got {self.prompt_template!r}",
-            )
-        if self.precision not in PRECISIONS:
-            raise ConfigError(
-                "precision",
-                f"'{self.precision}' is not one of {', '.join(PRECISIONS)}",
-            )
-        if self.quantization not in QUANTIZATIONS:
-            raise ConfigError(
-                "quantization",
-                f"'{self.quantization}' is not one of {', '.join(QUANTIZATIONS)}",
             )
         if self.output_dir and not Path(self.output_dir).expanduser().is_absolute():
             raise ConfigError(
@@ -557,24 +548,6 @@ class RunConfig(Options):
             )
         if not self.method:
             raise ConfigError("method", "is empty")
-        if self.tracker not in TRACKERS:
-            raise ConfigError(
-                "tracker",
-                f"must be one of {', '.join(TRACKERS)}, got '{self.tracker}'",
-            )
-        if self.max_num_examples < 0:
-            raise ConfigError(
-                "max-num-examples", f"must be >= 0, got {self.max_num_examples}"
-            )
-        if not (math.isfinite(self.max_update_ratio) and self.max_update_ratio >= 0):
-            raise ConfigError(
-                "max-update-ratio",
-                f"must be finite and >= 0, got {self.max_update_ratio}",
-            )
-        if not (math.isfinite(self.screen_ratio) and self.screen_ratio >= 0):
-            raise ConfigError(
-                "screen-ratio", f"must be finite and >= 0, got {self.screen_ratio}"
-            )
         self.robust_config  # noqa: B018 (validates robust, clip-norm, ...)
         self.secagg  # noqa: B018 (validates the secagg-* keys)
         self.rank_list  # noqa: B018 (validates client-ranks)

@@ -130,7 +130,7 @@ def test_tracker_option_is_checked() -> None:
     assert RunConfig().tracker == "none"
     for name in TRACKERS:
         assert RunConfig.from_mapping({"tracker": name}).tracker == name
-    with pytest.raises(ConfigError, match="must be one of"):
+    with pytest.raises(ConfigError, match="not one of"):
         RunConfig.from_mapping({"tracker": "neptune"})
     with pytest.raises(ConfigError, match="not one of"):
         open_tracker("neptune", Path("/nonexistent"))
