@@ -43,7 +43,7 @@ import re
 import sys
 import time
 import tomllib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -436,12 +436,58 @@ def run_sweep(
     if client_gpus < 0:
         raise ConfigError("--client-gpus", f"must be >= 0, got {client_gpus}")
     base = {**read_conf(conf), **(overrides or {})}
-    out = Path(out_dir).resolve()
-    home = (flwr_home or Path(".flwr")).resolve()
     nodes = num_supernodes or int(base.get("num-partitions", 4))
     federation: dict[str, Any] = {"num-supernodes": nodes}
     if client_gpus:
         federation["client-resources-num-gpus"] = client_gpus
+    cells = _cells(base, methods, seeds, Path(out_dir).resolve(), engine, app_dir)
+
+    def launch(config: dict[str, Any]) -> None:
+        if engine == "flwr":
+            flwr_run(
+                app_dir,
+                flwr_home=(flwr_home or Path(".flwr")).resolve(),
+                run_config=config,
+                federation_config=federation,
+                echo=True,
+                verbose=verbose,
+                keep_superlink=False,
+            )
+        else:
+            run_in_process(config, num_nodes=nodes)
+
+    run_dirs: list[Path] = []
+    failures: dict[str, str] = {}
+    for n, (cell, config) in enumerate(cells, start=1):
+        progress = f"[{n}/{len(cells)}] {cell}"
+        try:
+            done = _run_cell(progress, config, engine, launch)
+        except (RunInterrupted, KeyboardInterrupt) as exc:
+            how = str(exc) if isinstance(exc, RunInterrupted) else "interrupted"
+            raise SweepInterrupted(
+                f"{cell}: {how}; {len(run_dirs)} of {len(cells)} cells finished; "
+                "run the same command again to resume"
+            ) from None
+        except (FlwrRunError, FedLRError) as exc:
+            failures[cell] = str(exc).splitlines()[0]
+            _LOG.error("%s failed: %s", cell, failures[cell])
+            continue
+        if done is None:
+            failures[cell] = "the run ended without a summary.json"
+            continue
+        run_dirs.append(done)
+    return run_dirs, failures
+
+
+def _cells(
+    base: Mapping[str, Any],
+    methods: Sequence[str],
+    seeds: Sequence[int],
+    out: Path,
+    engine: str,
+    app_dir: Path,
+) -> list[tuple[str, dict[str, Any]]]:
+    """``(cell name, run config)`` of every (method, seed), each checked."""
     cells: list[tuple[str, dict[str, Any]]] = []
     for method, seed in ((m, s) for m in methods for s in seeds):
         cell = f"{method}-seed{seed}"
@@ -456,57 +502,29 @@ def run_sweep(
         else:
             resolve(config)
         cells.append((cell, config))
-    run_dirs: list[Path] = []
-    failures: dict[str, str] = {}
-    for n, (cell, config) in enumerate(cells, start=1):
-        cell_dir = Path(config["output-dir"])
-        finished, resumable = cell_state(cell_dir)
-        if finished is not None:
-            _LOG.info(
-                "[%d/%d] %s: finished earlier (%s), skipped",
-                n,
-                len(cells),
-                cell,
-                finished.name,
-            )
-            run_dirs.append(finished)
-            continue
-        if resumable is not None:
-            config = {**config, "resume-from": str(resumable)}
-            _LOG.info("[%d/%d] %s: resuming %s", n, len(cells), cell, resumable.name)
-        else:
-            _LOG.info("[%d/%d] %s (%s engine)", n, len(cells), cell, engine)
-        started = time.perf_counter()
-        try:
-            if engine == "flwr":
-                flwr_run(
-                    app_dir,
-                    flwr_home=home,
-                    run_config=config,
-                    federation_config=federation,
-                    echo=True,
-                    verbose=verbose,
-                    keep_superlink=False,
-                )
-            else:
-                run_in_process(config, num_nodes=nodes)
-        except (RunInterrupted, KeyboardInterrupt) as exc:
-            how = str(exc) if isinstance(exc, RunInterrupted) else "interrupted"
-            raise SweepInterrupted(
-                f"{cell}: {how}; {len(run_dirs)} of {len(cells)} cells finished; "
-                "run the same command again to resume"
-            ) from None
-        except (FlwrRunError, FedLRError) as exc:
-            failures[cell] = str(exc).splitlines()[0]
-            _LOG.error("%s failed: %s", cell, failures[cell])
-            continue
-        _LOG.info("%s done in %.0f s", cell, time.perf_counter() - started)
-        done, _ = cell_state(cell_dir)
-        if done is None:
-            failures[cell] = "the run ended without a summary.json"
-            continue
-        run_dirs.append(done)
-    return run_dirs, failures
+    return cells
+
+
+def _run_cell(
+    progress: str,
+    config: dict[str, Any],
+    engine: str,
+    launch: Callable[[dict[str, Any]], None],
+) -> Path | None:
+    """Run (or resume, or skip) one cell; its finished run directory or None."""
+    finished, resumable = cell_state(Path(config["output-dir"]))
+    if finished is not None:
+        _LOG.info("%s: finished earlier (%s), skipped", progress, finished.name)
+        return finished
+    if resumable is not None:
+        config = {**config, "resume-from": str(resumable)}
+        _LOG.info("%s: resuming %s", progress, resumable.name)
+    else:
+        _LOG.info("%s (%s engine)", progress, engine)
+    started = time.perf_counter()
+    launch(config)
+    _LOG.info("%s done in %.0f s", progress, time.perf_counter() - started)
+    return cell_state(Path(config["output-dir"]))[0]
 
 
 @contextmanager
