@@ -574,29 +574,7 @@ class SecAggPlusExchange:
     ) -> list[Message]:
         alive = set(collected.replies)
         dead = state.key_holders - alive
-        contents: dict[int, RecordDict] = {}
-        for nid in sorted(alive):
-            near = state.neighbours[nid]
-            contents[nid] = RecordDict(
-                {
-                    RECORD_KEY_CONFIGS: ConfigRecord(
-                        {
-                            Key.STAGE: Stage.UNMASK,
-                            Key.ACTIVE_NODE_ID_LIST: sorted(near & alive),
-                            Key.DEAD_NODE_ID_LIST: sorted(near & dead),
-                        }
-                    )
-                }
-            )
-        got = self._send(grid, state, contents, timeout, Stage.UNMASK)
-        shares: dict[int, list[bytes]] = {nid: [] for nid in alive | dead}
-        for reply in got.values():
-            record = reply.content.config_records[RECORD_KEY_CONFIGS]
-            owners = cast(list[int], record[Key.NODE_ID_LIST])
-            pieces = cast(list[bytes], record[Key.SHARE_LIST])
-            for owner, piece in zip(owners, pieces, strict=True):
-                if owner in shares:
-                    shares[owner].append(piece)
+        shares = self._ask_shares(grid, state, alive, dead, timeout)
         short = sorted(n for n, s in shares.items() if len(s) < state.threshold)
         if short:
             log(
@@ -608,25 +586,7 @@ class SecAggPlusExchange:
                 short,
             )
             return []
-        vector = collected.masked
-        shapes = [tuple(a.shape) for a in vector]
-        for nid in sorted(alive):  # 1. private masks of the survivors
-            seed = combine_shares(shares[nid])
-            vector = parameters_subtraction(
-                vector, pseudo_rand_gen(seed, MODULUS_RANGE, shapes)
-            )
-        for nid in sorted(dead):  # 2. survivors' pairwise masks with dropouts
-            secret = bytes_to_private_key(combine_shares(shares[nid]))
-            for other in sorted((state.neighbours[nid] & alive) - {nid}):
-                key = generate_shared_key(
-                    secret, bytes_to_public_key(state.public_keys[other][0])
-                )
-                mask = pseudo_rand_gen(key, MODULUS_RANGE, shapes)
-                if nid > other:
-                    vector = parameters_addition(vector, mask)
-                else:
-                    vector = parameters_subtraction(vector, mask)
-        vector = parameters_mod(vector, MODULUS_RANGE)
+        vector = _remove_masks(state, collected.masked, shares, alive, dead)
         settings = self.settings
         factor, quantised = factor_extract(vector)
         k = len(alive)
@@ -658,6 +618,71 @@ class SecAggPlusExchange:
         )
         state.stats["secagg-bound"] = mean_error_bound(settings, weights)
         return [_with_means(collected.replies[nid], means) for nid in sorted(alive)]
+
+    def _ask_shares(
+        self,
+        grid: Grid,
+        state: _Round,
+        alive: set[int],
+        dead: set[int],
+        timeout: float | None,
+    ) -> dict[int, list[bytes]]:
+        """Stage 3's exchange: each survivor's shares, by the node they belong to
+        (a survivor's private-mask seed, a dropout's key)."""
+        contents: dict[int, RecordDict] = {}
+        for nid in sorted(alive):
+            near = state.neighbours[nid]
+            contents[nid] = RecordDict(
+                {
+                    RECORD_KEY_CONFIGS: ConfigRecord(
+                        {
+                            Key.STAGE: Stage.UNMASK,
+                            Key.ACTIVE_NODE_ID_LIST: sorted(near & alive),
+                            Key.DEAD_NODE_ID_LIST: sorted(near & dead),
+                        }
+                    )
+                }
+            )
+        got = self._send(grid, state, contents, timeout, Stage.UNMASK)
+        shares: dict[int, list[bytes]] = {nid: [] for nid in alive | dead}
+        for reply in got.values():
+            record = reply.content.config_records[RECORD_KEY_CONFIGS]
+            owners = cast(list[int], record[Key.NODE_ID_LIST])
+            pieces = cast(list[bytes], record[Key.SHARE_LIST])
+            for owner, piece in zip(owners, pieces, strict=True):
+                if owner in shares:
+                    shares[owner].append(piece)
+        return shares
+
+
+def _remove_masks(
+    state: _Round,
+    masked: Masked,
+    shares: Mapping[int, list[bytes]],
+    alive: set[int],
+    dead: set[int],
+) -> Masked:
+    """The masked sum without its masks: the survivors' private masks, then the
+    survivors' pairwise masks with the dropouts (from the dropouts' keys)."""
+    vector = masked
+    shapes = [tuple(a.shape) for a in vector]
+    for nid in sorted(alive):  # 1. private masks of the survivors
+        seed = combine_shares(shares[nid])
+        vector = parameters_subtraction(
+            vector, pseudo_rand_gen(seed, MODULUS_RANGE, shapes)
+        )
+    for nid in sorted(dead):  # 2. survivors' pairwise masks with dropouts
+        secret = bytes_to_private_key(combine_shares(shares[nid]))
+        for other in sorted((state.neighbours[nid] & alive) - {nid}):
+            key = generate_shared_key(
+                secret, bytes_to_public_key(state.public_keys[other][0])
+            )
+            mask = pseudo_rand_gen(key, MODULUS_RANGE, shapes)
+            if nid > other:
+                vector = parameters_addition(vector, mask)
+            else:
+                vector = parameters_subtraction(vector, mask)
+    return parameters_mod(vector, MODULUS_RANGE)
 
 
 @dataclass
