@@ -64,8 +64,8 @@ run_one() {
         # (publish copies table.md, table.csv and privacy.png; claims.md too)
         [[ -d $OUT/lora-dirichlet/runs ]] || run_one lora-dirichlet
         for e in 1 3 6; do
-            sweep "privacy-eps$e" benchmarks/conf/lora-family.toml $PRIVATE 0,1,2 \
-                "dp-epsilon=$e.0 dp-delta=1e-5 dp-max-grad-norm=1.0"
+            sweep "privacy-eps$e" benchmarks/conf/privacy.toml $PRIVATE 0,1,2 \
+                "dp-epsilon=$e.0"
         done
         local plain=()
         for m in ${PRIVATE//,/ }; do plain+=("$OUT"/lora-dirichlet/runs/$m-seed*/*/); done

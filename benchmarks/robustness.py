@@ -338,6 +338,26 @@ def summarise(rows: pd.DataFrame) -> str:
                 else (f"{acc.iloc[0]:.3f} (1)" if len(acc) else "—")
             )
         lines.append(f"| {setting} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Replies clipped / trimmed (left out) / dropped by the server over the "
+        "run, mean over seeds:",
+        "",
+        "| setting | " + " | ".join(f"`{r}`" for r in rules) + " |",
+        "|---|" + "---|" * len(rules),
+    ]
+    for setting in settings:
+        cells = []
+        for rule in rules:
+            at = rows[(rows["setting"] == setting) & (rows["robust"] == rule)]
+            cells.append(
+                " / ".join(
+                    f"{at[c].mean():.1f}" for c in ("clipped", "trimmed", "dropped")
+                )
+                if len(at)
+                else "—"
+            )
+        lines.append(f"| {setting} | " + " | ".join(cells) + " |")
     clean = rows[rows["setting"] == "clean"].pivot_table(
         index="seed", columns="robust", values="final-accuracy"
     )

@@ -387,3 +387,18 @@ def test_a_bad_cell_is_refused_before_any_cell_runs(tmp_path, capfd):
     assert code == 2
     assert len(err) == 1 and "did you mean 'fedex-lora'?" in err[0]
     assert not (out / "runs").exists()  # fedavg-lora did not run either
+
+
+def test_the_privacy_study_is_the_lora_family_task_with_dp_sgd():
+    """Its no-DP column is the lora-dirichlet sweep: the same task exactly."""
+    from tests.conftest import ROOT
+
+    conf = ROOT / "benchmarks" / "conf"
+    private = read_conf(conf / "privacy.toml")
+    plain = read_conf(conf / "lora-family.toml")
+    dp = {k: v for k, v in private.items() if k.startswith("dp-")}
+    assert dp == {"dp-max-grad-norm": 1.0, "dp-epsilon": 3.0, "dp-delta": 1e-5}
+    rest = {k: v for k, v in private.items() if not k.startswith("dp-")}
+    assert {k: v for k, v in rest.items() if k != "method"} == {
+        k: v for k, v in plain.items() if k != "method"
+    }
