@@ -50,6 +50,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 from flwr.app import Message, MessageType, MetricRecord, RecordDict
@@ -316,11 +317,7 @@ def _rows(out: Path) -> list[dict[str, Any]]:
 
 def summarise(rows: pd.DataFrame) -> str:
     """Mean ± std of the final accuracy per rule and setting, and clean costs."""
-    rows = rows.copy()
-    rows["setting"] = [
-        "clean" if a == "none" else f"{a} {m}/5"
-        for a, m in zip(rows["attack"], rows["attackers"], strict=True)
-    ]
+    rows = _with_setting(rows)
     settings = ["clean"] + [f"{a} {m}/5" for a in ATTACKS for m in (1, 2)]
     rules = list(ROBUST_RULES)
     lines = [
@@ -370,6 +367,47 @@ def summarise(rows: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _with_setting(rows: pd.DataFrame) -> pd.DataFrame:
+    rows = rows.copy()
+    rows["setting"] = [
+        "clean" if a == "none" else f"{a} {m}/5"
+        for a, m in zip(rows["attack"], rows["attackers"], strict=True)
+    ]
+    return rows
+
+
+def figure(rows: pd.DataFrame) -> plt.Figure:
+    """Final accuracy per setting, one bar per rule (mean ± std over seeds)."""
+    rows = _with_setting(rows)
+    settings = ["clean"] + [f"{a} {m}/5" for a in ATTACKS for m in (1, 2)]
+    rules = list(ROBUST_RULES)
+    width = 0.8 / len(rules)
+    fig, ax = plt.subplots(figsize=(10, 4.2))
+    for i, rule in enumerate(rules):
+        means, stds = [], []
+        for setting in settings:
+            acc = rows[(rows["setting"] == setting) & (rows["robust"] == rule)]
+            means.append(acc["final-accuracy"].mean())
+            stds.append(acc["final-accuracy"].std(ddof=1) if len(acc) > 1 else 0.0)
+        ax.bar(
+            [x + (i - (len(rules) - 1) / 2) * width for x in range(len(settings))],
+            means,
+            width,
+            yerr=stds,
+            capsize=2,
+            label=f"robust = {rule}",
+        )
+    ax.axhline(0.5, color="grey", linestyle=":", linewidth=1, label="chance")
+    ax.set_xticks(range(len(settings)))
+    ax.set_xticklabels(settings, rotation=20, ha="right")
+    ax.set_ylabel("final accuracy (mean ± std over seeds)")
+    ax.set_ylim(0.4, max(0.8, float(rows["final-accuracy"].max()) + 0.05))
+    ax.legend(fontsize=8, ncol=5, loc="upper right")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
 def table(args: argparse.Namespace) -> None:
     out = args.out.resolve()
     rows = pd.DataFrame(_rows(out))
@@ -378,6 +416,7 @@ def table(args: argparse.Namespace) -> None:
     rows.to_csv(out / "robustness.csv", index=False)
     text = summarise(rows)
     (out / "summary.md").write_text(text)
+    figure(rows).savefig(out / "robustness.png", dpi=120)
     print(text)
 
 
