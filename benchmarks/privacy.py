@@ -35,12 +35,10 @@ CLAIMS = (("ffa-lora", "fedavg-lora"), ("fedsvd", "ffa-lora"))
 def runs_frame(run_dirs: list[Path]) -> pd.DataFrame:
     """One row per finished run, with its privacy level and spent epsilon."""
     rows = collect(run_dirs, by=("dp-epsilon", "dp-max-grad-norm"))
-    spent = []
-    for run_dir in run_dirs:
-        frame = load_run(run_dir).results
-        column = pd.to_numeric(frame.get("dp-epsilon"), errors="coerce")
-        spent.append(float(column.max()) if column is not None else float("nan"))
-    rows["epsilon-spent"] = spent
+    rows["epsilon-spent"] = [
+        float(pd.to_numeric(load_run(d).results["dp-epsilon"], errors="coerce").max())
+        for d in run_dirs
+    ]
     rows = rows[rows["finished"]].copy()
     private = rows["dp-max-grad-norm"].astype(float) > 0
     rows["level"] = [

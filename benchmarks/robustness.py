@@ -1,7 +1,7 @@
 """Robust rules against adaptive attackers on the default task, with clean costs.
 
 ``python -m benchmarks.robustness run [--out DIR] [--rounds N] [--seeds 0,1,2]
-[--shard I/N] [--set 'key=value,...']``, then ``python -m benchmarks.robustness
+[--shard I/N] [--set 'key=value ...']``, then ``python -m benchmarks.robustness
 table [--out DIR]``.
 
 The default task (fedex-lora, MiniLM with LoRA r = 8 on polarity, Dirichlet
@@ -45,7 +45,7 @@ import json
 import math
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -56,6 +56,7 @@ import torch
 from flwr.app import Message, MessageType, MetricRecord, RecordDict
 
 from fedlr import protocol
+from fedlr.compare import parse_overrides
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.robust import DEFAULT_SCREEN_RATIO, ROBUST_RULES, ProductSpace
 from fedlr.server_apps.local import run_in_process
@@ -66,6 +67,8 @@ ATTACKS = ("sign-flip", "alie", "under-the-clip", "under-the-cap")
 NUM_CLIENTS = 5
 CLIP_MARGIN = 0.99
 SCREEN_MARGIN = 0.9
+SETTINGS = ("clean", *(f"{a} {m}/5" for a in ATTACKS for m in (1, 2)))
+"""The table's rows: no attacker, then every attack with 1 and 2 of 5."""
 
 
 def alie_z(n: int, m: int) -> float:
@@ -243,12 +246,6 @@ def plan(seeds: list[int]) -> dict[str, dict[str, Any]]:
     return runs
 
 
-def _overrides(text: str) -> dict[str, Any]:
-    import tomllib
-
-    return tomllib.loads("\n".join(text.split(","))) if text else {}
-
-
 def run(args: argparse.Namespace) -> None:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -268,7 +265,7 @@ def run(args: argparse.Namespace) -> None:
             "output-dir": str(out / "runs" / name),
             "robust": spec["robust"],
             "seed": spec["seed"],
-            **_overrides(args.set),
+            **parse_overrides(args.set),
         }
         hook = None
         if spec["attack"] != "none":
@@ -315,46 +312,48 @@ def _rows(out: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def summarise(rows: pd.DataFrame) -> str:
-    """Mean ± std of the final accuracy per rule and setting, and clean costs."""
-    rows = _with_setting(rows)
-    settings = ["clean"] + [f"{a} {m}/5" for a in ATTACKS for m in (1, 2)]
+def _grid(rows: pd.DataFrame, cell: Callable[[pd.DataFrame], str]) -> list[str]:
+    """A markdown table: one row per setting, one column per rule, ``cell``
+    of the runs of that setting and rule."""
     rules = list(ROBUST_RULES)
     lines = [
         "| setting | " + " | ".join(f"`{r}`" for r in rules) + " |",
         "|---|" + "---|" * len(rules),
     ]
-    for setting in settings:
-        cells = []
-        for rule in rules:
-            acc = rows[(rows["setting"] == setting) & (rows["robust"] == rule)]
-            acc = acc["final-accuracy"]
-            cells.append(
-                f"{acc.mean():.3f} ± {acc.std(ddof=1):.3f} ({len(acc)})"
-                if len(acc) > 1
-                else (f"{acc.iloc[0]:.3f} (1)" if len(acc) else "—")
-            )
+    for setting in SETTINGS:
+        at = rows[rows["setting"] == setting]
+        cells = [cell(at[at["robust"] == rule]) for rule in rules]
         lines.append(f"| {setting} | " + " | ".join(cells) + " |")
-    lines += [
+    return lines
+
+
+def _accuracy(runs: pd.DataFrame) -> str:
+    acc = runs["final-accuracy"]
+    if len(acc) > 1:
+        return f"{acc.mean():.3f} ± {acc.std(ddof=1):.3f} ({len(acc)})"
+    return f"{acc.iloc[0]:.3f} (1)" if len(acc) else "—"
+
+
+def _activity(runs: pd.DataFrame) -> str:
+    if not len(runs):
+        return "—"
+    return " / ".join(
+        f"{runs[c].mean():.1f}" for c in ("clipped", "trimmed", "dropped")
+    )
+
+
+def summarise(rows: pd.DataFrame) -> str:
+    """Mean ± std of the final accuracy per rule and setting, and clean costs."""
+    rows = _with_setting(rows)
+    rules = list(ROBUST_RULES)
+    lines = [
+        *_grid(rows, _accuracy),
         "",
         "Replies clipped / trimmed (left out) / dropped by the server over the "
         "run, mean over seeds:",
         "",
-        "| setting | " + " | ".join(f"`{r}`" for r in rules) + " |",
-        "|---|" + "---|" * len(rules),
+        *_grid(rows, _activity),
     ]
-    for setting in settings:
-        cells = []
-        for rule in rules:
-            at = rows[(rows["setting"] == setting) & (rows["robust"] == rule)]
-            cells.append(
-                " / ".join(
-                    f"{at[c].mean():.1f}" for c in ("clipped", "trimmed", "dropped")
-                )
-                if len(at)
-                else "—"
-            )
-        lines.append(f"| {setting} | " + " | ".join(cells) + " |")
     clean = rows[rows["setting"] == "clean"].pivot_table(
         index="seed", columns="robust", values="final-accuracy"
     )
@@ -379,18 +378,17 @@ def _with_setting(rows: pd.DataFrame) -> pd.DataFrame:
 def figure(rows: pd.DataFrame) -> plt.Figure:
     """Final accuracy per setting, one bar per rule (mean ± std over seeds)."""
     rows = _with_setting(rows)
-    settings = ["clean"] + [f"{a} {m}/5" for a in ATTACKS for m in (1, 2)]
     rules = list(ROBUST_RULES)
     width = 0.8 / len(rules)
     fig, ax = plt.subplots(figsize=(10, 4.2))
     for i, rule in enumerate(rules):
         means, stds = [], []
-        for setting in settings:
+        for setting in SETTINGS:
             acc = rows[(rows["setting"] == setting) & (rows["robust"] == rule)]
             means.append(acc["final-accuracy"].mean())
             stds.append(acc["final-accuracy"].std(ddof=1) if len(acc) > 1 else 0.0)
         ax.bar(
-            [x + (i - (len(rules) - 1) / 2) * width for x in range(len(settings))],
+            [x + (i - (len(rules) - 1) / 2) * width for x in range(len(SETTINGS))],
             means,
             width,
             yerr=stds,
@@ -398,8 +396,8 @@ def figure(rows: pd.DataFrame) -> plt.Figure:
             label=f"robust = {rule}",
         )
     ax.axhline(0.5, color="grey", linestyle=":", linewidth=1, label="chance")
-    ax.set_xticks(range(len(settings)))
-    ax.set_xticklabels(settings, rotation=20, ha="right")
+    ax.set_xticks(range(len(SETTINGS)))
+    ax.set_xticklabels(SETTINGS, rotation=20, ha="right")
     ax.set_ylabel("final accuracy (mean ± std over seeds)")
     ax.set_ylim(0.4, max(0.8, float(rows["final-accuracy"].max()) + 0.05))
     ax.legend(fontsize=8, ncol=5, loc="upper right")
@@ -429,7 +427,10 @@ def main(argv: list[str] | None = None) -> None:
     go.add_argument("--seeds", default="0,1,2")
     go.add_argument("--shard", default="0/1", help="I/N: every N-th run from I")
     go.add_argument(
-        "--set", default="", help="extra run-config values, 'key=value,key=value'"
+        "--set",
+        nargs="*",
+        default=[],
+        help="extra run-config values as for flwr run: 'key=value key2=\"text\"'",
     )
     show = sub.add_parser("table", help="tabulate the finished runs")
     show.add_argument("--out", type=Path, default=Path("outputs/robustness"))

@@ -149,16 +149,11 @@ class InProcessGrid(Grid):
         if self._round_hook is None:
             return replies
         by_id = {m.metadata.message_id: m for m in sent}
-        round_ = [
-            (
-                self._partition[
-                    by_id[r.metadata.reply_to_message_id].metadata.dst_node_id
-                ],
-                by_id[r.metadata.reply_to_message_id],
-                r,
-            )
-            for r in replies
-        ]
+        round_ = []
+        for reply in replies:
+            instruction = by_id[reply.metadata.reply_to_message_id]
+            node = instruction.metadata.dst_node_id
+            round_.append((self._partition[node], instruction, reply))
         return [r for r in self._round_hook(round_) if r is not None]
 
     # -- delivery ------------------------------------------------------------

@@ -194,9 +194,9 @@ class FedExLoRA(FactoredDownlink, FedAvgLoRA):
         residuals = self.layer_residuals(updates)
         state = dict(current)
         state.update(self.weighted_means(updates, self.layout.keys(*self.train_roles)))
-        for module in self.layout.modules:
-            if self.fold_scale == 0.0:
-                break  # FedIT's model: the base weights stay
+        # fedex-fold-scale 0: FedIT's model, the base weights stay.
+        folded = self.layout.modules if self.fold_scale > 0 else ()
+        for module in folded:
             residual = residuals[module.name]
             base = current[module.base_key]
             scaling = module.scaling * self.fold_scale
