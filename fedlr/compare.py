@@ -43,6 +43,7 @@ import re
 import sys
 import time
 import tomllib
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -597,8 +598,22 @@ def main(argv: list[str] | None = None) -> int:
     table.add_argument("--by", default="", help="config keys that split rows")
     args = parser.parse_args(argv)
     verbose = getattr(args, "verbose", False)
-    with cli_logging(), _flower_lines_once(verbose), _quiet_libraries(verbose):
+    with cli_logging(), quiet_in_process(verbose):
         return _main(args, verbose)
+
+
+@contextmanager
+def quiet_in_process(verbose: bool = False) -> Iterator[None]:
+    """In-process runs print fedlr's lines once and without the libraries' noise.
+
+    Flower's lines go through Flower's own handler only (never twice), and
+    unless ``verbose`` Flower's hints, transformers' warnings, progress bars
+    and deprecation ``FutureWarning`` s (PEFT probes a deprecated attribute
+    of every model it wraps) are left out. ``benchmarks/`` drivers that run
+    in process use it too.
+    """
+    with _flower_lines_once(verbose), _quiet_libraries(verbose):
+        yield
 
 
 @contextmanager
@@ -616,7 +631,11 @@ def _quiet_libraries(verbose: bool) -> Iterator[None]:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", category=FutureWarning, module=r"transformers\."
+            )
+            yield
     finally:
         hf_logging.set_verbosity(level)
         if bars:

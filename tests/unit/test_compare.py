@@ -402,3 +402,45 @@ def test_the_privacy_study_is_the_lora_family_task_with_dp_sgd():
     assert {k: v for k, v in rest.items() if k != "method"} == {
         k: v for k, v in plain.items() if k != "method"
     }
+
+
+def test_in_process_runs_print_flower_lines_once_and_drop_library_noise(recwarn):
+    import logging
+    import warnings
+
+    from fedlr.compare import quiet_in_process
+
+    def noise() -> None:
+        logging.getLogger("flwr").info("round 7: aggregated 4 replies")
+        warnings.warn_explicit(
+            "`is_gradient_checkpointing` is deprecated",
+            FutureWarning,
+            "modeling_utils.py",
+            1,
+            module="transformers.modeling_utils",
+        )
+
+    class Seen(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    root, seen = logging.getLogger(), Seen()
+    root.addHandler(seen)
+    try:
+        noise()  # without: the root's handler prints Flower's line a second time
+        assert seen.lines == ["round 7: aggregated 4 replies"]
+        seen.lines.clear()
+        with quiet_in_process():
+            noise()
+        with quiet_in_process(verbose=True):
+            noise()
+    finally:
+        root.removeHandler(seen)
+    assert seen.lines == []  # Flower's own handler only
+    assert logging.getLogger("flwr").handlers
+    deprecations = [w for w in recwarn if issubclass(w.category, FutureWarning)]
+    assert len(deprecations) == 2  # the bare call's and the verbose call's

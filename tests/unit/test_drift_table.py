@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
+from matplotlib.legend import Legend
 
 from benchmarks import drift
 from fedlr.server_apps.local import run_in_process
@@ -173,6 +175,24 @@ def test_table_pairs_seeds_and_gives_the_interval(tmp_path: Path) -> None:
     text = (tmp_path / "out" / "summary.md").read_text()
     assert f"{diff.mean():+.4f} ± {row['diff-ci95']:.4f}" in text
     assert (tmp_path / "out" / "drift.png").stat().st_size > 1000
+
+
+def test_figure_has_a_legend_per_panel_and_says_when_only_fedit_finished(
+    tmp_path: Path,
+) -> None:
+    for seed in (0, 3):
+        _fake_run(tmp_path, "polarity", "fedavg-lora", seed, 0.7)
+        _fake_run(tmp_path, "polarity", "fedex-lora", seed, 0.6 + seed / 100)
+        _fake_run(tmp_path, "bbc-news", "fedavg-lora", seed, 0.5)
+    summary = drift.summarise(drift.collect(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. "No artists with labels"
+        fig = drift.figure(summary, tmp_path / "drift.png")
+    bbc, polarity = fig.axes
+    assert [t.get_text() for t in bbc.texts] == ["only FedIT has finished here"]
+    legends = [c for c in polarity.get_children() if isinstance(c, Legend)]
+    labels = {t.get_text() for leg in legends for t in leg.get_texts()}
+    assert labels == {"fedex-lora", "5 steps"}
 
 
 def test_unfinished_runs_are_left_out(tmp_path: Path) -> None:
