@@ -50,6 +50,7 @@ from fedlr.flower.grid import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.plots import write_run_plots
 from fedlr.privacy.client_dp import CLIENT_DP_EPSILON, DP_EPSILON
+from fedlr.protocol import EXACT_MATCH
 from fedlr.results import ResultsWriter, ensure_output_dir
 from fedlr.server_apps.plans import ServerPlan, build_plan
 from fedlr.server_apps.progress import RoundClock, gap_text, round_progress
@@ -285,6 +286,12 @@ class ServerRun:
             for key, shape in shapes.items()
         }
 
+    @property
+    def headline(self) -> str:
+        """The metric a round's line leads with: ``exact-match`` for a causal LM
+        (whose ``accuracy`` column is the same number), else ``accuracy``."""
+        return EXACT_MATCH if EXACT_MATCH in self.plan.columns else "accuracy"
+
     def should_evaluate(self, server_round: int) -> bool:
         """Whether the server evaluates the global model after this round."""
         needs = self.plan.needs_evaluation
@@ -303,8 +310,9 @@ class ServerRun:
             result = {"accuracy": math.nan, "loss": math.nan}
         eval_seconds = time.perf_counter() - started
         accuracy, loss = float(result["accuracy"]), float(result["loss"])
+        headline = self.headline
         if server_round == 0:
-            log(INFO, "fedlr: initial accuracy %.4f, loss %.4f", accuracy, loss)
+            log(INFO, "fedlr: initial %s %.4f, loss %.4f", headline, accuracy, loss)
             self.initial_metrics.update(result)
             self.started = time.perf_counter()
             return
@@ -334,14 +342,17 @@ class ServerRun:
         extras = " ".join(
             f"{c} {row[c]:.4g}"
             for c in self.plan.columns
-            if isinstance(row.get(c), (int, float)) and not math.isnan(row[c])
+            if c != headline
+            and isinstance(row.get(c), (int, float))
+            and not math.isnan(row[c])
         )
         log(
             INFO,
-            "fedlr [round %d/%d] accuracy %.4f loss %.4f %s"
+            "fedlr [round %d/%d] %s %.4f loss %.4f %s"
             "up %s down %s clients %d dropped %d %.1fs %s%s",
             server_round,
             self.config.num_server_rounds,
+            headline,
             accuracy,
             loss,
             gap_text({**m, **row}),  # the row's values (secure aggregation's)

@@ -10,6 +10,7 @@ weighted mean of the clients' effective weights, to 1e-6 in float32.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -117,7 +118,9 @@ def test_fedex_fold_on_gpt2_conv1d_after_a_real_round(
 
 
 @pytest.mark.parametrize("method", ["fedavg-lora", "vera-fedex"])
-def test_lm_round_reports_perplexity_and_exact_match(method: str, tmp_path: Path):
+def test_lm_round_reports_perplexity_and_exact_match(
+    method: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
     config = {
         **LM,
         "method": method,
@@ -126,9 +129,15 @@ def test_lm_round_reports_perplexity_and_exact_match(method: str, tmp_path: Path
         "output-dir": str(tmp_path),
         "vera-rank": 16,
     }
-    run_dir = run_in_process(config)
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        run_dir = run_in_process(config)
     frame = pd.read_csv(run_dir / "results.csv")
     row = frame.iloc[-1]
+    # the round's line names the metric for what it is, once
+    line = next(m for m in caplog.messages if m.startswith("fedlr [round 1/"))
+    assert line.split("] ")[1].startswith("exact-match ")
+    assert "accuracy" not in line and line.count("exact-match") == 1
+    assert "perplexity" in line
     assert math.isclose(row["perplexity"], math.exp(row["loss"]), rel_tol=1e-9)
     assert row["accuracy"] == row["exact-match"]
     assert 0.0 <= row["exact-match"] <= 1.0
