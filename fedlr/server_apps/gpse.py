@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from fedlr import protocol
+from fedlr.config import RunConfig
 from fedlr.continual import (
     AccuracyMatrix,
     ContinualOptions,
@@ -29,8 +30,10 @@ from fedlr.continual import (
     stream_from_config,
     task_view,
 )
+from fedlr.data.continual import ContinualStream
 from fedlr.errors import ConfigError
 from fedlr.image_task import ImageData, evaluate_images
+from fedlr.models.vision import VisionModel
 from fedlr.server_apps.plans import ServerPlan, check_strategy, register_plan
 from fedlr.strategies.fot import FedAvgContinual
 from fedlr.strategies.registry import MethodConfig
@@ -62,37 +65,92 @@ def gpse_plan(method: MethodConfig) -> ServerPlan:
     strategy = strategy_cls.from_run_config(
         config, shapes, model.projected_layers(), method.options
     )
-    device = pick_device(config.device)
-    heldout: dict[int, ImageData] = {}
-    matrix = AccuracyMatrix()
+    evaluation = _TaskEvaluation(config, options, stream, model, strategy)
+    return ServerPlan(
+        strategy=strategy,
+        initial_arrays=initial,
+        evaluate=evaluation,
+        train_config={
+            protocol.LR: config.lr,
+            protocol.LOCAL_STEPS: config.local_steps,
+            protocol.BATCH_SIZE: config.batch_size,
+        },
+        columns=COLUMNS,
+        largest_partition=lambda n: max(
+            stream_from_config(config, options, n).split(t)[1].largest_partition
+            for t in range(options.num_tasks)
+        ),
+        needs_evaluation=evaluation.at_boundary,
+        description=(
+            f"{config.model} on {config.dataset}: {options.num_tasks} tasks x "
+            f"{options.rounds_per_task} rounds, device {evaluation.device}"
+        ),
+        finish=evaluation.finish,
+        save_state=evaluation.save_state,
+        load_state=evaluation.load_state,
+    )
 
-    def heldout_of(task: int) -> ImageData:
-        if task not in heldout:
-            data = stream.heldout(task)
-            cap = config.max_eval_examples
-            heldout[task] = data.select(range(min(len(data), cap))) if cap else data
-        return heldout[task]
 
-    def evaluate(
-        server_round: int, state: Mapping[str, torch.Tensor]
+class _TaskEvaluation:
+    """The global model on every task seen so far, and the run's accuracy matrix.
+
+    Called with ``(server_round, state)`` it gives the round's metrics (the
+    module docstring); at a task's last round it records the matrix row.
+    The matrix is the plan's state (saved with a checkpoint).
+    """
+
+    def __init__(
+        self,
+        config: RunConfig,
+        options: ContinualOptions,
+        stream: ContinualStream,
+        model: VisionModel,
+        strategy: FedAvgContinual,
+    ) -> None:
+        self.config, self.options, self.stream = config, options, stream
+        self.model, self.strategy = model, strategy
+        self.device = pick_device(config.device)
+        self.matrix = AccuracyMatrix()
+        self._heldout: dict[int, ImageData] = {}
+
+    def heldout(self, task: int) -> ImageData:
+        """Task ``task``'s held-out split, at most ``max-eval-examples`` (cached)."""
+        if task not in self._heldout:
+            data = self.stream.heldout(task)
+            cap = self.config.max_eval_examples
+            self._heldout[task] = (
+                data.select(range(min(len(data), cap))) if cap else data
+            )
+        return self._heldout[task]
+
+    def at_boundary(self, server_round: int) -> bool:
+        """Whether ``server_round`` is its task's last round."""
+        position = self.strategy.task_of(server_round)[1]
+        return position == self.options.rounds_per_task - 1
+
+    def __call__(
+        self, server_round: int, state: Mapping[str, torch.Tensor]
     ) -> dict[str, float]:
-        model.load_state_dict(dict(state))
-        task, position = strategy.task_of(server_round)
+        self.model.load_state_dict(dict(state))
+        task = self.strategy.task_of(server_round)[0]
         accuracies: list[float] = []
         losses: list[float] = []
         for j in range(task + 1):
             module, view = task_view(
-                model, heldout_of(j), stream.task_classes(j), stream.num_classes
+                self.model,
+                self.heldout(j),
+                self.stream.task_classes(j),
+                self.stream.num_classes,
             )
             accuracy, loss = evaluate_images(
-                module, view, batch_size=config.eval_batch_size, device=device
+                module, view, batch_size=self.config.eval_batch_size, device=self.device
             )
             accuracies.append(accuracy)
             losses.append(loss)
-        model.to("cpu")
-        if server_round > 0 and position == options.rounds_per_task - 1:
-            matrix.record(accuracies)
-        finished = matrix.rows[:task]
+        self.model.to("cpu")
+        if server_round > 0 and self.at_boundary(server_round):
+            self.matrix.record(accuracies)
+        finished = self.matrix.rows[:task]
         fgt = forgetting(finished, current=accuracies[: len(finished) + 1])
         mean_acc = sum(accuracies) / len(accuracies)
         return {
@@ -104,7 +162,9 @@ def gpse_plan(method: MethodConfig) -> ServerPlan:
             "fgt": fgt,
         }
 
-    def finish(run_dir: Path) -> dict[str, Any]:
+    def finish(self, run_dir: Path) -> dict[str, Any]:
+        """Write ``accuracy_matrix.csv``; the summary's ``ACC``, ``FGT`` and matrix."""
+        matrix = self.matrix
         matrix.to_csv(run_dir / "accuracy_matrix.csv")
         return {
             "ACC": matrix.acc if matrix.rows else math.nan,
@@ -112,30 +172,10 @@ def gpse_plan(method: MethodConfig) -> ServerPlan:
             "accuracy-matrix": matrix.rows,
         }
 
-    return ServerPlan(
-        strategy=strategy,
-        initial_arrays=initial,
-        evaluate=evaluate,
-        train_config={
-            protocol.LR: config.lr,
-            protocol.LOCAL_STEPS: config.local_steps,
-            protocol.BATCH_SIZE: config.batch_size,
-        },
-        columns=COLUMNS,
-        largest_partition=lambda n: max(
-            stream_from_config(config, options, n).split(t)[1].largest_partition
-            for t in range(options.num_tasks)
-        ),
-        needs_evaluation=lambda r: (
-            strategy.task_of(r)[1] == options.rounds_per_task - 1
-        ),
-        description=(
-            f"{config.model} on {config.dataset}: {options.num_tasks} tasks x "
-            f"{options.rounds_per_task} rounds, device {device}"
-        ),
-        finish=finish,
-        save_state=lambda: {"matrix": [list(row) for row in matrix.rows]},
-        load_state=lambda state: setattr(
-            matrix, "rows", [list(row) for row in state.get("matrix", [])]
-        ),
-    )
+    def save_state(self) -> dict[str, Any]:
+        """The accuracy matrix, for a checkpoint."""
+        return {"matrix": [list(row) for row in self.matrix.rows]}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """The accuracy matrix of a resumed run."""
+        self.matrix.rows = [list(row) for row in state.get("matrix", [])]
