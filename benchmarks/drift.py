@@ -533,7 +533,7 @@ def figure(summary: pd.DataFrame, path: Path) -> Figure:
 
     datasets = sorted(summary["dataset"].unique())
     fig, axes = plt.subplots(
-        1, len(datasets), figsize=(6 * len(datasets), 4.8), squeeze=False
+        1, len(datasets), figsize=(6 * len(datasets), 5.4), squeeze=False
     )
     others = summary[summary["method"] != BASELINE]
     methods = [m for m in (*METHODS, *VARIANTS) if m in set(others["method"])]
@@ -542,15 +542,20 @@ def figure(summary: pd.DataFrame, path: Path) -> Figure:
     markers = dict(zip(levels, "os^Dvp", strict=False))
     for ax, dataset in zip(axes[0], datasets, strict=True):
         part = others[others["dataset"] == dataset]
-        for (method, steps), cell in part.groupby(["method", "local-steps"]):
-            ax.errorbar(
-                cell["client-drift"],
-                cell["diff-mean"],
-                yerr=cell["diff-ci95"].fillna(0.0),
-                fmt=markers.get(int(steps), "x"),
-                color=colours[str(method)],
-                capsize=3,
-            )
+        for method, rows in part.groupby("method"):
+            rows = rows.sort_values("local-steps")
+            colour = colours[str(method)]
+            # a method's levels joined in the order of their local steps
+            ax.plot(rows["client-drift"], rows["diff-mean"], color=colour, alpha=0.35)
+            for steps, cell in rows.groupby("local-steps"):
+                ax.errorbar(
+                    cell["client-drift"],
+                    cell["diff-mean"],
+                    yerr=cell["diff-ci95"].fillna(0.0),
+                    fmt=markers.get(int(steps), "x"),
+                    color=colour,
+                    capsize=3,
+                )
         ax.axhline(0.0, color="0.5", lw=0.8)
         ax.set_title(dataset)
         ax.set_xlabel("client drift (mean over rounds, product space)")
@@ -564,22 +569,33 @@ def figure(summary: pd.DataFrame, path: Path) -> Figure:
                 transform=ax.transAxes,
             )
             continue
-        if (part["client-drift"] > 0).all():
+        drift = part["client-drift"]
+        if (drift > 0).all() and drift.max() > 10 * drift.min():
             ax.set_xscale("log")
         present = set(part["method"])
-        by_method = [
+        handles = [
             Line2D([], [], color=colours[m], marker="o", ls="", label=m)
             for m in methods
             if m in present
-        ]
-        by_steps = [
+        ] + [
             Line2D([], [], color="0.3", marker=markers[s], ls="", label=f"{s} steps")
             for s in levels
             if s in set(part["local-steps"])
         ]
-        first = ax.legend(handles=by_method, fontsize=7, loc="upper left")
-        ax.add_artist(first)
-        ax.legend(handles=by_steps, fontsize=7, loc="lower left")
+        ax.legend(
+            handles=handles,
+            fontsize=7,
+            ncol=4,
+            loc="upper center",
+            bbox_to_anchor=(0.5, -0.14),
+            frameon=False,
+        )
+    fig.suptitle(
+        f"Paired difference to FedIT: {SETTINGS['num-partitions']} clients, "
+        f"Dirichlet {SETTINGS['dirichlet-alpha']}, rank 8, "
+        f"{SETTINGS['num-server-rounds']} rounds, seeds paired",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
