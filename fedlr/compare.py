@@ -304,10 +304,12 @@ def comparison_figure(run_dirs: Sequence[Path | str], by: Sequence[str] = ()) ->
     """Accuracy and gap per round: mean over seeds ±1 std, one line per group.
 
     When no run logs a Frobenius gap (vision methods), the second panel shows
-    the evaluation loss instead. A group of one run is drawn without a band
-    (one seed has no spread); both panels carry the legend, rounds are whole
-    numbers from round 0 (the initial model) where the runs recorded it, and
-    QR-Mix's stage switch and continual task boundaries are marked.
+    the evaluation loss instead; causal-LM runs show exact match and response
+    perplexity (log scale) in place of accuracy (:func:`_panels`). A group of
+    one run is drawn without a band (one seed has no spread); every panel
+    carries the legend, rounds are whole numbers from round 0 (the initial
+    model) where the runs recorded it, and QR-Mix's stage switch and
+    continual task boundaries are marked.
     """
     groups: dict[str, list[pd.DataFrame]] = {}
     runs: list[RunData] = []
@@ -320,19 +322,16 @@ def comparison_figure(run_dirs: Sequence[Path | str], by: Sequence[str] = ()) ->
             start = {"round": 0, **run.initial}
             frame = pd.concat([pd.DataFrame([start]), frame], ignore_index=True)
         groups.setdefault(label, []).append(frame)
-    has_gap = any(
-        pd.to_numeric(frame["frobenius-gap"], errors="coerce").notna().any()
-        for frames in groups.values()
-        for frame in frames
-    )
-    second = "frobenius-gap" if has_gap else "loss"
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    panels = _panels([f for frames in groups.values() for f in frames])
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.8))
     for i, (label, frames) in enumerate(groups.items()):
         color = f"C{i % 10}"
-        for ax, column in zip(axes, ("accuracy", second), strict=True):
+        for ax, (column, *_, from_one) in zip(axes, panels, strict=True):
             stacked = pd.concat(
                 [f.set_index("round")[column] for f in frames], axis=1
             ).apply(pd.to_numeric, errors="coerce")
+            if from_one:
+                stacked = stacked[stacked.index >= 1]
             mean = stacked.mean(axis=1)
             if mean.notna().sum() == 0:
                 continue
@@ -352,17 +351,61 @@ def comparison_figure(run_dirs: Sequence[Path | str], by: Sequence[str] = ()) ->
                 )
     several = any(len(frames) > 1 for frames in groups.values())
     spread = " (mean ± std over seeds)" if several else ""
-    axes[0].set(title=f"accuracy{spread}", xlabel="round", ylabel="accuracy")
-    if has_gap:
-        axes[1].set(title=f"Frobenius gap{spread}", xlabel="round", ylabel="gap")
-        if axes[1].get_lines():
-            axes[1].set_yscale("log")
-    else:
-        axes[1].set(title=f"evaluation loss{spread}", xlabel="round", ylabel="loss")
+    for ax, (_, title, ylabel, log, _) in zip(axes, panels, strict=True):
+        ax.set(title=f"{title}{spread}", xlabel="round", ylabel=ylabel)
+        if log and _spans_decade(ax):
+            ax.set_yscale("log")
     for ax in axes:
         per_round_axes(ax, runs)
     fig.tight_layout()
     return fig
+
+
+def _spans_decade(ax: Any) -> bool:
+    """Whether the panel's positive values span a factor of 10 (then log scale)."""
+    values = [np.asarray(line.get_ydata(), dtype=float) for line in ax.get_lines()]
+    ys = np.concatenate(values) if values else np.array([])
+    ys = ys[np.isfinite(ys) & (ys > 0)]
+    return bool(ys.size) and float(ys.max()) > 10 * float(ys.min())
+
+
+def _panels(
+    frames: Sequence[pd.DataFrame],
+) -> list[tuple[str, str, str, bool, bool]]:
+    """The comparison's panels: ``(column, title, y label, log scale, from round 1)``.
+
+    The headline metric (``exact-match`` and ``perplexity`` for a causal LM,
+    whose ``accuracy`` column repeats the exact match; else ``accuracy``),
+    then the Frobenius gap, or the evaluation loss when no run logs a gap.
+    Perplexity starts at round 1: the base model's (round 0, e.g. 67 against
+    about 4 after round 1) would flatten every difference between methods;
+    its title gives the round-0 mean instead.
+    """
+
+    def logged(column: str) -> bool:
+        return any(
+            column in f and pd.to_numeric(f[column], errors="coerce").notna().any()
+            for f in frames
+        )
+
+    if logged("exact-match"):
+        initial = [
+            float(v)
+            for f in frames
+            for v in pd.to_numeric(f.loc[f["round"] == 0, "perplexity"]).dropna()
+        ]
+        title = "response perplexity"
+        if initial:
+            title += f" (round 0: {sum(initial) / len(initial):.3g})"
+        head = [
+            ("exact-match", "exact match", "exact match", False, False),
+            ("perplexity", title, "perplexity", True, True),
+        ]
+    else:
+        head = [("accuracy", "accuracy", "accuracy", False, False)]
+    if logged("frobenius-gap"):
+        return [*head, ("frobenius-gap", "Frobenius gap", "gap", True, False)]
+    return [*head, ("loss", "evaluation loss", "loss", False, False)]
 
 
 def write_table(

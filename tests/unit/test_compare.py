@@ -208,10 +208,44 @@ def test_comparison_figure_shows_loss_when_no_run_has_a_gap(tmp_path):
     titles = [ax.get_title() for ax in fig.axes]
     assert titles[1].startswith("evaluation loss")
     assert len(fig.axes[1].get_lines()) == 1  # one group, two seeds
-    lora = [_run(tmp_path / "l", "fedavg-lora", 0, [0.5, 0.6], [0.2, 0.1])]
+    lora = [_run(tmp_path / "l", "fedavg-lora", 0, [0.5, 0.6], [0.2, 0.01])]
     fig = comparison_figure(lora)
     assert fig.axes[1].get_title().startswith("Frobenius gap")
-    assert fig.axes[1].get_yscale() == "log"
+    assert fig.axes[1].get_yscale() == "log"  # the gaps span a decade
+    narrow = [_run(tmp_path / "n", "fedavg-lora", 0, [0.5, 0.6], [0.2, 0.1])]
+    assert comparison_figure(narrow).axes[1].get_yscale() == "linear"
+
+
+def test_comparison_figure_of_a_causal_lm_shows_exact_match_and_perplexity(tmp_path):
+    from fedlr.compare import comparison_figure
+
+    dirs = []
+    for seed in (0, 1):
+        run_dir = tmp_path / f"lm-{seed}"
+        writer = ResultsWriter(
+            run_dir,
+            method="fedavg-lora",
+            config={"seed": seed},
+            extra_columns=("perplexity", "exact-match"),
+        )
+        for t, (em, ppl) in enumerate([(0.02, 4.7), (0.04, 3.9)], start=1):
+            row = {"round": t, "accuracy": em, "loss": math.log(ppl)}
+            row.update({"frobenius-gap": 0.5, "perplexity": ppl, "exact-match": em})
+            writer.append({**row, "seconds": 1.0})
+        summary = {"initial-exact-match": 0.0, "initial-perplexity": 70.0 + seed}
+        (run_dir / "summary.json").write_text(json.dumps(summary))
+        dirs.append(run_dir)
+    fig = comparison_figure(dirs)
+    em, ppl, gap = fig.axes
+    assert em.get_title().startswith("exact match")
+    assert "accuracy" not in " ".join(ax.get_title() for ax in fig.axes)
+    # round 0's perplexity (70.5) is in the title, not on the axis
+    assert ppl.get_title().startswith("response perplexity (round 0: 70.5)")
+    (line,) = ppl.get_lines()
+    assert list(line.get_xdata()) == [1, 2]
+    assert list(line.get_ydata()) == pytest.approx([4.7, 3.9])
+    assert list(em.get_lines()[0].get_xdata()) == [0, 1, 2]
+    assert gap.get_title().startswith("Frobenius gap")
 
 
 def test_comparison_figure_has_legends_everywhere_and_no_band_for_one_seed(tmp_path):
