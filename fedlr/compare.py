@@ -286,9 +286,12 @@ def to_markdown(table: pd.DataFrame, by: Sequence[str] = ()) -> str:
             cells += [UNFINISHED] * (len(headers) - len(cells))
             lines.append("| " + " | ".join(cells) + " |")
             continue
-        cells.append(f"{row['accuracy-mean']:.4f} ± {row['accuracy-std']:.4f}")
+        one = row["seeds"] == 1  # one seed has no spread: no "± 0"
+        cells.append(_mean_std(row["accuracy-mean"], row["accuracy-std"], 4, one))
         if has_lm:
-            cells.append(f"{row['perplexity-mean']:.3f} ± {row['perplexity-std']:.3f}")
+            cells.append(
+                _mean_std(row["perplexity-mean"], row["perplexity-std"], 3, one)
+            )
         cells.append("—" if pd.isna(gap) else f"{gap:.3e}")
         cells.append(_fmt_bytes(row["total-bytes"]))
         cells.append(f"{row['seconds']:.0f} s")
@@ -298,6 +301,13 @@ def to_markdown(table: pd.DataFrame, by: Sequence[str] = ()) -> str:
                 cells.append("—" if pd.isna(value) else f"{value:.4f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _mean_std(mean: float, std: float, digits: int, one_seed: bool) -> str:
+    """``mean ± std``, or the mean alone for one seed."""
+    if one_seed:
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
 def comparison_figure(run_dirs: Sequence[Path | str], by: Sequence[str] = ()) -> Figure:
