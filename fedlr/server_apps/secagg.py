@@ -430,33 +430,64 @@ class SecAggPlusExchange:
         active: set[int],
         timeout: float | None,
     ) -> _Collected | None:
-        strategy = self.strategy
-        scale = strategy.max_num_examples
+        """Stage 2: each active node's masked vector, checked, summed mod the range."""
+        scale = self.strategy.max_num_examples
         if scale is None:
             raise SecureAggregationError(
                 "secure aggregation needs the largest num-examples a client may "
                 "claim (the weight scale): set max-num-examples"
             )
-        contents: dict[int, RecordDict] = {}
-        for nid in sorted(active):
-            content = RecordDict(dict(instructions[nid].content.items()))
-            srcs, texts = state.forward[nid]
-            content[RECORD_KEY_CONFIGS] = ConfigRecord(
-                {
-                    Key.STAGE: Stage.COLLECT_MASKED_VECTORS,
-                    Key.CIPHERTEXT_LIST: list(texts),
-                    Key.SOURCE_LIST: list(srcs),
-                }
-            )
-            content[FEDLR_RECORD] = ConfigRecord(
-                {
-                    WEIGHT_SCALE: float(scale),
-                    WEIGHTED_RECORD: strategy.arrayrecord_key,
-                    CLIPPING_RANGE: float(self.settings.clipping_range),
-                }
-            )
-            contents[nid] = content
+        contents = {
+            nid: self._masked_instruction(state, nid, instructions[nid], float(scale))
+            for nid in sorted(active)
+        }
         got = self._send(grid, state, contents, timeout, Stage.COLLECT_MASKED_VECTORS)
+        collected = self._sum_masked(state, got, float(scale))
+        if collected is None or not self._enough(
+            state, set(collected.replies), Stage.COLLECT_MASKED_VECTORS
+        ):
+            return None
+        state.stats["secagg-clipped"] = float(collected.clipped)
+        if collected.clipped:
+            log(
+                WARNING,
+                "round %d: secure aggregation clipped %d entries at +-%g: the mean "
+                "is off by more than the quantisation bound; raise "
+                "secagg-clipping-range",
+                state.number,
+                collected.clipped,
+                self.settings.clipping_range,
+            )
+        return collected
+
+    def _masked_instruction(
+        self, state: _Round, nid: int, instruction: Message, scale: float
+    ) -> RecordDict:
+        """Node ``nid``'s stage-2 content: its train instruction, its peers'
+        shares, and the weight scale, weighted record and clipping range."""
+        content = RecordDict(dict(instruction.content.items()))
+        srcs, texts = state.forward[nid]
+        content[RECORD_KEY_CONFIGS] = ConfigRecord(
+            {
+                Key.STAGE: Stage.COLLECT_MASKED_VECTORS,
+                Key.CIPHERTEXT_LIST: list(texts),
+                Key.SOURCE_LIST: list(srcs),
+            }
+        )
+        content[FEDLR_RECORD] = ConfigRecord(
+            {
+                WEIGHT_SCALE: scale,
+                WEIGHTED_RECORD: self.strategy.arrayrecord_key,
+                CLIPPING_RANGE: float(self.settings.clipping_range),
+            }
+        )
+        return content
+
+    def _sum_masked(
+        self, state: _Round, got: Mapping[int, Message], scale: float
+    ) -> _Collected | None:
+        """The checked replies' masked sum (mod the range); a bad reply is
+        dropped with its reason. ``None`` when no reply is left."""
         expected = self.expected_manifest()
         manifest: list[Summand] | None = None
         total: Masked | None = None
@@ -466,7 +497,7 @@ class SecAggPlusExchange:
         for nid, reply in sorted(got.items()):
             try:
                 summands, masked, examples, cut = self._check_masked(
-                    nid, reply, expected, float(scale)
+                    nid, reply, expected, scale
                 )
                 if manifest is not None and summands != manifest:
                     raise ReplyValidationError(nid, "its summands' dtypes differ")
@@ -486,26 +517,12 @@ class SecAggPlusExchange:
             manifest = summands
             total = masked if total is None else parameters_addition(total, masked)
             kept[nid] = reply
-            weights[nid] = examples / float(scale)
+            weights[nid] = examples / scale
             clipped += cut
-        if (
-            total is None
-            or manifest is None
-            or not self._enough(state, set(kept), Stage.COLLECT_MASKED_VECTORS)
-        ):
+        if total is None or manifest is None:
             return None
-        state.stats["secagg-clipped"] = float(clipped)
-        if clipped:
-            log(
-                WARNING,
-                "round %d: secure aggregation clipped %d entries at +-%g: the mean "
-                "is off by more than the quantisation bound; raise "
-                "secagg-clipping-range",
-                state.number,
-                clipped,
-                self.settings.clipping_range,
-            )
-        return _Collected(kept, weights, manifest, parameters_mod(total, MODULUS_RANGE))
+        masked_sum = parameters_mod(total, MODULUS_RANGE)
+        return _Collected(kept, weights, manifest, masked_sum, clipped)
 
     def _check_masked(
         self,
@@ -687,12 +704,14 @@ def _remove_masks(
 
 @dataclass
 class _Collected:
-    """Stage 2's outcome: kept replies, weights ``n_i / s``, manifest, masked sum."""
+    """Stage 2's outcome: kept replies, weights ``n_i / s``, manifest, masked
+    sum, and the number of entries the clients clipped."""
 
     replies: dict[int, Message]
     weights: dict[int, float]
     manifest: list[Summand]
     masked: Masked
+    clipped: int = 0
 
 
 def _with_means(
