@@ -33,7 +33,8 @@ written) is not run again, so the study can be stopped and resumed.
     tabulate what has finished: ``drift.csv`` (one row per run),
     ``summary.csv`` / ``summary.md`` (mean ± std over seeds, the accuracy
     difference to FedIT with the seeds paired and its 95% t-interval, next
-    to the drift diagnostics) and ``drift.png`` (the difference to FedIT
+    to the drift diagnostics), ``paired.md`` (the differences alone, one row
+    per cell, in points) and ``drift.png`` (the difference to FedIT
     against the client drift, one panel per data set).
 
 Drift diagnostics, per round, in each method's update space (the change of
@@ -517,6 +518,42 @@ def to_markdown(summary: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
+def paired_markdown(summary: pd.DataFrame) -> str:
+    """One row per cell: FedIT's accuracy, then each method's paired
+    difference to it with its 95% interval, in points (a wide view of
+    :func:`to_markdown`). A difference whose interval excludes 0 is bold."""
+    others = [
+        m
+        for m in (*METHODS, *VARIANTS)
+        if m in set(summary["method"]) and m != BASELINE
+    ]
+    lines = [
+        "| data set | local steps | FedIT accuracy | "
+        + " | ".join(f"{m} − FedIT" for m in others)
+        + " |",
+        "|---|---|---|" + "---|" * len(others),
+    ]
+    for (dataset, steps), cell in summary.groupby(["dataset", "local-steps"]):
+        rows = cell.set_index("method")
+        base = rows.loc[BASELINE] if BASELINE in rows.index else None
+        acc = (
+            "—"
+            if base is None
+            else (f"{base['accuracy-mean']:.4f} ± {base['accuracy-std']:.4f}")
+        )
+        cells = []
+        for method in others:
+            if method not in rows.index or pd.isna(rows.loc[method, "diff-mean"]):
+                cells.append("—")
+                continue
+            mean = 100 * float(rows.loc[method, "diff-mean"])
+            half = 100 * float(rows.loc[method, "diff-ci95"])
+            text = f"{mean:+.1f} ± {half:.1f}".replace("-", "−")
+            cells.append(f"**{text}**" if abs(mean) > half else text)
+        lines.append(f"| {dataset} | {steps} | {acc} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def figure(summary: pd.DataFrame, path: Path) -> Figure:
     """Accuracy difference to FedIT against the client drift, a panel per data set.
 
@@ -612,6 +649,7 @@ def table(args: argparse.Namespace) -> None:
     summary = summarise(runs)
     summary.to_csv(args.out / "summary.csv", index=False)
     (args.out / "summary.md").write_text(to_markdown(summary))
+    (args.out / "paired.md").write_text(paired_markdown(summary))
     figure(summary, args.out / "drift.png")
     print(to_markdown(summary))
 

@@ -174,6 +174,9 @@ def test_table_pairs_seeds_and_gives_the_interval(tmp_path: Path) -> None:
     text = (tmp_path / "out" / "summary.md").read_text()
     assert f"{diff.mean():+.4f} ± {row['diff-ci95']:.4f}" in text
     assert (tmp_path / "out" / "drift.png").stat().st_size > 1000
+    # the wide view in points: -3.67 with a half-width of 3.80 (0 inside: not bold)
+    paired = (tmp_path / "out" / "paired.md").read_text().splitlines()
+    assert paired[2] == "| polarity | 5 | 0.7200 ± 0.0200 | −3.7 ± 3.8 |"
 
 
 def test_figure_has_a_legend_per_panel_and_says_when_only_fedit_finished(
@@ -219,3 +222,14 @@ def test_mechanism_variants_are_fedex_runs_with_their_fold_scale() -> None:
     plain = drift.cell_config("polarity", 5, 8, "fedsvd", 0)
     assert plain["method"] == "fedsvd" and "fedex-fold-scale" not in plain
     resolve(half)  # a valid run config
+
+
+def test_paired_view_bolds_a_difference_whose_interval_excludes_zero(
+    tmp_path: Path,
+) -> None:
+    for seed, acc in {0: 0.70, 3: 0.72, 4: 0.74}.items():
+        _fake_run(tmp_path, "polarity", "fedavg-lora", seed, acc)
+        _fake_run(tmp_path, "polarity", "flora", seed, acc + 0.05 + seed / 1000)
+    text = drift.paired_markdown(drift.summarise(drift.collect(tmp_path)))
+    row = text.splitlines()[2]
+    assert row.startswith("| polarity | 5 | 0.7200 ± 0.0200 | **+5.2 ± ")
