@@ -277,10 +277,28 @@ def _megabytes(value: float, _: Any) -> str:
 
 
 def figures(runs: Sequence[RunData]) -> dict[str, Figure]:
-    """The figures for ``runs``, keyed by file name (not yet saved)."""
-    _label_runs(runs)
-    out: dict[str, Figure] = {}
+    """The figures for ``runs``, keyed by file name (not yet saved).
 
+    Accuracy and loss always; the gap, rank, bytes, LM and accuracy-matrix
+    figures only where some run has something to show in them.
+    """
+    _label_runs(runs)
+    out = {"accuracy_loss.png": _accuracy_loss_figure(runs)}
+    if _has(runs, "frobenius-gap", positive=True):
+        out["gap.png"] = _gap_figure(runs)
+    if _rank_changes(runs):
+        out["rank.png"] = _rank_figure(runs)
+    if _has(runs, "bytes-up", positive=True) or _has(runs, "bytes-down", positive=True):
+        out["bytes.png"] = _bytes_figure(runs)
+    if _has(runs, "perplexity"):
+        out["lm.png"] = lm_figure(runs)
+    continual = [run for run in runs if run.matrix is not None]
+    if continual:
+        out["accuracy_matrix.png"] = accuracy_matrix_figure(continual)
+    return out
+
+
+def _accuracy_loss_figure(runs: Sequence[RunData]) -> Figure:
     fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(10, 3.6))
     for run in runs:
         _line(ax_acc, run, "accuracy", from_zero=True, label=run.label)
@@ -289,72 +307,65 @@ def figures(runs: Sequence[RunData]) -> dict[str, Figure]:
     ax_loss.set(title="loss per round", xlabel="round", ylabel="loss")
     for ax in (ax_acc, ax_loss):
         per_round_axes(ax, runs)
-    out["accuracy_loss.png"] = fig
+    return fig
 
-    if _has(runs, "frobenius-gap", positive=True):
-        fig, ax = plt.subplots(figsize=(5.5, 3.6))
-        for run in runs:
-            frame = run.results
-            gap = pd.to_numeric(frame["frobenius-gap"], errors="coerce")
-            mask = gap > 0
+
+def _gap_figure(runs: Sequence[RunData]) -> Figure:
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for run in runs:
+        frame = run.results
+        gap = pd.to_numeric(frame["frobenius-gap"], errors="coerce")
+        mask = gap > 0
+        if mask.any():
+            ax.plot(frame["round"][mask], gap[mask], marker="o", ms=3, label=run.label)
+    ax.set_yscale("log")
+    ax.set(title="Frobenius gap ||ΔW_ideal - ΔW_agg||_F", xlabel="round", ylabel="gap")
+    per_round_axes(ax, runs)
+    return fig
+
+
+def _rank_figure(runs: Sequence[RunData]) -> Figure:
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for run in runs:
+        _line(ax, run, "rank", label=run.label, drawstyle="steps-post")
+    ax.set(title="adapter rank per round", xlabel="round", ylabel="rank")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    per_round_axes(ax, runs)
+    return fig
+
+
+def _bytes_figure(runs: Sequence[RunData]) -> Figure:
+    """MB up and down per round; a log axis with plain ticks when the values
+    span more than 50x."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    titles = {
+        "bytes-up": "sent up (clients to server)",
+        "bytes-down": "sent down (server to clients)",
+    }
+    spread = 1.0
+    for ax, column in zip(axes, ("bytes-up", "bytes-down"), strict=True):
+        for i, run in enumerate(runs):
+            if column not in run.results:
+                continue
+            mb = pd.to_numeric(run.results[column], errors="coerce") / 1e6
+            mask = mb > 0
             if mask.any():
                 ax.plot(
-                    frame["round"][mask], gap[mask], marker="o", ms=3, label=run.label
+                    run.results["round"][mask],
+                    mb[mask],
+                    color=f"C{i % 10}",
+                    marker="o",
+                    ms=3,
+                    label=run.label,
                 )
-        ax.set_yscale("log")
-        ax.set(
-            title="Frobenius gap ||ΔW_ideal - ΔW_agg||_F", xlabel="round", ylabel="gap"
-        )
+                spread = max(spread, float(mb[mask].max() / mb[mask].min()))
+        ax.set(title=f"MB {titles[column]}", xlabel="round", ylabel="MB")
+    for ax in axes:
+        if spread > 50:  # several orders of magnitude: log scale, plain ticks
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(FuncFormatter(_megabytes))
         per_round_axes(ax, runs)
-        out["gap.png"] = fig
-
-    if _rank_changes(runs):
-        fig, ax = plt.subplots(figsize=(5.5, 3.6))
-        for run in runs:
-            _line(ax, run, "rank", label=run.label, drawstyle="steps-post")
-        ax.set(title="adapter rank per round", xlabel="round", ylabel="rank")
-        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-        per_round_axes(ax, runs)
-        out["rank.png"] = fig
-
-    if _has(runs, "bytes-up", positive=True) or _has(runs, "bytes-down", positive=True):
-        fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
-        titles = {
-            "bytes-up": "sent up (clients to server)",
-            "bytes-down": "sent down (server to clients)",
-        }
-        spread = 1.0
-        for ax, column in zip(axes, ("bytes-up", "bytes-down"), strict=True):
-            for i, run in enumerate(runs):
-                if column not in run.results:
-                    continue
-                mb = pd.to_numeric(run.results[column], errors="coerce") / 1e6
-                mask = mb > 0
-                if mask.any():
-                    ax.plot(
-                        run.results["round"][mask],
-                        mb[mask],
-                        color=f"C{i % 10}",
-                        marker="o",
-                        ms=3,
-                        label=run.label,
-                    )
-                    spread = max(spread, float(mb[mask].max() / mb[mask].min()))
-            ax.set(title=f"MB {titles[column]}", xlabel="round", ylabel="MB")
-        for ax in axes:
-            if spread > 50:  # several orders of magnitude: log scale, plain ticks
-                ax.set_yscale("log")
-                ax.yaxis.set_major_formatter(FuncFormatter(_megabytes))
-            per_round_axes(ax, runs)
-        out["bytes.png"] = fig
-
-    if _has(runs, "perplexity"):
-        out["lm.png"] = lm_figure(runs)
-
-    continual = [run for run in runs if run.matrix is not None]
-    if continual:
-        out["accuracy_matrix.png"] = accuracy_matrix_figure(continual)
-    return out
+    return fig
 
 
 def lm_figure(runs: Sequence[RunData]) -> Figure:
