@@ -527,15 +527,7 @@ def flwr_run(
     home = link.home if link is not None else Path(flwr_home).resolve()
     home.mkdir(parents=True, exist_ok=True)
     env = flwr_env(home, link=link, quiet=not verbose)
-    cmd = [_flwr_executable(), "run", str(app_dir), *_superlink_arg(superlink)]
-    cmd.append("--stream")
-    if run_config:
-        text = (
-            run_config if isinstance(run_config, str) else format_run_config(run_config)
-        )
-        cmd += ["--run-config", text]
-    if federation_config:
-        cmd += ["--federation-config", format_run_config(federation_config)]
+    cmd = _flwr_command(app_dir, superlink, run_config, federation_config)
     _LOG.debug("running: %s", " ".join(cmd))
     stream = _Stream(echo=echo, verbose=verbose)
     processes = _Processes(home=link.home if link is not None else None)
@@ -561,19 +553,7 @@ def flwr_run(
                 f"`flwr run` exceeded {timeout:.0f} s:\n{stream.text[-3000:]}"
             ) from None
         reader.join(timeout=15)
-        output = stream.text
-        if code != 0:
-            raise FlwrRunError(f"`flwr run` exited {code}:\n{output[-3000:]}")
-        if stream.run_id is None:
-            raise FlwrRunError(f"`flwr run` printed no run id:\n{output[-3000:]}")
-        outcome = RunOutcome(
-            stream.run_id, _run_status(env, stream.run_id, superlink), output
-        )
-        if outcome.status != "finished:completed":
-            raise FlwrRunError(
-                f"run {outcome.run_id} ended with status {outcome.status}:\n"
-                f"{output[-3000:]}"
-            )
+        outcome = _completed_run(code, stream, env, superlink)
         completed = True
         return outcome
     except KeyboardInterrupt:
@@ -593,6 +573,52 @@ def flwr_run(
             proc.stdout.close()
             if completed and link is not None and not keep_superlink:
                 shutil.rmtree(link.home, ignore_errors=True)
+
+
+def _flwr_command(
+    app_dir: Path,
+    superlink: str | None,
+    run_config: Mapping[str, bool | int | float | str] | str | None,
+    federation_config: Mapping[str, bool | int | float | str] | None,
+) -> list[str]:
+    """``flwr run APP_DIR [SUPERLINK] --stream`` with its config overrides."""
+    cmd = [_flwr_executable(), "run", str(app_dir), *_superlink_arg(superlink)]
+    cmd.append("--stream")
+    if run_config:
+        text = (
+            run_config if isinstance(run_config, str) else format_run_config(run_config)
+        )
+        cmd += ["--run-config", text]
+    if federation_config:
+        cmd += ["--federation-config", format_run_config(federation_config)]
+    return cmd
+
+
+def _completed_run(
+    code: int, stream: _Stream, env: Mapping[str, str], superlink: str | None
+) -> RunOutcome:
+    """The run's outcome once the CLI has exited with ``code``.
+
+    Raises
+    ------
+    FlwrRunError
+        If the CLI failed, printed no run id, or the run (its own id's
+        status, asked of the SuperLink) did not complete.
+    """
+    output = stream.text
+    if code != 0:
+        raise FlwrRunError(f"`flwr run` exited {code}:\n{output[-3000:]}")
+    if stream.run_id is None:
+        raise FlwrRunError(f"`flwr run` printed no run id:\n{output[-3000:]}")
+    outcome = RunOutcome(
+        stream.run_id, _run_status(env, stream.run_id, superlink), output
+    )
+    if outcome.status != "finished:completed":
+        raise FlwrRunError(
+            f"run {outcome.run_id} ended with status {outcome.status}:\n"
+            f"{output[-3000:]}"
+        )
+    return outcome
 
 
 def _wait(proc: subprocess.Popen[str], processes: _Processes, timeout: float) -> int:
