@@ -44,6 +44,8 @@ __all__ = [
 ]
 
 _RSA_BITS = 2048
+_CA_NAME = "fedlr deployment CA"
+"""The common name of the CA that signs the SuperLink's certificate."""
 
 
 @dataclass(frozen=True)
@@ -176,9 +178,33 @@ def generate_tls_certificates(
     now = dt.datetime.now(dt.UTC) - dt.timedelta(hours=1)
     until = now + dt.timedelta(days=days)
 
-    # 1. The CA: a self-signed certificate allowed to sign others.
+    ca_key, ca_cert = _ca_certificate(now, until)
+    server_key, server_cert = _server_certificate(hosts[0], names, ca_key, now, until)
+
+    files = TlsFiles(
+        ca_cert=out / "ca.crt",
+        server_cert=out / "server.pem",
+        server_key=out / "server.key",
+    )
+    files.ca_cert.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    files.server_cert.write_bytes(server_cert.public_bytes(serialization.Encoding.PEM))
+    _write_private(
+        files.server_key,
+        server_key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        ),
+    )
+    return files
+
+
+def _ca_certificate(
+    now: dt.datetime, until: dt.datetime
+) -> tuple[rsa.RSAPrivateKey, x509.Certificate]:
+    """A self-signed CA certificate allowed to sign others, and its key."""
     ca_key = rsa.generate_private_key(public_exponent=65537, key_size=_RSA_BITS)
-    ca_name = _name("fedlr deployment CA")
+    ca_name = _name(_CA_NAME)
     ca_cert = (
         x509.CertificateBuilder()
         .subject_name(ca_name)
@@ -208,13 +234,22 @@ def generate_tls_certificates(
         )
         .sign(ca_key, hashes.SHA256())
     )
+    return ca_key, ca_cert
 
-    # 2. The server certificate, signed by the CA, with the hosts as SANs.
+
+def _server_certificate(
+    common_name: str,
+    names: Sequence[x509.GeneralName],
+    ca_key: rsa.RSAPrivateKey,
+    now: dt.datetime,
+    until: dt.datetime,
+) -> tuple[rsa.RSAPrivateKey, x509.Certificate]:
+    """The server certificate, signed by the CA, with ``names`` as SANs."""
     server_key = rsa.generate_private_key(public_exponent=65537, key_size=_RSA_BITS)
     server_cert = (
         x509.CertificateBuilder()
-        .subject_name(_name(hosts[0]))
-        .issuer_name(ca_name)
+        .subject_name(_name(common_name))
+        .issuer_name(_name(_CA_NAME))
         .public_key(server_key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now)
@@ -230,23 +265,7 @@ def generate_tls_certificates(
         )
         .sign(ca_key, hashes.SHA256())
     )
-
-    files = TlsFiles(
-        ca_cert=out / "ca.crt",
-        server_cert=out / "server.pem",
-        server_key=out / "server.key",
-    )
-    files.ca_cert.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
-    files.server_cert.write_bytes(server_cert.public_bytes(serialization.Encoding.PEM))
-    _write_private(
-        files.server_key,
-        server_key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        ),
-    )
-    return files
+    return server_key, server_cert
 
 
 def generate_supernode_keys(out_dir: Path, name: str) -> SupernodeKeys:
