@@ -759,27 +759,9 @@ def robust_aggregate(
             # median (cap weights with max-client-weight).
             alpha = geometric_median_weights(gram, [1.0] * len(kept))
             if config.rule == "median":
-                plain = weights / weights.sum()
-                negligible = alpha < _NEGLIGIBLE_SHARE
-                for update, before, after, out in zip(
-                    kept, plain, alpha, negligible, strict=True
-                ):
-                    if bool(out):
-                        reasons.append(
-                            f"node {update.node_id}: left out (weight share "
-                            f"{float(after):.3g} at the geometric median)"
-                        )
-                    elif float(after) < 0.5 / len(kept):
-                        reasons.append(
-                            f"node {update.node_id}: weight share {float(before):.4g} "
-                            f"-> {float(after):.4g} (far from the geometric median)"
-                        )
-                total_before = weights.sum()
-                keep_idx = [i for i in range(len(kept)) if not bool(negligible[i])]
-                kept = [kept[i] for i in keep_idx]
-                alpha = alpha[keep_idx]
-                weights = alpha / alpha.sum() * total_before
-                metrics["robust-trimmed"] += float(int(negligible.sum()))
+                kept, weights, median_reasons, left_out = _median(kept, weights, alpha)
+                reasons += median_reasons
+                metrics["robust-trimmed"] += float(left_out)
             else:
                 trimmed_reasons, keep_idx = _trim(kept, gram, alpha, config)
                 reasons += trimmed_reasons
@@ -789,20 +771,59 @@ def robust_aggregate(
     total = float(weights.sum())
     shares = weights / total
     if config.max_client_weight < 1.0:
-        capped = cap_shares(weights.tolist(), config.max_client_weight)
-        for update, before, after in zip(kept, shares, capped, strict=True):
-            if float(after) < float(before) - 1e-12:
-                reasons.append(
-                    f"node {update.node_id}: weight share {float(before):.4g} capped "
-                    f"at {float(after):.4g} (max-client-weight)"
-                )
-                metrics["robust-capped"] += 1
-        shares = capped
+        shares, cap_reasons = _cap(kept, weights, shares, config.max_client_weight)
+        reasons += cap_reasons
+        metrics["robust-capped"] += len(cap_reasons)
     metrics["robust-max-share"] = float(shares.max())
     new = [
         replace(u, weight=float(s) * total) for u, s in zip(kept, shares, strict=True)
     ]
     return RobustOutcome(new, reasons, metrics)
+
+
+def _median(
+    kept: list[ClientUpdate], weights: torch.Tensor, alpha: torch.Tensor
+) -> tuple[list[ClientUpdate], torch.Tensor, list[str], int]:
+    """The geometric median's weights ``alpha`` applied: updates with a
+    negligible share left out, the rest weighted by ``alpha`` at the round's
+    total weight. Returns the kept updates, their weights, the reasons and
+    the number left out."""
+    plain = weights / weights.sum()
+    negligible = alpha < _NEGLIGIBLE_SHARE
+    reasons = []
+    for update, before, after, out in zip(kept, plain, alpha, negligible, strict=True):
+        if bool(out):
+            reasons.append(
+                f"node {update.node_id}: left out (weight share "
+                f"{float(after):.3g} at the geometric median)"
+            )
+        elif float(after) < 0.5 / len(kept):
+            reasons.append(
+                f"node {update.node_id}: weight share {float(before):.4g} "
+                f"-> {float(after):.4g} (far from the geometric median)"
+            )
+    total_before = weights.sum()
+    keep_idx = [i for i in range(len(kept)) if not bool(negligible[i])]
+    alpha = alpha[keep_idx]
+    weights = alpha / alpha.sum() * total_before
+    return [kept[i] for i in keep_idx], weights, reasons, int(negligible.sum())
+
+
+def _cap(
+    kept: list[ClientUpdate],
+    weights: torch.Tensor,
+    shares: torch.Tensor,
+    max_client_weight: float,
+) -> tuple[torch.Tensor, list[str]]:
+    """The shares capped at ``max_client_weight``; a reason per capped node."""
+    capped = cap_shares(weights.tolist(), max_client_weight)
+    reasons = [
+        f"node {update.node_id}: weight share {float(before):.4g} capped "
+        f"at {float(after):.4g} (max-client-weight)"
+        for update, before, after in zip(kept, shares, capped, strict=True)
+        if float(after) < float(before) - 1e-12
+    ]
+    return capped, reasons
 
 
 def _finite_only(
