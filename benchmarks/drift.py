@@ -34,7 +34,8 @@ written) is not run again, so the study can be stopped and resumed.
     ``summary.csv`` / ``summary.md`` (mean ± std over seeds, the accuracy
     difference to FedIT with the seeds paired and its 95% t-interval, next
     to the drift diagnostics), ``paired.md`` (the differences alone, one row
-    per cell, in points) and ``drift.png`` (the difference to FedIT
+    per cell, in points), ``mechanism.md`` (the :data:`MECHANISM` contrasts)
+    and ``drift.png`` (the difference to FedIT
     against the client drift, one panel per data set).
 
 Drift diagnostics, per round, in each method's update space (the change of
@@ -536,21 +537,88 @@ def paired_markdown(summary: pd.DataFrame) -> str:
     for (dataset, steps), cell in summary.groupby(["dataset", "local-steps"]):
         rows = cell.set_index("method")
         base = rows.loc[BASELINE] if BASELINE in rows.index else None
-        acc = (
-            "—"
-            if base is None
-            else (f"{base['accuracy-mean']:.4f} ± {base['accuracy-std']:.4f}")
-        )
+        if base is None:
+            acc = "—"
+        elif base["seeds"] == 1:
+            acc = f"{base['accuracy-mean']:.4f}"
+        else:
+            acc = f"{base['accuracy-mean']:.4f} ± {base['accuracy-std']:.4f}"
         cells = []
         for method in others:
             if method not in rows.index or pd.isna(rows.loc[method, "diff-mean"]):
                 cells.append("—")
                 continue
-            mean = 100 * float(rows.loc[method, "diff-mean"])
-            half = 100 * float(rows.loc[method, "diff-ci95"])
-            text = f"{mean:+.1f} ± {half:.1f}".replace("-", "−")
-            cells.append(f"**{text}**" if abs(mean) > half else text)
+            cells.append(
+                _points(rows.loc[method, "diff-mean"], rows.loc[method, "diff-ci95"])
+            )
         lines.append(f"| {dataset} | {steps} | {acc} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _points(diff: float, half: float) -> str:
+    """A difference in points with its 95% half-width; bold when 0 is outside."""
+    mean = 100 * float(diff)
+    if pd.isna(half):
+        return f"{mean:+.1f}".replace("-", "−")
+    text = f"{mean:+.1f} ± {100 * float(half):.1f}".replace("-", "−")
+    return f"**{text}**" if abs(mean) > 100 * float(half) else text
+
+
+MECHANISM = (
+    ("fedex-half", BASELINE, "half fold − FedIT"),
+    ("fedex-lora", BASELINE, "full fold − FedIT"),
+    ("fedex-lora", "fedex-half", "full − half fold"),
+    ("flora", "fedex-lora", "FLoRA − FedEx"),
+)
+"""The mechanism's paired contrasts ``(method, against, heading)``. FedIT,
+``fedex-half`` and FedEx-LoRA start each round from the same adapters (the
+mean factors) and fold 0, 1/2 and all of the residual into ``W0``; FLoRA
+folds all of the mean product and restarts the adapters (``B = 0``, a fresh
+``A``), so FLoRA − FedEx changes the adapters at the same exact model."""
+
+
+def paired(
+    runs: pd.DataFrame, cell: Mapping[str, Any], a: str, b: str
+) -> tuple[float, float, int]:
+    """Mean of ``accuracy(a) - accuracy(b)`` over the seeds both finished in
+    ``cell`` (a mapping of dataset, local-steps, rank), its 95% half-width
+    and the number of seeds."""
+    mask = np.ones(len(runs), dtype=bool)
+    for key, value in cell.items():
+        mask &= (runs[key] == value).to_numpy()
+    here = runs[mask]
+    acc = {
+        m: here[here["method"] == m].set_index("seed")["final-accuracy"] for m in (a, b)
+    }
+    seeds = sorted(set(acc[a].index) & set(acc[b].index))
+    mean, half = t_interval((acc[a][seeds] - acc[b][seeds]).to_numpy())
+    return mean, half, len(seeds)
+
+
+def mechanism_markdown(runs: pd.DataFrame) -> str:
+    """The mechanism table: per cell, the :data:`MECHANISM` contrasts in points
+    (paired, 95% interval; bold where it excludes 0), FedEx's folded residual
+    against the mean client product (its relative gap) and the client drift."""
+    lines = [
+        "| data set | local steps | "
+        + " | ".join(h for *_, h in MECHANISM)
+        + " | FedEx residual / mean product | client drift |",
+        "|---|---|" + "---|" * (len(MECHANISM) + 2),
+    ]
+    for (dataset, steps, rank), cell in runs.groupby(
+        ["dataset", "local-steps", "rank"]
+    ):
+        where = {"dataset": dataset, "local-steps": steps, "rank": rank}
+        cells = []
+        for a, b, _ in MECHANISM:
+            mean, half, n = paired(runs, where, a, b)
+            cells.append("—" if n == 0 else _points(mean, half))
+        fedex = cell[cell["method"] == "fedex-lora"]
+        rel = f"{fedex['mean-relative-gap'].mean():.3f}" if len(fedex) else "—"
+        drift = f"{cell['client-drift'].mean():.3g}"
+        lines.append(
+            f"| {dataset} | {steps} | " + " | ".join(cells) + f" | {rel} | {drift} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -650,6 +718,7 @@ def table(args: argparse.Namespace) -> None:
     summary.to_csv(args.out / "summary.csv", index=False)
     (args.out / "summary.md").write_text(to_markdown(summary))
     (args.out / "paired.md").write_text(paired_markdown(summary))
+    (args.out / "mechanism.md").write_text(mechanism_markdown(runs))
     figure(summary, args.out / "drift.png")
     print(to_markdown(summary))
 

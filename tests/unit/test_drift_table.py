@@ -233,3 +233,28 @@ def test_paired_view_bolds_a_difference_whose_interval_excludes_zero(
     text = drift.paired_markdown(drift.summarise(drift.collect(tmp_path)))
     row = text.splitlines()[2]
     assert row.startswith("| polarity | 5 | 0.7200 ± 0.0200 | **+5.2 ± ")
+
+
+def test_mechanism_contrasts_pair_fedex_with_flora_and_the_half_fold(
+    tmp_path: Path,
+) -> None:
+    accs = {
+        "fedavg-lora": {0: 0.70, 3: 0.72, 4: 0.74},
+        "fedex-half": {0: 0.69, 3: 0.72, 4: 0.72},
+        "fedex-lora": {0: 0.68, 3: 0.70, 4: 0.71},
+        "flora": {0: 0.75, 3: 0.76, 4: 0.77},
+    }
+    for method, by_seed in accs.items():
+        for seed, acc in by_seed.items():
+            _fake_run(tmp_path, "polarity", method, seed, acc)
+    runs = drift.collect(tmp_path)
+    cell = {"dataset": "polarity", "local-steps": 5, "rank": 8}
+    mean, half, n = drift.paired(runs, cell, "flora", "fedex-lora")
+    diff = np.array([0.07, 0.06, 0.06])
+    assert n == 3 and mean == pytest.approx(diff.mean())
+    assert half == pytest.approx(4.302652729911275 * diff.std(ddof=1) / math.sqrt(3))
+    row = drift.mechanism_markdown(runs).splitlines()[2].split(" | ")
+    # half fold - FedIT, full fold - FedIT, full - half fold, FLoRA - FedEx
+    assert row[2].startswith("−1.0 ± ") and row[3].startswith("**−2.3 ± ")
+    assert row[4].startswith("−1.3 ± ") and row[5].startswith("**+6.3 ± ")
+    assert row[6] == "0.200"  # the fake runs' relative gap
