@@ -24,6 +24,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from pathlib import Path
@@ -310,9 +311,10 @@ class ServerRun:
             result = {"accuracy": math.nan, "loss": math.nan}
         eval_seconds = time.perf_counter() - started
         accuracy, loss = float(result["accuracy"]), float(result["loss"])
-        headline = self.headline
         if server_round == 0:
-            log(INFO, "fedlr: initial %s %.4f, loss %.4f", headline, accuracy, loss)
+            log(
+                INFO, "fedlr: initial %s %.4f, loss %.4f", self.headline, accuracy, loss
+            )
             self.initial_metrics.update(result)
             self.started = time.perf_counter()
             return
@@ -339,6 +341,21 @@ class ServerRun:
             row.update(self.exchange.row())
             layers = {}
         self.writer.append(row, layers=layers)
+        self.log_round(server_round, (accuracy, loss), m, row, seconds)
+
+    def log_round(
+        self,
+        server_round: int,
+        scores: tuple[float, float],
+        metrics: Mapping[str, Any],
+        row: Mapping[str, Any],
+        seconds: float,
+    ) -> None:
+        """The round's one line: headline metric and loss (``scores``), gap,
+        bytes, the strategy's client counts (``metrics``), time and ETA, then
+        the plan's extra columns of the results ``row``."""
+        headline = self.headline
+        accuracy, loss = scores
         extras = " ".join(
             f"{c} {row[c]:.4g}"
             for c in self.plan.columns
@@ -355,11 +372,11 @@ class ServerRun:
             headline,
             accuracy,
             loss,
-            gap_text({**m, **row}),  # the row's values (secure aggregation's)
+            gap_text({**metrics, **row}),  # the row's values (secure aggregation's)
             _mb(row.get("bytes-up", 0.0)),
             _mb(row.get("bytes-down", 0.0)),
-            int(m.get("clients", 0)),
-            int(m.get("dropped", 0)),
+            int(metrics.get("clients", 0)),
+            int(metrics.get("dropped", 0)),
             seconds,
             self.clock.lap(seconds, self.config.num_server_rounds - server_round),
             f" {extras}" if extras else "",
