@@ -454,6 +454,24 @@ def t_interval(diff: np.ndarray, level: float = 0.95) -> tuple[float, float]:
     return mean, float(stats.t.ppf(0.5 + level / 2, n - 1)) * se
 
 
+def paired(
+    runs: pd.DataFrame, cell: Mapping[str, Any], a: str, b: str
+) -> tuple[float, float, int]:
+    """Mean of ``accuracy(a) - accuracy(b)`` over the seeds both finished in
+    ``cell`` (a mapping of dataset, local-steps, rank), its 95% half-width
+    and the number of seeds."""
+    mask = np.ones(len(runs), dtype=bool)
+    for key, value in cell.items():
+        mask &= (runs[key] == value).to_numpy()
+    here = runs[mask]
+    acc = {
+        m: here[here["method"] == m].set_index("seed")["final-accuracy"] for m in (a, b)
+    }
+    seeds = sorted(set(acc[a].index) & set(acc[b].index))
+    mean, half = t_interval((acc[a][seeds] - acc[b][seeds]).to_numpy())
+    return mean, half, len(seeds)
+
+
 def summarise(runs: pd.DataFrame) -> pd.DataFrame:
     """Mean ± std over seeds per cell and method, and the paired difference to FedIT.
 
@@ -466,21 +484,21 @@ def summarise(runs: pd.DataFrame) -> pd.DataFrame:
     methods = [*METHODS, *sorted(set(runs["method"]) - set(METHODS))]
     out = []
     for cell, group in runs.groupby(keys, sort=True):
-        base = group[group["method"] == BASELINE].set_index("seed")["final-accuracy"]
+        where = dict(zip(keys, cell, strict=True))
         for method in methods:
             mine = group[group["method"] == method].set_index("seed")
             if mine.empty:
                 continue
             acc = mine["final-accuracy"]
-            paired = sorted(set(acc.index) & set(base.index))
-            diff = (acc[paired] - base[paired]).to_numpy()
-            mean, half = t_interval(diff) if method != BASELINE else (math.nan,) * 2
+            mean, half, n = paired(group, where, method, BASELINE)
+            if method == BASELINE:
+                mean = half = math.nan
             out.append(
                 {
-                    **dict(zip(keys, cell, strict=True)),
+                    **where,
                     "method": method,
                     "seeds": len(acc),
-                    "paired": len(paired),
+                    "paired": n,
                     "accuracy-mean": float(acc.mean()),
                     "accuracy-std": float(acc.std(ddof=1)) if len(acc) > 1 else 0.0,
                     "diff-mean": mean,
@@ -523,11 +541,7 @@ def paired_markdown(summary: pd.DataFrame) -> str:
     """One row per cell: FedIT's accuracy, then each method's paired
     difference to it with its 95% interval, in points (a wide view of
     :func:`to_markdown`). A difference whose interval excludes 0 is bold."""
-    others = [
-        m
-        for m in (*METHODS, *VARIANTS)
-        if m in set(summary["method"]) and m != BASELINE
-    ]
+    others = _compared(summary)
     lines = [
         "| data set | local steps | FedIT accuracy | "
         + " | ".join(f"{m} − FedIT" for m in others)
@@ -555,6 +569,13 @@ def paired_markdown(summary: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _compared(frame: pd.DataFrame) -> list[str]:
+    """The methods of ``frame`` other than FedIT, in :data:`METHODS` then
+    :data:`VARIANTS` order."""
+    present = set(frame["method"]) - {BASELINE}
+    return [m for m in (*METHODS, *VARIANTS) if m in present]
+
+
 def _points(diff: float, half: float) -> str:
     """A difference in points with its 95% half-width; bold when 0 is outside."""
     mean = 100 * float(diff)
@@ -575,24 +596,6 @@ MECHANISM = (
 mean factors) and fold 0, 1/2 and all of the residual into ``W0``; FLoRA
 folds all of the mean product and restarts the adapters (``B = 0``, a fresh
 ``A``), so FLoRA − FedEx changes the adapters at the same exact model."""
-
-
-def paired(
-    runs: pd.DataFrame, cell: Mapping[str, Any], a: str, b: str
-) -> tuple[float, float, int]:
-    """Mean of ``accuracy(a) - accuracy(b)`` over the seeds both finished in
-    ``cell`` (a mapping of dataset, local-steps, rank), its 95% half-width
-    and the number of seeds."""
-    mask = np.ones(len(runs), dtype=bool)
-    for key, value in cell.items():
-        mask &= (runs[key] == value).to_numpy()
-    here = runs[mask]
-    acc = {
-        m: here[here["method"] == m].set_index("seed")["final-accuracy"] for m in (a, b)
-    }
-    seeds = sorted(set(acc[a].index) & set(acc[b].index))
-    mean, half = t_interval((acc[a][seeds] - acc[b][seeds]).to_numpy())
-    return mean, half, len(seeds)
 
 
 def mechanism_markdown(runs: pd.DataFrame) -> str:
@@ -641,7 +644,7 @@ def figure(summary: pd.DataFrame, path: Path) -> Figure:
         1, len(datasets), figsize=(6 * len(datasets), 5.4), squeeze=False
     )
     others = summary[summary["method"] != BASELINE]
-    methods = [m for m in (*METHODS, *VARIANTS) if m in set(others["method"])]
+    methods = _compared(summary)
     colours = {m: f"C{i}" for i, m in enumerate(methods)}
     levels = sorted(int(s) for s in summary["local-steps"].unique())
     markers = dict(zip(levels, "os^Dvp", strict=False))
@@ -695,10 +698,10 @@ def figure(summary: pd.DataFrame, path: Path) -> Figure:
             bbox_to_anchor=(0.5, -0.14),
             frameon=False,
         )
+    ranks = ", ".join(str(r) for r in sorted(summary["rank"].unique()))
     fig.suptitle(
         f"Paired difference to FedIT: {SETTINGS['num-partitions']} clients, "
-        f"Dirichlet {SETTINGS['dirichlet-alpha']}, rank 8, "
-        f"{SETTINGS['num-server-rounds']} rounds, seeds paired",
+        f"Dirichlet {SETTINGS['dirichlet-alpha']}, rank {ranks}, seeds paired",
         fontsize=10,
     )
     fig.tight_layout()

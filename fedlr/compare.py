@@ -47,7 +47,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import matplotlib
 
@@ -336,11 +336,11 @@ def comparison_figure(run_dirs: Sequence[Path | str], by: Sequence[str] = ()) ->
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.8))
     for i, (label, frames) in enumerate(groups.items()):
         color = f"C{i % 10}"
-        for ax, (column, *_, from_one) in zip(axes, panels, strict=True):
+        for ax, panel in zip(axes, panels, strict=True):
             stacked = pd.concat(
-                [f.set_index("round")[column] for f in frames], axis=1
+                [f.set_index("round")[panel.column] for f in frames], axis=1
             ).apply(pd.to_numeric, errors="coerce")
-            if from_one:
+            if panel.from_round_one:
                 stacked = stacked[stacked.index >= 1]
             mean = stacked.mean(axis=1)
             if mean.notna().sum() == 0:
@@ -361,9 +361,9 @@ def comparison_figure(run_dirs: Sequence[Path | str], by: Sequence[str] = ()) ->
                 )
     several = any(len(frames) > 1 for frames in groups.values())
     spread = " (mean ± std over seeds)" if several else ""
-    for ax, (_, title, ylabel, log, _) in zip(axes, panels, strict=True):
-        ax.set(title=f"{title}{spread}", xlabel="round", ylabel=ylabel)
-        if log and _spans_decade(ax):
+    for ax, panel in zip(axes, panels, strict=True):
+        ax.set(title=f"{panel.title}{spread}", xlabel="round", ylabel=panel.ylabel)
+        if panel.log and _spans_decade(ax):
             ax.set_yscale("log")
     for ax in axes:
         per_round_axes(ax, runs)
@@ -379,10 +379,18 @@ def _spans_decade(ax: Any) -> bool:
     return bool(ys.size) and float(ys.max()) > 10 * float(ys.min())
 
 
-def _panels(
-    frames: Sequence[pd.DataFrame],
-) -> list[tuple[str, str, str, bool, bool]]:
-    """The comparison's panels: ``(column, title, y label, log scale, from round 1)``.
+class _Panel(NamedTuple):
+    """One panel of the comparison figure."""
+
+    column: str
+    title: str
+    ylabel: str
+    log: bool = False  # log scale, where the values span a decade
+    from_round_one: bool = False  # leave out round 0 (the initial model)
+
+
+def _panels(frames: Sequence[pd.DataFrame]) -> list[_Panel]:
+    """The comparison's panels.
 
     The headline metric (``exact-match`` and ``perplexity`` for a causal LM,
     whose ``accuracy`` column repeats the exact match; else ``accuracy``),
@@ -402,20 +410,21 @@ def _panels(
         initial = [
             float(v)
             for f in frames
+            if "perplexity" in f
             for v in pd.to_numeric(f.loc[f["round"] == 0, "perplexity"]).dropna()
         ]
         title = "response perplexity"
         if initial:
             title += f" (round 0: {sum(initial) / len(initial):.3g})"
         head = [
-            ("exact-match", "exact match", "exact match", False, False),
-            ("perplexity", title, "perplexity", True, True),
+            _Panel("exact-match", "exact match", "exact match"),
+            _Panel("perplexity", title, "perplexity", log=True, from_round_one=True),
         ]
     else:
-        head = [("accuracy", "accuracy", "accuracy", False, False)]
+        head = [_Panel("accuracy", "accuracy", "accuracy")]
     if logged("frobenius-gap"):
-        return [*head, ("frobenius-gap", "Frobenius gap", "gap", True, False)]
-    return [*head, ("loss", "evaluation loss", "loss", False, False)]
+        return [*head, _Panel("frobenius-gap", "Frobenius gap", "gap", log=True)]
+    return [*head, _Panel("loss", "evaluation loss", "loss")]
 
 
 def write_table(

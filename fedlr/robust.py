@@ -771,7 +771,7 @@ def robust_aggregate(
     total = float(weights.sum())
     shares = weights / total
     if config.max_client_weight < 1.0:
-        shares, cap_reasons = _cap(kept, weights, shares, config.max_client_weight)
+        shares, cap_reasons = _cap(kept, weights, config.max_client_weight)
         reasons += cap_reasons
         metrics["robust-capped"] += len(cap_reasons)
     metrics["robust-max-share"] = float(shares.max())
@@ -810,12 +810,11 @@ def _median(
 
 
 def _cap(
-    kept: list[ClientUpdate],
-    weights: torch.Tensor,
-    shares: torch.Tensor,
-    max_client_weight: float,
+    kept: list[ClientUpdate], weights: torch.Tensor, max_client_weight: float
 ) -> tuple[torch.Tensor, list[str]]:
-    """The shares capped at ``max_client_weight``; a reason per capped node."""
+    """The shares of ``weights`` capped at ``max_client_weight``; a reason per
+    capped node."""
+    shares = weights / float(weights.sum())
     capped = cap_shares(weights.tolist(), max_client_weight)
     reasons = [
         f"node {update.node_id}: weight share {float(before):.4g} capped "
