@@ -10,6 +10,8 @@ FLWR_HOME := $(CURDIR)/.flwr
 NUM_SUPERNODES ?= 4
 CLIENT_GPUS ?= 0
 RUN_CONFIG ?=
+# NODE_CONFIG=nodes.toml: the simulated nodes' own privacy limits (docs/privacy.md)
+NODE_CONFIG ?=
 PYTEST_ARGS ?=
 CONF ?= benchmarks/conf/lora-family.toml
 METHODS ?= fedavg-lora,fedex-lora
@@ -53,7 +55,8 @@ setup-llm: setup
 run: setup
 	$(PY) -m fedlr.flower.launch --flwr-home $(FLWR_HOME) \
 		--num-supernodes $(NUM_SUPERNODES) --client-gpus $(CLIENT_GPUS) \
-		--run-config 'output-dir="$(CURDIR)/outputs" $(RUN_CONFIG)' $(if $(VERBOSE),--verbose)
+		--run-config 'output-dir="$(CURDIR)/outputs" $(RUN_CONFIG)' $(if $(VERBOSE),--verbose) \
+		$(if $(NODE_CONFIG),--node-config-file $(NODE_CONFIG))
 
 lint: $(STAMP)/deps
 	$(PY) -m ruff check .

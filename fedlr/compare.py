@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
 import time
@@ -69,6 +70,7 @@ from fedlr.flower.launch import (
     is_noise,
 )
 from fedlr.plots import RunData, load_run, per_round_axes
+from fedlr.privacy.node_policy import STATE_DIR_ENV
 from fedlr.server_apps.local import run_in_process
 from fedlr.strategies.registry import resolve
 
@@ -506,6 +508,10 @@ def run_sweep(
     cells = _cells(base, methods, seeds, Path(out_dir).resolve(), engine, app_dir)
 
     def launch(config: dict[str, Any]) -> None:
+        with _cell_nodes(Path(str(config["output-dir"]))):
+            _launch_cell(config)
+
+    def _launch_cell(config: dict[str, Any]) -> None:
         if engine == "flwr":
             flwr_run(
                 app_dir,
@@ -540,6 +546,22 @@ def run_sweep(
             continue
         run_dirs.append(done)
     return run_dirs, failures
+
+
+@contextmanager
+def _cell_nodes(cell_dir: Path) -> Iterator[None]:
+    """Each cell's simulated nodes keep their privacy ledgers in the cell's
+    ``node-state/`` (a cell is its own experiment: its DP-SGD epsilon is its
+    own, and a resumed cell keeps counting), unless ``FEDLR_NODE_STATE_DIR``
+    names one directory for every run."""
+    if os.environ.get(STATE_DIR_ENV):
+        yield
+        return
+    os.environ[STATE_DIR_ENV] = str(cell_dir / "node-state")
+    try:
+        yield
+    finally:
+        os.environ.pop(STATE_DIR_ENV, None)
 
 
 def _cells(

@@ -456,8 +456,9 @@ class RunConfig(Options):
         bad=[(1.0, r"in \[0, 1\)")],
     )
     dp_accountant: str = option(
-        "rdp",
-        "DP-SGD: Opacus accountant, `rdp` or `prv`",
+        "prv",
+        "DP-SGD and client-level DP: Opacus accountant for planning sigma, "
+        "refusing and reporting, `prv` (tight) or `rdp` (looser upper bound)",
         bad=[("gdp", "must be one of")],
     )
     client_dp_clip: float = option(
@@ -478,6 +479,17 @@ class RunConfig(Options):
         "client-level DP: delta of the reported epsilon, in [0, 1); `0`: "
         "min(1e-5, 1/(10 N)), N the federation's nodes",
         bad=[(1.5, r"in \[0, 1\)")],
+    )
+
+    reproducible_noise: bool = option(
+        False,
+        "simulation only: draw the privacy noise (DP-SGD's noise and Poisson "
+        "batches, client-level DP's noise) from the run seed so a run repeats "
+        "exactly; its epsilon is then **not a guarantee** (anyone who knows the "
+        "seed can subtract the noise), and results say so; a node draws "
+        "reproducible noise only if its own `dp-allow-reproducible-noise` says "
+        "so; see [privacy.md](privacy.md#noise-nobody-can-replay)",
+        bad=[("yes", "expected true/false")],
     )
 
     # ------------------------------------------------------------------ parsing
@@ -579,6 +591,7 @@ class RunConfig(Options):
             client_dp_noise_multiplier=self.client_dp_noise_multiplier,
             client_dp_delta=self.client_dp_delta,
             seed=self.seed,
+            reproducible_noise=self.reproducible_noise,
         )
 
     @property

@@ -138,6 +138,31 @@ class InstructionError(ProtocolError):
         super().__init__(f"instruction refused: '{key}' {reason}")
 
 
+class SecAggGuardError(InstructionError):
+    """A node refuses a SecAgg+ stage message that would put its secrets at risk.
+
+    Raised by :mod:`fedlr.client_apps.secagg_guard` before Flower's
+    ``secaggplus_mod`` sees the message (nothing of the node's state
+    changes): an unmask request that names a node both as surviving and as
+    dropped or outside the neighbourhood, stage settings out of bounds or
+    changed within a round, a ciphertext that does not decrypt.
+
+    Parameters
+    ----------
+    check : str
+        The guard's check that failed (``alive-and-dead``, ``share-num`` ...).
+    reason : str
+        What the message asked and what the node accepts.
+    node : int, optional
+        The node the refusal is about (the garbled ciphertext's sender ...).
+    """
+
+    def __init__(self, check: str, reason: str, *, node: int | None = None) -> None:
+        self.check = check
+        self.node = node
+        super().__init__(f"secagg-guard:{check}", reason)
+
+
 class BaseOutOfSyncError(ProtocolError):
     """A node cannot rebuild the base weights a FedEx instruction needs.
 
@@ -307,6 +332,18 @@ class PrivacyBudgetError(FedLRError, RuntimeError):
 
     Raised on the client (:mod:`fedlr.privacy.dp_sgd`); its reply is an error
     naming the budget, which the server drops with that reason.
+    """
+
+
+class NodePolicyError(InstructionError):
+    """A node refuses an instruction that its own configuration forbids.
+
+    The node's privacy limits (``dp-required``, ``dp-epsilon-budget``,
+    ``dp-delta``, ``dp-max-grad-norm``, ``secure-aggregation-required``) are
+    set by the node's operator (``--node-config``, or the simulation's node
+    config file), never by the server; an instruction may tighten them, never
+    loosen them (:mod:`fedlr.privacy.node_policy`). The reason names the key
+    and the node's limit; the node's state is unchanged.
     """
 
 

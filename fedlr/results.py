@@ -6,7 +6,11 @@ bytes-down, seconds, clients, dropped, train-loss; then the extra columns a
 method declares (e.g. ``tail-energy`` for FedSpec), in declared order.
 ``dp-epsilon`` (DP-SGD, the round's largest client epsilon) and
 ``client-dp-epsilon`` (client-level DP) are NaN without differential privacy
-(``docs/privacy.md``).
+(``docs/privacy.md``). With a DP mechanism on, ``noise-reproducible`` (1:
+the noise came from the run seed, ``reproducible-noise``, so no epsilon is a
+guarantee) follows, and ``summary.json`` says ``privacy-noise`` and lists
+under ``outside-epsilon`` the columns computed from the clients' replies
+without noise, which no reported epsilon covers (:func:`privacy_summary`).
 ``layers.csv`` holds
 ``round, layer, frobenius-gap, relative-gap`` for methods that report gaps per
 layer. Both files are appended to, one round's rows at a time, so a round
@@ -27,13 +31,16 @@ from typing import Any
 import pandas as pd
 
 from fedlr.errors import CheckpointError, ConfigError
+from fedlr.privacy.settings import PrivacyConfig
 from fedlr.tracking import NoTracker, Tracker, numeric_metrics
 
 __all__ = [
     "COLUMNS",
     "LAYER_COLUMNS",
+    "NOISE_REPRODUCIBLE",
     "ResultsWriter",
     "ensure_output_dir",
+    "privacy_summary",
     "read_results",
 ]
 
@@ -61,6 +68,17 @@ COLUMNS = (
     "client-dp-epsilon",
 )
 LAYER_COLUMNS = ("round", "layer", "frobenius-gap", "relative-gap")
+NOISE_REPRODUCIBLE = "noise-reproducible"
+"""Column written when a DP mechanism is on: 1 with ``reproducible-noise``."""
+INSIDE_EPSILON = frozenset(
+    {"round", "method", "bytes-down", "client-dp-epsilon", NOISE_REPRODUCIBLE}
+)
+"""Columns that are not computed from the clients' replies (the epsilon, the
+plan's bytes sent); with :data:`SERVER_EVALUATED` when the server evaluates
+the published model on its own data."""
+SERVER_EVALUATED = frozenset({"accuracy", "loss", "perplexity", "exact-match"})
+"""The evaluation columns (``fedlr.protocol.TASK_EVAL_METRICS`` besides
+accuracy and loss; spelled out here, since this module imports no Flower)."""
 
 COUNT_COLUMNS = frozenset(
     {
@@ -71,10 +89,37 @@ COUNT_COLUMNS = frozenset(
         "rejected-rounds",
         "robust-clipped",
         "robust-trimmed",
+        NOISE_REPRODUCIBLE,
     }
 )
 """Columns of counts, written as integers (``4``, not ``4.0``); so is every
 ``bytes-*`` column."""
+
+
+def privacy_summary(
+    privacy: PrivacyConfig, columns: Sequence[str], *, server_evaluated: bool = True
+) -> dict[str, Any]:
+    """``summary.json``'s privacy fields; none without a DP mechanism.
+
+    ``privacy-noise``: ``"secure"`` or ``"reproducible (epsilon is not a
+    guarantee)"``. ``outside-epsilon``: the results columns outside
+    :data:`INSIDE_EPSILON` (and :data:`SERVER_EVALUATED` unless
+    ``server_evaluated`` is false: the clients evaluate), i.e. values
+    computed from the clients' replies without noise (``train-loss``, the
+    gaps, client counts, bytes up, timings, the clients' own ``dp-epsilon``),
+    conservatively for client-level DP; no epsilon bounds what they reveal.
+    """
+    if not privacy.active:
+        return {}
+    inside = INSIDE_EPSILON | (SERVER_EVALUATED if server_evaluated else set())
+    return {
+        "privacy-noise": (
+            "reproducible (epsilon is not a guarantee)"
+            if privacy.reproducible
+            else "secure"
+        ),
+        "outside-epsilon": [c for c in columns if c not in inside],
+    }
 
 
 def _is_count(column: str) -> bool:
@@ -165,6 +210,9 @@ class ResultsWriter:
         Also receives ``config`` (as the run's settings) and every appended
         row's finite numbers, the round as the step (:mod:`fedlr.tracking`);
         :meth:`close` closes it.
+    privacy : PrivacyConfig, optional
+        With a DP mechanism on, :data:`NOISE_REPRODUCIBLE` is written last,
+        filled from ``privacy.reproducible`` unless a row gives it.
     """
 
     def __init__(
@@ -175,7 +223,11 @@ class ResultsWriter:
         config: Mapping[str, Any] | None = None,
         extra_columns: Sequence[str] = (),
         tracker: Tracker | None = None,
+        privacy: PrivacyConfig | None = None,
     ) -> None:
+        self.privacy = privacy if privacy is not None else PrivacyConfig()
+        if self.privacy.active and NOISE_REPRODUCIBLE not in extra_columns:
+            extra_columns = (*extra_columns, NOISE_REPRODUCIBLE)
         clash = sorted(set(extra_columns) & set(COLUMNS))
         if clash or len(set(extra_columns)) != len(extra_columns):
             raise ValueError(
@@ -218,6 +270,8 @@ class ResultsWriter:
             raise KeyError("a results row needs 'round'")
         full = {c: row.get(c, math.nan) for c in self.columns}
         full["method"] = self.method
+        if NOISE_REPRODUCIBLE in self.columns and NOISE_REPRODUCIBLE not in row:
+            full[NOISE_REPRODUCIBLE] = 1.0 if self.privacy.reproducible else 0.0
         self._rows.append(full)
         _append_csv([full], self.columns, self.path)
         numbers = numeric_metrics({k: v for k, v in full.items() if k != "round"})

@@ -169,11 +169,12 @@ class LoopControl(Protocol):
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        num_examples: int,
+        data: TrainData,
         settings: TrainSettings,
         seed: int,
     ) -> torch.optim.Optimizer:
-        """Prepare the loop (hooks on ``model``); the optimizer to step with.
+        """Prepare the loop (hooks on ``model``, over ``data``); the optimizer
+        to step with.
 
         May raise to refuse the round (a spent privacy budget).
         """
@@ -275,7 +276,7 @@ def train_steps(
     model.to(device).train()
     batches = _batches(len(data), settings.batch_size, generator)
     if control is not None:
-        optimizer = control.start(model, optimizer, len(data), settings, seed)
+        optimizer = control.start(model, optimizer, data, settings, seed)
         batches = control.batches()
     total, counted = 0.0, 0
     try:

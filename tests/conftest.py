@@ -46,3 +46,19 @@ def assets() -> None:
     from fedlr.data.assets import ensure_assets
 
     ensure_assets(["polarity", "minilm"])
+
+
+@pytest.fixture(autouse=True)
+def node_state_dir(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> Path:
+    """Every test's nodes keep their privacy ledgers in a directory of its own.
+
+    A node's ledger outlives runs by design (:mod:`fedlr.privacy.budget`): without
+    this, a test's DP-SGD rounds would spend from the budget of the next test that
+    trains the same data.
+    """
+    path = tmp_path_factory.mktemp("node-state")
+    monkeypatch.setenv("FEDLR_NODE_STATE_DIR", str(path))
+    monkeypatch.delenv("FEDLR_NODE_CONFIG", raising=False)
+    return path

@@ -13,9 +13,16 @@ which turns the fedlr reply into what that mod reads (Flower's legacy
   record's arrays times ``n_i / s`` (``s`` sent by the server as
   ``weight-scale``), extra records as they are, with ``num_examples = 1`` and
   ``max_weight = 1``, so Flower's weighting multiplies by exactly 1;
-* in plain, the reply's MetricRecord (``num-examples``, the loss, as in
-  Flower's SecAgg+) and a manifest (``record/key``, shape, dtype per summand,
-  and how many entries the clipping range cut).
+* a last summand of the per-client scalars the server asks for
+  (``scalar-keys``, :class:`fedlr.privacy.secagg.SecureScalars`):
+  ``num-examples``, ``n_i`` times the loss, the entries the clipping range
+  cut, FOT's ``gpse-examples`` and weighted ``gpse-fraction.*``, summed
+  exactly inside the masked vector.
+
+Nothing else leaves the node in the clear: no MetricRecord, no
+``partition-id``, no names, shapes or dtypes of the arrays (the server
+derives them from what it sent). Every stage message first passes the
+node's guard (:func:`fedlr.client_apps.secagg_guard.secagg_guard`).
 
 The mod masks and quantises the summands; its reply carries the masked
 vector and none of the arrays. The stochastic rounding draws from NumPy's
@@ -44,25 +51,38 @@ from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
 from fedlr import protocol
+from fedlr.client_apps.secagg_guard import secagg_guard
 from fedlr.config import RunConfig
-from fedlr.privacy.secagg import flatten_summands
+from fedlr.errors import ProtocolError
+from fedlr.privacy import distributed_dp as ddp
+from fedlr.privacy.node_policy import node_policy
+from fedlr.privacy.secagg import SecureScalars, flatten_summands
 
 __all__ = [
+    "DP_THRESHOLD",
     "FEDLR_RECORD",
-    "MANIFEST_RECORD",
     "secagg_mod",
 ]
 
 FEDLR_RECORD = "fedlr-secagg"
 """ConfigRecord of a masked-vector instruction: ``weight-scale`` (``s``),
-``weighted-record`` (the record whose mean is weighted by examples) and
-``clipping-range`` (``c``, to count the clipped entries)."""
-MANIFEST_RECORD = "fedlr-secagg-manifest"
-"""ConfigRecord of a masked-vector reply: ``names``, ``shapes`` (flat, with
-``ndims``), ``dtypes`` of the summands, and ``clipped``."""
+``weighted-record`` (the record whose mean is weighted by examples),
+``clipping-range`` (``c``, to count the clipped entries) and the secure
+scalars: ``scalar-keys``, ``scalar-weights``, ``scalar-base``."""
 WEIGHT_SCALE = "weight-scale"
 WEIGHTED_RECORD = "weighted-record"
 CLIPPING_RANGE = "clipping-range"
+SCALAR_KEYS = "scalar-keys"
+SCALAR_WEIGHTS = "scalar-weights"
+SCALAR_BASE = "scalar-base"
+CLIPPED = "secagg-clipped"
+"""Secure scalar: the summand entries the clipping range cut."""
+DP_THRESHOLD = "dp-threshold"
+"""Distributed client DP (:mod:`fedlr.privacy.distributed_dp`): the survivors
+``t`` the node's Skellam noise is sized for; absent without it."""
+LOSS_EXAMPLES = "train-loss-examples"
+"""Secure scalar: ``num-examples`` of a client that reported a loss (the
+weight of ``train-loss``)."""
 _FIT = ("fitres.parameters", "fitres.num_examples", "fitres.metrics", "fitres.status")
 
 
@@ -79,8 +99,11 @@ def secagg_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Mes
     def train(inner: Message, context: Context) -> Message:
         return _as_fit_reply(inner, context, call_next, saved)
 
+    def secure(inner: Message, context: Context) -> Message:
+        return secaggplus_mod(inner, context, train)
+
     try:
-        reply = secaggplus_mod(msg, ctxt, train)
+        reply = secagg_guard(msg, ctxt, secure)
     finally:
         if saved:
             np.random.set_state(saved[0])
@@ -118,43 +141,122 @@ def _as_fit_reply(
             f"a secure reply needs one MetricRecord with '{protocol.NUM_EXAMPLES}'"
         )
     examples = float(cast(float, metrics[0][protocol.NUM_EXAMPLES]))
+    if not 0 < examples <= scale:
+        raise ProtocolError(
+            f"num-examples {examples:g} is outside (0, weight-scale {scale:g}]: "
+            "the node does not send a weight above the scale"
+        )
     records = {
         name: {key: record[key].numpy() for key in record}
         for name, record in out.array_records.items()
     }
-    manifest, values = flatten_summands(
-        records, weighted=weighted, weight=examples / scale
-    )
-    clipped = int(sum(int((np.abs(v) > limit).sum()) for v in values))
-
-    saved.append(np.random.get_state())
     config = RunConfig.from_mapping(ctxt.run_config)
     round_config = content.config_records.get(protocol.CONFIG, ConfigRecord())
     server_round = int(cast(int, round_config.get(protocol.SERVER_ROUND, 0)))
     partition = int(cast(int, ctxt.node_config.get(protocol.PARTITION_ID, 0)))
+    cut = 0.0
+    if DP_THRESHOLD in options:  # distributed client DP: the noised update
+        threshold = int(cast(int, options[DP_THRESHOLD]))
+        allow = node_policy(ctxt.node_config).dp_allow_reproducible_noise
+        values, cut = _noised_update(
+            records,
+            content,
+            weighted,
+            config,
+            limit,
+            (threshold, server_round, partition),
+            allow,
+        )
+    else:
+        _, values = flatten_summands(
+            records, weighted=weighted, weight=examples / scale
+        )
+    clipped = int(sum(int((np.abs(v) > limit).sum()) for v in values))
+    scalars = SecureScalars(
+        tuple(cast(list[str], options.get(SCALAR_KEYS, []))),
+        tuple(cast(list[str], options.get(SCALAR_WEIGHTS, []))),
+        int(cast(int, options.get(SCALAR_BASE, 2))),
+        limit,
+    )
+    plain = {
+        key: float(cast(float, value))
+        for key, value in metrics[0].items()
+        if isinstance(value, (int, float)) and not isinstance(value, bool)
+    }
+    loss = protocol.train_loss_of(metrics[0])
+    plain[protocol.TRAIN_LOSS] = loss
+    plain[LOSS_EXAMPLES] = examples if np.isfinite(loss) else 0.0
+    plain[CLIPPED] = float(clipped)
+    plain[ddp.DP_CLIPPED] = cut
+    values.append(scalars.encode(plain))
+
+    saved.append(np.random.get_state())
     seed = np.random.SeedSequence([config.seed, server_round, partition])
     np.random.seed(int(seed.generate_state(1)[0]))
 
-    fit = RecordDict(
-        {
-            name: record
-            for name, record in out.items()
-            if not isinstance(record, ArrayRecord)
-        }
-    )
+    fit = RecordDict()  # nothing of the handler's reply in the clear
     fit["fitres.parameters"] = ArrayRecord(
         {str(i): Array.from_numpy_ndarray(value) for i, value in enumerate(values)}
     )
     fit["fitres.num_examples"] = MetricRecord({"num_examples": 1})
     fit["fitres.metrics"] = ConfigRecord({})
     fit["fitres.status"] = ConfigRecord({"code": 0, "message": "Success"})
-    fit[MANIFEST_RECORD] = ConfigRecord(
-        {
-            "names": [s.name for s in manifest],
-            "ndims": [len(s.shape) for s in manifest],
-            "shapes": [int(n) for s in manifest for n in s.shape],
-            "dtypes": [s.dtype for s in manifest],
-            "clipped": clipped,
-        }
-    )
     return Message(fit, reply_to=msg)
+
+
+def _noised_update(
+    records: dict[str, dict[str, Any]],
+    sent: RecordDict,
+    weighted: str,
+    config: RunConfig,
+    limit: float,
+    where: tuple[int, int, int],
+    allow: bool,
+) -> tuple[list[Any], float]:
+    """Distributed client DP's summands: the update (reply minus the arrays
+    received) clipped to ``client-dp-clip``, plus Skellam noise on the
+    quantiser's grid (:mod:`fedlr.privacy.distributed_dp`); 1.0 if clipped.
+
+    ``where`` is ``(t, round, partition)``. The clip, ``z``, the step and the
+    noise source come from the node's own run config (reproducible noise
+    only with its own ``dp-allow-reproducible-noise``, ``allow``); only the
+    threshold ``t`` comes from the server, and the node's guard
+    (:mod:`fedlr.client_apps.secagg_guard`) refuses one that is not the
+    round's set-up threshold (``t > share_num / 2``, which the unmasking needs
+    from surviving nodes, so the sum always holds at least ``t`` shares of
+    noise).
+
+    Raises
+    ------
+    ProtocolError
+        If the node's config has no client DP, ``t`` is below 2, the reply
+        has records besides ``weighted`` or arrays the instruction lacks.
+    """
+    threshold, server_round, partition = where
+    settings = config.privacy.client_dp
+    if settings is None or threshold < 2:
+        raise ProtocolError(
+            f"the server asked for distributed client DP (t = {threshold}) but "
+            "this node's run config has client-dp-clip = 0 or t < 2"
+        )
+    extra = sorted(set(records) - {weighted})
+    received = sent.array_records.get(weighted)
+    base = {k: received[k].numpy() for k in received} if received else {}
+    arrays = records.get(weighted, {})
+    if extra or any(
+        k not in base or base[k].shape != a.shape for k, a in arrays.items()
+    ):
+        raise ProtocolError(
+            f"distributed client DP clips the update of '{weighted}' only: the "
+            f"reply has records {extra} or arrays the instruction did not send"
+        )
+    update = {weighted: {k: a.astype(np.float64) - base[k] for k, a in arrays.items()}}
+    _, values = flatten_summands(update, weighted=weighted, weight=1.0)
+    values, cut = ddp.clip_update(values, settings.clip)
+    step = 2.0 * limit / config.secagg.quantization_range
+    mu = ddp.client_mu(settings.noise_multiplier, settings.clip, step, threshold)
+    generator = ddp.noise_generator(
+        settings.reproducible and allow, settings.seed, server_round, partition
+    )
+    noised = [v + ddp.skellam(v.shape, mu, generator) * step for v in values]
+    return noised, 1.0 if cut else 0.0

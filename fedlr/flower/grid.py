@@ -48,6 +48,10 @@ class InProcessGrid(Grid):
         ``hook(partition_id, instruction, reply) -> reply``, applied to every
         reply; tests use it to corrupt replies of chosen nodes, or return
         ``None`` to lose a reply (as if the node timed out).
+    node_config : mapping, optional
+        Node-config values every node gets besides its ``partition-id`` and
+        ``num-partitions`` (a node operator's own settings, e.g. the privacy
+        limits of :mod:`fedlr.privacy.node_policy`).
     """
 
     def __init__(
@@ -59,6 +63,7 @@ class InProcessGrid(Grid):
         run_id: int = 1,
         reply_hook: ReplyHook | None = None,
         round_hook: RoundHook | None = None,
+        node_config: Mapping[str, bool | float | int | str] | None = None,
     ) -> None:
         if num_nodes < 1:
             raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
@@ -72,7 +77,11 @@ class InProcessGrid(Grid):
             nid: Context(
                 run_id=run_id,
                 node_id=nid,
-                node_config={"partition-id": i, "num-partitions": num_nodes},
+                node_config={
+                    **(node_config or {}),
+                    "partition-id": i,
+                    "num-partitions": num_nodes,
+                },
                 state=RecordDict(),
                 run_config=dict(run_config),
             )

@@ -60,6 +60,7 @@ import psutil
 from flwr.common.config import flatten_dict, parse_config_args
 
 from fedlr.errors import ConfigError, DeploymentError, FedLRError
+from fedlr.privacy.node_policy import NODE_CONFIG_ENV, check_node_config_file
 from fedlr.strategies.registry import MethodConfig, resolve
 
 __all__ = [
@@ -888,6 +889,13 @@ def main(argv: list[str] | None = None) -> int:
         help="share of a GPU Ray reserves per simulated client (0: none)",
     )
     parser.add_argument(
+        "--node-config-file",
+        default="",
+        help="TOML file of the simulated nodes' own settings (their privacy "
+        "limits: dp-required, dp-epsilon-budget, ...; a [partition.<id>] table "
+        "for one node), passed to them as FEDLR_NODE_CONFIG; see docs/privacy.md",
+    )
+    parser.add_argument(
         "--keep-superlink",
         action="store_true",
         help="leave the local SuperLink running after the run",
@@ -907,11 +915,39 @@ def main(argv: list[str] | None = None) -> int:
             return 130
 
 
+def _node_config_file(args: argparse.Namespace, reproducible: bool) -> None:
+    """Point the simulated nodes at their own settings (``FEDLR_NODE_CONFIG``).
+
+    The file is checked here, before anything starts. Whoever runs a local
+    simulation owns its nodes, so ``reproducible-noise = true`` without a file
+    gives them ``dp-allow-reproducible-noise = true`` (logged).
+    """
+    path = args.node_config_file
+    if not path and reproducible:
+        home = Path(args.flwr_home).resolve()
+        home.mkdir(parents=True, exist_ok=True)
+        generated = home / "node-config-reproducible-noise.toml"
+        generated.write_text("dp-allow-reproducible-noise = true\n")
+        path = str(generated)
+        _LOG.warning(
+            "fedlr: reproducible-noise = true: the simulated nodes draw their DP "
+            "noise from the run seed; epsilon is not a guarantee"
+        )
+    if not path:
+        return
+    resolved = str(Path(path).expanduser().resolve())
+    check_node_config_file(resolved)  # a bad file fails here, before the run
+    os.environ[NODE_CONFIG_ENV] = resolved
+    _LOG.info("fedlr: simulated nodes' own settings from %s", resolved)
+
+
 def _launch(args: argparse.Namespace) -> int:
     app = Path(args.app)
+    reproducible = False
     try:
         if is_fedlr_app(app):
             method = check_run_config(app, args.run_config)
+            reproducible = method.run.reproducible_noise
             _LOG.info(
                 "fedlr: run config checked: method %s, %d rounds",
                 method.spec.name,
@@ -919,6 +955,14 @@ def _launch(args: argparse.Namespace) -> int:
             )
         else:
             parse_run_config(args.run_config)
+        if not args.superlink:
+            _node_config_file(args, reproducible)
+        elif args.node_config_file:
+            raise ConfigError(
+                "--node-config-file",
+                "sets the simulated nodes' settings; a deployment's SuperNodes "
+                "take theirs with flower-supernode --node-config",
+            )
     except FedLRError as exc:
         _LOG.error("error: %s", exc)
         return 2

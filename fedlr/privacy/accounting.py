@@ -16,12 +16,18 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
+from fedlr.errors import ConfigError
 from fedlr.privacy.backend import opacus_api
 
 if TYPE_CHECKING:
     from opacus.accountants.accountant import IAccountant
 
-__all__ = ["History", "epsilon", "noise_multiplier_for"]
+__all__ = ["PRV_MIN_SIGMA", "History", "epsilon", "noise_multiplier_for"]
+
+PRV_MIN_SIGMA = 0.3
+"""Below this noise multiplier the PRV accountant's discretisation needs
+more memory than a node has; ``epsilon`` then reports RDP's (looser, still an
+upper bound) value."""
 
 History = list[tuple[float, float, int]]
 """``[(noise_multiplier, sample_rate, steps), ...]``."""
@@ -50,10 +56,26 @@ def epsilon(
     kind : {"rdp", "prv"}
         Opacus's RDP accountant (Mironov et al. 2019, the subsampled Gaussian)
         or its PRV accountant (Gopi et al. 2021, tighter).
+
+    Raises
+    ------
+    ConfigError
+        Inputs outside the accountant's domain (delta not in (0, 1), a noise
+        multiplier <= 0, a sampling rate not in (0, 1]): refused rather than
+        turned into a meaningless (say, negative) epsilon.
     """
-    if not any(n > 0 for _, _, n in history):
-        return 0.0
     steps = tuple((float(s), float(q), int(n)) for s, q, n in history if n > 0)
+    if not math.isfinite(delta) or not 0.0 < delta < 1.0:
+        raise ConfigError("dp-delta", f"must be in (0, 1) to account, got {delta}")
+    for sigma, rate, _ in steps:
+        if not (math.isfinite(sigma) and sigma > 0 and 0.0 < rate <= 1.0):
+            raise ConfigError(
+                "dp-noise-multiplier",
+                f"the accountant needs a noise multiplier > 0 and a sampling rate "
+                f"in (0, 1]; got {sigma} and {rate}",
+            )
+    if not steps:
+        return 0.0
     return _epsilon(steps, float(delta), kind)
 
 
@@ -63,12 +85,21 @@ def _epsilon(
 ) -> float:
     """:func:`epsilon`, cached: a node checks its budget with the history it
     then reports, and RDP orders at small ``sigma`` take a while."""
+    if kind == "prv" and min(s for s, _, _ in history) < PRV_MIN_SIGMA:
+        kind = "rdp"  # PRV's grid explodes at tiny sigma; RDP stays an upper bound
     with warnings.catch_warnings():
         # RDP: "optimal order is the largest alpha" for tiny epsilons; the
         # bound stays valid, only looser.
         warnings.simplefilter("ignore", UserWarning)
-        value = float(_accountant(kind, history).get_epsilon(delta=delta))
-    return value if math.isfinite(value) else math.inf
+        warnings.simplefilter("ignore", RuntimeWarning)  # PRV's log(0) at q = 1
+        try:
+            value = float(_accountant(kind, history).get_epsilon(delta=delta))
+        except (MemoryError, OverflowError, ValueError, RuntimeError):
+            if kind != "prv":
+                raise
+            value = float(_accountant("rdp", history).get_epsilon(delta=delta))
+    # epsilon is never negative (a numerical artefact near 0 is reported as 0)
+    return max(value, 0.0) if math.isfinite(value) else math.inf
 
 
 @lru_cache(maxsize=256)
@@ -77,22 +108,38 @@ def noise_multiplier_for(
     delta: float,
     sample_rate: float,
     steps: int,
-    kind: str = "rdp",
+    kind: str = "prv",
 ) -> float:
-    """The smallest ``sigma`` (Opacus's search, tolerance 0.01) with which
-    ``steps`` steps at ``sample_rate`` spend at most ``target_epsilon``.
+    """The smallest ``sigma`` (to 1 %) with which ``steps`` steps at
+    ``sample_rate`` spend at most ``target_epsilon`` by accountant ``kind``.
 
-    Cached: a node asks for the same value every round, and the search takes
-    seconds.
+    RDP: Opacus's search (tolerance 0.01 in epsilon). PRV: a bisection
+    between :data:`PRV_MIN_SIGMA` and RDP's sigma (RDP's epsilon bounds PRV's
+    from above, so RDP's sigma already meets the target); where RDP's sigma
+    is below :data:`PRV_MIN_SIGMA` (a huge target), RDP's is returned.
+    Cached: a node asks for the same value every round.
     """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        return float(
+        rdp = float(
             opacus_api().get_noise_multiplier(
                 target_epsilon=target_epsilon,
                 target_delta=delta,
                 sample_rate=sample_rate,
                 steps=steps,
-                accountant=kind,
+                accountant="rdp",
             )
         )
+    if kind != "prv" or rdp <= PRV_MIN_SIGMA:
+        return rdp
+    low, high = PRV_MIN_SIGMA, rdp
+    history = lambda sigma: [(sigma, sample_rate, steps)]  # noqa: E731
+    if epsilon(history(low), delta, "prv") <= target_epsilon:
+        return low
+    while high - low > 0.01 * high:
+        middle = 0.5 * (low + high)
+        if epsilon(history(middle), delta, "prv") <= target_epsilon:
+            high = middle
+        else:
+            low = middle
+    return high

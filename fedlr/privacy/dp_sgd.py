@@ -56,16 +56,23 @@ from fedlr.features import ClientFeature, RoundJob, common_feature
 from fedlr.flower.records import config_float, config_int
 from fedlr.privacy.accounting import History, epsilon, noise_multiplier_for
 from fedlr.privacy.backend import opacus_api
-from fedlr.privacy.settings import DpSgdSettings, default_delta
-from fedlr.train import TrainSettings
+from fedlr.privacy.budget import PrivacyLedger, data_key
+from fedlr.privacy.node_policy import NodePolicy, node_policy
+from fedlr.privacy.randomness import secure_generator, seeded_generator
+from fedlr.privacy.settings import DpSgdSettings
+from fedlr.protocol import SERVER_ROUND
+from fedlr.train import TrainData, TrainSettings
 
 __all__ = [
     "DP_ACCOUNTANT",
     "DP_DELTA",
     "DP_EPSILON",
+    "DP_EPSILON_RUN",
     "DP_EPSILON_SPENT",
     "DP_MAX_GRAD_NORM",
     "DP_NOISE_MULTIPLIER",
+    "DP_NOISE_REPRODUCIBLE",
+    "DP_REPRODUCIBLE",
     "DP_ROUNDS",
     "DP_SAMPLE_RATE",
     "DpSgd",
@@ -80,13 +87,17 @@ DP_EPSILON = "dp-epsilon"
 DP_DELTA = "dp-delta"
 DP_ACCOUNTANT = "dp-accountant"
 DP_ROUNDS = "dp-rounds"
+DP_REPRODUCIBLE = "dp-reproducible-noise"
 """Instruction keys (the run-config keys of the same names; ``dp-rounds`` is
 the run's ``num-server-rounds``)."""
 
 DP_EPSILON_SPENT = "dp-epsilon-spent"
 DP_SAMPLE_RATE = "dp-sample-rate"
-"""Reply metrics, beside ``dp-noise-multiplier`` and ``dp-delta`` (the values
-the node used)."""
+DP_EPSILON_RUN = "dp-epsilon-run"
+DP_NOISE_REPRODUCIBLE = "dp-noise-reproducible"
+"""Reply metrics: the node's epsilon over its ledger (every run) and over this
+run, the sampling rate, and whether the noise came from the run seed, beside
+``dp-noise-multiplier`` and ``dp-delta`` (the values the node used)."""
 
 _NODE_HISTORY = "fedlr-dp-sgd"
 """``context.state`` ConfigRecord: the node's ``(sigma, q, steps)`` history."""
@@ -181,17 +192,35 @@ class PrivateLoop:
     settings : DpSgdSettings
         The instruction's settings.
     state : flwr.app.RecordDict
-        The node's ``context.state``: the privacy history is read from it and
-        the round's steps are appended to it when the loop stops.
+        The node's ``context.state``: this run's privacy history is read from
+        it and the round's steps are appended to it when the loop stops.
+    policy : NodePolicy, optional
+        The node's own limits (default: none but the ledger in the default
+        state directory).
+    run_id, server_round : int
+        Recorded with the round's release in the node's ledger.
     """
 
-    def __init__(self, settings: DpSgdSettings, state: RecordDict) -> None:
+    def __init__(
+        self,
+        settings: DpSgdSettings,
+        state: RecordDict,
+        policy: NodePolicy | None = None,
+        *,
+        run_id: int = 0,
+        server_round: int = 0,
+    ) -> None:
         self.settings = settings
         self.state = state
+        self.policy = policy or NodePolicy()
+        self.run_id = int(run_id)
+        self.server_round = int(server_round)
         self.history: History = node_history(state)
+        self.lifetime: History = []
         self.sigma = settings.noise_multiplier
         self.delta = settings.delta
         self.sample_rate = 1.0
+        self.reproducible = False
         self.taken = 0
         self._n = 0
         self._hooks: Any = None  # Opacus's GradSampleHooks while a round trains
@@ -202,48 +231,64 @@ class PrivateLoop:
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        num_examples: int,
+        data: TrainData,
         settings: TrainSettings,
         seed: int,
     ) -> torch.optim.Optimizer:
-        """Check the budget, attach Opacus's hooks, wrap the optimizer.
+        """Check the limits, reserve the round in the ledger, attach Opacus's
+        hooks, wrap the optimizer.
 
         ``q = min(1, batch-size / n)``; ``sigma`` is the instruction's, or
-        derived from ``dp-epsilon`` for ``dp-rounds`` x local steps; the noise
-        is drawn from a generator seeded with ``seed``, the batches from one
-        seeded with ``seed + 1``.
+        derived from ``dp-epsilon`` for ``dp-rounds`` x local steps. The noise
+        and the Poisson batches come from OS-seeded generators
+        (:func:`fedlr.privacy.randomness.secure_generator`), unless the
+        instruction asks for reproducible noise *and* the node's policy allows
+        it (then from ``seed`` and ``seed + 1``).
 
         Raises
         ------
+        NodePolicyError
+            A delta above the node's, or not below ``1 / n``.
         PrivacyBudgetError
-            If ``dp-epsilon`` > 0 and this round's steps would spend more.
+            If this round's steps would spend more than the instruction's
+            ``dp-epsilon`` (this run) or the node's ``dp-epsilon-budget``
+            (its ledger, every run).
         """
         s = self.settings
-        n = int(num_examples)
+        n = len(data)
         self._n = n
         self.sample_rate = min(1.0, settings.batch_size / n)
-        self.delta = s.delta or default_delta(n)
+        self.delta = self.policy.delta_for(s.delta, n)
         steps = settings.local_steps
         if self.sigma <= 0:
             self.sigma = noise_multiplier_for(
                 s.epsilon, self.delta, self.sample_rate, s.rounds * steps, s.accountant
             )
+        release = (self.sigma, self.sample_rate, steps)
         if s.epsilon > 0:
-            planned = [*self.history, (self.sigma, self.sample_rate, steps)]
-            after = epsilon(planned, self.delta, s.accountant)
-            if after > s.epsilon:
-                spent = epsilon(self.history, self.delta, s.accountant)
-                raise PrivacyBudgetError(
-                    f"{DP_EPSILON} {s.epsilon:g} would be exceeded: this node has "
-                    f"spent epsilon {spent:.4g} (delta {self.delta:.3g}) in "
-                    f"{len(self.history)} rounds and this round would reach "
-                    f"{after:.4g}; it trains no more (raise {DP_EPSILON} or "
-                    f"{DP_NOISE_MULTIPLIER}, or plan fewer rounds)"
-                )
+            self._check_run_budget(release)
+        ledger = PrivacyLedger(
+            self.policy.state_path(), self.policy.dp_ledger_id or data_key(data)
+        )
+        with ledger.locked():
+            self.lifetime = ledger.history()
+            self._check_node_budget(release)
+            ledger.append(
+                release,
+                run_id=self.run_id,
+                server_round=self.server_round,
+                delta=self.delta,
+            )
+        self.lifetime.append(release)
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         device = self._params[0].device if self._params else torch.device("cpu")
-        noise = torch.Generator(device=device).manual_seed(seed)
-        self._sampler = torch.Generator().manual_seed(seed + 1)
+        self.reproducible = s.reproducible and self.policy.dp_allow_reproducible_noise
+        if self.reproducible:
+            noise = seeded_generator([seed], device)
+            self._sampler = seeded_generator([seed + 1])
+        else:
+            noise = secure_generator(device)
+            self._sampler = secure_generator()
         api = opacus_api()
         private = api.DPOptimizer(
             optimizer,
@@ -257,6 +302,36 @@ class PrivateLoop:
             model, batch_first=True, loss_reduction="mean", strict=False
         )
         return private
+
+    def _check_run_budget(self, release: tuple[float, float, int]) -> None:
+        s = self.settings
+        after = epsilon([*self.history, release], self.delta, s.accountant)
+        if after > s.epsilon:
+            spent = epsilon(self.history, self.delta, s.accountant)
+            raise PrivacyBudgetError(
+                f"{DP_EPSILON} {s.epsilon:g} would be exceeded: this node has "
+                f"spent epsilon {spent:.4g} (delta {self.delta:.3g}) in "
+                f"{len(self.history)} rounds of this run and this round would "
+                f"reach {after:.4g}; it trains no more (raise {DP_EPSILON} or "
+                f"{DP_NOISE_MULTIPLIER}, or plan fewer rounds)"
+            )
+
+    def _check_node_budget(self, release: tuple[float, float, int]) -> None:
+        budget = self.policy.dp_epsilon_budget
+        if budget <= 0:
+            return
+        kind = self.policy.dp_accountant
+        after = epsilon([*self.lifetime, release], self.delta, kind)
+        if after > budget:
+            spent = epsilon(self.lifetime, self.delta, kind)
+            raise PrivacyBudgetError(
+                f"dp-epsilon-budget {budget:g} (node config) would be exceeded: "
+                f"this node's data has spent epsilon {spent:.4g} (delta "
+                f"{self.delta:.3g}, {kind}) over {len(self.lifetime)} rounds of "
+                f"every run, and this round (noise multiplier {self.sigma:.4g}, "
+                f"sample rate {self.sample_rate:.4g}, {release[2]} steps) would "
+                f"reach {after:.4g}; it trains no more"
+            )
 
     def batches(self) -> Iterator[list[int]]:
         """Poisson sampling: each example joins a step with probability ``q``."""
@@ -291,7 +366,13 @@ class PrivateLoop:
             self.taken = 0
 
     def spent(self) -> float:
-        """The node's ``epsilon`` at ``delta`` over every round it trained."""
+        """The node's ``epsilon`` at ``delta`` over every round its ledger
+        records (every run), by the instruction's accountant."""
+        rounds = self.lifetime or self.history
+        return epsilon(rounds, self.delta, self.settings.accountant)
+
+    def spent_this_run(self) -> float:
+        """The ``epsilon`` of this run's rounds alone (``context.state``)."""
         return epsilon(self.history, self.delta, self.settings.accountant)
 
 
@@ -311,17 +392,32 @@ class DpSgd(ClientFeature):
         DP_DELTA,
         DP_ACCOUNTANT,
         DP_ROUNDS,
+        DP_REPRODUCIBLE,
     )
     order = 90
 
-    def __init__(self, settings: DpSgdSettings, state: RecordDict) -> None:
-        self.control = PrivateLoop(settings, state)
+    def __init__(
+        self,
+        settings: DpSgdSettings,
+        state: RecordDict,
+        policy: NodePolicy | None = None,
+        *,
+        run_id: int = 0,
+        server_round: int = 0,
+    ) -> None:
+        self.control = PrivateLoop(
+            settings, state, policy, run_id=run_id, server_round=server_round
+        )
         self.rounds_before = len(self.control.history)
 
     @classmethod
     def for_round(cls, job: RoundJob) -> Self | None:
         config = job.config
-        if not job.is_train or config_float(config, DP_MAX_GRAD_NORM, 0.0) <= 0:
+        if not job.is_train:
+            return None
+        policy = node_policy(job.context.node_config)
+        if config_float(config, DP_MAX_GRAD_NORM, 0.0) <= 0:
+            policy.check_instruction(None)
             return None
         if not isinstance(job.adapted, LoraModel):
             raise PrivacyUnsupportedError(
@@ -336,12 +432,20 @@ class DpSgd(ClientFeature):
                 noise_multiplier=config_float(config, DP_NOISE_MULTIPLIER, 0.0),
                 epsilon=config_float(config, DP_EPSILON, 0.0),
                 delta=config_float(config, DP_DELTA, 0.0),
-                accountant=str(config.get(DP_ACCOUNTANT, "rdp")),
+                accountant=str(config.get(DP_ACCOUNTANT, "prv")),
                 rounds=config_int(config, DP_ROUNDS, 1),
+                reproducible=bool(config.get(DP_REPRODUCIBLE, False)),
             )
         except ConfigError as exc:
             raise ProtocolError(f"the instruction's DP-SGD settings: {exc}") from None
-        return cls(settings, job.context.state)
+        policy.check_instruction(settings)
+        return cls(
+            settings,
+            job.context.state,
+            policy,
+            run_id=int(job.context.run_id),
+            server_round=config_int(config, SERVER_ROUND, 0),
+        )
 
     def loop(self, job: RoundJob) -> PrivateLoop:
         return self.control
@@ -360,6 +464,8 @@ class DpSgd(ClientFeature):
                 "fedlr.train.train_steps(..., control=job.loop_control())"
             )
         metrics[DP_EPSILON_SPENT] = control.spent()
+        metrics[DP_EPSILON_RUN] = control.spent_this_run()
         metrics[DP_NOISE_MULTIPLIER] = float(control.sigma)
         metrics[DP_DELTA] = float(control.delta)
         metrics[DP_SAMPLE_RATE] = float(control.sample_rate)
+        metrics[DP_NOISE_REPRODUCIBLE] = float(control.reproducible)

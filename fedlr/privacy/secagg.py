@@ -54,8 +54,11 @@ from numpy.typing import NDArray
 from fedlr.errors import ConfigError, SecureAggregationError
 
 __all__ = [
+    "FIXED_POINT",
     "MODULUS_RANGE",
+    "SCALAR_BITS",
     "SecAggSettings",
+    "SecureScalars",
     "Summand",
     "check_eligible",
     "flatten_summands",
@@ -117,6 +120,12 @@ class SecAggSettings:
                 f"must be below secagg-num-shares ({int(shares)}), "
                 f"got {int(threshold)}",
             )
+        if threshold > 1 and shares > 1 and 2 * threshold <= shares:
+            raise ConfigError(
+                "secagg-reconstruction-threshold",
+                f"must be above half of secagg-num-shares ({int(shares)}), "
+                f"got {int(threshold)}",
+            )
         if not (math.isfinite(self.clipping_range) and self.clipping_range > 0):
             raise ConfigError(
                 "secagg-clipping-range",
@@ -138,13 +147,15 @@ class SecAggSettings:
 
         Flower's ``SecAggPlusWorkflow`` rules: a fractional ``num_shares`` is
         rounded to an odd count (all clients when that is 2 or fewer), a
-        fractional threshold is a share of it, at least 2.
+        fractional threshold is a share of it, at least 2 and above half of
+        the shares (``t > n / 2``, SecAgg+'s security parameter, which the
+        nodes' guard :mod:`fedlr.client_apps.secagg_guard` enforces).
 
         Raises
         ------
         SecureAggregationError
-            Fewer than 2 clients, more than :attr:`max_clients`, or more shares
-            than clients.
+            Fewer than 2 clients, more than :attr:`max_clients`, more shares
+            than clients, or a whole threshold not above half the shares.
         """
         if clients < 2:
             raise SecureAggregationError(
@@ -169,12 +180,19 @@ class SecAggSettings:
             raise SecureAggregationError(
                 f"secagg-num-shares {shares} exceeds the round's {clients} clients"
             )
-        if self.reconstruction_threshold <= 1:
-            threshold = max(round(self.reconstruction_threshold * shares), 2)
-        else:
-            threshold = int(self.reconstruction_threshold)
         if shares != clients and shares % 2 == 0:
             shares += 1  # SecAgg+ neighbourhoods are symmetric: an odd count
+        majority = shares // 2 + 1  # t > n / 2: the nodes' guard refuses less
+        if self.reconstruction_threshold <= 1:
+            threshold = max(round(self.reconstruction_threshold * shares), majority, 2)
+        else:
+            threshold = int(self.reconstruction_threshold)
+        if not max(majority, 2) <= threshold <= shares:
+            raise SecureAggregationError(
+                f"secagg-reconstruction-threshold {threshold} must be above half "
+                f"of the round's {shares} shares and at most {shares}: the nodes "
+                "refuse a threshold that a minority of neighbours could reach"
+            )
         return shares, threshold
 
     def step(self) -> float:
@@ -310,3 +328,154 @@ def unflatten_sums(
         mean = np.asarray(total, dtype=np.float64) / divisor
         out.setdefault(summand.record, {})[summand.key] = mean.astype(summand.dtype)
     return out
+
+
+FIXED_POINT = 10**6
+"""A weighted scalar (a loss, a residual fraction) is summed as
+``round(value * weight * FIXED_POINT)``."""
+SCALAR_BITS = 48
+"""Each secure scalar is summed as an integer below ``2**48``."""
+
+
+@dataclass(frozen=True)
+class SecureScalars:
+    """Per-client scalars summed, exactly, inside the masked vector.
+
+    Under secure aggregation a client's metrics travel inside the secure sum
+    or not at all. Each scalar is a non-negative integer (a count, or a
+    weighted value in fixed point: ``round(v * w * FIXED_POINT)``) written in
+    ``digits`` base-``base`` digits; digit ``d`` is the summand ``d c / base``
+    (inside the clipping range ``[-c, c]``, a whole number of quantiser steps
+    when ``2 base`` divides ``T``). With ``k`` clients and ``base <= T /
+    (8 k)`` the quantiser's error on a digit sum is below ``1/4`` digit, so
+    rounding gives every digit sum, and so every scalar's sum, exactly.
+
+    Attributes
+    ----------
+    keys : tuple of str
+        The scalars, in the order of the summand.
+    weights : tuple of str
+        Per key: the key whose value weighs it (its sum is then a weighted
+        mean's numerator), or ``""`` for a count summed as it is.
+    base : int
+        The digit base, a power of two.
+    clipping_range : float
+        ``c`` of the round.
+    """
+
+    keys: tuple[str, ...]
+    weights: tuple[str, ...]
+    base: int
+    clipping_range: float
+
+    def __post_init__(self) -> None:
+        if len(self.keys) != len(self.weights):
+            raise SecureAggregationError(
+                f"{len(self.keys)} secure scalars but {len(self.weights)} weights"
+            )
+        if self.base < 2 or self.base & (self.base - 1):
+            raise SecureAggregationError(
+                f"the secure scalars' base must be a power of two >= 2, got {self.base}"
+            )
+        unknown = sorted({w for w in self.weights if w} - set(self.keys))
+        if unknown:
+            raise SecureAggregationError(
+                f"secure scalars weighted by keys that are not summed: {unknown}"
+            )
+
+    @classmethod
+    def for_round(
+        cls,
+        settings: SecAggSettings,
+        clients: int,
+        weights: Mapping[str, str],
+    ) -> SecureScalars:
+        """The round's scalars ``{key: weight key}`` at the largest exact base.
+
+        Raises
+        ------
+        SecureAggregationError
+            If ``T < 16 k``: the quantiser cannot sum whole digits exactly.
+        """
+        room = settings.quantization_range // (8 * max(clients, 1))
+        if room < 2:
+            raise SecureAggregationError(
+                f"secagg-quantization-range {settings.quantization_range} is too "
+                f"small to sum the metrics of {clients} clients exactly (needs "
+                f">= {16 * clients})"
+            )
+        base = 1 << min(room.bit_length() - 1, 16)
+        return cls(
+            tuple(weights), tuple(weights.values()), base, settings.clipping_range
+        )
+
+    @property
+    def digits(self) -> int:
+        """Digits per scalar: ``ceil(SCALAR_BITS / log2(base))``."""
+        return -(-SCALAR_BITS // (self.base.bit_length() - 1))
+
+    @property
+    def size(self) -> int:
+        """Entries of the summand."""
+        return len(self.keys) * self.digits
+
+    def integers(self, values: Mapping[str, float]) -> list[int]:
+        """A client's scalars as integers (a missing, negative or non-finite
+        value counts as 0; a value above ``2**48`` as the largest)."""
+        top = (1 << SCALAR_BITS) - 1
+        out = []
+        for key, weight in zip(self.keys, self.weights, strict=True):
+            value = float(values.get(key, 0.0))
+            if weight:
+                value *= float(values.get(weight, 0.0)) * FIXED_POINT
+            out.append(round(value) if math.isfinite(value) and value > 0 else 0)
+        return [min(v, top) for v in out]
+
+    def encode(self, values: Mapping[str, float]) -> NDArray[np.float64]:
+        """A client's summand: every scalar's digits, times ``c / base``."""
+        digits = []
+        for number in self.integers(values):
+            for _ in range(self.digits):
+                digits.append(number % self.base)
+                number //= self.base
+        unit = self.clipping_range / self.base
+        return np.asarray(digits, dtype=np.float64) * unit
+
+    def decode(self, total: NDArray[np.float64]) -> dict[str, int]:
+        """The scalars' exact sums from the summand's (dequantised) sum.
+
+        Raises
+        ------
+        SecureAggregationError
+            If the sum has another size or a digit sum is off a whole digit by
+            more than the quantiser allows (a mask left in, a garbled vector).
+        """
+        flat = np.asarray(total, dtype=np.float64).reshape(-1)
+        if flat.size != self.size:
+            raise SecureAggregationError(
+                f"the secure scalars' sum has {flat.size} entries, expected {self.size}"
+            )
+        counts = flat * (self.base / self.clipping_range)
+        whole = np.rint(counts)
+        if not np.all(np.isfinite(counts)) or np.any(np.abs(counts - whole) > 0.25):
+            raise SecureAggregationError(
+                "the secure scalars' sum is not whole digits: a mask was not removed"
+            )
+        out: dict[str, int] = {}
+        for i, key in enumerate(self.keys):
+            part = whole[i * self.digits : (i + 1) * self.digits]
+            out[key] = sum(int(d) * self.base**j for j, d in enumerate(part))
+        return out
+
+    def means(self, sums: Mapping[str, int]) -> dict[str, float]:
+        """Counts as summed; weighted scalars as their weighted means (NaN
+        when their weights sum to 0)."""
+        out: dict[str, float] = {}
+        for key, weight in zip(self.keys, self.weights, strict=True):
+            if not weight:
+                out[key] = float(sums[key])
+            elif sums[weight] > 0:
+                out[key] = sums[key] / (FIXED_POINT * sums[weight])
+            else:
+                out[key] = math.nan
+        return out

@@ -31,7 +31,7 @@ __all__ = [
     "default_delta",
 ]
 
-ACCOUNTANTS = ("rdp", "prv")
+ACCOUNTANTS = ("prv", "rdp")
 """Values of ``dp-accountant``: Opacus's RDP or PRV accountant."""
 
 DEFAULT_DELTA = 1e-5
@@ -77,17 +77,24 @@ class DpSgdSettings:
         (:class:`~fedlr.errors.PrivacyBudgetError`).
     delta : float
         0: ``min(1e-5, 1 / (10 n))``, ``n`` the client's examples.
-    accountant : {"rdp", "prv"}
+    accountant : {"prv", "rdp"}
+        Opacus's PRV accountant (tight, the default) or RDP (an upper bound).
     rounds : int
         Rounds the budget is planned for (the run's ``num-server-rounds``).
+    reproducible : bool
+        Ask the nodes for noise and batches drawn from the run seed
+        (``reproducible-noise``, a simulation option: the epsilon is then no
+        guarantee). A node honours it only if its own node config allows it
+        (``dp-allow-reproducible-noise``).
     """
 
     max_grad_norm: float
     noise_multiplier: float = 0.0
     epsilon: float = 0.0
     delta: float = 0.0
-    accountant: str = "rdp"
+    accountant: str = "prv"
     rounds: int = 1
+    reproducible: bool = False
 
     def __post_init__(self) -> None:
         for value, key in (
@@ -124,6 +131,7 @@ class DpSgdSettings:
             "dp-delta": float(self.delta),
             "dp-accountant": self.accountant,
             "dp-rounds": int(self.rounds),
+            "dp-reproducible-noise": bool(self.reproducible),
         }
 
 
@@ -142,13 +150,22 @@ class ClientDpSettings:
     delta : float
         0: ``min(1e-5, 1 / (10 N))``, ``N`` the federation's nodes.
     seed : int
-        Seed of the noise (with the round).
+        Seed of the noise (with the round) when ``reproducible``; otherwise
+        unused: the noise comes from an OS-seeded generator.
+    reproducible : bool
+        Draw the noise from ``seed`` and the round (``reproducible-noise``, a
+        simulation option: every party that knows the seed can subtract it,
+        so the epsilon is no guarantee).
+    accountant : {"prv", "rdp"}
+        Opacus's accountant of the reported epsilon.
     """
 
     clip: float
     noise_multiplier: float
     delta: float = 0.0
     seed: int = 0
+    reproducible: bool = False
+    accountant: str = "prv"
 
     def __post_init__(self) -> None:
         _finite_at_least_zero(self.clip, "client-dp-clip")
@@ -177,6 +194,14 @@ class PrivacyConfig:
     def active(self) -> bool:
         return self.dp_sgd is not None or self.client_dp is not None
 
+    @property
+    def reproducible(self) -> bool:
+        """Whether a mechanism draws its noise from the run seed (its epsilon
+        is then no guarantee)."""
+        return any(
+            m is not None and m.reproducible for m in (self.dp_sgd, self.client_dp)
+        )
+
     @classmethod
     def from_values(
         cls,
@@ -185,12 +210,13 @@ class PrivacyConfig:
         dp_noise_multiplier: float = 0.0,
         dp_epsilon: float = 0.0,
         dp_delta: float = 0.0,
-        dp_accountant: str = "rdp",
+        dp_accountant: str = "prv",
         rounds: int = 1,
         client_dp_clip: float = 0.0,
         client_dp_noise_multiplier: float = 0.0,
         client_dp_delta: float = 0.0,
         seed: int = 0,
+        reproducible_noise: bool = False,
     ) -> PrivacyConfig:
         """The settings of the run-config keys (0 switches a mechanism off).
 
@@ -224,6 +250,7 @@ class PrivacyConfig:
                 delta=dp_delta,
                 accountant=dp_accountant,
                 rounds=rounds,
+                reproducible=reproducible_noise,
             )
         elif dp_noise_multiplier != 0 or dp_epsilon != 0:
             raise ConfigError(
@@ -238,6 +265,8 @@ class PrivacyConfig:
                 noise_multiplier=client_dp_noise_multiplier,
                 delta=client_dp_delta,
                 seed=seed,
+                reproducible=reproducible_noise,
+                accountant=dp_accountant,
             )
         elif client_dp_noise_multiplier != 0:
             raise ConfigError(

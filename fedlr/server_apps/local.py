@@ -37,6 +37,7 @@ def run_in_process(
     reply_hook: ReplyHook | None = None,
     round_hook: RoundHook | None = None,
     client_app: ClientApp | None = None,
+    node_config: Mapping[str, Any] | None = None,
 ) -> Path:
     """Run a whole federation in this process; return its results directory.
 
@@ -60,6 +61,12 @@ def run_in_process(
     client_app : flwr.clientapp.ClientApp, optional
         The app every node runs; default fedlr's own
         (:mod:`fedlr.client_apps.app`).
+    node_config : mapping, optional
+        Node-config values of every node (its operator's settings: the
+        privacy limits of :mod:`fedlr.privacy.node_policy`). Whoever runs a
+        federation in process owns its nodes too, so ``reproducible-noise =
+        true`` in the run config also sets the nodes'
+        ``dp-allow-reproducible-noise`` unless ``node_config`` says otherwise.
 
     Raises
     ------
@@ -78,6 +85,10 @@ def run_in_process(
         run_id=run_id,
         reply_hook=reply_hook,
         round_hook=round_hook,
+        node_config={
+            "dp-allow-reproducible-noise": bool(config.get("reproducible-noise")),
+            **(node_config or {}),
+        },
     )
     context = Context(
         run_id=run_id,

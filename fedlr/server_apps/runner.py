@@ -52,7 +52,7 @@ from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.plots import write_run_plots
 from fedlr.privacy.client_dp import CLIENT_DP_EPSILON, DP_EPSILON
 from fedlr.protocol import EXACT_MATCH
-from fedlr.results import ResultsWriter, ensure_output_dir
+from fedlr.results import ResultsWriter, ensure_output_dir, privacy_summary
 from fedlr.server_apps.plans import ServerPlan, build_plan
 from fedlr.server_apps.progress import RoundClock, gap_text, round_progress
 from fedlr.server_apps.secagg import (
@@ -219,6 +219,7 @@ class ServerRun:
             config=method.to_mapping() if resume is None else None,
             extra_columns=plan.columns + (SECAGG_COLUMNS if exchange else ()),
             tracker=tracker,
+            privacy=config.privacy,
         )
         log(
             INFO,
@@ -353,7 +354,8 @@ class ServerRun:
     ) -> None:
         """The round's one line: headline metric and loss (``scores``), gap,
         bytes, the strategy's client counts (``metrics``), time and ETA, then
-        the plan's extra columns of the results ``row``."""
+        the plan's extra columns of the results ``row``; ``REPRODUCIBLE
+        NOISE`` when the privacy noise comes from the run seed."""
         headline = self.headline
         accuracy, loss = scores
         extras = " ".join(
@@ -366,7 +368,7 @@ class ServerRun:
         log(
             INFO,
             "fedlr [round %d/%d] %s %.4f loss %.4f %s"
-            "up %s down %s clients %d dropped %d %.1fs %s%s",
+            "up %s down %s clients %d dropped %d %.1fs %s%s%s",
             server_round,
             self.config.num_server_rounds,
             headline,
@@ -380,6 +382,9 @@ class ServerRun:
             seconds,
             self.clock.lap(seconds, self.config.num_server_rounds - server_round),
             f" {extras}" if extras else "",
+            " REPRODUCIBLE NOISE (epsilon is not a guarantee)"
+            if self.config.privacy.reproducible
+            else "",
         )
 
     def checkpoint(self, server_round: int, arrays: ArrayRecord) -> None:
@@ -436,6 +441,12 @@ class ServerRun:
         for key in (DP_EPSILON, CLIENT_DP_EPSILON):  # the privacy spent, if any
             if key in frame and bool(frame[key].notna().any()):
                 summary[key] = float(frame[key].max())
+        strategy = self.strategy  # "privacy-noise", "outside-epsilon" (DP on):
+        own_eval = not (strategy.personalised or strategy.federated_evaluation)
+        privacy = privacy_summary(
+            config.privacy, self.writer.columns, server_evaluated=own_eval
+        )
+        summary.update(privacy)
         if self.resume is not None:
             summary["resumed-after-round"] = self.first_round - 1
         if self.plan.finish is not None:

@@ -51,7 +51,7 @@ from fedlr.fingerprint import (
 from fedlr.flower.records import record_nbytes, record_to_state, state_to_record
 from fedlr.linalg import weighted_mean
 from fedlr.options import NoOptions, Options, coerce, kebab
-from fedlr.privacy.client_dp import DP_EPSILON, check_robust, largest_spent, privatize
+from fedlr.privacy.client_dp import ClientDpLedger, check_robust, keep_ledger, protect
 from fedlr.privacy.settings import PrivacyConfig
 from fedlr.protocol import (
     LR,
@@ -259,6 +259,8 @@ class FedLRStrategy(ReplyChecks, FedAvg):
         self._current: ArrayRecord | None = None
         self._bytes_down = 0
         self._sent: list[int] | None = None
+        self.instructed: int | None = None  # nodes sent an instruction this round
+        self.client_dp_ledger = ClientDpLedger.of(self.privacy)
         self._warned_clashes: set[str] = set()
         self.last_report: RoundReport = RoundReport()
         self.nodes_sampled_from = 0
@@ -266,6 +268,10 @@ class FedLRStrategy(ReplyChecks, FedAvg):
         self.base_fingerprint: BaseFingerprint | None = None
         """Plug-in use: the server's model's frozen weights (:meth:`bind_model`),
         sent with every instruction; ``None``: not sent, not checked."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        keep_ledger(cls)  # its state_dict carries client-level DP's releases
 
     @classmethod
     def own_options(cls, options: Options | None, kwargs: dict[str, Any]) -> Options:
@@ -671,7 +677,7 @@ class FedLRStrategy(ReplyChecks, FedAvg):
         forgotten here and only :meth:`configure_train` records them.
         """
         self._current = arrays
-        self._sent = None
+        self._sent = self.instructed = None
         round_config = ConfigRecord(dict(config))
         if LR in round_config:
             lr = float(cast(float, round_config[LR]))
@@ -684,8 +690,10 @@ class FedLRStrategy(ReplyChecks, FedAvg):
         return round_config
 
     def note_sent(self, arrays: ArrayRecord, count: int) -> None:
-        """Record that ``arrays`` went to ``count`` clients (``bytes-down``)."""
+        """Record that ``arrays`` went to ``count`` clients (``bytes-down``,
+        client-level DP's denominator ``m``, kept whatever the replies)."""
         self._bytes_down = record_nbytes(arrays) * count
+        self.instructed = int(count)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -836,20 +844,8 @@ class FedLRStrategy(ReplyChecks, FedAvg):
             updates, metrics = outcome.updates, dict(outcome.metrics)
             updates = [self.clip_extras(u) for u in updates]
             self.last_robust = outcome.reasons
-        if self.privacy.client_dp is not None:  # fedlr.privacy.client_dp
-            updates, dp_metrics = privatize(
-                updates,
-                current,
-                list(self.reply_shapes()),
-                self.privacy.client_dp,
-                sent=len(self._sent) if self._sent else len(updates),
-                population=self.nodes_sampled_from,
-                server_round=server_round,
-            )
-            metrics.update(dp_metrics)
-        spent = largest_spent(updates)  # DP-SGD: the round's largest epsilon
-        if spent is not None:
-            metrics[DP_EPSILON] = spent
+        updates, dp_metrics = protect(self, server_round, updates, current)
+        metrics.update(dp_metrics)  # client-level DP, DP-SGD's largest epsilon
         return updates, left_out, metrics
 
     def reject_round(
@@ -987,6 +983,9 @@ class FedLRStrategy(ReplyChecks, FedAvg):
         if not contents:
             return None
         return self.evaluate_metrics_aggr_fn(contents, self.weighted_by_key)
+
+
+keep_ledger(FedLRStrategy)
 
 
 def with_trimmed(

@@ -26,6 +26,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
 from fedlr.errors import ProtocolError, ReplyValidationError
 from fedlr.flower.records import record_nbytes
+from fedlr.privacy.settings import PrivacyConfig
 from fedlr.protocol import PARTITION_ID, validate_arrays
 from fedlr.robust import ScreenOutcome, UpdateSpace, screen_sizes
 from fedlr.updates import ClientUpdate
@@ -91,15 +92,16 @@ class ReplyChecks:
     """Screening and validation of client replies, for a strategy to mix in.
 
     The strategy provides :attr:`arrayrecord_key`, :attr:`weighted_by_key`,
-    :attr:`max_num_examples`, :attr:`screen_ratio`, the nodes instructed this
-    round (:attr:`_sent`), :meth:`reply_shapes`, :meth:`reply_hint` and
-    :meth:`robust_space`.
+    :attr:`max_num_examples`, :attr:`screen_ratio`, :attr:`privacy`, the nodes
+    instructed this round (:attr:`_sent`), :meth:`reply_shapes`,
+    :meth:`reply_hint` and :meth:`robust_space`.
     """
 
     arrayrecord_key: str
     weighted_by_key: str
     max_num_examples: int | None
     screen_ratio: float
+    privacy: PrivacyConfig
     last_screen: ScreenOutcome | None
     _sent: list[int] | None
     _current: ArrayRecord | None
@@ -123,7 +125,9 @@ class ReplyChecks:
         dropped : list of str
             Reasons for a node's second reply, a reply from a node that was not
             sent an instruction this round, and each instructed node without a
-            reply. The recorded instruction is used once.
+            reply. The recorded instruction is used once (the count of
+            nodes sent one, client-level DP's ``m``, is kept apart:
+            ``instructed``, set by ``note_sent``).
         """
         sent = None if self._sent is None else set(self._sent)  # O(1) lookups
         self._sent = None
@@ -206,6 +210,14 @@ class ReplyChecks:
         (:meth:`robust_space` of ``current``) with :attr:`screen_ratio` (0:
         off). Kept in :attr:`last_screen` (every update's ratio).
 
+        Under client-level DP each update is screened on its own, against
+        ``screen_ratio`` times the current state's norm (what
+        :func:`~fedlr.robust.screen_sizes` does with one update): the round's
+        median would let one client's update decide whether another's is
+        dropped, an influence on the published mean beyond its own clipped
+        ``C / m``. The screen only drops; the clipping that follows
+        (:func:`fedlr.privacy.client_dp.privatize`) bounds what is kept.
+
         Returns
         -------
         kept : list of ClientUpdate
@@ -213,7 +225,17 @@ class ReplyChecks:
             One reason per dropped update, naming its node, its norm, its
             ratio to the round's median and the ``screen-ratio``.
         """
-        outcome = screen_sizes(updates, self.robust_space(current), self.screen_ratio)
+        space = self.robust_space(current)
+        if self.privacy.client_dp is None:
+            outcome = screen_sizes(updates, space, self.screen_ratio)
+        else:  # each on its own: kept or not whatever the others sent
+            each = [screen_sizes([u], space, self.screen_ratio) for u in updates]
+            outcome = ScreenOutcome(
+                [u for o in each for u in o.updates],
+                [r for o in each for r in o.reasons],
+                [x for o in each for x in o.ratios],
+                max((o.bound for o in each), default=math.inf),
+            )
         self.last_screen = outcome
         return outcome.updates, [
             str(ReplyValidationError(node, reason)) for node, reason in outcome.reasons

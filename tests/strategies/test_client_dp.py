@@ -2,14 +2,20 @@
 
 * clipping and the fixed denominator: each clipped update's norm is at most
   ``C`` and the equal-weight mean is ``x + sum_i clip(u_i) / m`` exactly;
-* the noise: with the run's seed it is exactly the seeded Gaussian (the
-  aggregate minus that draw is the noiseless clipped mean), and its measured
-  standard deviation is ``z C / m``;
-* through a strategy driven by Flower's ``start()``: FedAvg-LoRA's and
-  FFA-LoRA's new global arrays are the clipped fixed-denominator mean plus
-  the seeded noise, FedSVD's new product is the noised mean of ``B`` times
-  ``A``; the reported ``client-dp-epsilon`` is Opacus's RDP accountant's for
-  ``q = m / N``, ``z`` and the rounds so far;
+* the noise: with ``reproducible-noise`` it is exactly the seeded Gaussian
+  (the aggregate minus that draw is the noiseless clipped mean), and its
+  measured standard deviation is ``z C / m``; without it two draws differ;
+* through a strategy driven by Flower's ``start()`` (reproducible noise):
+  FedAvg-LoRA's and FFA-LoRA's new global arrays are the clipped
+  fixed-denominator mean plus the seeded noise, FedSVD's new product is the
+  noised mean of ``B`` times ``A``; the reported ``client-dp-epsilon`` is the
+  settings' accountant's (RDP, PRV) for ``q = m / N``, ``z`` and the rounds;
+* ``m`` is the nodes sent an instruction: with 5 sent of 8 and one reply
+  lost, the noise std is ``z C / 5`` (metric and the actual noise) and the
+  epsilon is that of ``[(z, 5/8, 1)] * rounds``; a rejected round still
+  counts; the history survives a checkpoint (also FedAvgM's, whose
+  ``state_dict`` does not call ``super()``), a missing history is refused,
+  and without client-level DP the key stays unknown;
 * refusals by name: non-sum-only methods, robust rules, extra records;
 * Flower's ``DifferentialPrivacyServerSideFixedClipping`` wraps FedAvg-LoRA
   (same arrays out and back, clipped and noised as documented) and cannot
@@ -37,9 +43,12 @@ from opacus.accountants import RDPAccountant
 from peft import LoraConfig, get_peft_model
 
 from fedlr import adapter_state, lora_layout
-from fedlr.errors import ConfigError, PrivacyUnsupportedError
+from fedlr.errors import CheckpointError, ConfigError, PrivacyUnsupportedError
 from fedlr.flower import InProcessGrid
+from fedlr.privacy.accounting import epsilon
 from fedlr.privacy.client_dp import (
+    CLIENT_DP_STATE,
+    ClientDpLedger,
     clip_to_fixed_mean,
     gaussian_noise,
     noise_generator,
@@ -48,7 +57,7 @@ from fedlr.privacy.client_dp import (
 from fedlr.privacy.settings import ClientDpSettings, PrivacyConfig
 from fedlr.protocol import ARRAYS, CONFIG, METRICS, NUM_EXAMPLES, decode_roles
 from fedlr.robust import ParameterSpace, RobustConfig
-from fedlr.strategies import FedAvgLoRA, FedSVD, FFALoRA
+from fedlr.strategies import FedAvgLoRA, FedAvgMLoRA, FedSVD, FFALoRA
 from fedlr.strategies.registry import resolve
 from fedlr.updates import ClientUpdate
 
@@ -101,7 +110,7 @@ def _client_app(scale: float = 1.0) -> ClientApp:
         content = RecordDict(
             {
                 ARRAYS: ArrayRecord(arrays),
-                METRICS: MetricRecord({NUM_EXAMPLES: SIZES[pid]}),
+                METRICS: MetricRecord({NUM_EXAMPLES: SIZES[pid % 3]}),
             }
         )
         return Message(content, reply_to=message)
@@ -109,16 +118,29 @@ def _client_app(scale: float = 1.0) -> ClientApp:
     return app
 
 
-def _start(strategy, *, rounds: int = 1, scale: float = 1.0, inner=None):
-    """Run ``strategy.start()``; the replies each round received, as sent."""
+def _start(
+    strategy,
+    *,
+    rounds: int = 1,
+    scale: float = 1.0,
+    inner=None,
+    nodes: int = 3,
+    lose: int = 0,
+):
+    """Run ``strategy.start()``; the replies each round received, as sent.
+
+    ``lose``: the replies of the ``lose`` instructed nodes with the smallest
+    ids are lost every round (the hook returns ``None``)."""
     seen: list[tuple[int, dict[str, torch.Tensor]]] = []
 
-    def hook(partition: int, message: Message, reply: Message) -> Message:
+    def hook(partition: int, message: Message, reply: Message) -> Message | None:
+        if message.metadata.dst_node_id in sorted(strategy_sent(strategy))[:lose]:
+            return None
         seen.append((partition, reply.content[ARRAYS].to_torch_state_dict()))
         return reply
 
     grid = InProcessGrid(
-        _client_app(scale), num_nodes=3, run_config={}, reply_hook=hook
+        _client_app(scale), num_nodes=nodes, run_config={}, reply_hook=hook
     )
     roles = (inner or strategy).send_roles
     initial = ArrayRecord(adapter_state(MODEL, LAYOUT, roles))
@@ -131,10 +153,30 @@ def _start(strategy, *, rounds: int = 1, scale: float = 1.0, inner=None):
     return result, initial.to_torch_state_dict(), seen
 
 
-def _privacy(seed: int = 5) -> PrivacyConfig:
+def strategy_sent(strategy) -> list[int]:
+    """The nodes the strategy (or the one it wraps) instructed this round."""
+    inner = getattr(strategy, "strategy", strategy)
+    return list(getattr(inner, "_sent", None) or [])
+
+
+def _privacy(
+    seed: int = 5, *, reproducible: bool = True, accountant: str = "prv"
+) -> PrivacyConfig:
     return PrivacyConfig(
-        client_dp=ClientDpSettings(clip=CLIP, noise_multiplier=Z, seed=seed)
+        client_dp=ClientDpSettings(
+            clip=CLIP,
+            noise_multiplier=Z,
+            seed=seed,
+            reproducible=reproducible,
+            accountant=accountant,
+        )
     )
+
+
+def _settings() -> ClientDpSettings:
+    settings = _privacy().client_dp
+    assert settings is not None
+    return settings
 
 
 def _clipped_mean(current, replies, denominator):
@@ -188,30 +230,54 @@ def test_clipping_bounds_each_update_and_the_denominator_is_fixed():
         assert torch.allclose(mean[k].double(), want[k], atol=1e-6)
 
 
-def test_noise_is_the_seeded_gaussian_of_std_z_c_over_m():
-    shape = (200, 150)  # 30,000 entries: the std is measured to ~1%
+def _zero_round(settings: ClientDpSettings, shape=(200, 150), server_round: int = 3):
+    """Four zero updates of five sent: the published mean is the noise alone."""
     current = {"w": torch.zeros(shape, dtype=F64)}
     updates = [_update(i, {"w": torch.zeros(shape, dtype=F64)}) for i in range(4)]
-    settings = ClientDpSettings(clip=CLIP, noise_multiplier=Z, seed=11)
     noised, metrics = privatize(
-        updates, current, ["w"], settings, sent=5, population=20, server_round=3
+        updates,
+        current,
+        ["w"],
+        settings,
+        sent=5,
+        population=20,
+        server_round=server_round,
+        ledger=ClientDpLedger(),
     )
+    return FedAvgLoRA.weighted_means(noised, ["w"])["w"], metrics
+
+
+def test_reproducible_noise_is_the_seeded_gaussian_of_std_z_c_over_m():
+    shape = (200, 150)  # 30,000 entries: the std is measured to ~1%
+    settings = ClientDpSettings(
+        clip=CLIP, noise_multiplier=Z, seed=11, reproducible=True
+    )
+    mean, metrics = _zero_round(settings, shape)
     std = Z * CLIP / 5  # five sent, four replied: the denominator stays five
     assert metrics["client-dp-noise-std"] == pytest.approx(std)
-    mean = FedAvgLoRA.weighted_means(noised, ["w"])["w"]
+    assert metrics["client-dp-sent"] == 5
+    assert metrics["client-dp-reproducible"] == 1.0
     # the whole difference is the seeded draw (zero updates: nothing clipped)
-    draw = gaussian_noise({"w": shape}, std, noise_generator(11, 3))["w"]
+    draw = gaussian_noise({"w": shape}, std, noise_generator(settings, 3))["w"]
     assert torch.allclose(mean, draw, atol=1e-12)
     assert float(mean.std()) == pytest.approx(std, rel=0.03)
     assert abs(float(mean.mean())) < 4 * std / math.sqrt(mean.numel())
-    again, _ = privatize(
-        updates, current, ["w"], settings, sent=5, population=20, server_round=3
-    )
-    assert torch.equal(again[0].arrays["w"], noised[0].arrays["w"])
-    other, _ = privatize(
-        updates, current, ["w"], settings, sent=5, population=20, server_round=4
-    )
-    assert not torch.equal(other[0].arrays["w"], noised[0].arrays["w"])
+    again, _ = _zero_round(settings, shape)
+    assert torch.equal(again, mean)
+    other, _ = _zero_round(settings, shape, server_round=4)
+    assert not torch.equal(other, mean)
+
+
+def test_secure_noise_has_std_z_c_over_m_and_never_repeats():
+    shape = (200, 150)
+    settings = ClientDpSettings(clip=CLIP, noise_multiplier=Z, seed=11)
+    mean, metrics = _zero_round(settings, shape)
+    std = Z * CLIP / 5
+    assert metrics["client-dp-noise-std"] == pytest.approx(std)
+    assert metrics["client-dp-reproducible"] == 0.0
+    assert float(mean.std()) == pytest.approx(std, rel=0.03)
+    again, _ = _zero_round(settings, shape)  # same seed, same round
+    assert float((again - mean).std()) == pytest.approx(math.sqrt(2) * std, rel=0.03)
 
 
 # ------------------------------------------------------------ through strategies
@@ -226,7 +292,7 @@ def test_the_new_global_arrays_are_the_clipped_mean_plus_the_seeded_noise(cls):
     want = _clipped_mean(current, replies, denominator=3)
     std = Z * CLIP / 3
     shapes = {k: tuple(current[k].shape) for k in keys}
-    noise = gaussian_noise(shapes, std, noise_generator(5, 1))
+    noise = gaussian_noise(shapes, std, noise_generator(_settings(), 1))
     new = result.arrays.to_torch_state_dict()
     for k in keys:
         assert torch.allclose(new[k].double(), want[k] + noise[k], atol=1e-5), k
@@ -245,7 +311,9 @@ def test_fedsvd_publishes_the_svd_of_the_noised_mean_of_b_times_a():
     keys = sorted(replies[0])
     mean = _clipped_mean(current, replies, denominator=3)
     noise = gaussian_noise(
-        {k: tuple(current[k].shape) for k in keys}, Z * CLIP / 3, noise_generator(5, 1)
+        {k: tuple(current[k].shape) for k in keys},
+        Z * CLIP / 3,
+        noise_generator(_settings(), 1),
     )
     new = result.arrays.to_torch_state_dict()
     for module in LAYOUT.modules:
@@ -254,22 +322,115 @@ def test_fedsvd_publishes_the_svd_of_the_noised_mean_of_b_times_a():
         assert torch.allclose(product, b @ a, atol=1e-5)
 
 
-def test_client_dp_epsilon_is_opacus_rdp_for_q_m_over_n():
+@pytest.mark.parametrize("accountant", ["rdp", "prv"])
+def test_client_dp_epsilon_is_the_accountants_for_q_m_over_n(accountant):
     strategy = FedAvgLoRA(
         layout=LAYOUT,
-        privacy=_privacy(),
+        privacy=_privacy(accountant=accountant),
         screen_ratio=0.0,
         fraction_evaluate=0.0,
         fraction_train=0.67,
     )
     result, _, _ = _start(strategy, rounds=3)
-    accountant = RDPAccountant()
+    accountant_ = RDPAccountant()
     for server_round in (1, 2, 3):
-        accountant.step(noise_multiplier=Z, sample_rate=2 / 3)
+        accountant_.step(noise_multiplier=Z, sample_rate=2 / 3)
         metrics = result.train_metrics_clientapp[server_round]
         assert metrics["clients"] == 2
-        want = accountant.get_epsilon(delta=1e-5)  # min(1e-5, 1 / (10 * 3))
+        # delta = min(1e-5, 1 / (10 * 3))
+        want = (
+            accountant_.get_epsilon(delta=1e-5)
+            if accountant == "rdp"
+            else epsilon([(Z, 2 / 3, 1)] * server_round, 1e-5, "prv")
+        )
         assert metrics["client-dp-epsilon"] == pytest.approx(want, rel=1e-9)
+
+
+def test_the_denominator_is_the_nodes_sent_an_instruction_not_the_replies():
+    """5 of 8 nodes sent an instruction, one reply lost each round."""
+    strategy = FedAvgLoRA(
+        layout=LAYOUT,
+        privacy=_privacy(),
+        screen_ratio=0.0,
+        fraction_evaluate=0.0,
+        fraction_train=0.625,
+    )
+    result, current, _ = _start(strategy, rounds=2, nodes=8, lose=1)
+    for server_round in (1, 2):
+        metrics = result.train_metrics_clientapp[server_round]
+        assert metrics["clients"] == 4 and metrics["dropped"] == 1
+        assert metrics["client-dp-sent"] == 5
+        assert metrics["client-dp-noise-std"] == pytest.approx(Z * CLIP / 5)
+        want = epsilon([(Z, 5 / 8, 1)] * server_round, 1e-5, "prv")
+        assert metrics["client-dp-epsilon"] == pytest.approx(want, rel=1e-9)
+    assert strategy.client_dp_ledger.history == [(Z, 5 / 8, 1)] * 2
+    # Round 1's actual noise: the published arrays minus the exact clipped
+    # mean over five is the seeded draw of std z C / 5 (over four: not).
+    one = FedAvgLoRA(
+        layout=LAYOUT,
+        privacy=_privacy(),
+        screen_ratio=0.0,
+        fraction_evaluate=0.0,
+        fraction_train=0.625,
+    )
+    first, _, seen_one = _start(one, rounds=1, nodes=8, lose=1)
+    replies = [arrays for _, arrays in sorted(seen_one, key=lambda s: s[0])]
+    assert len(replies) == 4
+    keys = sorted(replies[0])
+    shapes = {k: tuple(current[k].shape) for k in keys}
+    noise = gaussian_noise(shapes, Z * CLIP / 5, noise_generator(_settings(), 1))
+    new = first.arrays.to_torch_state_dict()
+    for denominator, close in ((5, True), (4, False)):
+        want = _clipped_mean(current, replies, denominator)
+        residual = torch.cat([(new[k].double() - want[k]).flatten() for k in keys])
+        drawn = torch.cat([noise[k].flatten() for k in keys])
+        assert torch.allclose(residual, drawn, atol=1e-5) is close
+    assert float(drawn.std()) == pytest.approx(Z * CLIP / 5, rel=0.1)
+
+
+def test_a_rejected_round_still_counts_and_the_history_survives_a_checkpoint():
+    strategy = FedAvgLoRA(
+        layout=LAYOUT,
+        privacy=_privacy(),
+        screen_ratio=0.0,
+        fraction_evaluate=0.0,
+        max_update_ratio=1e-12,  # every round is rejected after its noise
+    )
+    result, _, _ = _start(strategy, rounds=2)
+    for server_round in (1, 2):
+        metrics = result.train_metrics_clientapp[server_round]
+        assert metrics["rejected"] == 1.0
+        want = epsilon([(Z, 1.0, 1)] * server_round, 1e-5, "prv")
+        assert metrics["client-dp-epsilon"] == pytest.approx(want, rel=1e-9)
+    state = strategy.state_dict()
+    assert state[CLIENT_DP_STATE] == [[Z, 1.0, 1.0]] * 2
+    resumed = FedAvgLoRA(layout=LAYOUT, privacy=_privacy())
+    resumed.load_state_dict(state)
+    assert resumed.client_dp_ledger.history == [(Z, 1.0, 1)] * 2
+    with pytest.raises(CheckpointError, match=CLIENT_DP_STATE):
+        resumed.load_state_dict({})
+    with pytest.raises(CheckpointError, match="sample rate"):
+        resumed.load_state_dict({CLIENT_DP_STATE: [[Z, 1.5, 1.0]]})
+    plain = FedAvgLoRA(layout=LAYOUT)  # no client-level DP: an unknown key
+    assert CLIENT_DP_STATE not in plain.state_dict()
+    with pytest.raises(ValueError, match="keeps no state"):
+        plain.load_state_dict(state)
+
+
+def test_fedavgm_keeps_the_history_beside_its_momentum():
+    strategy = FedAvgMLoRA(
+        layout=LAYOUT, privacy=_privacy(), screen_ratio=0.0, fraction_evaluate=0.0
+    )
+    _start(strategy, rounds=2)
+    state = strategy.state_dict()
+    assert set(state) == {"momentum", CLIENT_DP_STATE}
+    assert len(state[CLIENT_DP_STATE]) == 2
+    resumed = FedAvgMLoRA(layout=LAYOUT, privacy=_privacy())
+    resumed.load_state_dict(state)
+    assert resumed.client_dp_ledger.history == strategy.client_dp_ledger.history
+    assert set(resumed.momentum) == set(strategy.momentum)
+    with pytest.raises(CheckpointError, match=CLIENT_DP_STATE):
+        resumed.load_state_dict({"momentum": state["momentum"]})
 
 
 # ------------------------------------------------------------ refusals
@@ -312,6 +473,7 @@ def test_replies_with_extra_records_are_refused_by_name():
             sent=1,
             population=1,
             server_round=1,
+            ledger=ClientDpLedger(),
         )
 
 

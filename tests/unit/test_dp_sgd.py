@@ -42,6 +42,7 @@ from fedlr.errors import (
 )
 from fedlr.privacy.accounting import epsilon
 from fedlr.privacy.dp_sgd import PrivateLoop, node_history, sample_mean_loss
+from fedlr.privacy.node_policy import NodePolicy
 from fedlr.privacy.settings import DpSgdSettings, PrivacyConfig, default_delta
 from fedlr.server_apps.local import run_in_process
 from fedlr.strategies.registry import resolve
@@ -144,7 +145,7 @@ def test_per_example_gradients_are_real_and_clipped_to_the_bound(kind):
     )
     settings = TrainSettings(local_steps=1, lr=0.1, batch_size=size)
     private = control.start(
-        model, torch.optim.SGD(params, lr=0.1), size, settings, seed=0
+        model, torch.optim.SGD(params, lr=0.1), _Data(batch), settings, seed=0
     )
     loss = control.loss(model(**batch), batch)
     private.zero_grad()
@@ -180,10 +181,14 @@ def test_unsupported_labels_are_refused_by_name():
 
 
 # ------------------------------------------------------------------ reproducible
-def _train(seed: int) -> dict[str, torch.Tensor]:
+def _train(seed: int, *, reproducible: bool = True) -> dict[str, torch.Tensor]:
     model = _gpt2_lora()
     state = RecordDict()
-    control = PrivateLoop(DpSgdSettings(max_grad_norm=0.5, noise_multiplier=1.0), state)
+    settings = DpSgdSettings(
+        max_grad_norm=0.5, noise_multiplier=1.0, reproducible=reproducible
+    )
+    policy = NodePolicy(dp_allow_reproducible_noise=True)
+    control = PrivateLoop(settings, state, policy)
     train_steps(
         model,
         _Data(_batch("gpt2", size=12)),
@@ -197,9 +202,16 @@ def _train(seed: int) -> dict[str, torch.Tensor]:
 
 
 def test_the_same_seed_trains_the_same_adapters_and_another_does_not():
+    """Only with reproducible noise asked for *and* allowed by the node."""
     first, again, other = _train(3), _train(3), _train(4)
     assert all(torch.equal(first[k], again[k]) for k in first)
     assert any(not torch.equal(first[k], other[k]) for k in first)
+
+
+def test_secure_noise_differs_between_runs_of_the_same_seed():
+    """The default: noise and batches from OS-seeded generators."""
+    first, again = _train(3, reproducible=False), _train(3, reproducible=False)
+    assert any(not torch.equal(first[k], again[k]) for k in first)
 
 
 # ------------------------------------------------------------------ budget
@@ -210,10 +222,11 @@ def test_a_node_past_its_budget_refuses_naming_dp_epsilon():
     spent = []
     model = _gpt2_lora()
     params = [p for p in model.parameters() if p.requires_grad]
+    data = _Data(_batch("gpt2", size=40))
     for _ in range(50):
         control = PrivateLoop(settings, state)
         try:
-            control.start(model, torch.optim.SGD(params, lr=0.1), 40, loop, seed=0)
+            control.start(model, torch.optim.SGD(params, lr=0.1), data, loop, seed=0)
         except PrivacyBudgetError as exc:
             assert "dp-epsilon 2 would be exceeded" in str(exc)
             break
@@ -225,7 +238,9 @@ def test_a_node_past_its_budget_refuses_naming_dp_epsilon():
     # It trained while the next round fitted, and refused the one that did not.
     history = node_history(state)
     assert len(history) == len(spent) >= 3 and spent[-1] <= 2.0
-    beyond = epsilon([*history, (1.5, 0.1, 5)], default_delta(40))
+    beyond = epsilon(
+        [*history, (1.5, 0.1, 5)], default_delta(40), settings.accountant
+    )
     assert beyond > 2.0
 
 
@@ -260,9 +275,9 @@ def _independent_epsilon(kind: str, rounds: list[tuple[float, float, int]], delt
 @pytest.mark.parametrize(
     ("method", "privacy"),
     [
-        ("fedavg-lora", {"dp-noise-multiplier": 1.1}),
+        ("fedavg-lora", {"dp-noise-multiplier": 1.1, "dp-accountant": "rdp"}),
         ("ffa-lora", {"dp-noise-multiplier": 0.9, "dp-accountant": "prv"}),
-        ("fedsvd", {"dp-epsilon": 3.0, "dp-delta": 1e-4}),
+        ("fedsvd", {"dp-epsilon": 3.0, "dp-delta": 1e-6}),
     ],
 )
 def test_runs_report_the_epsilon_opacus_computes(tmp_path, assets, method, privacy):
@@ -282,7 +297,7 @@ def test_runs_report_the_epsilon_opacus_computes(tmp_path, assets, method, priva
     frame = pd.read_csv(run_dir / "results.csv")
     assert (frame["clients"] == 3).all() and (frame["dropped"] == 0).all()
     assert frame["accuracy"].between(0, 1).all()
-    kind = privacy.get("dp-accountant", "rdp")
+    kind = privacy.get("dp-accountant", "prv")
     steps = config["local-steps"]
     history: dict[int, list[tuple[float, float, int]]] = {}
     for reply in sorted(seen, key=lambda r: (r["round"], r["partition"])):
@@ -342,7 +357,7 @@ def test_a_causal_lm_round_on_gpt2_conv1d_layers_is_private(tmp_path):
     frame = pd.read_csv(run_in_process(config, reply_hook=hook) / "results.csv")
     assert frame["clients"].tolist() == [2] and frame["dropped"].tolist() == [0]
     want = max(
-        _independent_epsilon("rdp", [(1.0, 4 / n, 2)], min(1e-5, 1 / (10 * n)))
+        _independent_epsilon("prv", [(1.0, 4 / n, 2)], min(1e-5, 1 / (10 * n)))
         for n in sizes
     )
     assert frame["dp-epsilon"].iloc[0] == pytest.approx(want, rel=1e-9)

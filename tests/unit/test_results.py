@@ -149,3 +149,10 @@ def test_counts_are_written_as_integers_and_measures_as_floats(tmp_path):
     assert later["round"] == "2" and later["clients"] == "3" and later["bytes-up"] == ""
     frame = read_results(tmp_path)
     assert frame["clients"].tolist() == [4, 3]
+
+
+def test_the_server_evaluated_columns_are_the_protocols_evaluation_metrics():
+    from fedlr import protocol
+    from fedlr.results import SERVER_EVALUATED
+
+    assert {"accuracy", "loss", *protocol.TASK_EVAL_METRICS} == SERVER_EVALUATED

@@ -163,11 +163,15 @@ def test_settings_from_run_config_and_bad_values():
 
 def test_shares_and_threshold_follow_flower_rules():
     settings = SecAggSettings(num_shares=1.0, reconstruction_threshold=0.6)
-    assert settings.shares_and_threshold(4) == (4, 2)
+    assert settings.shares_and_threshold(4) == (4, 3)  # t > n / 2: 2.4 -> 3
     assert settings.shares_and_threshold(10) == (10, 6)
     half = SecAggSettings(num_shares=0.5, reconstruction_threshold=0.5)
-    assert half.shares_and_threshold(10) == (5, 2)  # round(5) is odd
+    assert half.shares_and_threshold(10) == (5, 3)  # round(5) is odd; 3 > 5 / 2
     assert half.shares_and_threshold(12) == (7, 4)  # 6 -> 7, odd
+    with pytest.raises(SecureAggregationError, match="above half"):
+        SecAggSettings(reconstruction_threshold=2.0).shares_and_threshold(4)
+    with pytest.raises(ConfigError, match="above half"):
+        SecAggSettings(num_shares=6.0, reconstruction_threshold=3.0)
     with pytest.raises(SecureAggregationError, match="at least 2 clients"):
         settings.shares_and_threshold(1)
     assert SecAggSettings(quantization_range=2**30).max_clients == 3
@@ -327,7 +331,6 @@ def test_plain_train_messages_pass_through_the_mod():
     [
         ({"method": "fedex-lora"}, "fedex-lora needs each client's arrays"),
         ({"robust": "median"}, "robust=none"),
-        ({"client-dp-clip": 1.0, "client-dp-noise-multiplier": 1.0}, "client-dp"),
         ({"fraction-train": 0.2}, "at least 2 clients"),
     ],
 )

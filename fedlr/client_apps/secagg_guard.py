@@ -1,0 +1,362 @@
+"""The node's guard against a hostile SecAgg+ server.
+
+Flower's ``secaggplus_mod`` trusts the server's stage messages: it hands
+over whatever shares an unmask request names, and it splits its secrets
+into as many shares as the setup asks. :func:`secagg_guard`, a Flower mod
+that :func:`fedlr.client_apps.secagg.secagg_mod` runs before Flower's, reads
+every SecAgg+ stage message first and refuses (a
+:class:`~fedlr.errors.SecAggGuardError` naming the check, which fedlr's
+ClientApp answers with an error reply) when
+
+* **setup**: ``share_num`` exceeds the round's sampled nodes or the node's
+  ceiling ``secagg-max-shares`` (node config, default 100), or the
+  reconstruction threshold is below 2, not above half of ``share_num``
+  (SecAgg+'s ``t > n / 2``) or above it; the clipping, target or modulus
+  range is out of bounds (``share-num``, ``threshold``, ``range``);
+* **any stage**: the round was not set up, or a setting (share_num,
+  threshold, clipping, target and modulus range, fedlr's clipping range)
+  differs from the setup's of the round (``round``, ``settings-changed``);
+* **share keys**: the neighbourhood lacks this node, holds more nodes than
+  ``share_num`` or fewer than the threshold (``neighbourhood``);
+* **masked vectors**: a ciphertext comes from outside the neighbourhood, or
+  does not decrypt to a share from its sender for this node
+  (``neighbourhood``, ``ciphertext``: the reason names the sender);
+* **unmask**: a node is listed as surviving and as dropped, this node is
+  listed as dropped, a node is listed twice, outside the neighbourhood or
+  without a share here, more shares than ``share_num`` or fewer survivors
+  than the threshold are asked (``alive-and-dead``, ``neighbourhood``,
+  ``too-many-shares``), the round's unmask was already answered
+  (``repeat``), or the request asks for one kind of secret (mask-seed share
+  of a survivor, key share of a dropout) of a node whose other kind this
+  node already revealed in the round (``both-secrets``).
+
+Every check is a comparison of the message's integers with what the node
+kept, so a refusal costs microseconds whatever ``share_num`` asks. The
+guard records what it needs (the round's settings, neighbours, share
+holders, revealed shares) in ``context.state`` only after Flower's mod
+answered, so a refused message leaves the node's state as it was.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any, cast
+
+from flwr.app import ConfigRecord, Context, Message
+from flwr.app.message_type import MessageType
+from flwr.client.mod.secure_aggregation.secaggplus_mod import SecAggPlusState
+from flwr.clientapp.typing import ClientAppCallable
+from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt
+from flwr.common.secure_aggregation.secaggplus_constants import (
+    RECORD_KEY_CONFIGS,
+    RECORD_KEY_STATE,
+    Key,
+    Stage,
+)
+from flwr.common.secure_aggregation.secaggplus_utils import (
+    share_keys_plaintext_separate,
+)
+
+from fedlr.errors import ConfigError, SecAggGuardError
+
+__all__ = [
+    "DEFAULT_MAX_SHARES",
+    "GUARD_STATE",
+    "MAX_SHARES_KEY",
+    "secagg_guard",
+]
+
+GUARD_STATE = "fedlr-secagg-guard"
+"""ConfigRecord of ``context.state`` where the guard keeps its rounds."""
+MAX_SHARES_KEY = "secagg-max-shares"
+"""Node-config key: the most shares this node splits its secrets into."""
+DEFAULT_MAX_SHARES = 100
+KEPT_ROUNDS = 8
+"""Rounds whose records the guard keeps (older ones are forgotten)."""
+_SETTINGS = (Key.SHARE_NUMBER, Key.THRESHOLD, Key.CLIPPING_RANGE, Key.TARGET_RANGE,
+             Key.MOD_RANGE)  # fmt: skip
+_FEDLR_CLIPPING = ("fedlr-secagg", "clipping-range")
+
+
+def secagg_guard(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Message:
+    """Check a SecAgg+ stage message before Flower's mod answers it.
+
+    Raises
+    ------
+    SecAggGuardError
+        Naming the check that failed (see the module doc).
+    """
+    if (
+        msg.metadata.message_type != MessageType.TRAIN
+        or not msg.has_content()
+        or RECORD_KEY_CONFIGS not in msg.content.config_records
+    ):
+        return call_next(msg, ctxt)
+    configs = msg.content.config_records[RECORD_KEY_CONFIGS]
+    stage = configs.get(Key.STAGE)
+    record = ctxt.state.config_records.get(GUARD_STATE, ConfigRecord())
+    book = _Book(record, str(msg.metadata.group_id), int(msg.metadata.dst_node_id))
+    if stage == Stage.SETUP:
+        settings = _check_setup(configs, _max_shares(ctxt))
+        book.check_unchanged(settings)
+    else:
+        book.check_round(str(stage))
+        book.check_unchanged(_stated(msg))
+        if stage == Stage.SHARE_KEYS:
+            book.check_neighbourhood(configs)
+        elif stage == Stage.COLLECT_MASKED_VECTORS:
+            book.check_ciphertexts(configs, ctxt)
+        elif stage == Stage.UNMASK:
+            book.check_unmask(configs)
+    reply = call_next(msg, ctxt)
+    if not reply.has_error():
+        book.answered(str(stage), configs if stage != Stage.SETUP else settings)
+        ctxt.state.config_records[GUARD_STATE] = book.record
+    return reply
+
+
+def _max_shares(ctxt: Context) -> int:
+    raw = ctxt.node_config.get(MAX_SHARES_KEY, DEFAULT_MAX_SHARES)
+    if isinstance(raw, str):
+        raw = float(raw) if raw.replace(".", "", 1).isdigit() else math.nan
+    value = float(cast(float, raw))
+    if not (math.isfinite(value) and value == int(value) and value >= 2):
+        raise ConfigError(MAX_SHARES_KEY, f"must be a whole number >= 2, got {raw}")
+    return int(value)
+
+
+def _integer(configs: ConfigRecord, key: str) -> int:
+    value = configs.get(key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SecAggGuardError(
+            "type", f"setup '{key}' must be an integer, got {value!r}"
+        )
+    return value
+
+
+def _check_setup(configs: ConfigRecord, ceiling: int) -> list[float]:
+    """The setup's settings, refused when out of bounds."""
+    sampled = _integer(configs, Key.SAMPLE_NUMBER)
+    shares = _integer(configs, Key.SHARE_NUMBER)
+    threshold = _integer(configs, Key.THRESHOLD)
+    target = _integer(configs, Key.TARGET_RANGE)
+    modulus = _integer(configs, Key.MOD_RANGE)
+    clipping = configs.get(Key.CLIPPING_RANGE)
+    if shares > sampled or shares > ceiling or shares < 2:
+        raise SecAggGuardError(
+            "share-num",
+            f"share_num {shares} must be in [2, min(sampled nodes {sampled}, "
+            f"{MAX_SHARES_KEY} {ceiling})]",
+        )
+    if threshold < 2 or 2 * threshold <= shares or threshold > shares:
+        raise SecAggGuardError(
+            "threshold",
+            f"reconstruction threshold {threshold} must be >= 2, above half of "
+            f"share_num {shares} and at most {shares}",
+        )
+    if (
+        isinstance(clipping, bool)
+        or not isinstance(clipping, float)
+        or not (math.isfinite(clipping) and clipping > 0)
+        or not 2 <= target <= modulus <= 2**62
+    ):
+        raise SecAggGuardError(
+            "range",
+            f"clipping range {clipping!r} must be finite and > 0, and 2 <= target "
+            f"range {target} <= modulus range {modulus} <= 2**62",
+        )
+    return [float(shares), float(threshold), float(clipping), float(target),
+            float(modulus)]  # fmt: skip
+
+
+def _stated(msg: Message) -> dict[str, float]:
+    """Settings a later-stage message states (Flower's keys, fedlr's clipping)."""
+    configs = msg.content.config_records[RECORD_KEY_CONFIGS]
+    out = {
+        key: float(cast(float, configs[key]))
+        for key in _SETTINGS
+        if isinstance(configs.get(key), (int, float))
+    }
+    fedlr = msg.content.config_records.get(_FEDLR_CLIPPING[0])
+    if fedlr is not None and isinstance(fedlr.get(_FEDLR_CLIPPING[1]), (int, float)):
+        out[Key.CLIPPING_RANGE + "/fedlr"] = float(
+            cast(float, fedlr[_FEDLR_CLIPPING[1]])
+        )
+    # distributed DP sizes each node's noise share by the threshold: it must be
+    # the round's (a larger one would shrink every node's noise)
+    if fedlr is not None and isinstance(fedlr.get("dp-threshold"), (int, float)):
+        out[Key.THRESHOLD + "/fedlr"] = float(cast(float, fedlr["dp-threshold"]))
+    return out
+
+
+def _ints(values: Iterable[Any], what: str) -> list[int]:
+    out = []
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SecAggGuardError("type", f"{what} must list node ids, got {value!r}")
+        out.append(value)
+    if len(set(out)) != len(out):
+        raise SecAggGuardError("duplicate", f"{what} lists a node more than once")
+    return out
+
+
+class _Book:
+    """The guard's records of the rounds, in a ConfigRecord of ``context.state``."""
+
+    def __init__(self, record: ConfigRecord, round_id: str, nid: int) -> None:
+        self.record = ConfigRecord(dict(record))
+        self.round = round_id
+        self.nid = nid
+
+    def _get(self, name: str, default: Any) -> Any:
+        return self.record.get(f"{self.round}|{name}", default)
+
+    def _set(self, name: str, value: Any) -> None:
+        self.record[f"{self.round}|{name}"] = value
+
+    # ----------------------------------------------------------- the checks
+    def check_round(self, stage: str) -> None:
+        if self.record.get("session") != self.round or not self._get("settings", []):
+            raise SecAggGuardError(
+                "round",
+                f"stage '{stage}' of round '{self.round}', which this node did not "
+                f"set up (last set up: {self.record.get('session', '')!r})",
+            )
+
+    def check_unchanged(self, settings: list[float] | dict[str, float]) -> None:
+        kept = cast(list[float], self._get("settings", []))
+        if not kept:
+            return
+        names = [*_SETTINGS]
+        expected = dict(zip(names, kept, strict=True))
+        expected[Key.CLIPPING_RANGE + "/fedlr"] = kept[2]
+        expected[Key.THRESHOLD + "/fedlr"] = kept[1]
+        if isinstance(settings, list):
+            settings = dict(zip(names, settings, strict=True))
+        changed = [
+            f"{key} {expected[key]:g} -> {value:g}"
+            for key, value in settings.items()
+            if key in expected and value != expected[key]
+        ]
+        if changed:
+            raise SecAggGuardError(
+                "settings-changed",
+                f"round '{self.round}' changed its settings: {', '.join(changed)}",
+            )
+
+    def check_neighbourhood(self, configs: ConfigRecord) -> None:
+        shares, threshold = (int(v) for v in self._get("settings", [0, 0])[:2])
+        ids = [k for k in configs if k != Key.STAGE]
+        if not all(k.isdigit() for k in ids):
+            raise SecAggGuardError(
+                "type", "share-keys names a node id that is not a number"
+            )
+        near = {int(k) for k in ids}
+        if self.nid not in near or not threshold <= len(near) <= shares:
+            raise SecAggGuardError(
+                "neighbourhood",
+                f"{len(near)} neighbours (this node among them: {self.nid in near})"
+                f" for share_num {shares} and threshold {threshold}",
+            )
+
+    def check_ciphertexts(self, configs: ConfigRecord, ctxt: Context) -> None:
+        srcs = _ints(cast(list[Any], configs.get(Key.SOURCE_LIST, [])), "source list")
+        texts = cast(list[bytes], configs.get(Key.CIPHERTEXT_LIST, []))
+        near = set(cast(list[int], self._get("neighbours", [])))
+        outside = sorted(set(srcs) - near - {self.nid})
+        if outside or len(srcs) != len(texts):
+            raise SecAggGuardError(
+                "neighbourhood",
+                f"ciphertexts from nodes {outside[:5]} outside the neighbourhood, or "
+                f"{len(texts)} ciphertexts for {len(srcs)} sources",
+            )
+        state = SecAggPlusState(
+            **ctxt.state.config_records.get(RECORD_KEY_STATE, ConfigRecord())
+        )
+        for src, text in zip(srcs, texts, strict=True):
+            try:
+                plain = decrypt(state.ss2_dict[src], text)
+                sender, dst, _, _ = share_keys_plaintext_separate(plain)
+                good = sender == src and dst == self.nid
+            except Exception:  # a garbled token raises many kinds of error
+                good = False
+            if not good:
+                raise SecAggGuardError(
+                    "ciphertext",
+                    f"the ciphertext from node {src} does not decrypt to its share "
+                    "for this node",
+                    node=src,
+                )
+
+    def check_unmask(self, configs: ConfigRecord) -> None:
+        active = _ints(
+            cast(list[Any], configs.get(Key.ACTIVE_NODE_ID_LIST, [])), "active"
+        )
+        dead = _ints(cast(list[Any], configs.get(Key.DEAD_NODE_ID_LIST, [])), "dead")
+        shares, threshold = (int(v) for v in self._get("settings", [0, 0])[:2])
+        both = sorted(set(active) & set(dead))
+        if both or self.nid in dead:
+            node = both[0] if both else self.nid
+            raise SecAggGuardError(
+                "alive-and-dead",
+                f"node {node} is listed as dropped and as surviving (this node is "
+                "answering): revealing both of its secrets unmasks it",
+                node=node,
+            )
+        if self._get("unmasked", False):
+            raise SecAggGuardError(
+                "repeat", f"round '{self.round}' was already unmasked"
+            )
+        holders = set(cast(list[int], self._get("holders", [])))
+        outside = sorted((set(active) | set(dead)) - holders)
+        if outside:
+            raise SecAggGuardError(
+                "neighbourhood",
+                f"nodes {outside[:5]} are not neighbours whose shares this node holds",
+                node=outside[0],
+            )
+        if len(active) + len(dead) > shares or len(active) < threshold:
+            raise SecAggGuardError(
+                "too-many-shares",
+                f"{len(active)} + {len(dead)} shares asked: at most share_num "
+                f"{shares}, with at least threshold {threshold} survivors",
+            )
+        seeds = set(cast(list[int], self._get("rd-seed", [])))
+        keys = set(cast(list[int], self._get("sk1", [])))
+        twice = sorted((set(active) & keys) | (set(dead) & seeds))
+        if twice:
+            raise SecAggGuardError(
+                "both-secrets",
+                f"node {twice[0]}'s other secret was revealed in round "
+                f"'{self.round}': revealing both unmasks it",
+                node=twice[0],
+            )
+
+    # ------------------------------------------------------------ recording
+    def answered(self, stage: str, data: Any) -> None:
+        if stage == Stage.SETUP:
+            rounds = [r for r in cast(list[str], self.record.get("rounds", []))
+                      if r != self.round] + [self.round]  # fmt: skip
+            for old in rounds[:-KEPT_ROUNDS]:
+                for key in [k for k in self.record if k.startswith(f"{old}|")]:
+                    del self.record[key]
+            self.record["rounds"] = rounds[-KEPT_ROUNDS:]
+            self.record["session"] = self.round
+            self._set("settings", cast(list[float], data))
+            self._set("neighbours", [])
+            self._set("holders", [])
+            self._set("unmasked", False)
+        elif stage == Stage.SHARE_KEYS:
+            self._set("neighbours", sorted(int(k) for k in data if k != Key.STAGE))
+        elif stage == Stage.COLLECT_MASKED_VECTORS:
+            srcs = cast(list[int], data.get(Key.SOURCE_LIST, []))
+            self._set("holders", sorted({*srcs, self.nid}))
+        elif stage == Stage.UNMASK:
+            seeds = cast(list[int], self._get("rd-seed", []))
+            keys = cast(list[int], self._get("sk1", []))
+            active = cast(list[int], data.get(Key.ACTIVE_NODE_ID_LIST, []))
+            dead = cast(list[int], data.get(Key.DEAD_NODE_ID_LIST, []))
+            self._set("rd-seed", sorted({*seeds, *active}))
+            self._set("sk1", sorted({*keys, *dead}))
+            self._set("unmasked", True)
