@@ -69,7 +69,7 @@ from fedlr.flower.launch import (
     flwr_run,
     is_noise,
 )
-from fedlr.plots import RunData, load_run, per_round_axes
+from fedlr.plots import FOLDED_GAP_TITLE, RunData, load_run, per_round_axes, run_labels
 from fedlr.privacy.node_policy import STATE_DIR_ENV
 from fedlr.server_apps.local import run_in_process
 from fedlr.strategies.registry import resolve
@@ -315,30 +315,48 @@ def _mean_std(mean: float, std: float, digits: int, one_seed: bool) -> str:
 def comparison_figure(run_dirs: Sequence[Path | str], by: Sequence[str] = ()) -> Figure:
     """Accuracy and gap per round: mean over seeds ±1 std, one line per group.
 
+    Runs are grouped, and labelled, by method and every config key whose
+    value differs between them other than the seed (``fedex-lora lr=0.003``;
+    the ``by`` keys always). Personalised runs (FedSA-LoRA, Global / Local
+    SVD: each client's own model on its own held-out part) get a panel of
+    their own next to the global models' accuracy, never a shared axis. The
+    gap panel says when a method's gap is the one it folds into the base
+    weights (FedEx-LoRA: the factor gap before the fold, not an error).
     When no run logs a Frobenius gap (vision methods), the second panel shows
     the evaluation loss instead; causal-LM runs show exact match and response
     perplexity (log scale) in place of accuracy (:func:`_panels`). A group of
     one run is drawn without a band (one seed has no spread); every panel
-    carries the legend, rounds are whole numbers from round 0 (the initial
-    model) where the runs recorded it, and QR-Mix's stage switch and
-    continual task boundaries are marked.
+    carries the legend, under it, outside the data; rounds are whole numbers
+    from round 0 (the initial model) where the runs recorded it, and QR-Mix's
+    stage switch and continual task boundaries are marked.
     """
+    runs = [load_run(run_dir) for run_dir in run_dirs]
+    labels = run_labels(runs, skip=[k for k in ("seed",) if k not in by])
     groups: dict[str, list[pd.DataFrame]] = {}
-    runs: list[RunData] = []
-    for run_dir in run_dirs:
-        run = load_run(run_dir)
-        runs.append(run)
-        label = " ".join([run.label, *(f"{k}={run.config.get(k)}" for k in by)])
+    kinds: dict[str, RunData] = {}
+    for run, label in zip(runs, labels, strict=True):
+        label = " ".join(
+            [label, *(f"{k}={run.config.get(k)}" for k in by if f"{k}=" not in label)]
+        )
         frame = run.results
         if run.initial:
             start = {"round": 0, **run.initial}
             frame = pd.concat([pd.DataFrame([start]), frame], ignore_index=True)
         groups.setdefault(label, []).append(frame)
-    panels = _panels([f for frames in groups.values() for f in frames])
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.8))
+        kinds.setdefault(label, run)
+    panels = _panels(
+        [f for frames in groups.values() for f in frames],
+        personal=[run.personalised for run in kinds.values()],
+        folded=[run.folds_base for run in kinds.values()],
+    )
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.6))
+    axes = np.atleast_1d(axes)
     for i, (label, frames) in enumerate(groups.items()):
         color = f"C{i % 10}"
+        kind = kinds[label]
         for ax, panel in zip(axes, panels, strict=True):
+            if panel.personal is not None and panel.personal != kind.personalised:
+                continue
             stacked = pd.concat(
                 [f.set_index("round")[panel.column] for f in frames], axis=1
             ).apply(pd.to_numeric, errors="coerce")
@@ -348,12 +366,14 @@ def comparison_figure(run_dirs: Sequence[Path | str], by: Sequence[str] = ()) ->
             if mean.notna().sum() == 0:
                 continue
             mean = mean.dropna()
+            folded_gap = panel.column == "frobenius-gap" and kind.folds_base
             ax.plot(
                 mean.index,
                 mean,
                 color=color,
                 marker="o",
                 ms=3,
+                linestyle="--" if folded_gap and panel.mixed_folds else "-",
                 label=f"{label} (n={len(frames)})",
             )
             if len(frames) > 1:
@@ -362,7 +382,7 @@ def comparison_figure(run_dirs: Sequence[Path | str], by: Sequence[str] = ()) ->
                     mean.index, mean - std, mean + std, color=color, alpha=0.2
                 )
     several = any(len(frames) > 1 for frames in groups.values())
-    spread = " (mean ± std over seeds)" if several else ""
+    spread = "\n(mean ± std over seeds)" if several else ""
     for ax, panel in zip(axes, panels, strict=True):
         ax.set(title=f"{panel.title}{spread}", xlabel="round", ylabel=panel.ylabel)
         if panel.log and _spans_decade(ax):
@@ -389,17 +409,33 @@ class _Panel(NamedTuple):
     ylabel: str
     log: bool = False  # log scale, where the values span a decade
     from_round_one: bool = False  # leave out round 0 (the initial model)
+    personal: bool | None = None  # only personalised (True) / global (False) runs
+    mixed_folds: bool = False  # gap panel: folded and unfolded gaps together
 
 
-def _panels(frames: Sequence[pd.DataFrame]) -> list[_Panel]:
+GLOBAL_ACCURACY = "accuracy of the global model\n(server's held-out split)"
+PERSONAL_ACCURACY = (
+    "personalised accuracy\n(mean over clients, each on its own held-out part)"
+)
+GAP = "Frobenius gap ||ΔW_ideal - ΔW_agg||_F"
+MIXED_GAP = f"{GAP}\n(dashed: before the fold, which makes the model exact)"
+
+
+def _panels(
+    frames: Sequence[pd.DataFrame],
+    personal: Sequence[bool] = (),
+    folded: Sequence[bool] = (),
+) -> list[_Panel]:
     """The comparison's panels.
 
     The headline metric (``exact-match`` and ``perplexity`` for a causal LM,
-    whose ``accuracy`` column repeats the exact match; else ``accuracy``),
+    whose ``accuracy`` column repeats the exact match; else ``accuracy``:
+    the global models' and, on a panel of its own, the personalised runs'),
     then the Frobenius gap, or the evaluation loss when no run logs a gap.
     Perplexity starts at round 1: the base model's (round 0, e.g. 67 against
     about 4 after round 1) would flatten every difference between methods;
-    its title gives the round-0 mean instead.
+    its title gives the round-0 mean instead. ``personal`` and ``folded``:
+    per group, whether it is personalised / folds its gap into the base.
     """
 
     def logged(column: str) -> bool:
@@ -422,10 +458,25 @@ def _panels(frames: Sequence[pd.DataFrame]) -> list[_Panel]:
             _Panel("exact-match", "exact match", "exact match"),
             _Panel("perplexity", title, "perplexity", log=True, from_round_one=True),
         ]
+    elif personal and all(personal):
+        head = [_Panel("accuracy", PERSONAL_ACCURACY, "personalised accuracy")]
+    elif any(personal):
+        head = [
+            _Panel("accuracy", GLOBAL_ACCURACY, "accuracy", personal=False),
+            _Panel(
+                "accuracy", PERSONAL_ACCURACY, "personalised accuracy", personal=True
+            ),
+        ]
     else:
-        head = [_Panel("accuracy", "accuracy", "accuracy")]
+        head = [_Panel("accuracy", GLOBAL_ACCURACY, "accuracy")]
     if logged("frobenius-gap"):
-        return [*head, _Panel("frobenius-gap", "Frobenius gap", "gap", log=True)]
+        if folded and all(folded):
+            gap = _Panel("frobenius-gap", FOLDED_GAP_TITLE, "gap before the fold", True)
+        elif any(folded):
+            gap = _Panel("frobenius-gap", MIXED_GAP, "gap", True, mixed_folds=True)
+        else:
+            gap = _Panel("frobenius-gap", GAP, "gap", log=True)
+        return [*head, gap]
     return [*head, _Panel("loss", "evaluation loss", "loss")]
 
 

@@ -12,7 +12,14 @@ At the end of every LoRA- or VeRA-family run the server writes
     weights ``W0``: the adapted layers' base weights that differ from the
     model as built, keyed by their names in the *base* model
     (``bert.encoder.layer.0.attention.self.query.weight``). Load them into the
-    base before the adapter (``base.load_state_dict(..., strict=False)``).
+    base before the adapter (``base.load_state_dict(..., strict=False)``), or
+    let :func:`load_adapter` do both: it refuses a directory whose base
+    weights are missing (:class:`MissingBaseWeightsError`). PEFT cannot carry
+    them (``PeftModel.from_pretrained`` loads adapter and ``modules_to_save``
+    tensors only), so the directory is marked for plain PEFT users: its
+    ``adapter_config.json`` has the key :data:`BASE_WEIGHTS_MARKER` (peft
+    ignores it with a ``UserWarning`` naming it) and peft's ``README.md``
+    starts with the instruction.
 ``fedlr_export.json``, ``README.txt``
     What the directory holds (``content``: ``adapter``,
     ``adapter+folded-base`` or ``shared-part``), the method, the model, and
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -36,24 +44,27 @@ from typing import Any
 import torch
 from peft import PeftModel
 from peft.tuners.tuners_utils import BaseTunerLayer
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from fedlr.adapters import Role
 from fedlr.adapters.lora import LoraModel
 from fedlr.adapters.roles import AdaptedModel
 from fedlr.adapters.vera import VeraModel
-from fedlr.errors import FedLRError
+from fedlr.errors import FedLRError, UnknownKeyError
 from fedlr.strategies.registry import MethodConfig
 from fedlr.tasks import text_task
 from fedlr.vera_tasks import VeraOptions, build_vera_text_model
 
 __all__ = [
     "BASE_WEIGHTS",
+    "BASE_WEIGHTS_MARKER",
     "EXPORT_DIR",
     "EXPORT_INFO",
+    "MissingBaseWeightsError",
     "build_export_model",
     "export_adapter",
     "folded_base_weights",
+    "load_adapter",
 ]
 
 _LOG = logging.getLogger("fedlr")
@@ -64,6 +75,17 @@ BASE_WEIGHTS = "base_weights.safetensors"
 EXPORT_INFO = "fedlr_export.json"
 EXPORTED_KINDS = ("lora", "vera")
 """Payload kinds whose adapters are peft methods."""
+BASE_WEIGHTS_MARKER = "fedlr_requires_base_weights_safetensors"
+"""Key added to ``adapter_config.json`` of an ``adapter+folded-base`` export
+(value: what to do). peft ignores unknown keys with a ``UserWarning`` that
+names this one: the only sign a plain ``PeftModel.from_pretrained`` gives."""
+
+
+class MissingBaseWeightsError(FedLRError, FileNotFoundError):
+    """An exported adapter of a method that folds into the base (FedEx-LoRA,
+    VeRA-FedEx, FLoRA) is loaded without its ``base_weights.safetensors``:
+    the adapter alone is not the trained model (on the base as built it
+    evaluates to another accuracy, without any error from peft)."""
 
 
 def build_export_model(
@@ -135,7 +157,15 @@ def _readme(info: Mapping[str, Any]) -> str:
             "    from safetensors.torch import load_file",
             f"    base.load_state_dict(load_file('{BASE_WEIGHTS}'), strict=False)",
         ]
-    lines += ["    model = PeftModel.from_pretrained(base, '<this directory>')", ""]
+    lines += [
+        "    model = PeftModel.from_pretrained(base, '<this directory>')",
+        "",
+        "or, with fedlr installed (it refuses a folder that misses a file):",
+        "",
+        "    from fedlr.export import load_adapter",
+        "    model = load_adapter(base, '<this directory>')",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -207,6 +237,7 @@ def _export(
     elif folded:
         content = "adapter+folded-base"
         save_file(folded, str(out / BASE_WEIGHTS))
+        _mark_folded(out, spec.name, len(folded))
         description = (
             f"{spec.name} folds its residuals into the frozen base weights: "
             f"{BASE_WEIGHTS} holds the {len(folded)} folded base weights (names "
@@ -229,6 +260,92 @@ def _export(
     (out / "README.txt").write_text(_readme(info))
     _LOG.info("fedlr: adapter (%s) exported to %s", content, out)
     return {"adapter-export": str(out), "adapter-content": content}
+
+
+def _folded_note(method: str, count: int) -> str:
+    return (
+        f"{method} folded its residuals into {count} base weights: load "
+        f"{BASE_WEIGHTS} into the base model before this adapter "
+        f"(base.load_state_dict(load_file('{BASE_WEIGHTS}'), strict=False)) or "
+        "use fedlr.export.load_adapter(base, directory); the adapter alone "
+        "on the base as built is not the trained model"
+    )
+
+
+def _mark_folded(out: Path, method: str, count: int) -> None:
+    """Tell plain peft users that the adapter needs the folded base weights:
+    a key of ``adapter_config.json`` (peft warns that it ignores it, naming
+    it) and a first section of peft's ``README.md`` model card."""
+    note = _folded_note(method, count)
+    config_path = out / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    config[BASE_WEIGHTS_MARKER] = note
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True))
+    card = out / "README.md"
+    body = card.read_text() if card.is_file() else ""
+    warning = f"# Needs {BASE_WEIGHTS}\n\n{note}.\n\n"
+    if body.startswith("---"):  # keep peft's YAML front matter first
+        end = body.find("\n---", 3)
+        if end >= 0:
+            split = end + len("\n---\n")
+            body = body[:split] + "\n" + warning + body[split:]
+        else:
+            body = warning + body
+    else:
+        body = warning + body
+    card.write_text(body)
+
+
+def load_adapter(base: torch.nn.Module, directory: str | Path) -> PeftModel:
+    """The exported model: ``base`` with the folded base weights, if the export
+    has any, then the adapter (``PeftModel.from_pretrained``).
+
+    Parameters
+    ----------
+    base : torch.nn.Module
+        The base model as the run built it (same ``model`` and, for fedlr's
+        seeded tiny models, the same ``seed``); its folded weights are
+        replaced in place.
+    directory : str or pathlib.Path
+        The run's ``adapter/`` directory.
+
+    Raises
+    ------
+    MissingBaseWeightsError
+        If the export folded residuals into the base (``content``
+        ``adapter+folded-base``, or the marker in ``adapter_config.json``) and
+        ``base_weights.safetensors`` is not in ``directory``.
+    UnknownKeyError
+        If the base weights do not belong to ``base`` (a name it lacks).
+    """
+    folder = Path(directory)
+    info_path = folder / EXPORT_INFO
+    info = json.loads(info_path.read_text()) if info_path.is_file() else {}
+    config_path = folder / "adapter_config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    folded = (
+        info.get("content") == "adapter+folded-base" or BASE_WEIGHTS_MARKER in config
+    )
+    weights = folder / BASE_WEIGHTS
+    if folded and not weights.is_file():
+        raise MissingBaseWeightsError(
+            f"{weights} is missing: {info.get('method', 'the method')} folded its "
+            f"residuals into the base weights, and the adapter without "
+            f"{BASE_WEIGHTS} is not the trained model; copy the file back from "
+            "the run's adapter directory"
+        )
+    if weights.is_file():
+        loaded = base.load_state_dict(load_file(str(weights)), strict=False)
+        if loaded.unexpected_keys:
+            raise UnknownKeyError(
+                f"{weights} names weights the base model does not have "
+                f"({', '.join(sorted(loaded.unexpected_keys)[:3])}): another model?"
+            )
+    with warnings.catch_warnings():  # the marker did its job: checked above
+        warnings.filterwarnings(
+            "ignore", message=f".*{BASE_WEIGHTS_MARKER}", category=UserWarning
+        )
+        return PeftModel.from_pretrained(base, str(folder))
 
 
 def _sent_roles(adapted: AdaptedModel, state: Mapping[str, torch.Tensor]) -> set[Role]:

@@ -12,7 +12,10 @@ Figures (each written only when some run has the data):
     model, ``summary.json``'s ``initial-accuracy`` / ``initial-loss``) when
     the run recorded it.
 ``gap.png``
-    Frobenius gap ``||ΔW_ideal - ΔW_agg||_F`` per round, log scale.
+    Frobenius gap ``||ΔW_ideal - ΔW_agg||_F`` per round, log scale; for a
+    method that folds it into the base weights (FedEx-LoRA, VeRA-FedEx) the
+    gap of the factors before the fold, which the title says (the fold makes
+    the model exact).
 ``rank.png``
     Adapter rank per round, only when a rank changes (FedSpec grows it,
     HetLoRA prunes) or the runs differ in rank.
@@ -22,14 +25,22 @@ Figures (each written only when some run has the data):
 ``lm.png``
     Causal-LM runs: exact match of the greedy answers and response
     perplexity (log scale) per round (:func:`lm_figure`).
+``epsilon.png``
+    Runs with differential privacy: the epsilon spent per round, one panel
+    per mechanism (``dp-epsilon``, ``client-dp-epsilon``; :func:`epsilon_figure`).
 ``accuracy_matrix.png``
     Continual runs: accuracy on task ``j`` (columns) after training task ``t``
     (rows), one heatmap panel per run, ACC and FGT in the title.
 
-A run is labelled by its method, plus the seed when several runs share a
-method. Round axes have integer ticks; every panel has a legend; QR-Mix's
-switch to stage 2 and a continual run's task boundaries are dashed vertical
-lines on the per-round panels.
+A run is labelled by its method plus ``key=value`` for every config key
+whose value differs between the runs drawn (``lr=0.003`` against
+``lr=0.01``; :func:`run_labels`). Accuracy and loss say whether they are the
+global model's (server's held-out split) or personalised (FedSA-LoRA,
+Global / Local SVD: each client's own model on its own held-out part,
+averaged); personalised runs are dashed and labelled ``[personalised]``.
+Round axes have integer ticks; every panel has a legend, under the panel,
+outside the data; QR-Mix's switch to stage 2 and a continual run's task
+boundaries are dotted vertical lines on the per-round panels.
 """
 
 from __future__ import annotations
@@ -60,14 +71,38 @@ __all__ = [
     "RunData",
     "accuracy_matrix_figure",
     "continual_metrics",
+    "differing_keys",
+    "epsilon_figure",
     "figures",
     "lm_figure",
     "load_run",
     "main",
+    "outside_legend",
     "per_round_axes",
     "plot_runs",
+    "run_labels",
     "write_run_plots",
 ]
+
+PERSONAL_COLUMN = "personal-clients"
+"""A results column only personalised methods write."""
+
+EPSILON_PANELS = {
+    "dp-epsilon": "DP-SGD epsilon spent (largest over the nodes)",
+    "client-dp-epsilon": "client-level DP epsilon spent",
+}
+"""The privacy columns and the titles of their panels in ``epsilon.png``."""
+
+PERSONAL_LABEL = "personalised"
+"""Added to a personalised run's label; its lines are dashed."""
+
+FOLDED_GAP_TITLE = (
+    "gap of the factors before the fold\n(the fold into W0 makes the model exact)"
+)
+"""The gap panel's title when every run folds its gap into the base weights."""
+
+_UNLABELLED_KEYS = {"output-dir", "resume-from", "method"}
+"""Config keys never used to tell runs apart (paths; the method leads)."""
 
 MATRIX_FILE = "accuracy_matrix.csv"
 """Continual runs' accuracy matrix: columns ``after-task, task-0, ..``."""
@@ -97,6 +132,13 @@ class RunData:
     label: str = ""
     initial: dict[str, float] | None = None
     """Round 0 (the initial model): ``accuracy`` and ``loss`` where recorded."""
+    personalised: bool = False
+    """The accuracy is personalised (each client's own model on its own
+    held-out part, averaged), not the global model's on the server's split."""
+    folds_base: bool = False
+    """The method folds the factor gap into the base weights (FedEx-LoRA,
+    VeRA-FedEx): its ``frobenius-gap`` is the gap before the fold, not an
+    error of the model."""
 
 
 def _read_matrix(path: Path) -> np.ndarray | None:
@@ -145,20 +187,86 @@ def load_run(run_dir: Path | str) -> RunData:
         matrix=_read_matrix(path / MATRIX_FILE),
         label=method,
         initial=initial or None,
+        personalised=_personalised(summary, results, method),
+        folds_base=_folds_base(summary, method),
     )
 
 
-def _label_runs(runs: Sequence[RunData]) -> None:
+def _trait(method: str, name: str) -> bool:
+    """A registered method's trait, when the registry is loaded already
+    (the ServerApp, ``fedlr.compare``); plotting alone does not load it."""
+    registry = sys.modules.get("fedlr.strategies.registry")
+    if registry is None:
+        return False
+    try:
+        return bool(getattr(registry.get_method(method).traits, name))
+    except (KeyError, LookupError, ValueError):
+        return False
+
+
+def _personalised(summary: dict[str, Any], results: pd.DataFrame, method: str) -> bool:
+    """``summary.json``'s ``evaluation``, else the personalised methods'
+    ``personal-clients`` column (FedSA-LoRA, Global / Local SVD)."""
+    if "evaluation" in summary:
+        return summary["evaluation"] == "personalised"
+    return PERSONAL_COLUMN in results or _trait(method, "personalised")
+
+
+def _folds_base(summary: dict[str, Any], method: str) -> bool:
+    """``summary.json``'s ``folds-base``, else the registry's trait."""
+    if "folds-base" in summary:
+        return bool(summary["folds-base"])
+    return _trait(method, "folds_base")
+
+
+def differing_keys(configs: Sequence[dict[str, Any]]) -> list[str]:
+    """The config keys whose values differ across ``configs``, in first-seen
+    order; paths and the method left out. A key only some configs have (a
+    method's own option) differs only if those that have it disagree."""
+    keys = list(dict.fromkeys(k for c in configs for k in c))
+    out = []
+    for key in keys:
+        if key in _UNLABELLED_KEYS:
+            continue
+        values = {
+            json.dumps(c[key], sort_keys=True, default=str) for c in configs if key in c
+        }
+        if len(values) > 1:
+            out.append(key)
+    return out
+
+
+def _value_text(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def run_labels(runs: Sequence[RunData], skip: Sequence[str] = ()) -> list[str]:
+    """A label per run: its method, then ``key=value`` for each config key
+    that differs between the runs (e.g. ``fedex-lora lr=0.003``; keys in
+    ``skip`` left out), and ``[personalised]`` for a personalised run. Runs
+    still alike are told apart by their directory names."""
     methods = [
-        r.results["method"].iloc[0] if len(r.results) else r.path.name for r in runs
+        str(r.results["method"].iloc[0]) if len(r.results) else r.path.name
+        for r in runs
     ]
+    keys = [k for k in differing_keys([r.config for r in runs]) if k not in skip]
+    labels = []
     for run, method in zip(runs, methods, strict=True):
-        label = str(method)
-        if methods.count(method) > 1:
-            seed = run.config.get("seed")
-            label = f"{method} seed {seed}" if seed is not None else run.path.name
-            if [m for m in runs if m.label == label and m is not run]:
-                label = run.path.name
+        parts = [method]
+        parts += [f"{k}={_value_text(run.config[k])}" for k in keys if k in run.config]
+        if run.personalised:
+            parts.append(f"[{PERSONAL_LABEL}]")
+        labels.append(" ".join(parts))
+    if skip:
+        return labels
+    return [
+        f"{label} ({run.path.name})" if labels.count(label) > 1 else label
+        for run, label in zip(runs, labels, strict=True)
+    ]
+
+
+def _label_runs(runs: Sequence[RunData]) -> None:
+    for run, label in zip(runs, run_labels(runs), strict=True):
         run.label = label
 
 
@@ -260,7 +368,23 @@ def per_round_axes(ax: Any, runs: Sequence[RunData]) -> None:
             )
             labelled.add(text)
     if ax.get_lines():
-        ax.legend(fontsize=7)
+        outside_legend(ax)
+
+
+def outside_legend(ax: Any) -> None:
+    """The panel's legend under it, outside the data area (``tight_layout``
+    makes room); one column when the labels are long."""
+    _, labels = ax.get_legend_handles_labels()
+    if not labels:
+        return
+    longest = max(len(text) for text in labels)
+    ax.legend(
+        fontsize=7,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.2),
+        ncol=1 if longest > 28 else min(len(labels), 3),
+        frameon=False,
+    )
 
 
 def _rank_changes(runs: Sequence[RunData]) -> bool:
@@ -292,36 +416,110 @@ def figures(runs: Sequence[RunData]) -> dict[str, Figure]:
         out["bytes.png"] = _bytes_figure(runs)
     if _has(runs, "perplexity"):
         out["lm.png"] = lm_figure(runs)
+    if any(_has(runs, column) for column in EPSILON_PANELS):
+        out["epsilon.png"] = epsilon_figure(runs)
     continual = [run for run in runs if run.matrix is not None]
     if continual:
         out["accuracy_matrix.png"] = accuracy_matrix_figure(continual)
     return out
 
 
+def _evaluation_note(runs: Sequence[RunData]) -> str:
+    """What the accuracy and loss panels measure: the global model on the
+    server's held-out split, personalised models (each client's own, on its
+    own held-out part, averaged), or both (dashed lines personalised)."""
+    personal = [run.personalised for run in runs]
+    if all(personal):
+        return "personalised: mean over clients, each on its own held-out part"
+    if any(personal):
+        return (
+            "solid: global model, server's held-out split;\n"
+            "dashed: personalised, each client on its own part"
+        )
+    return "global model, server's held-out split"
+
+
+def _style(run: RunData) -> dict[str, Any]:
+    return {"linestyle": "--"} if run.personalised else {}
+
+
 def _accuracy_loss_figure(runs: Sequence[RunData]) -> Figure:
-    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(10, 4.2))
     for run in runs:
-        _line(ax_acc, run, "accuracy", from_zero=True, label=run.label)
-        _line(ax_loss, run, "loss", from_zero=True, label=run.label)
-    ax_acc.set(title="accuracy per round", xlabel="round", ylabel="accuracy")
-    ax_loss.set(title="loss per round", xlabel="round", ylabel="loss")
+        style = _style(run)
+        _line(ax_acc, run, "accuracy", from_zero=True, label=run.label, **style)
+        _line(ax_loss, run, "loss", from_zero=True, label=run.label, **style)
+    note = _evaluation_note(runs)
+    ax_acc.set(title=f"accuracy per round\n({note})", xlabel="round", ylabel="accuracy")
+    ax_loss.set(title=f"loss per round\n({note})", xlabel="round", ylabel="loss")
     for ax in (ax_acc, ax_loss):
         per_round_axes(ax, runs)
     return fig
 
 
 def _gap_figure(runs: Sequence[RunData]) -> Figure:
-    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    """The Frobenius gap; for methods that fold it into the base weights
+    (FedEx-LoRA) the title says it is the gap before the fold, not an error;
+    mixed with other methods, their lines are dashed and labelled so."""
+    fig, ax = plt.subplots(figsize=(6, 4.4))
+    folded = [run for run in runs if run.folds_base]
     for run in runs:
         frame = run.results
         gap = pd.to_numeric(frame["frobenius-gap"], errors="coerce")
         mask = gap > 0
+        label, linestyle = run.label, "-"
+        if run.folds_base and len(folded) < len(runs):
+            label, linestyle = f"{label} (before the fold)", "--"
         if mask.any():
-            ax.plot(frame["round"][mask], gap[mask], marker="o", ms=3, label=run.label)
+            ax.plot(
+                frame["round"][mask],
+                gap[mask],
+                marker="o",
+                ms=3,
+                label=label,
+                linestyle=linestyle,
+            )
     ax.set_yscale("log")
-    ax.set(title="Frobenius gap ||ΔW_ideal - ΔW_agg||_F", xlabel="round", ylabel="gap")
+    if folded and len(folded) == len(runs):
+        title, ylabel = FOLDED_GAP_TITLE, "||mean(B_i A_i) - B̄Ā||_F folded into W0"
+    elif folded:
+        title = (
+            "Frobenius gap ||ΔW_ideal - ΔW_agg||_F\n(dashed: before the fold, "
+            "which makes the model exact)"
+        )
+        ylabel = "gap"
+    else:
+        title, ylabel = "Frobenius gap ||ΔW_ideal - ΔW_agg||_F", "gap"
+    ax.set(title=title, xlabel="round", ylabel=ylabel)
     per_round_axes(ax, runs)
     return fig
+
+
+def epsilon_figure(runs: Sequence[RunData]) -> Figure:
+    """The privacy spent per round: one panel per DP column a run has
+    (``dp-epsilon``: the largest DP-SGD epsilon a node reported;
+    ``client-dp-epsilon``), titled from :data:`EPSILON_PANELS`."""
+    columns = [c for c in EPSILON_PANELS if _has(runs, c)]
+    fig, axes = plt.subplots(
+        1, len(columns), figsize=(5.5 * len(columns), 4.2), squeeze=False
+    )
+    for ax, column in zip(axes[0], columns, strict=True):
+        for run in runs:
+            _line(ax, run, column, label=run.label)
+        title = EPSILON_PANELS[column]
+        if any(_reproducible(run) for run in runs):
+            title += "\n(REPRODUCIBLE NOISE: not a guarantee)"
+        ax.set(title=title, xlabel="round", ylabel="epsilon")
+        per_round_axes(ax, runs)
+    return fig
+
+
+def _reproducible(run: RunData) -> bool:
+    column = "noise-reproducible"
+    if column not in run.results:
+        return False
+    values = pd.to_numeric(run.results[column], errors="coerce")
+    return bool((values == 1).any())
 
 
 def _rank_figure(runs: Sequence[RunData]) -> Figure:

@@ -73,6 +73,7 @@ __all__ = [
     "FOLD_TAIL",
     "GPSE_EXAMPLES",
     "GPSE_TASK",
+    "HELPER_METRICS",
     "KEEP_ROLES",
     "LEADING_RANK",
     "LOCAL_STEPS",
@@ -443,3 +444,18 @@ def validate_arrays(
         key: decode_array(record[key], tuple(expected[key]), where=f"'{name}' '{key}'")
         for key in record
     }
+
+
+HELPER_METRICS = (
+    PARTITION_ID,
+    PERSONAL_LOADED,
+    PROJECTION_SEED,
+    PROJECTION_RANK,
+    BASE_HELD,
+    RANK_PRUNED,
+)
+"""Reply metrics fedlr's client helpers write that are ids or flags, not
+measurements: left out of what ``train_metrics_aggr_fn`` /
+``evaluate_metrics_aggr_fn`` average (a mean partition id means nothing). The
+strategies read them from each reply; the counts that matter are in fedlr's
+own round metrics (``personal-clients``, ``pruned-clients``)."""

@@ -32,16 +32,19 @@ module: every Flower process imports fedlr, only the server tracks.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import json
 import math
 import numbers
 import os
 import subprocess
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
-from importlib.metadata import PackageNotFoundError, version
+from collections.abc import Mapping, Sequence
+from importlib.metadata import PackageNotFoundError, distribution, version
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlparse
 
 from fedlr.errors import ConfigError
 
@@ -52,6 +55,7 @@ __all__ = [
     "TensorBoardTracker",
     "Tracker",
     "WandbTracker",
+    "check_tracker_installed",
     "code_version",
     "numeric_metrics",
     "open_tracker",
@@ -59,6 +63,9 @@ __all__ = [
 
 TRACKERS = ("none", "tensorboard", "mlflow", "wandb")
 """Values of the run-config key ``tracker``."""
+
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
+"""The package each tracker imports when it is opened (``none`` needs none)."""
 
 MLFLOW_EXPERIMENT = "fedlr"
 TENSORBOARD_DIR = "tensorboard"
@@ -76,31 +83,70 @@ def numeric_metrics(row: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
-def code_version() -> str:
-    """``git describe --tags --always --dirty`` of fedlr's checkout, else its version.
+def code_version(package_dirs: Sequence[Path] | None = None) -> str:
+    """``git describe --always --dirty`` of fedlr's checkout, else its version.
 
-    A source checkout (``pip install -e .``, the usual case) names the commit
-    and whether the tree had changes; an installed package its version.
+    The checkout is the git work tree that tracks the fedlr package being run:
+    the directory it is imported from, else the source directory of an
+    editable install (``pip install -e .``). ``flwr run`` imports fedlr from
+    its copy of the app (no ``.git``), so the editable install's checkout is
+    what names the commit there. A directory inside some other repository
+    (an ignored copy, a home directory under git) does not count: the
+    package's ``__init__.py`` must be tracked. ``package_dirs`` overrides the
+    candidates (tests). Without a usable checkout or ``git``, the installed
+    package's version (``fedlr 0.1.0``); never an error.
     """
-    root = Path(__file__).resolve().parents[1]
-    if (root / ".git").exists():
-        try:
-            done = subprocess.run(
-                ["git", "describe", "--tags", "--always", "--dirty"],
-                cwd=root,
-                capture_output=True,
-                text=True,
-                timeout=10,
-                check=False,
-            )
-        except (OSError, subprocess.SubprocessError):
-            done = None
-        if done is not None and done.returncode == 0 and done.stdout.strip():
-            return f"git {done.stdout.strip()}"
+    candidates = _package_dirs() if package_dirs is None else list(package_dirs)
+    for directory in candidates:
+        described = _git_describe(directory)
+        if described:
+            return f"git {described}"
     try:
         return f"fedlr {version('fedlr')}"
     except PackageNotFoundError:
         return "unknown"
+
+
+def _package_dirs() -> list[Path]:
+    """The fedlr package imported, then the one of an editable install."""
+    here = Path(__file__).resolve().parent
+    dirs = [here]
+    try:
+        text = distribution("fedlr").read_text("direct_url.json")
+        info = json.loads(text) if text else {}
+    except (PackageNotFoundError, OSError, ValueError):
+        info = {}
+    url = info.get("url", "") if isinstance(info, dict) else ""
+    editable = isinstance(info, dict) and info.get("dir_info", {}).get("editable")
+    if editable and isinstance(url, str) and url.startswith("file://"):
+        source = Path(unquote(urlparse(url).path)) / here.name
+        if source.is_dir() and source.resolve() != here:
+            dirs.append(source.resolve())
+    return dirs
+
+
+def _git(directory: Path, *args: str) -> str | None:
+    """``git -C directory args``'s output, or None when it fails."""
+    try:
+        done = subprocess.run(
+            ["git", "-C", str(directory), *args],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _git_describe(package_dir: Path) -> str | None:
+    """``git describe --always --dirty`` of the work tree tracking ``package_dir``."""
+    if not (package_dir / "__init__.py").is_file():
+        return None
+    if _git(package_dir, "ls-files", "--error-unmatch", "__init__.py") is None:
+        return None  # not a work tree, or one that does not track this package
+    return _git(package_dir, "describe", "--always", "--dirty") or None
 
 
 class Tracker(ABC):
@@ -258,6 +304,33 @@ class WandbTracker(Tracker):
 
     def close(self) -> None:
         self._run.finish()
+
+
+def check_tracker_installed(name: str) -> None:
+    """Refuse a tracker whose package is not installed, without importing it.
+
+    Only looks the package up (:func:`importlib.util.find_spec`), so the
+    launcher can say so in one line before anything starts; unknown names
+    are left to the run config's own check.
+
+    Raises
+    ------
+    ConfigError
+        (key ``tracker``) when the tracker's package is missing.
+    """
+    package = TRACKER_PACKAGES.get(name)
+    if package is None or importlib.util.find_spec(package) is not None:
+        return
+    others = [t for t in TRACKER_PACKAGES if t != name and _installed(t)]
+    instead = f", or choose {' or '.join(others)}" if others else ""
+    raise ConfigError(
+        "tracker",
+        f"'{name}' needs the {package} package (pip install {package}){instead}",
+    )
+
+
+def _installed(tracker: str) -> bool:
+    return importlib.util.find_spec(TRACKER_PACKAGES[tracker]) is not None
 
 
 def open_tracker(

@@ -15,8 +15,10 @@ later ``flwr run`` on the machine attaches to. This module wraps these facts:
   stops the run (``flwr stop``) and every process it started, then raises
   :class:`RunInterrupted` with a one-line message;
 - Flower's, Ray's and transformers' noise (the SuperNode-count hint, Ray's
-  accelerator FutureWarning, weight-loading progress bars) is kept out of the
-  output unless ``verbose``.
+  accelerator FutureWarning, weight-loading progress bars, Flower's per-round
+  INFO lines) is kept out of the output unless ``verbose``; fedlr's lines,
+  warnings and errors stay, without ANSI colour codes when stdout is not a
+  terminal.
 
 :func:`stop_local_superlinks` stops the SuperLinks started under a given
 ``FLWR_HOME`` by PID.
@@ -69,6 +71,7 @@ __all__ = [
     "RunInterrupted",
     "RunOutcome",
     "app_run_config",
+    "check_before_start",
     "check_run_config",
     "cli_logging",
     "flwr_env",
@@ -79,6 +82,7 @@ __all__ = [
     "parse_run_config",
     "register_supernode",
     "stop_local_superlinks",
+    "strip_ansi",
     "write_superlink_connection",
 ]
 
@@ -101,6 +105,21 @@ _NOISE = re.compile(
     r"|\d+%\|"  # tqdm progress bars (model loading)
     r"|Loading weights"
 )
+#: Flower's INFO (and DEBUG) lines of each round, noise unless ``verbose``:
+#: fedlr's own round line says what they say. Warnings and errors never match.
+_FLOWER_ROUND = re.compile(
+    r"\s*DEBUG\s*:"
+    r"|\s*INFO\s*:\s*("
+    r"$"  # Flower's empty spacer lines
+    r"|\[ROUND \d+/\d+\]"
+    r"|(configure|aggregate)_(train|evaluate): (Sampled|Received)"
+    r"|\S*\s*└──> (Aggregated )?MetricRecord"
+    r"|Starting \w+ strategy:"
+    r"|Global evaluation\s*$"
+    r")"
+)
+#: ANSI escape sequences (Flower's coloured log levels).
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 _RUN_ID = re.compile(r"Successfully started run (\d+)")
 
 
@@ -192,16 +211,41 @@ def parse_run_config(text: str | None) -> dict[str, Any]:
     Raises
     ------
     ConfigError
-        On text that is not ``key=value`` TOML, naming ``--run-config``.
+        On text that is not ``key=value`` TOML: naming the key whose value
+        does not parse (e.g. ``lora-rank=four``), else ``--run-config``.
     """
     if not text or not text.strip():
         return {}
     try:
         return dict(parse_config_args([text]))
     except click.ClickException as exc:
+        bad = _unparsable_pair(text)
+        if bad is not None:
+            key, value = bad
+            raise ConfigError(
+                key,
+                f"{value} is not a TOML value: write a number, true or false, "
+                f'or a quoted string ({key}="{value.strip(_QUOTES)}")',
+            ) from None
         raise ConfigError("--run-config", exc.message) from None
     except (ValueError, OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError("--run-config", str(exc).splitlines()[0]) from None
+
+
+_QUOTES = "'\""
+
+#: One ``key=value`` pair of ``--run-config``, as Flower's parser splits them.
+_PAIR = re.compile(r"(\S+?)=(\'[^\']*\'|\"[^\"]*\"|\S+)")
+
+
+def _unparsable_pair(text: str) -> tuple[str, str] | None:
+    """The first ``(key, value)`` of ``text`` whose value is not TOML."""
+    for key, value in _PAIR.findall(text):
+        try:
+            tomllib.loads(f"{key} = {value}")
+        except tomllib.TOMLDecodeError:
+            return key, value
+    return None
 
 
 def check_run_config(
@@ -236,6 +280,160 @@ def check_run_config(
             "`python -m fedlr.configdoc write`",
         )
     return method
+
+
+def check_before_start(
+    method: MethodConfig,
+    *,
+    num_supernodes: int | None = None,
+    client_gpus: float = 0.0,
+) -> None:
+    """Make, now, the refusals the ServerApp or the simulation would make at start.
+
+    Each is cheap and builds no model: the data set against the data
+    registry (and the task's kind of data set), the tracker's package, secure
+    aggregation's eligibility and share count (with client-level DP: the
+    quantiser's room for the noise), ``min-replies`` against the nodes a round
+    samples, and CUDA for ``quantization`` or ``client_gpus``. The run-config
+    checks of :func:`check_run_config` (the method, keys, types, privacy) come
+    first.
+
+    Parameters
+    ----------
+    method : MethodConfig
+        The resolved run config (:func:`check_run_config`).
+    num_supernodes : int, optional
+        The local simulation's node count; ``None`` for a deployment, whose
+        node count, GPUs and server packages are not known here (those
+        checks are skipped).
+    client_gpus : float
+        Share of a GPU per simulated client (``--client-gpus``).
+
+    Raises
+    ------
+    ConfigError
+        Naming the key (or the ``--option``) that would be refused.
+    """
+    from fedlr.tracking import check_tracker_installed
+
+    run = method.run
+    _check_dataset(method)
+    if num_supernodes is not None:  # a deployment's server has its own packages
+        check_tracker_installed(run.tracker)
+    sampled = None
+    if num_supernodes is not None:
+        sampled = max(int(num_supernodes * run.fraction_train), 1)
+        if run.min_replies > sampled:
+            raise ConfigError(
+                "min-replies",
+                f"{run.min_replies} valid replies are needed per round but a "
+                f"round samples {sampled} of the {num_supernodes} simulated nodes "
+                f"(fraction-train {run.fraction_train}); lower min-replies or "
+                "raise --num-supernodes",
+            )
+    if run.secure_aggregation:
+        _check_secure(method, sampled)
+    if num_supernodes is not None:
+        _check_cuda(run.quantization, client_gpus)
+
+
+def _check_dataset(method: MethodConfig) -> None:
+    """The data set is registered and of the kind the method's task reads."""
+    import difflib
+
+    from fedlr.data import UnknownDatasetError, dataset_info
+    from fedlr.models.causal import CAUSAL_MODELS
+    from fedlr.models.text import TEXT_MODELS
+
+    run = method.run
+    try:
+        spec = dataset_info(run.dataset)
+    except UnknownDatasetError as exc:
+        close = difflib.get_close_matches(run.dataset, exc.known, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise ConfigError(
+            "dataset",
+            f"unknown data set '{run.dataset}'; {hint}known: {', '.join(exc.known)}",
+        ) from None
+    image_task = method.spec.payload.name == "qrmix"  # the image ServerPlan
+    if image_task != (spec.kind == "image"):
+        task = "an image method" if image_task else f"method '{method.spec.name}'"
+        need = "image" if image_task else "text or instruction"
+        raise ConfigError(
+            "dataset",
+            f"'{spec.name}' is a data set of kind {spec.kind}; {task} needs an "
+            f"{need} data set",
+        )
+    if spec.kind == "instruct" and run.model in TEXT_MODELS:
+        raise ConfigError(
+            "model",
+            f"'{run.model}' is an encoder classifier; instruction tuning on "
+            f"'{spec.name}' needs a decoder ({', '.join(CAUSAL_MODELS)} or a hub id)",
+        )
+    if spec.kind == "text" and run.model in CAUSAL_MODELS:
+        raise ConfigError(
+            "model",
+            f"'{run.model}' is a decoder; classifying '{spec.name}' needs an "
+            f"encoder ({', '.join(TEXT_MODELS)} or a hub id)",
+        )
+
+
+def _check_secure(method: MethodConfig, sampled: int | None) -> None:
+    """SecAgg+'s refusals of :func:`fedlr.server_apps.secagg.secure_exchange`."""
+    from fedlr.errors import SecureAggregationError
+    from fedlr.privacy import distributed_dp
+    from fedlr.privacy.secagg import check_eligible
+    from fedlr.strategies.registry import registered_methods
+
+    run = method.run
+    eligible = [m.name for m in registered_methods() if m.traits.sum_only]
+    try:
+        check_eligible(
+            method.spec.name,
+            method.spec.traits.sum_only,
+            eligible,
+            robust=run.robust,
+            max_client_weight=run.max_client_weight,
+        )
+        if sampled is None:  # a deployment: the node count is not known here
+            return
+        _, threshold = run.secagg.shares_and_threshold(sampled)
+    except SecureAggregationError as exc:
+        raise ConfigError("secure-aggregation", str(exc)) from None
+    dp = run.privacy.client_dp
+    if dp is not None:
+        distributed_dp.check_range(
+            run.secagg.clipping_range, dp.clip, dp.noise_multiplier, threshold
+        )
+
+
+def _check_cuda(quantization: str, client_gpus: float) -> None:
+    """A GPU share or a bitsandbytes base needs CUDA (and bitsandbytes)."""
+    import importlib.util
+
+    import torch
+
+    if client_gpus < 0:
+        raise ConfigError("--client-gpus", f"must be >= 0, got {client_gpus}")
+    cuda = torch.cuda.is_available()
+    if client_gpus > 0 and not cuda:
+        raise ConfigError(
+            "--client-gpus",
+            f"{client_gpus} of a GPU per client, but torch sees no CUDA GPU on "
+            "this machine: use --client-gpus 0 (CLIENT_GPUS=0)",
+        )
+    if quantization != "none" and not cuda:
+        raise ConfigError(
+            "quantization",
+            f"'{quantization}' needs CUDA (bitsandbytes kernels); this machine "
+            'has none: use quantization="none"',
+        )
+    if quantization != "none" and importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(
+            "quantization",
+            f"'{quantization}' needs the bitsandbytes package "
+            "(pip install bitsandbytes)",
+        )
 
 
 # ------------------------------------------------------------- environment
@@ -325,9 +523,22 @@ def flwr_env(
     return env
 
 
+def strip_ansi(line: str) -> str:
+    """``line`` without ANSI escape sequences (colours, cursor moves)."""
+    return _ANSI.sub("", line)
+
+
 def is_noise(line: str) -> bool:
-    """Whether a CLI output line is Flower/Ray/transformers noise (see ``_NOISE``)."""
-    return _NOISE.search(line) is not None
+    """Whether a CLI output line is Flower/Ray/transformers noise (see ``_NOISE``).
+
+    Flower's per-round INFO lines (``[ROUND n/N]``, ``configure_train:
+    Sampled``, ``aggregate_train: Received``, empty INFO lines) are noise;
+    a fedlr line, a warning and an error never are.
+    """
+    plain = strip_ansi(line)
+    if _FLOWER_ROUND.match(plain) is not None and "fedlr" not in plain:
+        return True
+    return _NOISE.search(plain) is not None
 
 
 def _superlink_arg(superlink: str | None) -> list[str]:
@@ -453,8 +664,13 @@ class _Stream:
     verbose: bool
     lines: list[str] = field(default_factory=list)
     run_id: str | None = None
+    colour: bool | None = None
+    """Keep ANSI colour codes in the echo; ``None``: only if stdout is a TTY."""
 
     def read(self, stream: IO[str]) -> None:
+        colour = self.colour
+        if colour is None:
+            colour = _isatty(sys.stdout)
         try:
             for line in stream:
                 self.lines.append(line)
@@ -463,7 +679,7 @@ class _Stream:
                     if match:
                         self.run_id = match.group(1)
                 if self.echo and (self.verbose or not is_noise(line)):
-                    sys.stdout.write(line)
+                    sys.stdout.write(line if colour else strip_ansi(line))
                     sys.stdout.flush()
         except (ValueError, OSError):  # the pipe was closed: the CLI is gone
             return
@@ -471,6 +687,13 @@ class _Stream:
     @property
     def text(self) -> str:
         return "".join(self.lines)
+
+
+def _isatty(stream: IO[str]) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def flwr_run(
@@ -947,6 +1170,11 @@ def _launch(args: argparse.Namespace) -> int:
     try:
         if is_fedlr_app(app):
             method = check_run_config(app, args.run_config)
+            check_before_start(
+                method,
+                num_supernodes=None if args.superlink else args.num_supernodes,
+                client_gpus=args.client_gpus,
+            )
             reproducible = method.run.reproducible_noise
             _LOG.info(
                 "fedlr: run config checked: method %s, %d rounds",
@@ -955,6 +1183,8 @@ def _launch(args: argparse.Namespace) -> int:
             )
         else:
             parse_run_config(args.run_config)
+            if not args.superlink:
+                _check_cuda("none", args.client_gpus)
         if not args.superlink:
             _node_config_file(args, reproducible)
         elif args.node_config_file:

@@ -396,18 +396,8 @@ class DpSgd(ClientFeature):
     )
     order = 90
 
-    def __init__(
-        self,
-        settings: DpSgdSettings,
-        state: RecordDict,
-        policy: NodePolicy | None = None,
-        *,
-        run_id: int = 0,
-        server_round: int = 0,
-    ) -> None:
-        self.control = PrivateLoop(
-            settings, state, policy, run_id=run_id, server_round=server_round
-        )
+    def __init__(self, control: PrivateLoop) -> None:
+        self.control = control
         self.rounds_before = len(self.control.history)
 
     @classmethod
@@ -440,11 +430,13 @@ class DpSgd(ClientFeature):
             raise ProtocolError(f"the instruction's DP-SGD settings: {exc}") from None
         policy.check_instruction(settings)
         return cls(
-            settings,
-            job.context.state,
-            policy,
-            run_id=int(job.context.run_id),
-            server_round=config_int(config, SERVER_ROUND, 0),
+            PrivateLoop(
+                settings,
+                job.context.state,
+                policy,
+                run_id=int(job.context.run_id),
+                server_round=config_int(config, SERVER_ROUND, 0),
+            )
         )
 
     def loop(self, job: RoundJob) -> PrivateLoop:

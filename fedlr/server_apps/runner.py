@@ -51,6 +51,7 @@ from fedlr.flower.grid import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.plots import write_run_plots
 from fedlr.privacy.client_dp import CLIENT_DP_EPSILON, DP_EPSILON
+from fedlr.privacy.settings import default_delta
 from fedlr.protocol import EXACT_MATCH
 from fedlr.results import ResultsWriter, ensure_output_dir, privacy_summary
 from fedlr.server_apps.plans import ServerPlan, build_plan
@@ -64,7 +65,10 @@ from fedlr.strategies.base import FedLRStrategy
 from fedlr.strategies.registry import MethodConfig, resolve
 from fedlr.tracking import code_version, open_tracker
 
-__all__ = ["ServerRun", "run_server"]
+__all__ = ["REPRODUCIBLE", "ServerRun", "guarantee_lines", "run_server"]
+
+REPRODUCIBLE = "REPRODUCIBLE NOISE (epsilon is not a guarantee)"
+"""What a start-up line and every round line say when the noise is seeded."""
 
 
 def _run_dir(config: RunConfig, run_id: int) -> Path:
@@ -120,6 +124,111 @@ def _check_federation(grid: Grid, config: RunConfig) -> int:
 
 def _mb(nbytes: float) -> str:
     return f"{nbytes / 1e6:.2f} MB"
+
+
+def _g(value: float) -> str:
+    return f"{value:g}"
+
+
+def guarantee_lines(
+    config: RunConfig, nodes: int, exchange: SecAggPlusExchange | None = None
+) -> list[str]:
+    """One start-up line per guarantee in force (``docs/privacy.md``,
+    ``docs/reliability.md``): DP-SGD, client-level DP (central, or distributed
+    under SecAgg+), SecAgg+, the robust rule, the update-size screen, and
+    ``REPRODUCIBLE NOISE`` when ``reproducible-noise`` is set. ``nodes``: the
+    connected nodes (client-level DP's default delta, SecAgg+'s shares)."""
+    lines: list[str] = []
+    privacy = config.privacy
+    dp = privacy.dp_sgd
+    if dp is not None:
+        if dp.noise_multiplier > 0:
+            noise = f"sigma {_g(dp.noise_multiplier)}"
+            if dp.epsilon > 0:
+                noise += f", run budget epsilon {_g(dp.epsilon)}"
+        else:
+            noise = (
+                f"sigma derived on each node from the run budget epsilon "
+                f"{_g(dp.epsilon)} over {dp.rounds} rounds x {config.local_steps} "
+                "local steps"
+            )
+        delta = _g(dp.delta) if dp.delta else "min(1e-5, 1/(10 n)), n a node's examples"
+        lines.append(
+            f"DP-SGD on every client: per-example clip {_g(dp.max_grad_norm)}, "
+            f"{noise}, delta {delta}, accountant {dp.accountant}; a node's own "
+            "limits (dp-required, dp-epsilon-budget, its delta and clip ceilings) "
+            "may refuse a round"
+        )
+    client = privacy.client_dp
+    if client is not None:
+        delta_value = client.delta or default_delta(nodes)
+        delta = (
+            _g(client.delta)
+            if client.delta
+            else (f"{_g(delta_value)} (min(1e-5, 1/(10 N)), N = {nodes} nodes)")
+        )
+        if exchange is not None:
+            where = (
+                "distributed under SecAgg+ (each node clips its update and adds "
+                "its share of Skellam noise; the server unmasks only the noised "
+                "sum), accountant Skellam RDP without subsampling"
+            )
+        else:
+            where = (
+                f"central (the server clips each update and noises the mean), "
+                f"accountant {client.accountant}"
+            )
+        lines.append(
+            f"client-level DP: update clip {_g(client.clip)}, z "
+            f"{_g(client.noise_multiplier)}, delta {delta}, {where}"
+        )
+    if exchange is not None:
+        settings = exchange.settings
+        sampled = max(int(nodes * config.fraction_train), 1)
+        shares, threshold = settings.shares_and_threshold(sampled)
+        lines.append(
+            f"SecAgg+ on every train round (the server sees only the sum): "
+            f"{shares} shares of {sampled} clients, threshold {threshold}, "
+            f"clipping range [-{_g(settings.clipping_range)}, "
+            f"{_g(settings.clipping_range)}], {settings.quantization_range} "
+            "quantisation levels"
+        )
+    robust = config.robust_config
+    if robust.rule != "none" or robust.max_client_weight < 1.0:
+        detail = {
+            "norm-clip": "norm-clip at "
+            + (
+                _g(robust.clip_norm)
+                if robust.clip_norm
+                else "the round's median update norm"
+            ),
+            "trimmed-mean": f"trimmed-mean leaving out {_g(robust.trim_fraction)} "
+            "of the clients",
+            "median": "geometric median",
+            "none": "no rule",
+        }[robust.rule]
+        cap = (
+            f", max client weight {_g(robust.max_client_weight)}"
+            if robust.max_client_weight < 1.0
+            else ""
+        )
+        lines.append(f"robust aggregation: {detail}{cap}")
+    if config.screen_ratio > 0 and exchange is None:
+        against = (
+            "the published global state's norm"
+            if client is not None
+            else "the round's median update norm (and above the model's norm)"
+        )
+        lines.append(
+            f"update-size screen: a reply whose update norm is above "
+            f"{_g(config.screen_ratio)}x {against} is dropped"
+        )
+    if config.reproducible_noise:
+        lines.append(
+            f"{REPRODUCIBLE}: the privacy noise comes from the run seed; anyone "
+            "who knows it can subtract the noise"
+        )
+    return lines
 
 
 def run_server(grid: Grid, context: Context) -> Path:
@@ -230,6 +339,8 @@ class ServerRun:
         )
         if plan.description:
             log(INFO, "fedlr: %s", plan.description)
+        for line in guarantee_lines(config, nodes, exchange):
+            log(INFO, "fedlr: %s", line)
         strategy.summary()
         return cls(method, plan, run_dir, writer, resume, exchange=exchange)
 
@@ -354,8 +465,9 @@ class ServerRun:
     ) -> None:
         """The round's one line: headline metric and loss (``scores``), gap,
         bytes, the strategy's client counts (``metrics``), time and ETA, then
-        the plan's extra columns of the results ``row``; ``REPRODUCIBLE
-        NOISE`` when the privacy noise comes from the run seed."""
+        the plan's extra columns of the results ``row``, the privacy spent
+        (:meth:`epsilon_text`, with DP on); ``REPRODUCIBLE NOISE`` when the
+        privacy noise comes from the run seed."""
         headline = self.headline
         accuracy, loss = scores
         extras = " ".join(
@@ -368,7 +480,7 @@ class ServerRun:
         log(
             INFO,
             "fedlr [round %d/%d] %s %.4f loss %.4f %s"
-            "up %s down %s clients %d dropped %d %.1fs %s%s%s",
+            "up %s down %s clients %d dropped %d %.1fs %s%s%s%s",
             server_round,
             self.config.num_server_rounds,
             headline,
@@ -382,10 +494,24 @@ class ServerRun:
             seconds,
             self.clock.lap(seconds, self.config.num_server_rounds - server_round),
             f" {extras}" if extras else "",
-            " REPRODUCIBLE NOISE (epsilon is not a guarantee)"
-            if self.config.privacy.reproducible
-            else "",
+            self.epsilon_text(row),
+            f" {REPRODUCIBLE}" if self.config.privacy.reproducible else "",
         )
+
+    def epsilon_text(self, row: Mapping[str, Any]) -> str:
+        """`` dp-epsilon 1.88 client-dp-epsilon 12.3`` for the DP mechanisms on
+        (``n/a`` for a round that reported none, e.g. every node refused)."""
+        privacy = self.config.privacy
+        parts = []
+        for key, on in (
+            (DP_EPSILON, privacy.dp_sgd is not None),
+            (CLIENT_DP_EPSILON, privacy.client_dp is not None),
+        ):
+            if on:
+                value = row.get(key)
+                finite = isinstance(value, (int, float)) and math.isfinite(value)
+                parts.append(f"{key} {value:.3g}" if finite else f"{key} n/a")
+        return "".join(f" {p}" for p in parts)
 
     def checkpoint(self, server_round: int, arrays: ArrayRecord) -> None:
         """Save the round's checkpoint, unless the round was rejected."""
@@ -453,6 +579,12 @@ class ServerRun:
             summary.update(self.plan.finish(run_dir))
         last = int(frame["round"].iloc[-1]) if len(frame) else 0
         summary.update(export_adapter(self.method, final, run_dir, rounds=last))
+        headline = self.headline
+        summary["headline-metric"] = headline
+        summary["evaluation"] = "personalised" if strategy.personalised else "global"
+        summary["folds-base"] = bool(self.method.spec.traits.folds_base)
+        if headline in frame and len(frame):
+            summary[f"final-{headline}"] = float(frame[headline].iloc[-1])
         summary["code-version"] = code_version()
         summary["settings"] = self.method.to_mapping()
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -461,8 +593,9 @@ class ServerRun:
         log(INFO, "fedlr: plots %s", ", ".join(p.name for p in plots))
         log(
             INFO,
-            "fedlr: finished, final accuracy %.4f; results in %s",
-            summary["final-accuracy"],
+            "fedlr: finished, final %s %.4f; results in %s",
+            headline,
+            summary.get(f"final-{headline}", summary["final-accuracy"]),
             run_dir,
         )
         return run_dir

@@ -70,8 +70,11 @@ from fedlr.robust import (
     UpdateSpace,
     robust_aggregate,
 )
-from fedlr.strategies.replies import ReplyChecks, short
+from fedlr.strategies.replies import ReplyChecks, short, without_helper_metrics
 from fedlr.updates import ClientUpdate
+
+NO_EVALUATE_HANDLER = "No evaluate function registered"
+"""Flower's error reason when a ClientApp has no ``@app.evaluate()``."""
 
 __all__ = ["ClientUpdate", "Exchange", "FedLRStrategy", "RoundReport"]
 
@@ -183,6 +186,15 @@ class FedLRStrategy(ReplyChecks, FedAvg):
         A round whose new global arrays differ from the current ones by more
         than this times the current arrays' norm is rejected (the previous
         global state is kept); 0: only non-finite results are rejected.
+    evaluate : bool, optional
+        Whether the ClientApp answers federated evaluation (has an
+        ``@app.evaluate()`` function). ``False`` sets ``fraction_evaluate`` to
+        0 (nothing is sent to evaluate); ``True`` keeps ``fraction_evaluate``
+        (Flower's default 1.0). Not given: Flower's ``fraction_evaluate``
+        holds, :meth:`summary` says at start-up that federated evaluation is
+        on and how to turn it off, and if every evaluate reply of a round is
+        Flower's ``No evaluate function registered`` error the strategy logs
+        that once and stops sending evaluate instructions.
     screen_ratio : float, default 20.0
         A reply whose update norm (in :meth:`robust_space`) exceeds this times
         the round's median update norm, and the current state's norm, is
@@ -229,9 +241,19 @@ class FedLRStrategy(ReplyChecks, FedAvg):
         screen_ratio: float = DEFAULT_SCREEN_RATIO,
         privacy: PrivacyConfig | None = None,
         options: Options | None = None,
+        evaluate: bool | None = None,
         **kwargs: Any,
     ) -> None:
         self.method_options: Options = self.own_options(options, kwargs)
+        if evaluate is False:
+            kwargs["fraction_evaluate"] = 0.0
+        elif evaluate and kwargs.get("fraction_evaluate", 1.0) == 0.0:
+            raise ValueError(
+                "evaluate=True asks for federated evaluation, but fraction_evaluate "
+                "is 0.0: nothing would be sent to evaluate"
+            )
+        self.client_evaluates = evaluate
+        """Whether the ClientApp evaluates (``None``: not said, see the class)."""
         if min_replies < 1:
             raise ValueError(f"min_replies must be >= 1, got {min_replies}")
         if not 0.0 < lr_decay <= 1.0:
@@ -453,6 +475,7 @@ class FedLRStrategy(ReplyChecks, FedAvg):
             "privacy": config.privacy,
             "screen_ratio": config.screen_ratio,
             "fraction_evaluate": 1.0 if cls.federated_evaluation else 0.0,
+            "evaluate": cls.federated_evaluation,
             "min_train_nodes": 1,
             "min_evaluate_nodes": 1,
             "min_available_nodes": 1,
@@ -512,6 +535,14 @@ class FedLRStrategy(ReplyChecks, FedAvg):
                 "\t├──> nodes' models checked against a fingerprint of %d frozen "
                 "weights of the server's model",
                 len(self.base_fingerprint.keys),
+            )
+        if self.client_evaluates is None and self.fraction_evaluate > 0.0:
+            log(
+                INFO,
+                "\t├──> federated evaluation is on (fraction_evaluate=%s): every "
+                "round's global arrays go to the ClientApps' @app.evaluate(); for "
+                "a ClientApp without one, build the strategy with evaluate=False",
+                self.fraction_evaluate,
             )
         super().summary()
 
@@ -773,11 +804,12 @@ class FedLRStrategy(ReplyChecks, FedAvg):
         """The clients' own metrics by ``train_metrics_aggr_fn``; those of the
         clients the robust rule left out are aggregated apart (``trimmed-``)."""
         clients = self.train_metrics_aggr_fn(
-            [u.content for u in updates], self.weighted_by_key
+            [without_helper_metrics(u.content) for u in updates], self.weighted_by_key
         )
         if left_out:
             trimmed = self.train_metrics_aggr_fn(
-                [u.content for u in left_out], self.weighted_by_key
+                [without_helper_metrics(u.content) for u in left_out],
+                self.weighted_by_key,
             )
             clients = with_trimmed(clients, trimmed)
         return clients
@@ -960,9 +992,31 @@ class FedLRStrategy(ReplyChecks, FedAvg):
 
         A reply carries a MetricRecord only (no arrays needed); an error reply
         or one without exactly one MetricRecord and a positive integer weight
-        is dropped with a logged reason. ``None`` when no reply is valid.
+        is dropped with a logged reason. ``None`` when no reply is valid. The
+        helpers' ids and flags (:data:`fedlr.protocol.HELPER_METRICS`) are not
+        averaged.
+
+        When ``evaluate`` was not given and every reply is Flower's ``No
+        evaluate function registered`` error, the ClientApp cannot evaluate:
+        one warning says so and ``fraction_evaluate`` becomes 0 for the rest
+        of the run.
         """
         contents: list[RecordDict] = []
+        replies = list(replies)
+        if self.no_evaluate_handler(replies):
+            log(
+                WARNING,
+                "round %d: the ClientApps have no @app.evaluate() (%d replies: "
+                "'%s'); federated evaluation is off from now on "
+                "(fraction_evaluate=0.0). Build the strategy with evaluate=False "
+                "to skip it from the start",
+                server_round,
+                len(replies),
+                NO_EVALUATE_HANDLER,
+            )
+            self.fraction_evaluate = 0.0
+            self.min_evaluate_nodes = 0
+            return None
         for message in replies:
             node = int(message.metadata.src_node_id)
             try:
@@ -979,10 +1033,22 @@ class FedLRStrategy(ReplyChecks, FedAvg):
                     exc,
                 )
                 continue
-            contents.append(message.content)
+            contents.append(without_helper_metrics(message.content))
         if not contents:
             return None
         return self.evaluate_metrics_aggr_fn(contents, self.weighted_by_key)
+
+    def no_evaluate_handler(self, replies: list[Message]) -> bool:
+        """Whether ``replies`` show that the ClientApp has no evaluate function
+        (all of them Flower's error for it), when ``evaluate`` was not given."""
+        return (
+            self.client_evaluates is None
+            and bool(replies)
+            and all(
+                m.has_error() and NO_EVALUATE_HANDLER in str(m.error.reason)
+                for m in replies
+            )
+        )
 
 
 keep_ledger(FedLRStrategy)

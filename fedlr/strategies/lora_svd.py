@@ -52,6 +52,7 @@ from fedlr.linalg import (
 )
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.lora import LoraStrategy
+from fedlr.strategies.replies import without_helper_metrics
 
 __all__ = ["PersonalArrays", "PersonalLoraStrategy", "SeededLoraStrategy"]
 
@@ -431,7 +432,7 @@ class PersonalLoraStrategy(SeededLoraStrategy):
                 continue
             try:  # the user's metrics are aggregated by evaluate_metrics_aggr_fn
                 self.reply_weight(int(message.metadata.src_node_id), message.content)
-                contents.append(message.content)
+                contents.append(without_helper_metrics(message.content))
             except ReplyValidationError as exc:
                 log(WARNING, "round %d: evaluate reply: %s", server_round, exc)
             acc, loss = metrics.get("accuracy"), metrics.get("loss")

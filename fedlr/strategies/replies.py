@@ -27,7 +27,7 @@ from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from fedlr.errors import ProtocolError, ReplyValidationError
 from fedlr.flower.records import record_nbytes
 from fedlr.privacy.settings import PrivacyConfig
-from fedlr.protocol import PARTITION_ID, validate_arrays
+from fedlr.protocol import HELPER_METRICS, PARTITION_ID, validate_arrays
 from fedlr.robust import ScreenOutcome, UpdateSpace, screen_sizes
 from fedlr.updates import ClientUpdate
 
@@ -373,3 +373,22 @@ class ReplyChecks:
         reply without one is dropped. Default: none.
         """
         return {}
+
+
+def without_helper_metrics(content: RecordDict) -> RecordDict:
+    """``content`` with :data:`fedlr.protocol.HELPER_METRICS` left out of its
+    MetricRecords (a copy; the same object when it has none of them)."""
+    if not any(
+        key in record
+        for record in content.metric_records.values()
+        for key in HELPER_METRICS
+    ):
+        return content
+    out = RecordDict()
+    for name, record in content.items():
+        if isinstance(record, MetricRecord):
+            record = MetricRecord(
+                {k: v for k, v in record.items() if k not in HELPER_METRICS}
+            )
+        out[name] = record
+    return out

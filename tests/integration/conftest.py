@@ -1,8 +1,14 @@
-"""Fixtures of the integration tests: a fresh FLWR_HOME per `flwr run` test."""
+"""Fixtures of the integration tests: a fresh FLWR_HOME per `flwr run` test.
+
+Each `flwr run` of these tests goes through :func:`fedlr.flower.launch.flwr_run`,
+which starts a SuperLink of its own (free ports, ``FLWR_HOME/local/<port>/``,
+:class:`fedlr.flower.launch.LocalSuperLink`), as ``make run`` does: another
+``flower-superlink`` on the machine (a user's own run, another test session)
+is neither used nor waited for, nor stopped.
+"""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -10,36 +16,32 @@ from pathlib import Path
 import pytest
 
 
-def superlink_pids() -> list[int]:
-    """PIDs of every running ``flower-superlink`` on this machine."""
+def superlink_pids(home: Path | None = None) -> list[int]:
+    """PIDs of the running ``flower-superlink`` processes (under ``home`` if given)."""
     import psutil
 
-    return [
-        p.info["pid"]
-        for p in psutil.process_iter(["pid", "cmdline"])
-        if any("flower-superlink" in part for part in p.info.get("cmdline") or [])
-    ]
+    text = None if home is None else str(Path(home).resolve())
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = proc.info.get("cmdline") or []
+        if not any("flower-superlink" in part for part in cmdline):
+            continue
+        if text is None or any(text in part for part in cmdline):
+            found.append(int(proc.info["pid"]))
+    return found
 
 
 @contextmanager
 def local_superlink_home(home: Path) -> Iterator[Path]:
-    """``home`` as FLWR_HOME; the SuperLink `flwr run` starts is stopped by PID.
+    """``home`` as FLWR_HOME; the SuperLinks started under it are stopped by PID.
 
-    `flwr run` uses any SuperLink already listening, so this waits (up to a
-    minute) for another test's SuperLink to go away first, and fails if one
-    is still running.
+    ``flwr_run`` gives each run a SuperLink of its own under
+    ``home/local/<port>/``, so SuperLinks elsewhere on the machine do not
+    matter; after the block, only those whose files live under ``home`` are
+    stopped (:func:`fedlr.flower.launch.stop_local_superlinks`).
     """
     from fedlr.flower.launch import stop_local_superlinks
 
-    deadline = time.monotonic() + 60
-    while superlink_pids() and time.monotonic() < deadline:
-        time.sleep(2)
-    others = superlink_pids()
-    if others:
-        pytest.fail(
-            f"a flower-superlink is already running (PIDs {others}); `flwr run` "
-            "would use it instead of starting one for this test. Stop it first."
-        )
     try:
         yield home
     finally:

@@ -104,6 +104,9 @@ def _start(name: str, home: Path, output: Path, rounds: int) -> Launch:
         "1",
         "--run-config",
         format_run_config(config),
+        # Flower's per-round lines ('[ROUND 1/30]', 'configure_train: Sampled')
+        # mark the moment to interrupt; the launcher shows them with --verbose
+        "--verbose",
     ]
     proc = subprocess.Popen(
         cmd,

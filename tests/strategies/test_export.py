@@ -20,7 +20,14 @@ from peft import PeftModel
 from safetensors.torch import load_file
 
 from fedlr.config import RunConfig
-from fedlr.export import BASE_WEIGHTS, EXPORT_DIR, EXPORT_INFO
+from fedlr.export import (
+    BASE_WEIGHTS,
+    BASE_WEIGHTS_MARKER,
+    EXPORT_DIR,
+    EXPORT_INFO,
+    MissingBaseWeightsError,
+    load_adapter,
+)
 from fedlr.server_apps.local import run_in_process
 from fedlr.tasks import text_task
 from tests.conftest import tiny_run_config
@@ -82,10 +89,42 @@ def test_exported_adapter_gives_the_final_evaluation(
     assert unexpected == []
     assert result["accuracy"] == summary["final-accuracy"]
     assert result["loss"] == summary["final-loss"]
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert (BASE_WEIGHTS_MARKER in config) == (content == "adapter+folded-base")
+    loaded = _evaluate_with_fedlr_loader(run_dir)  # fedlr's loader: the same numbers
+    assert loaded["accuracy"] == summary["final-accuracy"]
+    assert loaded["loss"] == summary["final-loss"]
     if content == "adapter+folded-base":  # the folded weights are needed
-        (run_dir / EXPORT_DIR / BASE_WEIGHTS).unlink()
+        _check_missing_base_weights(run_dir, summary)
+
+
+def _evaluate_with_fedlr_loader(run_dir: Path) -> dict[str, float]:
+    import warnings
+
+    config = RunConfig.from_mapping(json.loads((run_dir / "config.json").read_text()))
+    task = text_task(config)
+    with warnings.catch_warnings():
+        # fedlr's loader checked the base weights itself: no marker warning
+        warnings.filterwarnings("error", message=f".*{BASE_WEIGHTS_MARKER}")
+        model = load_adapter(task.build_base(), run_dir / EXPORT_DIR)
+    return task.evaluate(model, task.heldout(), torch.device("cpu"))
+
+
+def _check_missing_base_weights(run_dir: Path, summary: dict[str, Any]) -> None:
+    """Without base_weights.safetensors: fedlr's loader refuses naming the
+    file; plain peft loads another model, warning only about the marker key;
+    peft's README.md says what is needed first."""
+    adapter = run_dir / EXPORT_DIR
+    card = (adapter / "README.md").read_text()
+    assert f"# Needs {BASE_WEIGHTS}" in card
+    assert card.index(f"# Needs {BASE_WEIGHTS}") < card.index("## Model Details")
+    (adapter / BASE_WEIGHTS).unlink()
+    config = RunConfig.from_mapping(json.loads((run_dir / "config.json").read_text()))
+    with pytest.raises(MissingBaseWeightsError, match=BASE_WEIGHTS):
+        load_adapter(text_task(config).build_base(), adapter)
+    with pytest.warns(UserWarning, match=BASE_WEIGHTS_MARKER):
         without, _ = _reload_and_evaluate(run_dir)
-        assert without["loss"] != summary["final-loss"]
+    assert without["loss"] != summary["final-loss"]
 
 
 def _check_folded(run_dir: Path, config: RunConfig) -> None:

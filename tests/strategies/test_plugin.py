@@ -656,3 +656,113 @@ def test_legacy_route_takes_the_plugin_initial_arrays():
     want = adapter_state(model, lora_layout(model), FedExLoRA.send_roles)
     for key, array in zip(strategy.send_keys, params, strict=True):
         np.testing.assert_array_equal(array, want[key].numpy())
+
+
+# ------------------------------------- federated evaluation, helper metrics
+def _train_only_run(caplog, **strategy_options):
+    """Three rounds of a ClientApp without @app.evaluate() under Flower's
+    ``strategy.start()``; the strategy from ``for_model(**strategy_options)``."""
+    from flwr.clientapp import ClientApp
+
+    train_only = ClientApp()
+    train_only.train()(plugin_train)
+    config = _config("fedex-lora", **{"num-server-rounds": 3})
+    grid = InProcessGrid(train_only, num_nodes=NODES, run_config=config)
+    model = build_model("fedex-lora")
+    strategy = FedExLoRA.for_model(
+        model, min_available_nodes=NODES, min_train_nodes=NODES, **strategy_options
+    )
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        result = strategy.start(
+            grid=grid,
+            initial_arrays=strategy.initial_arrays(model),
+            num_rounds=3,
+            train_config=ConfigRecord({"lr": 0.1}),
+        )
+    return strategy, result, grid, [r.getMessage() for r in caplog.records]
+
+
+def test_for_model_evaluate_false_sends_no_evaluate_instructions(caplog):
+    strategy, result, grid, lines = _train_only_run(caplog, evaluate=False)
+    assert strategy.fraction_evaluate == 0.0
+    assert grid.messages_sent == NODES * 3  # train instructions only
+    assert dict(result.evaluate_metrics_clientapp) == {}
+    assert sorted(result.train_metrics_clientapp) == [1, 2, 3]
+    assert not [line for line in lines if "evaluat" in line and "dropped" in line]
+    assert not [line for line in lines if "federated evaluation is on" in line]
+
+
+def test_for_model_without_evaluate_says_so_and_stops_after_one_failed_round(caplog):
+    """Not told: one start-up line says federated evaluation is on and how to
+    turn it off; a train-only ClientApp's round-1 errors turn it off with one
+    warning instead of an error per node and round."""
+    strategy, result, grid, lines = _train_only_run(caplog)
+    startup = [line for line in lines if "federated evaluation is on" in line]
+    assert len(startup) == 1 and "evaluate=False" in startup[0]
+    off = [line for line in lines if "have no @app.evaluate()" in line]
+    assert len(off) == 1 and "round 1" in off[0]
+    assert not [line for line in lines if "dropped an evaluate reply" in line]
+    assert strategy.fraction_evaluate == 0.0
+    assert grid.messages_sent == NODES * 3 + NODES  # one evaluate round only
+    assert dict(result.evaluate_metrics_clientapp) == {}
+
+
+def test_for_model_evaluate_true_with_no_fraction_is_refused():
+    with pytest.raises(ValueError, match="fraction_evaluate"):
+        FedExLoRA.for_model(
+            build_model("fedex-lora"), evaluate=True, fraction_evaluate=0.0
+        )
+    strategy = FedExLoRA.for_model(build_model("fedex-lora"), evaluate=True)
+    assert strategy.fraction_evaluate == 1.0  # Flower's default kept
+
+
+def test_evaluating_app_keeps_federated_evaluation_when_not_told():
+    """A ClientApp that evaluates is never switched off, and the helpers' ids
+    and flags are not averaged into the aggregated metrics."""
+    result, grid = _run("fedex-lora", **{"num-server-rounds": 2})
+    assert sorted(result.evaluate_metrics_clientapp) == [1, 2]
+    assert grid.messages_sent == NODES * 2 * 2
+    for metrics in result.train_metrics_clientapp.values():
+        assert protocol.PARTITION_ID not in metrics
+        assert protocol.BASE_HELD not in metrics
+        assert metrics["clients"] == NODES  # fedlr's own count stays
+
+
+@pytest.mark.parametrize("method", ["fedex-lora", "fedsa-lora", "fedavg-vera"])
+def test_helper_ids_and_flags_are_not_averaged(method):
+    """partition-id (ids 0..2 would average to 1), base-held (a version),
+    personal-loaded, VeRA's projection seed and rank: none in the round's
+    aggregated train or evaluate metrics; the user's train-loss is."""
+    result, _ = _run(method)
+    helper = {
+        protocol.PARTITION_ID,
+        protocol.BASE_HELD,
+        protocol.PERSONAL_LOADED,
+        protocol.PROJECTION_SEED,
+        protocol.PROJECTION_RANK,
+        protocol.RANK_PRUNED,
+    }
+    for metrics in result.train_metrics_clientapp.values():
+        assert not helper & set(metrics), sorted(metrics)
+        assert math.isfinite(metrics["train-loss"])
+    for metrics in result.evaluate_metrics_clientapp.values():
+        assert not helper & set(metrics), sorted(metrics)
+
+
+def test_without_helper_metrics_keeps_the_users_metrics():
+    from flwr.app import MetricRecord
+
+    from fedlr.strategies.replies import without_helper_metrics
+
+    content = RecordDict(
+        {
+            "metrics": MetricRecord(
+                {"num-examples": 5, "partition-id": 2, "base-held": 3, "my-f1": 0.5}
+            )
+        }
+    )
+    kept = without_helper_metrics(content)
+    assert dict(kept["metrics"]) == {"num-examples": 5, "my-f1": 0.5}
+    assert dict(content["metrics"])["partition-id"] == 2  # the reply is unchanged
+    plain = RecordDict({"metrics": MetricRecord({"num-examples": 5})})
+    assert without_helper_metrics(plain) is plain

@@ -80,7 +80,7 @@ def test_good_overrides_resolve_with_the_apps_defaults():
 def test_run_config_that_is_not_toml_names_the_option():
     with pytest.raises(ConfigError) as info:
         parse_run_config("lora-rank=four")
-    assert info.value.key == "--run-config"
+    assert info.value.key == "lora-rank"
     assert parse_run_config('a=1 b="x y"') == {"a": 1, "b": "x y"}
 
 

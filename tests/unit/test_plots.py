@@ -78,7 +78,8 @@ def test_several_runs_share_axes_and_are_labelled(tmp_path):
     figs = figures([load_run(d) for d in dirs])
     ax = figs["accuracy_loss.png"].axes[0]
     labels = [line.get_label() for line in ax.get_lines()]
-    assert labels == ["fedex-lora seed 0", "fedex-lora seed 1", "fedavg-lora"]
+    # labelled by the config key that differs between the runs
+    assert labels == ["fedex-lora seed=0", "fedex-lora seed=1", "fedavg-lora seed=0"]
     assert "rank.png" not in figs and "accuracy_matrix.png" not in figs
     out = tmp_path / "plots"
     assert main([*map(str, dirs), "--out", str(out)]) == 0
