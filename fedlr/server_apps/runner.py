@@ -51,7 +51,7 @@ from fedlr.flower.grid import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.plots import write_run_plots
 from fedlr.privacy.client_dp import CLIENT_DP_EPSILON, DP_EPSILON
-from fedlr.privacy.settings import default_delta
+from fedlr.privacy.settings import PrivacyConfig, default_delta
 from fedlr.protocol import EXACT_MATCH
 from fedlr.results import ResultsWriter, ensure_output_dir, privacy_summary
 from fedlr.server_apps.plans import ServerPlan, build_plan
@@ -256,6 +256,21 @@ def run_server(grid: Grid, context: Context) -> Path:
         run.evaluate_round(server_round, arrays)
         run.checkpoint(server_round, arrays)
     return run.finish(arrays)
+
+
+def epsilon_text(privacy: PrivacyConfig, row: Mapping[str, Any]) -> str:
+    """`` dp-epsilon 1.88 client-dp-epsilon 12.3`` for the DP mechanisms on
+    (``n/a`` for a round that reported none, e.g. every node refused)."""
+    parts = []
+    for key, on in (
+        (DP_EPSILON, privacy.dp_sgd is not None),
+        (CLIENT_DP_EPSILON, privacy.client_dp is not None),
+    ):
+        if on:
+            value = row.get(key)
+            finite = isinstance(value, (int, float)) and math.isfinite(value)
+            parts.append(f"{key} {value:.3g}" if finite else f"{key} n/a")
+    return "".join(f" {p}" for p in parts)
 
 
 @dataclass
@@ -466,7 +481,7 @@ class ServerRun:
         """The round's one line: headline metric and loss (``scores``), gap,
         bytes, the strategy's client counts (``metrics``), time and ETA, then
         the plan's extra columns of the results ``row``, the privacy spent
-        (:meth:`epsilon_text`, with DP on); ``REPRODUCIBLE NOISE`` when the
+        (:func:`epsilon_text`, with DP on); ``REPRODUCIBLE NOISE`` when the
         privacy noise comes from the run seed."""
         headline = self.headline
         accuracy, loss = scores
@@ -494,24 +509,9 @@ class ServerRun:
             seconds,
             self.clock.lap(seconds, self.config.num_server_rounds - server_round),
             f" {extras}" if extras else "",
-            self.epsilon_text(row),
+            epsilon_text(self.config.privacy, row),
             f" {REPRODUCIBLE}" if self.config.privacy.reproducible else "",
         )
-
-    def epsilon_text(self, row: Mapping[str, Any]) -> str:
-        """`` dp-epsilon 1.88 client-dp-epsilon 12.3`` for the DP mechanisms on
-        (``n/a`` for a round that reported none, e.g. every node refused)."""
-        privacy = self.config.privacy
-        parts = []
-        for key, on in (
-            (DP_EPSILON, privacy.dp_sgd is not None),
-            (CLIENT_DP_EPSILON, privacy.client_dp is not None),
-        ):
-            if on:
-                value = row.get(key)
-                finite = isinstance(value, (int, float)) and math.isfinite(value)
-                parts.append(f"{key} {value:.3g}" if finite else f"{key} n/a")
-        return "".join(f" {p}" for p in parts)
 
     def checkpoint(self, server_round: int, arrays: ArrayRecord) -> None:
         """Save the round's checkpoint, unless the round was rejected."""
