@@ -379,32 +379,18 @@ def _check_dataset(method: MethodConfig) -> None:
 
 
 def _check_secure(method: MethodConfig, sampled: int | None) -> None:
-    """SecAgg+'s refusals of :func:`fedlr.server_apps.secagg.secure_exchange`."""
+    """SecAgg+'s refusals of :func:`fedlr.server_apps.secagg.secure_exchange`
+    that need no model, as the one-line error a typo gets."""
     from fedlr.errors import SecureAggregationError
-    from fedlr.privacy import distributed_dp
-    from fedlr.privacy.secagg import check_eligible
-    from fedlr.strategies.registry import registered_methods
+    from fedlr.server_apps.secagg import check_secure_config, check_secure_method
 
-    run = method.run
-    eligible = [m.name for m in registered_methods() if m.traits.sum_only]
     try:
-        check_eligible(
-            method.spec.name,
-            method.spec.traits.sum_only,
-            eligible,
-            robust=run.robust,
-            max_client_weight=run.max_client_weight,
-        )
         if sampled is None:  # a deployment: the node count is not known here
-            return
-        _, threshold = run.secagg.shares_and_threshold(sampled)
+            check_secure_method(method)
+        else:
+            check_secure_config(method, sampled)
     except SecureAggregationError as exc:
         raise ConfigError("secure-aggregation", str(exc)) from None
-    dp = run.privacy.client_dp
-    if dp is not None:
-        distributed_dp.check_range(
-            run.secagg.clipping_range, dp.clip, dp.noise_multiplier, threshold
-        )
 
 
 def _check_cuda(quantization: str, client_gpus: float) -> None:

@@ -103,6 +103,50 @@ SECAGG_COLUMNS = ("secagg-bound", "secagg-clipped")
 of the weighted mean, and the summand entries the clipping range cut."""
 
 
+def check_secure_method(method: MethodConfig) -> None:
+    """Whether the method and its robust settings can run under SecAgg+.
+
+    Raises
+    ------
+    SecureAggregationError
+        A method that is not sum-only, or a robust rule or weight cap.
+    """
+    config = method.run
+    eligible = [m for m in available_methods() if get_method(m).traits.sum_only]
+    check_eligible(
+        method.spec.name,
+        method.spec.traits.sum_only,
+        eligible,
+        robust=config.robust,
+        max_client_weight=config.max_client_weight,
+    )
+
+
+def check_secure_config(method: MethodConfig, sampled: int) -> int:
+    """The checks of a SecAgg+ run that need no model (the launcher runs them
+    before the SuperLink starts, the ServerApp again at start-up), for rounds
+    of ``sampled`` nodes; the reconstruction threshold.
+
+    Raises
+    ------
+    SecureAggregationError
+        :func:`check_secure_method`'s refusals, fewer than 2 sampled nodes or
+        too many for the quantisation range.
+    ConfigError
+        Distributed client DP with a ``secagg-clipping-range`` without room
+        for the noise.
+    """
+    check_secure_method(method)
+    config = method.run
+    _, threshold = config.secagg.shares_and_threshold(sampled)
+    dp = config.privacy.client_dp
+    if dp is not None:
+        ddp.check_range(
+            config.secagg.clipping_range, dp.clip, dp.noise_multiplier, threshold
+        )
+    return threshold
+
+
 def secure_exchange(
     method: MethodConfig, strategy: FedLRStrategy, nodes: int
 ) -> SecAggPlusExchange | None:
@@ -122,17 +166,9 @@ def secure_exchange(
     config = method.run
     if not config.secure_aggregation:
         return None
-    eligible = [m for m in available_methods() if get_method(m).traits.sum_only]
-    check_eligible(
-        method.spec.name,
-        method.spec.traits.sum_only,
-        eligible,
-        robust=config.robust,
-        max_client_weight=config.max_client_weight,
-    )
     sampled = max(int(nodes * config.fraction_train), 1)
     settings = config.secagg
-    _, threshold = settings.shares_and_threshold(sampled)  # refuses < 2 or too many
+    threshold = check_secure_config(method, sampled)
     dp = config.privacy.client_dp
     if dp is not None:  # distributed client DP: the server must not noise again
         ddp.check_secure(

@@ -290,6 +290,7 @@ def _round_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if ROUND_LINE.match(r.getMessage())]
 
 
+@pytest.mark.slow  # a subprocess or a whole run: the integration stage
 @pytest.mark.usefixtures("assets")
 def test_a_dp_run_shows_its_guarantee_and_epsilon_every_round(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -325,6 +326,7 @@ def test_a_dp_run_shows_its_guarantee_and_epsilon_every_round(
     assert [ax.get_title() for ax in fig.axes] == [EPSILON_PANELS["dp-epsilon"]]
 
 
+@pytest.mark.slow  # a subprocess or a whole run: the integration stage
 @pytest.mark.usefixtures("assets")
 def test_a_causal_lm_runs_last_line_names_exact_match(
     tmp_path: Path, caplog: pytest.LogCaptureFixture

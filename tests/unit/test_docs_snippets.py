@@ -176,6 +176,7 @@ print("FAILED", failed)
 """
 
 
+@pytest.mark.slow  # a subprocess or a whole run: the integration stage
 def test_cheap_python_blocks_run(assets):
     blocks = [(f"{page}:{line}", body) for page, line, body in cheap_blocks()]
     pages = {name.split(":")[0] for name, _ in blocks}

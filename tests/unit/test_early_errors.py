@@ -106,6 +106,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow  # a subprocess or a whole run: the integration stage
 @pytest.mark.parametrize(("args", "key"), CASES)
 def test_mistake_is_one_line_before_anything_starts(tmp_path, limit, args, key):
     home = tmp_path / "flwr-home"
