@@ -130,6 +130,8 @@ METHOD_ENTRIES: dict[str, Entry] = {
     for e in [
         Entry("fedavg-lora", "fedavg-lora", TEXT),
         Entry("fedprox-lora", "fedprox-lora", TEXT),
+        Entry("fedavgm-lora", "fedavgm-lora", TEXT),
+        Entry("scaffold-lora", "scaffold-lora", TEXT),
         Entry("fedex-lora", "fedex-lora", TEXT),
         Entry("fedspec", "fedspec", TEXT),
         Entry("fedsvd", "fedsvd", TEXT),
@@ -190,6 +192,38 @@ VARIANTS: list[Entry] = [
     ),
 ]
 """Feature variants, recorded as entries of their own."""
+
+VARIANTS += [
+    # the round's steps besides the method: robust rules, client-level DP
+    Entry("fedavg-lora@norm-clip", "fedavg-lora", TEXT, {"robust": "norm-clip"}),
+    Entry(
+        "fedex-lora@trimmed-mean",
+        "fedex-lora",
+        TEXT,
+        {"robust": "trimmed-mean", "trim-fraction": 0.34},
+    ),
+    Entry("fedavg@median", "fedavg", VISION, {"robust": "median"}),
+    Entry(
+        "fedavg-lora@client-dp",
+        "fedavg-lora",
+        TEXT,
+        {
+            "client-dp-clip": 0.5,
+            "client-dp-noise-multiplier": 0.5,
+            "reproducible-noise": True,
+        },
+    ),
+    Entry(
+        "fedavg-lora@dp-sgd",
+        "fedavg-lora",
+        TEXT,
+        {
+            "dp-max-grad-norm": 1.0,
+            "dp-noise-multiplier": 1.0,
+            "reproducible-noise": True,
+        },
+    ),
+]
 
 
 # ------------------------------------------------------------------ hashing
@@ -308,8 +342,18 @@ def run_entry(name: str, config: Mapping[str, Any], output_dir: Path) -> dict:
 
     run_config = {**config, "output-dir": str(output_dir.resolve())}
     log = MessageLog()
+    # each entry's nodes start with empty privacy ledgers (a shared one would
+    # make the epsilon of a DP entry depend on the runs before it)
+    previous = os.environ.get("FEDLR_NODE_STATE_DIR")
+    os.environ["FEDLR_NODE_STATE_DIR"] = str((output_dir / "node-state").resolve())
     started = time.perf_counter()
-    run_dir = run_in_process(run_config, reply_hook=log)
+    try:
+        run_dir = run_in_process(run_config, reply_hook=log)
+    finally:
+        if previous is None:
+            os.environ.pop("FEDLR_NODE_STATE_DIR", None)
+        else:
+            os.environ["FEDLR_NODE_STATE_DIR"] = previous
     seconds = time.perf_counter() - started
     final = torch.load(run_dir / "final_arrays.pt", weights_only=True)
     arrays = {k: tensor_digest(v) for k, v in final.items()}

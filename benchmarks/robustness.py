@@ -59,8 +59,8 @@ from fedlr import protocol
 from fedlr.compare import parse_overrides
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.robust import DEFAULT_SCREEN_RATIO, ROBUST_RULES, ProductSpace
+from fedlr.server_apps.builtin_plans import build_plan
 from fedlr.server_apps.local import run_in_process
-from fedlr.server_apps.plans import build_plan
 from fedlr.strategies.registry import resolve
 
 ATTACKS = ("sign-flip", "alie", "under-the-clip", "under-the-cap")

@@ -51,6 +51,8 @@ def _strategies() -> dict[str, Any]:
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
+        if _LAZY[name] == "fedlr.client":  # its client features: every method's
+            _strategies()
         return getattr(importlib.import_module(_LAZY[name]), name)
     if name == "__all__":
         return ["__version__", *sorted({*_LAZY, *_strategies()})]

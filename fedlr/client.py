@@ -64,7 +64,16 @@ by the instruction's keys (the method named after each item below):
   nodes is given each node's own rank: pass ``rank=``);
 * **what trains**: freezes every parameter except those of ``train-roles``
   and ``keep-roles`` (:meth:`ClientRound.parameters`); FedProx's
-  ``proximal-mu`` and the pruning term become :meth:`ClientRound.penalty`.
+  ``proximal-mu`` and the pruning term become :meth:`ClientRound.penalty`
+  (under DP-SGD, terms that read no data are added after its clipping and
+  noise, :meth:`ClientRound.loop_control`).
+
+The round's LoRA rank (the instruction's ``lora-rank``, the rank the node
+pruned itself to, or its own) is decided once, by
+:func:`fedlr.pruning.round_rank`, when the instruction is checked; the model
+is conformed to that rank. The instruction check covers the common round's
+keys and every client feature's declared keys
+(:attr:`fedlr.features.ClientFeature.keys`): the features are loaded first.
 
 :meth:`ClientRound.reply` builds the reply: exactly the arrays of
 ``train-roles`` (Local SVD's ``client-svd``: re-factored as balanced singular
@@ -84,7 +93,7 @@ import math
 import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from logging import WARNING, getLogger
+from logging import INFO, WARNING, getLogger
 from typing import cast
 
 import torch
@@ -120,8 +129,8 @@ from fedlr.flower.records import (
     state_to_record,
 )
 from fedlr.instruction_checks import check_model_instruction
-from fedlr.pruning import RankPruning, node_rank, pruning_settings, tail_norm
-from fedlr.strategies.registry import client_features
+from fedlr.method_features import client_features
+from fedlr.pruning import RankPruning, RoundRank, keep_rank, tail_norm
 from fedlr.train import LoopControl
 
 __all__ = ["ClientRound", "RankPruning", "apply_round", "tail_norm"]
@@ -138,13 +147,18 @@ _DEFAULT_ROLES: dict[type[RoleLayout], tuple[Role, ...]] = {
 _RESERVED = (
     protocol.NUM_EXAMPLES,
     protocol.PARTITION_ID,
-    protocol.PERSONAL_LOADED,
     protocol.PROJECTION_SEED,
     protocol.PROJECTION_RANK,
-    protocol.BASE_HELD,
-    protocol.RANK_PRUNED,
 )
-"""Reply metrics the helpers write; a user's metrics may not carry them."""
+"""Reply metrics the common round writes; with the client features' declared
+metrics (:func:`reserved_metrics`), what a user's metrics may not carry."""
+
+
+def reserved_metrics() -> tuple[str, ...]:
+    """Reply metrics fedlr's helpers write: the common round's and every
+    client feature's (:attr:`fedlr.features.ClientFeature.metrics`)."""
+    declared = (m.name for f in client_features() for m in f.metrics)
+    return tuple(dict.fromkeys((*_RESERVED, *declared)))
 
 
 @dataclass(kw_only=True)
@@ -195,6 +209,7 @@ class ClientRound:
     pruning: RankPruning | None = None
     features: tuple[ClientFeature, ...] = ()
     _penalty: Callable[[], torch.Tensor] | None = field(default=None, repr=False)
+    _loss_features: tuple[ClientFeature, ...] = field(default=(), repr=False)
 
     # ------------------------------------------------------------ the round
     @property
@@ -266,15 +281,19 @@ class ClientRound:
     def loop_control(self) -> LoopControl | None:
         """The active feature that runs the training loop (DP-SGD), if any.
 
-        Pass it to :func:`fedlr.train.train_steps` (``control=``).
+        Pass it to :func:`fedlr.train.train_steps` (``control=``). The
+        round's loss terms that read no data (FedProx's proximal term,
+        HetLoRA's tail regulariser; :attr:`ClientFeature.loss_reads_data
+        <fedlr.features.ClientFeature.loss_reads_data>` ``False``) go with
+        it: DP-SGD adds their gradient after its clipping and noise.
 
         Raises
         ------
         ProtocolError
             If two features would run the loop, or the one that does is
-            combined with a loss term or a gradient transform (FedProx,
-            HetLoRA's pruning, SCAFFOLD), whose gradients its per-example
-            clipping would not see.
+            combined with a gradient transform (SCAFFOLD) or a loss term that
+            reads the data, whose gradients its per-example clipping would
+            not see.
         """
         controls = [(f, c) for f in self.features if (c := f.loop(self)) is not None]
         if not controls:
@@ -283,11 +302,13 @@ class ClientRound:
         clash = [type(f).__name__ for f, _ in controls[1:]] + [
             type(f).__name__ for f in self.features if id(f) not in runs and f.trains
         ]
-        if clash or self.has_penalty:
+        reads = [type(f).__name__ for f in self._loss_features if f.loss_reads_data]
+        if clash or reads:
+            what = clash or f"{reads} (a loss term that reads the data)"
             raise ProtocolError(
                 f"{type(controls[0][0]).__name__} runs the training loop "
                 "(per-example clipping and noise) and cannot be combined with "
-                f"{clash or 'a loss term'} this round (its clipping would not see "
+                f"{what} this round (its clipping would not see "
                 "their gradients); switch one of them off"
             )
         return controls[0][1]
@@ -340,7 +361,7 @@ class ClientRound:
                 f"num_examples must be a positive integer, got {num_examples!r}"
             )
         user = dict(metrics or {})
-        clash = sorted(set(user) & set(_RESERVED))
+        clash = sorted(set(user) & set(reserved_metrics()))
         if clash:
             raise ProtocolError(
                 f"metrics {clash} are written by fedlr.client; pass num_examples= "
@@ -444,12 +465,15 @@ def apply_round(
     )
     if rank is not None and rank < 1:
         raise ValueError(f"rank must be >= 1, got {rank}")
-    # Everything the node acts on is checked before anything changes.
+    # The methods' features first: the check covers the keys they declare.
+    features = client_features()
+    # Everything the node acts on is checked before anything changes; the
+    # check decides the round's LoRA rank (fedlr.pruning.round_rank).
     checked = check_model_instruction(
-        model, content, config, context.node_config, rank=rank
+        model, content, config, context.node_config, rank=rank, state=context.state
     )
     leading = bool(config.get(protocol.LEADING_RANK, False))
-    view, changes = _conform_model(model, message, context, config, rank, leading)
+    view, changes = _conform_model(model, context, config, checked.rank)
     _check_projection(view.layout, config)
     default = _DEFAULT_ROLES.get(type(view.layout), ())
     roles = protocol.decode_roles(config, protocol.TRAIN_ROLES, default)
@@ -465,7 +489,7 @@ def apply_round(
         keep_roles=keep,
         changes=tuple(changes),
     )
-    active = (feature.for_round(job) for feature in client_features())
+    active = (feature.for_round(job) for feature in features)
     job.features = tuple(f for f in active if f is not None)
 
     received = checked.arrays
@@ -484,29 +508,38 @@ def apply_round(
         param.requires_grad_(False)
     if job.is_train:
         view.train_only(roles + keep)
-        terms = [feature.loss(job) for feature in job.features]
-        job._penalty = _sum_of([t for t in terms if t is not None])
+        terms = [(feature, feature.loss(job)) for feature in job.features]
+        job._loss_features = tuple(f for f, t in terms if t is not None)
+        job._penalty = _sum_of([t for _, t in terms if t is not None])
     return job
 
 
 def _conform_model(
     model: torch.nn.Module | AdaptedModel,
-    message: Message,
     context: Context,
     config: ConfigRecord,
-    rank: int | None,
-    leading: bool,
+    decided: RoundRank | None,
 ) -> tuple[AdaptedModel, list[LoraLayerChange]]:
-    """The model seen by role, LoRA layers at the round's rank and scaling."""
+    """The model seen by role, LoRA layers at the round's rank (``decided``,
+    from the check) and scaling."""
     view = adapted(model)
-    gamma, _ = pruning_settings(config)
-    if not isinstance(view, LoraModel):
+    if not isinstance(view, LoraModel) or decided is None:
         return view, []
     # A fresh view: a model that serves many nodes (a Ray actor) may have
     # been given another rank by an earlier round than its stored layout.
     view = cast(LoraModel, adapted(view.model))
-    own = node_rank(view, config, message.content, context, rank, leading, gamma < 1)
-    changes = _conform(view, config, own)
+    if decided.adopted and decided.rank is not None:
+        _LOG.log(
+            INFO,
+            "node %s: the server sends rank %d, below the node's %d: it "
+            "knows the node at a pruned rank; training at rank %d",
+            context.node_id,
+            decided.rank,
+            decided.instead,
+            decided.rank,
+        )
+        keep_rank(context, decided.rank)
+    changes = _conform(view, config, decided.rank)
     if changes:
         view = cast(LoraModel, adapted(view.model))  # the layout follows the rank
     return view, changes
@@ -535,16 +568,12 @@ def _is_train(message: Message) -> bool:
 
 
 def _conform(
-    view: LoraModel, config: ConfigRecord, node_rank: int | None = None
+    view: LoraModel, config: ConfigRecord, rank: int | None
 ) -> list[LoraLayerChange]:
-    """Rank ``lora-rank`` (else ``node_rank``) and scaling ``lora-alpha / r``
-    on every LoRA layer."""
-    rank: int | None = node_rank
+    """Rank ``rank`` (the round's, :func:`fedlr.pruning.round_rank`; ``None``:
+    each layer keeps its own) and scaling ``lora-alpha / r`` on every LoRA
+    layer."""
     alpha: float | None = None
-    if protocol.LORA_RANK in config:
-        rank = config_int(config, protocol.LORA_RANK)
-        if rank < 1:
-            raise ProtocolError(f"'{protocol.LORA_RANK}' must be >= 1, got {rank}")
     if protocol.LORA_ALPHA in config:
         alpha = config_float(config, protocol.LORA_ALPHA)
         if not (math.isfinite(alpha) and alpha > 0):

@@ -12,83 +12,26 @@ declarations (``python -m fedlr.configdoc write``, checked by the tests).
 
 from __future__ import annotations
 
-import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fedlr.discovery import ExtensionImportError, import_extensions
 from fedlr.errors import ConfigError, did_you_mean
-from fedlr.method_options import method_option_keys
-from fedlr.options import Options, kebab, option
+from fedlr.options import Options, option
 from fedlr.privacy.secagg import SecAggSettings
 from fedlr.privacy.settings import PrivacyConfig
 from fedlr.robust import DEFAULT_SCREEN_RATIO, RobustConfig
 from fedlr.tracking import TRACKERS
 
-__all__ = ["PARTITIONERS", "RunConfig"]
+__all__ = ["PARTITIONERS", "RunConfig", "load_extensions"]
 
 PARTITIONERS = ("iid", "dirichlet", "pathological")
 PRECISIONS = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "8bit", "4bit")
 _DEVICE = re.compile(r"auto|cpu|mps|cuda(:[0-9]+)?")
-
-
-def _finite_positive(value: float) -> bool:
-    return math.isfinite(value) and value > 0
-
-
-def _finite_non_negative(value: float) -> bool:
-    return math.isfinite(value) and value >= 0
-
-
-_BOUNDS: tuple[tuple[tuple[str, ...], Callable[[Any], bool], str], ...] = (
-    (
-        (
-            "num_server_rounds",
-            "local_steps",
-            "batch_size",
-            "lora_rank",
-            "num_partitions",
-            "min_replies",
-            "classes_per_partition",
-            "min_partition_size",
-            "keep_checkpoints",
-            "eval_every",
-        ),
-        lambda v: v >= 1,
-        ">= 1",
-    ),
-    (
-        ("lr", "lora_alpha", "dirichlet_alpha", "round_timeout"),
-        _finite_positive,
-        "finite and > 0",
-    ),
-    (("max_length",), lambda v: 8 <= v <= 4096, "in [8, 4096]"),
-    (("lr_decay", "fraction_train"), lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
-    (("lora_dropout", "weight_decay"), lambda v: 0.0 <= v < 1.0, "in [0, 1)"),
-    (("eval_fraction",), lambda v: 0.0 < v < 1.0, "in (0, 1)"),
-    (
-        ("eval_batch_size", "max_eval_examples", "max_num_examples"),
-        lambda v: v >= 0,
-        ">= 0",
-    ),
-    (("max_new_tokens",), lambda v: 1 <= v <= 1024, "in [1, 1024]"),
-    (("seed",), lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
-    (("max_update_ratio", "screen_ratio"), _finite_non_negative, "finite and >= 0"),
-)
-"""The common keys' numeric ranges: ``(field names, test, "must be ..." text)``."""
-
-_CHOICES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("partitioner", PARTITIONERS),
-    ("pooling", ("mean", "cls")),
-    ("precision", PRECISIONS),
-    ("quantization", QUANTIZATIONS),
-    ("tracker", TRACKERS),
-)
-"""The common keys with a closed set of values."""
 
 
 @dataclass(frozen=True)
@@ -109,47 +52,43 @@ class RunConfig(Options):
         "registered methods)",
         bad=[("", "is empty")],
     )
-    num_server_rounds: int = option(
-        15, "federated rounds; ≥ 1", bad=[(0, "must be >= 1")]
-    )
+    num_server_rounds: int = option(15, "federated rounds", range=">= 1")
     local_steps: int = option(
         5,
-        "optimiser (AdamW) steps per client per round; ≥ 1",
-        bad=[(0, "must be >= 1"), (-3, "must be >= 1")],
+        "optimiser (AdamW) steps per client per round",
+        range=">= 1",
     )
     lr: float = option(
         3e-3,
-        "client AdamW learning rate in round 1; finite and > 0",
-        bad=[(0.0, "finite and > 0"), (-0.1, "finite and > 0")],
+        "client AdamW learning rate in round 1",
+        range="> 0",
     )
     lr_decay: float = option(
         0.85,
-        "per-round factor on `lr`, in (0, 1]: round t uses `lr · lr-decay^(t−1)` "
+        "per-round factor on `lr`: round t uses `lr · lr-decay^(t−1)` "
         "(round 15 of the default run: about 3.1e-4)",
-        bad=[(1.5, r"in \(0, 1\]"), (0.0, r"in \(0, 1\]")],
+        range="(0, 1]",
     )
-    weight_decay: float = option(
-        0.0, "AdamW weight decay, in [0, 1)", bad=[(1.0, r"in \[0, 1\)")]
-    )
-    batch_size: int = option(16, "client batch size; ≥ 1", bad=[(0, "must be >= 1")])
+    weight_decay: float = option(0.0, "AdamW weight decay", range="[0, 1)")
+    batch_size: int = option(16, "client batch size", range=">= 1")
     eval_batch_size: int = option(
         64,
         "batch size of evaluations (the server's held-out set, the clients' "
-        "own), ≥ 0; `0` picks the largest that fits: it starts at "
+        "own); `0` picks the largest that fits: it starts at "
         "`min(examples, 1024)` and halves the batch on an out-of-memory error",
-        bad=[(-1, "must be >= 0")],
+        range=">= 0",
     )
     eval_every: int = option(
         1,
-        "the server evaluates the global model every n rounds (n ≥ 1) and always "
-        "after the last (continual runs also at every task's end); rounds in "
-        "between have empty `accuracy` and `loss` in `results.csv`",
-        bad=[(0, "must be >= 1")],
+        "the server evaluates the global model every n rounds and always after "
+        "the last (continual runs also at every task's end); rounds in between "
+        "have empty `accuracy` and `loss` in `results.csv`",
+        range=">= 1",
     )
     max_length: int = option(
         64,
-        "tokens per example (longer texts are truncated), 8 … 4096",
-        bad=[(4, r"in \[8, 4096\]")],
+        "tokens per example (longer texts are truncated)",
+        range="[8, 4096]",
     )
     model: str = option(
         "minilm",
@@ -163,13 +102,13 @@ class RunConfig(Options):
         "classifier head: `mean` (linear layer on the attention-masked mean of "
         "the last hidden states) or `cls` (the model's own "
         "`AutoModelForSequenceClassification` head)",
-        bad=[("max", "not one of mean, cls")],
+        choices=("mean", "cls"),
     )
     lora_rank: int = option(
         8,
-        "LoRA rank r; ≥ 1, and at most the smaller side of every target layer "
-        "(checked when the model is built, before training)",
-        bad=[(0, "must be >= 1")],
+        "LoRA rank r, at most the smaller side of every target layer (checked "
+        "when the model is built, before training)",
+        range=">= 1",
     )
     client_ranks: str = option(
         "",
@@ -183,13 +122,13 @@ class RunConfig(Options):
     )
     lora_alpha: float = option(
         16.0,
-        "LoRA alpha; the scaling is alpha / r; finite and > 0",
-        bad=[(-1.0, "finite and > 0"), (0.0, "finite and > 0")],
+        "LoRA alpha; the scaling is alpha / r",
+        range="> 0",
     )
     lora_dropout: float = option(
         0.0,
-        "dropout on the LoRA branch input, in [0, 1)",
-        bad=[(1.0, r"in \[0, 1\)")],
+        "dropout on the LoRA branch input",
+        range="[0, 1)",
     )
     target_modules: str = option(
         "auto",
@@ -203,8 +142,8 @@ class RunConfig(Options):
     max_new_tokens: int = option(
         8,
         "causal LM: tokens generated greedily per answer for exact match "
-        "([llm.md](llm.md)), 1 … 1024",
-        bad=[(0, r"in \[1, 1024\]")],
+        "([llm.md](llm.md))",
+        range="[1, 1024]",
     )
     prompt_template: str = option(
         "### Instruction:\n{instruction}\n\n### Response:\n",
@@ -216,7 +155,7 @@ class RunConfig(Options):
         "float32",
         "dtype of the base weights: `float32`, `bfloat16` or `float16` "
         "(adapters stay float32)",
-        bad=[("fp8", "not one of")],
+        choices=PRECISIONS,
     )
     gradient_checkpointing: bool = option(
         False,
@@ -228,7 +167,7 @@ class RunConfig(Options):
         "causal LM: a bitsandbytes base, `none`, `8bit` or `4bit` (CUDA and "
         "bitsandbytes; `fedex-lora`, `vera-fedex` and `flora` fold into the base "
         "and refuse it)",
-        bad=[("2bit", "not one of")],
+        choices=QUANTIZATIONS,
     )
     dataset: str = option(
         "polarity",
@@ -248,60 +187,57 @@ class RunConfig(Options):
     partitioner: str = option(
         "dirichlet",
         "`iid`, `dirichlet` or `pathological`",
-        bad=[("random", "not one of iid, dirichlet, pathological")],
+        choices=PARTITIONERS,
     )
     dirichlet_alpha: float = option(
         0.5,
-        "Dirichlet concentration for `dirichlet` (smaller: more label skew); "
-        "finite and > 0",
-        bad=[(0.0, "finite and > 0"), (-1.0, "finite and > 0")],
+        "Dirichlet concentration for `dirichlet` (smaller: more label skew)",
+        range="> 0",
     )
     classes_per_partition: int = option(
-        2, "classes per client for `pathological`; ≥ 1", bad=[(0, "must be >= 1")]
+        2, "classes per client for `pathological`", range=">= 1"
     )
     num_partitions: int = option(
         4,
         "number of partitions when a node's config does not say (the simulation "
         "engine sets `num-partitions` in every node's config, and the ClientApp "
-        "then uses that value); ≥ 1",
-        bad=[(0, "must be >= 1")],
+        "then uses that value)",
+        range=">= 1",
     )
     min_partition_size: int = option(
         10,
-        "fewest training rows a client partition may have (≥ 1); the split fails "
+        "fewest training rows a client partition may have; the split fails "
         "with a `ValueError` naming the smallest partition below it. Lower it to "
         "cut a small data set into many partitions (1,000 clients on "
         '`polarity`\'s 3,200 training sentences: `partitioner="iid" '
         "min-partition-size=3`, see [results.md](results.md#1000-clients))",
-        bad=[(0, "must be >= 1")],
+        range=">= 1",
     )
     eval_fraction: float = option(
         0.2,
-        "fraction of the dataset held out (stratified) for the server's "
-        "evaluation, in (0, 1)",
-        bad=[(0.0, r"in \(0, 1\)"), (1.0, r"in \(0, 1\)")],
+        "fraction of the dataset held out (stratified) for the server's evaluation",
+        range="(0, 1)",
     )
     max_eval_examples: int = option(
         0,
-        "cap on the held-out examples evaluated each round (`0`: all); ≥ 0",
-        bad=[(-1, "must be >= 0")],
+        "cap on the held-out examples evaluated each round (`0`: all)",
+        range=">= 0",
     )
     fraction_train: float = option(
         1.0,
-        "fraction of the connected nodes sampled each round (at least one), in (0, 1]",
-        bad=[(1.5, r"in \(0, 1\]"), (0.0, r"in \(0, 1\]")],
+        "fraction of the connected nodes sampled each round (at least one)",
+        range="(0, 1]",
     )
     min_replies: int = option(
         1,
-        "valid replies needed to aggregate a round (≥ 1); fewer raise "
-        "`NoValidRepliesError`",
-        bad=[(0, "must be >= 1")],
+        "valid replies needed to aggregate a round; fewer raise `NoValidRepliesError`",
+        range=">= 1",
     )
     seed: int = option(
         42,
         "seed of the data order, held-out split, partitions, model head, LoRA "
-        "init, node sampling and client training; 0 … 2³² − 1",
-        bad=[(-1, r"must be in \[0, 2\*\*32\)"), (2**32, r"must be in \[0, 2\*\*32\)")],
+        "init, node sampling and client training",
+        range="[0, 2**32)",
     )
     device: str = option(
         "auto",
@@ -329,11 +265,11 @@ class RunConfig(Options):
     )
     keep_checkpoints: int = option(
         2,
-        "checkpoints kept in the run directory (≥ 1), each with its SHA-256 in "
+        "checkpoints kept in the run directory, each with its SHA-256 in "
         "`checkpoint.json`; `resume-from` uses the newest good one and falls "
         "back to an older one when the newest is damaged "
         "([reliability.md](reliability.md))",
-        bad=[(0, "must be >= 1")],
+        range=">= 1",
     )
     tracker: str = option(
         "none",
@@ -341,14 +277,13 @@ class RunConfig(Options):
         "`none`, `tensorboard` (`<run dir>/tensorboard/`), `mlflow` (a file "
         "store in `<run dir>/mlruns/` or `$MLFLOW_TRACKING_URI`) or `wandb` "
         "(needs `pip install wandb`); see [tracking.md](tracking.md)",
-        bad=[("neptune", "not one of")],
+        choices=TRACKERS,
     )
     round_timeout: float = option(
         3600.0,
-        "seconds the server waits for the replies of a round (finite and > 0); "
-        "a client that has not answered by then is dropped (`no reply`) and "
-        "counted in `dropped`",
-        bad=[(0.0, "finite and > 0")],
+        "seconds the server waits for the replies of a round; a client that has "
+        "not answered by then is dropped (`no reply`) and counted in `dropped`",
+        range="> 0",
     )
     robust: str = option(
         "none",
@@ -379,24 +314,24 @@ class RunConfig(Options):
     max_num_examples: int = option(
         0,
         "a reply claiming more `num-examples` is dropped; `0`: the largest "
-        "partition the server knows of (fedlr's own apps), no cap otherwise; ≥ 0",
-        bad=[(-1, "must be >= 0")],
+        "partition the server knows of (fedlr's own apps), no cap otherwise",
+        range=">= 0",
     )
     max_update_ratio: float = option(
         0.0,
         "reject a round whose new global arrays differ from the current ones by "
         "more than this times the current arrays' norm (`0`: only non-finite "
-        "results are rejected); finite and ≥ 0",
-        bad=[(float("nan"), "finite and >= 0")],
+        "results are rejected)",
+        range=">= 0",
     )
     screen_ratio: float = option(
         DEFAULT_SCREEN_RATIO,
         "drop a reply whose update norm, in the method's update space, is more "
         "than this times the round's median update norm and larger than the "
         "current model's norm (with one client: this times the current "
-        "model's norm); `0` turns the screen off; finite and ≥ 0 "
+        "model's norm); `0` turns the screen off "
         "([reliability.md](reliability.md#the-default-update-size-screen))",
-        bad=[(-1.0, "finite and >= 0")],
+        range=">= 0",
     )
     secure_aggregation: bool = option(
         False,
@@ -494,52 +429,51 @@ class RunConfig(Options):
 
     # ------------------------------------------------------------------ parsing
     @classmethod
-    def from_mapping(cls, run_config: Mapping[str, Any]) -> RunConfig:
+    def from_mapping(
+        cls,
+        run_config: Mapping[str, Any],
+        *,
+        method_keys: Collection[str] | None = None,
+    ) -> RunConfig:
         """Parse the common keys of a Flower ``run_config`` (kebab-case keys).
 
-        Keys of a registered method's options (``fedspec-threshold``, ...) are
-        accepted (:func:`fedlr.method_options.method_option_keys`) and left to
-        that method's :class:`~fedlr.options.Options`
-        (:func:`fedlr.strategies.registry.resolve` parses both).
+        The other keys are the method's: they are left to its
+        :class:`~fedlr.options.Options`, which the method registry parses
+        (:func:`fedlr.strategies.registry.resolve`). The run config does not
+        know the methods (they are above it); the registry passes every
+        registered method's keys as ``method_keys``, and then a key that is
+        neither common nor in them is refused, with the closest key.
+
+        Parameters
+        ----------
+        run_config : mapping
+            The flat run config.
+        method_keys : collection of str, optional
+            Every key some method declares; ``None``: keys that are not common
+            are not checked here.
 
         Raises
         ------
         ConfigError
-            On a key no method knows, a value of the wrong type or out of range.
+            On an unknown key (only with ``method_keys``), a value of the wrong
+            type or out of range, or an extension that does not import.
         """
-        extensions = run_config.get("extensions", "")
-        if isinstance(extensions, str):
-            try:
-                import_extensions(extensions)
-            except ExtensionImportError as exc:
-                raise ConfigError("extensions", str(exc)) from exc
+        load_extensions(run_config)
         own = cls.option_fields()
-        unknown = sorted(set(run_config) - set(own))
-        if unknown:
-            others = method_option_keys()
-            for key in unknown:
-                if key not in others:
-                    hint = did_you_mean(key, {*own, *others})
-                    raise ConfigError(
-                        key,
-                        f"unknown key; {hint or 'no key is close; '}every key is "
-                        "listed in docs/configuration.md",
-                    )
+        if method_keys is not None:
+            for key in sorted(set(run_config) - set(own) - set(method_keys)):
+                hint = did_you_mean(key, {*own, *method_keys})
+                raise ConfigError(
+                    key,
+                    f"unknown key; {hint or 'no key is close; '}every key is "
+                    "listed in docs/configuration.md",
+                )
         return cls.from_run_config(run_config)
 
     # --------------------------------------------------------------- validation
     def check(self) -> None:
-        for names, within, text in _BOUNDS:
-            for name in names:
-                value = getattr(self, name)
-                if not within(value):
-                    raise ConfigError(kebab(name), f"must be {text}, got {value}")
-        for name, choices in _CHOICES:
-            value = getattr(self, name)
-            if value not in choices:
-                raise ConfigError(
-                    kebab(name), f"'{value}' is not one of {', '.join(choices)}"
-                )
+        """What the declared ranges and choices cannot say (those are checked
+        first, :meth:`~fedlr.options.Options.check_declared`)."""
         if not _DEVICE.fullmatch(self.device):
             raise ConfigError(
                 "device",
@@ -649,3 +583,22 @@ class RunConfig(Options):
         if self.output_dir:
             return Path(self.output_dir).expanduser()
         return Path.home() / "fedlr-outputs"
+
+
+def load_extensions(run_config: Mapping[str, Any]) -> None:
+    """Import the run config's ``extensions`` (once per process).
+
+    Before anything else of the run config is read: an extension may register
+    a data set, a model or a method whose keys the rest of the config uses.
+
+    Raises
+    ------
+    ConfigError
+        On ``extensions``, naming the module that failed to import.
+    """
+    extensions = run_config.get("extensions", "")
+    if isinstance(extensions, str):
+        try:
+            import_extensions(extensions)
+        except ExtensionImportError as exc:
+            raise ConfigError("extensions", str(exc)) from exc

@@ -37,9 +37,10 @@ from torch import nn
 
 from fedlr.config import RunConfig
 from fedlr.data.continual import STREAMS, ContinualStream
-from fedlr.data.partition import PartitionConfig
+from fedlr.data.images import ImageData
+from fedlr.data.splits import partition_config
 from fedlr.errors import ConfigError, ShapeMismatchError
-from fedlr.image_task import ImageData, VisionOptions
+from fedlr.image_task import VisionOptions
 from fedlr.linalg.fot import ResidualSketch, conv_activations, dense_activations
 from fedlr.models.vision import VisionModel, build_vision_model, vision_models
 from fedlr.options import option, require
@@ -375,19 +376,10 @@ def stream_from_config(
             "num-tasks",
             f"{options.num_tasks} exceeds the {spec.max_tasks} tasks of '{spec.name}'",
         )
-    partition = PartitionConfig(
-        partitioner=config.partitioner,
-        num_partitions=num_partitions or config.num_partitions,
-        seed=config.seed,
-        dirichlet_alpha=config.dirichlet_alpha,
-        classes_per_partition=config.classes_per_partition,
-        eval_fraction=config.eval_fraction,
-        min_partition_size=config.min_partition_size,
-    )
     return ContinualStream(
         config.dataset,
         num_tasks=options.num_tasks,
-        partition=partition,
+        partition=partition_config(config, num_partitions),
         examples_per_task=options.task_examples,
     )
 

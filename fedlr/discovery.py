@@ -1,9 +1,13 @@
 """Finding the built-in parts that register themselves: import a package's modules.
 
-The method registry (:mod:`fedlr.method_options`) and the server plans
-(:mod:`fedlr.server_apps.plans`) are filled by decorators in their own
-modules; :func:`import_submodules` imports every module of a package once so
-that a new method or plan is its module and nothing else.
+The methods register with a decorator in their own modules;
+:func:`import_submodules` imports every module of a package once, so that the
+method registry (:func:`fedlr.strategies.registry.load_builtin_methods`) finds
+a new method in its module and nothing else. A discovery is an import of every
+module of the package by the module that asks for it (the import-cycle test
+counts it so): the registry sits above the strategy modules, which register
+through :mod:`fedlr.strategies.registration`. :func:`import_extensions`
+imports the user's modules named in the run config.
 """
 
 from __future__ import annotations

@@ -6,13 +6,16 @@ conforms the model's rank and scaling, loads the arrays and sets what
 trains; everything a particular method adds is a :class:`ClientFeature`
 that lives in that method's module and is listed in its registration::
 
+    PROXIMAL_MU = "proximal-mu"
+
     class ProximalTerm(ClientFeature):
-        keys = (protocol.PROXIMAL_MU,)
+        keys = (Bound(PROXIMAL_MU, "float", 0.0),)
+        loss_reads_data = False
         order = 40
 
         @classmethod
         def for_round(cls, job):
-            mu = config_float(job.config, protocol.PROXIMAL_MU, 0.0)
+            mu = config_float(job.config, PROXIMAL_MU, 0.0)
             return cls(mu) if job.is_train and mu > 0 else None
 
         def loss(self, job):
@@ -26,6 +29,27 @@ plug-in helpers see only the message): :meth:`ClientFeature.for_round`
 returns an instance for this round, or ``None``. Every feature registered by
 any method is asked, in ``order`` (ties: by class name), so a strategy that
 sends ``proximal-mu`` gets the proximal term on any node.
+
+A feature owns its surface, declared on its class:
+
+* its **wire keys** (:attr:`ClientFeature.keys`), each a
+  :class:`~fedlr.instruction_checks.Bound`: creating the class registers
+  them with the node's instruction check
+  (:func:`fedlr.instruction_checks.declare_bounds`), so a new key needs no
+  edit of :mod:`fedlr.instruction_checks` or :mod:`fedlr.protocol`;
+* its **node state** (:attr:`~ClientFeature.node_state`: what it keeps in
+  ``context.state``), the **extra records** it receives in instructions and
+  sends in replies (:attr:`~ClientFeature.receives`,
+  :attr:`~ClientFeature.sends`) and the **reply metrics** it writes
+  (:attr:`~ClientFeature.metrics`), each a :class:`Record`: a user's own
+  metrics may not reuse those names, and a method whose features send
+  records cannot have client-level DP (refused at configuration,
+  :func:`fedlr.privacy.refusals.check_privacy`);
+* whether its loss term **reads the data** (:attr:`~ClientFeature.loss_reads_data`):
+  DP-SGD adds the gradient of a term that does not after its per-example
+  clipping and noise, and refuses one that does;
+* its rows in docs/reliability.md and docs/privacy.md, generated from these
+  declarations (:mod:`fedlr.featuredoc`).
 
 Hooks, each optional, at the three moments of a round:
 
@@ -56,9 +80,12 @@ modules import this one.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeVar
 
 import torch
+
+from fedlr.instruction_checks import Bound, declare_bounds
 
 if TYPE_CHECKING:
     from flwr.app import ConfigRecord, Context, Message, MetricRecordValues, RecordDict
@@ -68,12 +95,31 @@ if TYPE_CHECKING:
     from fedlr.train import LoopControl
 
 __all__ = [
+    "Bound",
     "ClientFeature",
+    "Record",
     "RoundJob",
     "common_feature",
     "common_features",
     "ordered",
 ]
+
+
+@dataclass(frozen=True)
+class Record:
+    """A named thing a feature keeps or puts on the wire, and what it holds.
+
+    Attributes
+    ----------
+    name : str
+        The record's name (an ArrayRecord or ConfigRecord of the message, of
+        ``context.state``) or the metric's key.
+    holds : str
+        What it holds, one line of Markdown (the generated docs' tables).
+    """
+
+    name: str
+    holds: str
 
 
 class RoundJob(Protocol):
@@ -96,6 +142,11 @@ class RoundJob(Protocol):
     @property
     def personal_split(self) -> bool: ...
 
+    @property
+    def has_penalty(self) -> bool: ...
+
+    def penalty(self) -> torch.Tensor: ...
+
     def parameters(self) -> list[torch.nn.Parameter]: ...
 
 
@@ -104,26 +155,73 @@ class ClientFeature:
 
     Class attributes
     ----------------
-    keys : tuple of str
-        The instruction's ConfigRecord keys the feature reads (documentation
-        and the protocol's list of keys a node understands).
+    keys : tuple of Bound or str
+        The instruction's ConfigRecord keys the feature reads, each with what
+        a node accepts (:class:`~fedlr.instruction_checks.Bound`); defining
+        the class registers them with every node's instruction check. A plain
+        ``str`` is a key the feature checks itself when it builds its
+        settings (DP-SGD's). A key of the common round
+        (:data:`fedlr.instruction_checks.BOUNDS`: ``leading-rank``,
+        ``keep-roles``...) is read, not declared.
+    node_state : tuple of Record
+        What the feature keeps in the node's ``context.state``.
+    receives, sends : tuple of Record
+        The extra records of an instruction it reads, and of a reply it adds
+        (:meth:`reply_records`): beside ``arrays``, on the wire.
+    metrics : tuple of Record
+        The reply metrics it writes (a user's metrics may not reuse them).
+    loss_reads_data : bool
+        Whether its :meth:`loss` term reads the node's training data (default
+        ``True``, the safe assumption). A term that does not (FedProx's
+        proximal term: a function of the parameters and the global ones) is
+        added by DP-SGD after the per-example clipping and noise, which
+        covers the data; one that does is refused with DP-SGD.
     order : int
         Where the feature runs among the round's active features (lower
         first); the order of loss terms and array transforms is part of a
         method's result, so it is fixed here, not by import order.
     """
 
-    keys: ClassVar[tuple[str, ...]] = ()
+    keys: ClassVar[tuple[Bound | str, ...]] = ()
+    node_state: ClassVar[tuple[Record, ...]] = ()
+    receives: ClassVar[tuple[Record, ...]] = ()
+    sends: ClassVar[tuple[Record, ...]] = ()
+    metrics: ClassVar[tuple[Record, ...]] = ()
+    loss_reads_data: ClassVar[bool] = True
     order: ClassVar[int] = 100
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Register the class's own ``keys`` with the node's instruction check."""
+        super().__init_subclass__(**kwargs)
+        if "keys" in vars(cls):
+            declare_bounds(f"{cls.__module__}.{cls.__qualname__}", cls.keys)
+
+    @classmethod
+    def adds_loss(cls) -> bool:
+        """Whether the feature may add a loss term (it overrides :meth:`loss`)."""
+        return cls.loss is not ClientFeature.loss
+
+    @classmethod
+    def changes_gradients(cls) -> bool:
+        """Whether the feature transforms gradients or the optimizer step, or
+        runs the loop (:meth:`after_backward`, :meth:`wrap_optimizer`,
+        :meth:`loop`)."""
+        return (
+            cls.after_backward is not ClientFeature.after_backward
+            or cls.wrap_optimizer is not ClientFeature.wrap_optimizer
+            or cls.loop is not ClientFeature.loop
+        )
 
     @classmethod
     def training_change(cls, options: Any) -> str | None:
         """What the feature adds to local training under the method's
         options (a loss term, a gradient transform), in words, or ``None``.
 
-        Read at configuration time: sample-level DP-SGD clips each example's
-        gradient of the loss alone and refuses a method whose features would
-        change it (:func:`fedlr.privacy.client_dp.check_privacy`).
+        Read at configuration time (:func:`fedlr.privacy.refusals.check_privacy`):
+        sample-level DP-SGD clips each example's gradient of the loss alone;
+        it adds a loss term's gradient after the clipping and noise when the
+        term does not read the data (:attr:`loss_reads_data`), and refuses a
+        change that reads the data or transforms the gradients.
         """
         return None
 
@@ -150,7 +248,12 @@ class ClientFeature:
         """
 
     def loss(self, job: RoundJob) -> Callable[[], torch.Tensor] | None:
-        """A term added to every training step's loss (after roles are set)."""
+        """A term added to every training step's loss (after roles are set).
+
+        Declare :attr:`loss_reads_data` ``False`` when the term is a function
+        of the parameters and of what the node received or kept, not of its
+        training data (then DP-SGD can serve the method).
+        """
         return None
 
     def after_backward(self, job: RoundJob) -> None:

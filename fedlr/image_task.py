@@ -2,8 +2,10 @@
 
 The image counterpart of :mod:`fedlr.tasks`: the server and every client build
 the same seeded model, the same held-out split and the same partitions
-(through :func:`fedlr.data.split_dataset`), cached per process. The training
-and evaluation functions take a plain tensor pair (:class:`ImageData`), so any
+(through :func:`fedlr.data.splits.dataset_split`, as the text tasks), cached
+per process. The training and evaluation functions take a plain tensor pair
+(:class:`~fedlr.data.images.ImageData`, re-exported here with
+:func:`~fedlr.data.images.to_image_data` and :data:`NORMALISATION`), so any
 source of ``(x, y)`` tensors (a continual task stream, a permuted copy) goes
 through the same loops.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,15 +22,11 @@ import torch
 from numpy.typing import NDArray
 
 from fedlr.config import RunConfig
-from fedlr.data import (
-    DATASETS,
-    PartitionConfig,
-    dataset_info,
-    load_dataset,
-    split_dataset,
-)
+from fedlr.data import DATASETS, dataset_info, load_dataset
+from fedlr.data.images import NORMALISATION, ImageData, to_image_data
 from fedlr.data.partition import FederatedSplit
-from fedlr.errors import ConfigError, ShapeMismatchError
+from fedlr.data.splits import dataset_split
+from fedlr.errors import ConfigError
 from fedlr.models.vision import VisionModel, build_vision_model, vision_models
 from fedlr.options import Options, option, require
 from fedlr.train import in_batches
@@ -41,6 +39,7 @@ __all__ = [
     "VisionOptions",
     "evaluate_images",
     "image_pixels",
+    "to_image_data",
     "train_sgd",
 ]
 
@@ -91,58 +90,6 @@ class EigenOptions(VisionOptions):
             require(value >= 0, key, f"must be >= 0, got {value}")
 
 
-NORMALISATION: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
-    "mnist": ((0.1307,), (0.3081,)),
-    "digits": ((0.3053,), (0.3759,)),
-    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
-    "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
-}
-"""Per-channel (mean, std) of pixels scaled to [0, 1], by dataset name.
-
-Data sets without an entry are normalised with mean 0.5 and std 0.5.
-"""
-
-
-@dataclass(frozen=True)
-class ImageData:
-    """Images and labels as tensors.
-
-    Attributes
-    ----------
-    x : (N, C, H, W) torch.Tensor of float32
-    y : (N,) torch.Tensor of int64
-    """
-
-    x: torch.Tensor
-    y: torch.Tensor
-
-    def __post_init__(self) -> None:
-        if self.x.dim() != 4:
-            raise ShapeMismatchError(
-                f"x must have shape (N, C, H, W), got {tuple(self.x.shape)}"
-            )
-        if self.y.dim() != 1 or self.y.shape[0] != self.x.shape[0]:
-            raise ShapeMismatchError(
-                f"y must have shape ({self.x.shape[0]},), got {tuple(self.y.shape)}"
-            )
-
-    def __len__(self) -> int:
-        return int(self.y.shape[0])
-
-    @property
-    def in_shape(self) -> tuple[int, int, int]:
-        """Shape (C, H, W) of one image."""
-        c, h, w = self.x.shape[1:]
-        return int(c), int(h), int(w)
-
-    def select(
-        self, idx: Sequence[int] | torch.Tensor | NDArray[np.int64]
-    ) -> ImageData:
-        """The rows ``idx`` (any integer index sequence)."""
-        index = torch.as_tensor(np.asarray(idx, dtype=np.int64))
-        return ImageData(self.x[index], self.y[index])
-
-
 # ------------------------------------------------------------------ loading
 
 
@@ -171,44 +118,6 @@ def image_pixels(
     images = flat.reshape((len(ds), *shape))
     labels = np.asarray(table["label"].to_numpy(), dtype=np.int64)
     return images, labels
-
-
-def to_image_data(
-    images: NDArray[np.uint8], labels: NDArray[np.int64], dataset: str
-) -> ImageData:
-    """uint8 images (N, H, W[, C]) -> normalised float32 (N, C, H, W) tensors."""
-    x = torch.from_numpy(np.ascontiguousarray(images)).to(torch.float32) / 255.0
-    x = x.unsqueeze(1) if x.dim() == 3 else x.permute(0, 3, 1, 2).contiguous()
-    channels = x.shape[1]
-    mean, std = NORMALISATION.get(dataset, ((0.5,) * channels, (0.5,) * channels))
-    m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
-    s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
-    return ImageData((x - m) / s, torch.from_numpy(np.array(labels, dtype=np.int64)))
-
-
-@functools.lru_cache(maxsize=8)
-def _split(
-    dataset: str,
-    seed: int,
-    partitioner: str,
-    num_partitions: int,
-    dirichlet_alpha: float,
-    classes_per_partition: int,
-    eval_fraction: float,
-    min_partition_size: int = 10,
-) -> FederatedSplit:
-    return split_dataset(
-        load_dataset(dataset, seed=seed),
-        PartitionConfig(
-            partitioner=partitioner,
-            num_partitions=num_partitions,
-            seed=seed,
-            dirichlet_alpha=dirichlet_alpha,
-            classes_per_partition=classes_per_partition,
-            eval_fraction=eval_fraction,
-            min_partition_size=min_partition_size,
-        ),
-    )
 
 
 def _image_datasets() -> list[str]:
@@ -266,18 +175,8 @@ class ImageTask:
         return image_pixels(self.config.dataset, self.config.seed)
 
     def split(self, num_partitions: int | None = None) -> FederatedSplit:
-        """Held-out split and client partitions (cached)."""
-        c = self.config
-        return _split(
-            c.dataset,
-            c.seed,
-            c.partitioner,
-            num_partitions or c.num_partitions,
-            c.dirichlet_alpha,
-            c.classes_per_partition,
-            c.eval_fraction,
-            c.min_partition_size,
-        )
+        """Held-out split and client partitions (cached, :func:`dataset_split`)."""
+        return dataset_split(self.config, num_partitions)
 
     def _rows(self, rows: NDArray[np.int64]) -> ImageData:
         images, labels = self._pixels()

@@ -5,10 +5,14 @@ The server checks every reply before it decodes it
 instructions the same distrust. Before it changes anything (its model, the
 rank of a cached model, ``context.state``, its base weights) it checks
 
-* every ConfigRecord value it acts on against one table, :data:`BOUNDS`:
-  the type, and a range whose ends may be the node's own limits
+* every ConfigRecord value it acts on against its :class:`Bound`: the
+  type, and a range whose ends may be the node's own limits
   (:class:`NodeLimits`: its node config's ``max-local-steps`` and
-  ``max-batch-size``, its model's layers, its run's number of tasks);
+  ``max-batch-size``, its model's layers, its run's number of tasks). The
+  common round's keys are :data:`BOUNDS`; a client feature declares its own
+  keys on its class (:attr:`fedlr.features.ClientFeature.keys`), which
+  registers them here when the class is created (:func:`declare_bounds`), so
+  a method's new key is checked without an edit of this module;
 * every array against what its own model expects for that key: the key
   exists in the model, a role's arrays come all or none, the declared shape
   and dtype are those of the layout (at the round's rank), and the payload
@@ -20,7 +24,7 @@ A value or array outside these bounds raises :class:`InstructionError`
 naming the key; fedlr's ClientApp answers it with an error reply
 (:func:`fedlr.client_apps.app.refuse_bad_instructions`) and the node serves
 the next honest round as before. docs/reliability.md ("A client that checks
-the server") lists the bounds.
+the server") lists the bounds (generated: :mod:`fedlr.featuredoc`).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -46,6 +50,7 @@ from fedlr.adapters.sorf_vera import SorfVeraLayout
 from fedlr.adapters.vera import VeraLayout
 from fedlr.errors import ConfigError, InstructionError, ProtocolError
 from fedlr.flower.records import array_record
+from fedlr.pruning import RoundRank, received_width, round_rank
 
 if TYPE_CHECKING:
     from flwr.app import ArrayRecord, RecordDict
@@ -57,12 +62,16 @@ __all__ = [
     "NODE_LIMIT_KEYS",
     "Bound",
     "CheckedInstruction",
+    "DeclaredKey",
     "InstructionError",
     "NodeLimits",
+    "bound_of",
     "check_adapter_instruction",
     "check_config",
     "check_model_instruction",
     "check_value",
+    "declare_bounds",
+    "declared_keys",
     "decode_checked",
     "lora_round_shapes",
     "role_groups",
@@ -159,6 +168,14 @@ class Bound:
         on the key, only its type is checked). For ``floats``: the most items.
     low_open : bool
         Whether ``low`` itself is refused (``lr`` > 0).
+    note : str
+        What else the node checks of the value, for the docs' table (one line
+        of Markdown; e.g. ``"(then compared with the node's)"``).
+
+    A client feature declares its keys as bounds too
+    (:attr:`fedlr.features.ClientFeature.keys`)::
+
+        keys = (Bound(PROXIMAL_MU, "float", 0.0),)
     """
 
     key: str
@@ -166,6 +183,19 @@ class Bound:
     low: float | None = None
     high: float | str | None = None
     low_open: bool = False
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ValueError(
+                f"Bound '{self.key}': kind must be one of {sorted(_KINDS)}, "
+                f"got {self.kind!r}"
+            )
+        if isinstance(self.high, str) and self.high not in _LIMITS:
+            raise ValueError(
+                f"Bound '{self.key}': high names no node limit ({self.high!r}; "
+                f"known: {sorted(_LIMITS)})"
+            )
 
     def limit(self, limits: NodeLimits) -> float | None:
         """The upper end for this node."""
@@ -233,6 +263,36 @@ class Bound:
             text += f" ({_LIMITS[self.high]})"
         return text or "must be finite"
 
+    def describe(self) -> str:
+        """What the key accepts, in words, for the docs' table.
+
+        ``integer in [1, the node config's max-local-steps]``, ``finite number
+        > 0``, ``bool``... followed by :attr:`note`.
+        """
+        if self.kind in ("bool", "str"):
+            text = "bool" if self.kind == "bool" else "string"
+        elif self.kind == "floats":
+            text = "list of finite numbers"
+            if self.high is not None:
+                text += f", at most {_shown_limit(self.high, 'items')}"
+        else:
+            noun = "integer" if self.kind == "int" else "number"
+            left = "(" if self.low_open else "["
+            if self.low is not None and self.high is not None:
+                low = _power(self.low)
+                text = f"{noun} in {left}{low}, {_shown_limit(self.high)}]"
+            elif self.low is not None:
+                sign = ">" if self.low_open else ">="
+                finite = "finite " if self.kind == "float" else ""
+                text = f"{finite}{noun} {sign} {_power(self.low)}"
+            elif self.high is not None:
+                text = f"{noun} <= {_shown_limit(self.high)}"
+            else:
+                text = f"finite {noun}" if self.kind == "float" else noun
+        return f"{text} {self.note}" if self.note else text
+
+
+_KINDS = frozenset({"int", "float", "bool", "str", "floats"})
 
 _LIMITS = {
     "max_local_steps": "the node config's max-local-steps",
@@ -244,55 +304,168 @@ _LIMITS = {
 }
 """What each :class:`NodeLimits` attribute a bound names is, for messages."""
 
+_LIMIT_DOCS = {
+    "max_local_steps": "the node config's `max-local-steps`",
+    "max_batch_size": "the node config's `max-batch-size`",
+    "max_rank": "min(d_in, d_out) of the narrowest adapted layer",
+    "widest_input": "the widest projected layer's input dimension d",
+    "last_task": "`num-tasks` - 1",
+    "base_keys": "one per base weight",
+}
+"""The same, for the docs' table (Markdown)."""
+
+
+def _power(value: float) -> str:
+    """``2^31 - 1`` for 2147483647, ``2^62`` for 2**62, else the number."""
+    number = int(value) if float(value).is_integer() else None
+    if number is not None and number > 2**16:
+        if number & (number + 1) == 0:
+            return f"2^{(number + 1).bit_length() - 1} - 1"
+        if number & (number - 1) == 0:
+            return f"2^{number.bit_length() - 1}"
+    return _num(value)
+
+
+def _shown_limit(high: float | str, what: str = "") -> str:
+    if isinstance(high, str):
+        return _LIMIT_DOCS[high]
+    return f"{_power(high)} {what}".strip()
+
 
 BOUNDS: tuple[Bound, ...] = (
     Bound(protocol.SERVER_ROUND, "int", 0, _INT32),
     Bound(protocol.LR, "float", 0.0, None, low_open=True),
     Bound(protocol.LOCAL_STEPS, "int", 1, "max_local_steps"),
     Bound(protocol.BATCH_SIZE, "int", 1, "max_batch_size"),
-    Bound(protocol.LORA_RANK, "int", 1, "max_rank"),
+    Bound(
+        protocol.LORA_RANK,
+        "int",
+        1,
+        "max_rank",
+        note="(a model built at a higher rank: up to its rank)",
+    ),
     Bound(protocol.LORA_ALPHA, "float", 0.0, None, low_open=True),
     Bound(protocol.PROJECTION_SEED, "int", 0, _SEED),
-    Bound(protocol.PROJECTION_RANK, "int", 1, _INT32),
-    Bound(protocol.TASK, "int", 0, "last_task"),
+    Bound(
+        protocol.PROJECTION_RANK,
+        "int",
+        1,
+        _INT32,
+        note="(then compared with the node's)",
+    ),
+    Bound(protocol.TASK, "int", 0, "last_task", note="(continual runs)"),
     Bound(protocol.GPSE_TASK, "int", -1, "last_task"),
     Bound(protocol.SKETCH_DIM, "int", 0, "widest_input"),
     Bound(protocol.QRMIX_STAGE, "int", 1, 2),
-    Bound(protocol.BASE_VERSION, "int", -1, 2**62),
-    Bound(protocol.BASE_CHECK, "floats", None, "base_keys"),
-    Bound(protocol.PRUNE_GAMMA, "float", 0.0, 1.0, low_open=True),
-    Bound(protocol.PRUNE_LAMBDA, "float", 0.0),
-    Bound(protocol.PROXIMAL_MU, "float", 0.0),
     Bound(protocol.LEADING_RANK, "bool"),
-    Bound(protocol.FOLD_TAIL, "bool"),
-    Bound(protocol.CLIENT_SVD, "bool"),
     Bound(protocol.PERSONAL_SPLIT, "bool"),
-    Bound(protocol.TRAIN_ROLES, "str"),
-    Bound(protocol.KEEP_ROLES, "str"),
+    Bound(protocol.TRAIN_ROLES, "str", note="of known roles"),
+    Bound(protocol.KEEP_ROLES, "str", note="of known roles"),
 )
-"""Every ConfigRecord key a fedlr node acts on, and what it accepts."""
+"""The common round's ConfigRecord keys (every node acts on them), and what
+each accepts. A client feature's own keys are declared on its class and
+collected by :func:`declare_bounds`; :func:`bound_of` finds either."""
 
 _BY_KEY = {bound.key: bound for bound in BOUNDS}
 
 
+@dataclass(frozen=True)
+class DeclaredKey:
+    """A ConfigRecord key a client feature declared (:func:`declare_bounds`).
+
+    Attributes
+    ----------
+    key : str
+    owner : str
+        The declaring feature's qualified name (``module.Class``).
+    bound : Bound or None
+        What the node accepts; ``None``: the feature checks the value itself
+        when it builds its settings (DP-SGD's keys, checked as one object).
+    """
+
+    key: str
+    owner: str
+    bound: Bound | None
+
+
+_DECLARED: dict[str, DeclaredKey] = {}
+
+
+def declare_bounds(owner: str, keys: Iterable[Bound | str]) -> None:
+    """Add a client feature's ConfigRecord keys to what every node checks.
+
+    Called when a :class:`~fedlr.features.ClientFeature` subclass is created
+    (its ``keys``), so a method's new key and its bound live in the method's
+    module; this module never imports a feature. A plain ``str`` declares a
+    key the feature checks itself.
+
+    Raises
+    ------
+    TypeError
+        If an entry is neither a :class:`Bound` nor a ``str``.
+    ValueError
+        If a key is one of :data:`BOUNDS` (the common round's), or another
+        feature declared it with another bound (both owners named).
+    """
+    for entry in keys:
+        if not isinstance(entry, (Bound, str)):
+            raise TypeError(
+                f"{owner}: a key must be declared as a Bound or a str, got {entry!r}"
+            )
+        bound = entry if isinstance(entry, Bound) else None
+        key = entry.key if isinstance(entry, Bound) else entry
+        if key in _BY_KEY:
+            raise ValueError(
+                f"{owner} declares '{key}', a key of the common round "
+                "(fedlr.instruction_checks.BOUNDS); read it, do not redeclare it"
+            )
+        known = _DECLARED.get(key)
+        if known is not None and known.owner != owner and known.bound != bound:
+            raise ValueError(
+                f"{owner} declares '{key}' as {bound}, but {known.owner} "
+                f"declared it as {known.bound}; a key has one bound"
+            )
+        if known is None or known.owner == owner:
+            _DECLARED[key] = DeclaredKey(key, owner, bound)
+
+
+def declared_keys() -> list[DeclaredKey]:
+    """Every key the client features declared so far, by key."""
+    return [_DECLARED[key] for key in sorted(_DECLARED)]
+
+
+def bound_of(key: str) -> Bound | None:
+    """The bound of ``key``: the common round's, else the declaring
+    feature's (``None``: no bound; the key passes unchecked)."""
+    bound = _BY_KEY.get(key)
+    if bound is not None:
+        return bound
+    declared = _DECLARED.get(key)
+    return declared.bound if declared is not None else None
+
+
 def check_value(key: str, value: object, limits: NodeLimits) -> None:
-    """Check one value of :data:`BOUNDS` (a key not in the table is not checked).
+    """Check one value against its bound (:func:`bound_of`; a key without
+    one is not checked).
 
     Raises
     ------
     InstructionError
         Naming ``key``, if the value is of another type or out of range.
     """
-    bound = _BY_KEY.get(key)
+    bound = bound_of(key)
     if bound is not None:
         bound.check(value, limits)
 
 
 def check_config(config: Mapping[str, object], limits: NodeLimits) -> None:
-    """Check every key of ``config`` that :data:`BOUNDS` declares.
+    """Check every key of ``config`` that has a bound: :data:`BOUNDS` and the
+    keys the client features declared (:func:`declare_bounds`).
 
-    Keys the table does not declare (a plug-in user's own) pass unchecked;
-    the roles are decoded too (an unknown role is refused).
+    Keys nobody declares (a plug-in user's own) pass unchecked; the roles
+    are decoded too (an unknown role is refused). The features' keys are
+    those of the features defined so far: a node loads its methods' features
+    before it checks (:func:`fedlr.client.apply_round` does).
 
     Raises
     ------
@@ -448,10 +621,14 @@ class CheckedInstruction:
         The decoded ``arrays``.
     limits : NodeLimits
         The node's limits, for the values used later (training settings).
+    rank : RoundRank or None
+        The rank a LoRA model takes this round (:func:`fedlr.pruning.round_rank`),
+        the rank the arrays were checked at; ``None`` for VeRA-family models.
     """
 
     arrays: dict[str, torch.Tensor]
     limits: NodeLimits = field(default_factory=NodeLimits)
+    rank: RoundRank | None = None
 
 
 def role_groups(layout: RoleLayout) -> list[list[str]]:
@@ -469,6 +646,7 @@ def check_adapter_instruction(
     node_config: Mapping[str, object],
     *,
     node_rank: int | None,
+    state: RecordDict | None = None,
 ) -> CheckedInstruction:
     """Check an instruction for a LoRA, VeRA or SORF-VeRA model, change nothing.
 
@@ -483,13 +661,16 @@ def check_adapter_instruction(
     node_config : mapping
         The node config (its limits).
     node_rank : int or None
-        The rank the node's LoRA model takes when the instruction has no
-        ``lora-rank`` (``None``: each layer keeps its own).
+        The node's own LoRA rank (``None``: the model's): where
+        :func:`fedlr.pruning.round_rank` starts when the instruction has no
+        ``lora-rank``.
+    state : flwr.app.RecordDict, optional
+        The node's ``context.state`` (a rank it pruned itself to); read only.
 
     Returns
     -------
     CheckedInstruction
-        The decoded ``arrays`` and the node's limits.
+        The decoded ``arrays``, the node's limits and the round's rank.
 
     Raises
     ------
@@ -503,11 +684,18 @@ def check_adapter_instruction(
     limits = NodeLimits.of_layout(node_config, layout)
     check_config(config, limits)
     arrays = array_record(content, protocol.ARRAYS)
+    rank: RoundRank | None = None
     if isinstance(layout, AdapterLayout):
-        rank = config.get(protocol.LORA_RANK, node_rank)  # an int: checked
+        rank = round_rank(
+            config,
+            state,
+            own=node_rank,
+            received=received_width(layout, content),
+            model_rank=max((m.rank for m in layout.modules), default=None),
+        )
         leading = bool(config.get(protocol.LEADING_RANK, False))
-        expected = lora_round_shapes(layout, arrays, cast(int | None, rank), leading)
-        own = lora_round_shapes(layout, arrays, cast(int | None, rank), False)
+        expected = lora_round_shapes(layout, arrays, rank.rank, leading)
+        own = lora_round_shapes(layout, arrays, rank.rank, False)
     else:
         expected = own = {key: shape for _, key, shape in layout.entries()}
     groups = role_groups(layout)
@@ -522,7 +710,7 @@ def check_adapter_instruction(
         )
     if protocol.BASE_DELTA in array_records:
         _check_base_delta(array_records[protocol.BASE_DELTA], layout)
-    return CheckedInstruction(decoded, limits)
+    return CheckedInstruction(decoded, limits, rank)
 
 
 def check_model_instruction(
@@ -532,19 +720,20 @@ def check_model_instruction(
     node_config: Mapping[str, object],
     *,
     rank: int | None = None,
+    state: RecordDict | None = None,
 ) -> CheckedInstruction:
     """:func:`check_adapter_instruction` for a user's model as it is now.
 
     The layout is read from a fresh view of the model (a LoRA model's
     current rank); ``rank`` is :func:`fedlr.client.apply_round`'s (the node's
-    own LoRA rank when the instruction has no ``lora-rank``). Nothing of the
-    model is changed.
+    own LoRA rank), ``state`` the node's ``context.state``. Nothing of the
+    model or the state is changed.
     """
     view = adapted(model)
     if isinstance(view, LoraModel):  # a model serving many nodes: its rank now
         view = adapted(view.model)
     return check_adapter_instruction(
-        view.layout, content, config, node_config, node_rank=rank
+        view.layout, content, config, node_config, node_rank=rank, state=state
     )
 
 

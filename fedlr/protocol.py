@@ -1,11 +1,17 @@
 """The wire protocol between fedlr's strategies and ClientApps, in one place.
 
-Every record name, ConfigRecord key and MetricRecord key that crosses the
-network is a constant here; strategies, fedlr's own ClientApps and the public
-client helpers (:mod:`fedlr.client`) all import them from this module, so a
-key is written once. The helpers encode and decode the few structured values
-(role lists) and validate the arrays of any named ArrayRecord a reply carries
-(shapes, dtype, finiteness) on the server's drop path.
+The common round's record names, ConfigRecord keys and MetricRecord keys are
+constants here; strategies, fedlr's own ClientApps and the public client
+helpers (:mod:`fedlr.client`) all import them from this module, so a key is
+written once. A key or record that only one method's client feature reads or
+writes is named in that feature's module and declared on the feature
+(:class:`fedlr.features.ClientFeature`: its keys with their bounds, its
+records, its node state), e.g. ``proximal-mu`` in
+:mod:`fedlr.strategies.fedprox_lora`, ``scaffold-delta`` in
+:mod:`fedlr.strategies.scaffold_lora`, ``prune-gamma`` in :mod:`fedlr.pruning`.
+The helpers encode and decode the few structured values (role lists) and
+validate the arrays of any named ArrayRecord a reply carries (shapes, dtype,
+finiteness) on the server's drop path.
 
 Instruction (server -> client), one ``RecordDict`` per sampled node:
 
@@ -20,22 +26,24 @@ ArrayRecord ``base-delta``  FedEx: the base-weight changes the node missed, in
                             factored form, instead of the base weights in
                             ``arrays`` (:mod:`fedlr.downlink`), optional
 ConfigRecord ``config``     ``server-round``, ``lr``, ``local-steps``,
-                            ``batch-size``, ``train-roles`` and the method's
-                            own keys below
+                            ``batch-size``, ``train-roles``, the keys below
+                            and the client features' own keys
 ==========================  ==================================================
 
 Reply (client -> server):
 
 ==========================  ==================================================
 ArrayRecord ``arrays``      exactly the arrays of ``train-roles``
-ArrayRecord (extra)         ``personal-gram``, ``eigen``, ``sketches`` when the
-                            method asks for them
+ArrayRecord (extra)         ``eigen``, ``sketches`` when the method asks for
+                            them; a client feature's own records
 MetricRecord ``metrics``    ``num-examples`` (the client's weight),
                             ``train-loss``, FedEx's ``base-held``, HetLoRA's
                             ``rank-pruned`` and any metrics of the user's own
 ==========================  ==================================================
 
-docs/architecture.md ("The record contract") has the full table.
+docs/architecture.md ("The record contract") has the full table;
+docs/reliability.md lists every key a node checks and every feature's
+records (generated, :mod:`fedlr.featuredoc`).
 """
 
 from __future__ import annotations
@@ -64,13 +72,11 @@ __all__ = [
     "BASE_STATE",
     "BASE_VERSION",
     "BATCH_SIZE",
-    "CLIENT_SVD",
     "CONFIG",
     "EIGEN",
     "EIGEN_KEYS",
     "EXACT_MATCH",
     "FLOAT_DTYPES",
-    "FOLD_TAIL",
     "GPSE_EXAMPLES",
     "GPSE_TASK",
     "HELPER_METRICS",
@@ -86,17 +92,12 @@ __all__ = [
     "PARTITION_ID",
     "PERPLEXITY",
     "PERSONAL",
-    "PERSONAL_GRAM",
     "PERSONAL_LOADED",
     "PERSONAL_SPLIT",
     "PROJECTION_RANK",
     "PROJECTION_SEED",
-    "PROXIMAL_MU",
-    "PRUNE_GAMMA",
-    "PRUNE_LAMBDA",
     "QRMIX_STAGE",
     "RANK_PRUNED",
-    "RANK_STATE",
     "SERVER_ROUND",
     "SKETCHES",
     "SKETCH_DIM",
@@ -123,8 +124,6 @@ METRICS = "metrics"
 """MetricRecord of a reply."""
 PERSONAL = "personal"
 """ArrayRecord of a node's own factors (instruction; a client's kept state)."""
-PERSONAL_GRAM = "personal-gram"
-"""Reply ArrayRecord of ``B^T B`` (r x r) per layer, keyed by the ``B`` key."""
 EIGEN = "eigen"
 """QR-Mix stage-2 reply ArrayRecord of the client's Hessian eigenpairs."""
 EIGEN_KEYS = ("vectors", "values", "delta")
@@ -139,9 +138,6 @@ factored form (:mod:`fedlr.downlink`), sent instead of the dense base weights.""
 BASE_STATE = "fedlr-base"
 """Name under which a client keeps its base weights (an ArrayRecord) and
 their version (a ConfigRecord) in ``context.state``."""
-RANK_STATE = "fedlr-rank"
-"""Name of the ConfigRecord in ``context.state`` under which a node keeps the
-LoRA rank it pruned itself to (:data:`PRUNE_GAMMA`), key ``rank``."""
 
 # ------------------------------------------------------------ config keys
 SERVER_ROUND = "server-round"
@@ -159,8 +155,6 @@ LORA_ALPHA = "lora-alpha"
 """The LoRA alpha the strategy's arrays assume at ``lora-rank``: a client that
 rebuilds its adapter uses this alpha, so that ``alpha / r`` is the scaling the
 server aggregated for."""
-CLIENT_SVD = "client-svd"
-"""Local SVD: the client re-factors ``(B, A)`` as balanced singular factors."""
 PERSONAL_SPLIT = "personal-split"
 """Train and evaluate on the client's own train and held-out parts."""
 PROJECTION_SEED = "projection-seed"
@@ -195,27 +189,6 @@ LEADING_RANK = "leading-rank"
 """Heterogeneous ranks: the global ``A``, ``B`` may be wider than the node's
 rank ``r``; keep their leading ``r`` components scaled by
 ``sqrt(r / r_received)``."""
-FOLD_TAIL = "fold-tail"
-"""Heterogeneous FedEx: with ``leading-rank``, the components a node of rank
-``r`` cuts away, ``(alpha / R) B[:, r:] A[r:]``, are added to its base weights
-(:func:`fedlr.adapters.ranks.fold_tail`), so that its model equals the
-global one exactly."""
-PROXIMAL_MU = "proximal-mu"
-"""FedProx: weight ``mu`` of the clients' proximal term
-``(mu / 2) ||theta - theta_global||^2`` over the trained parameters."""
-PRUNE_GAMMA = "prune-gamma"
-"""HetLoRA rank self-pruning: the decay factor ``gamma`` in (0, 1] (1: off).
-With ``leading-rank``, a node of rank ``r`` whose tail components
-``[r', r)``, ``r' = max(1, floor(gamma r))``
-(:func:`fedlr.adapters.ranks.pruned_rank`), have a smaller norm
-``sum_layers ||s B[:, r':] A[r':]||_F`` (``s = alpha / r``) after its local
-training than before replies at rank ``r'`` (the leading ``r'`` components,
-rescaled as :func:`fedlr.adapters.ranks.leading_rank` does) and keeps that
-rank from then on (:data:`RANK_STATE`); its rank never grows back."""
-PRUNE_LAMBDA = "prune-lambda"
-"""HetLoRA rank self-pruning: weight ``lambda`` >= 0 of the term
-``lambda * sum_layers ||s B[:, r':] A[r':]||_F`` added to the training loss
-(:data:`PRUNE_GAMMA`)."""
 
 # ------------------------------------------------------------ metric keys
 NUM_EXAMPLES = "num-examples"
@@ -239,8 +212,9 @@ BASE_HELD = "base-held"
 """FedEx reply metric: the ``base-version`` the node now keeps in its state
 (a node that sends it is sent factored changes from then on)."""
 RANK_PRUNED = "rank-pruned"
-"""HetLoRA reply metric with :data:`PRUNE_GAMMA` < 1: 1 if the node pruned its
-rank after this round's training (the reply is at the lower rank), else 0."""
+"""HetLoRA reply metric with ``prune-gamma`` < 1 (:data:`fedlr.pruning.PRUNE_GAMMA`):
+1 if the node pruned its rank after this round's training (the reply is at the
+lower rank), else 0."""
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 """Dtypes a reply's arrays may have."""

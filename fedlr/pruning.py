@@ -1,19 +1,26 @@
-"""HetLoRA's rank self-pruning on a node (:data:`fedlr.protocol.PRUNE_GAMMA`).
+"""HetLoRA's rank self-pruning on a node, and the rank a node's model takes.
 
 A node of rank ``r`` adds ``lambda`` times the norm of its tail components
 ``[r', r)``, ``r' = max(1, floor(gamma r))`` (:func:`tail_norm`), to its loss;
 if that norm went down during training it replies at rank ``r'`` and keeps
-that rank in ``context.state`` (:class:`RankPruning`;
-:func:`fedlr.client.apply_round` and :meth:`fedlr.client.ClientRound.reply`
-drive it).
+that rank in ``context.state`` (:class:`RankPruning`; the client feature
+:class:`fedlr.strategies.hetlora.RankSelfPruning` drives it).
+
+Whether a node serves a round at its own rank, the rank it pruned itself to,
+or the instruction's ``lora-rank`` is decided in one place,
+:func:`round_rank` (the node's instruction check and
+:func:`fedlr.client.apply_round` both use its answer).
+
+The pruning's wire keys (:data:`PRUNE_GAMMA`, :data:`PRUNE_LAMBDA`) and its
+node state (:data:`RANK_STATE`) are named here, the lowest module that reads
+them; the feature declares their bounds.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from logging import INFO, getLogger
 
 import torch
 from flwr.app import ConfigRecord, Context, RecordDict
@@ -27,19 +34,41 @@ from fedlr.errors import ProtocolError
 from fedlr.flower.records import config_float, config_int
 
 __all__ = [
+    "PRUNE_GAMMA",
+    "PRUNE_LAMBDA",
+    "RANK_STATE",
     "RankPruning",
-    "node_rank",
+    "RoundRank",
+    "keep_rank",
+    "kept_rank",
     "pruning_settings",
+    "received_width",
     "round_pruning",
+    "round_rank",
     "tail_norm",
 ]
 
-_LOG = getLogger("fedlr")
+PRUNE_GAMMA = "prune-gamma"
+"""HetLoRA rank self-pruning: the decay factor ``gamma`` in (0, 1] (1: off).
+With ``leading-rank``, a node of rank ``r`` whose tail components
+``[r', r)``, ``r' = max(1, floor(gamma r))``
+(:func:`fedlr.adapters.ranks.pruned_rank`), have a smaller norm
+``sum_layers ||s B[:, r':] A[r':]||_F`` (``s = alpha / r``) after its local
+training than before replies at rank ``r'`` (the leading ``r'`` components,
+rescaled as :func:`fedlr.adapters.ranks.leading_rank` does) and keeps that
+rank from then on (:data:`RANK_STATE`); its rank never grows back."""
+PRUNE_LAMBDA = "prune-lambda"
+"""HetLoRA rank self-pruning: weight ``lambda`` >= 0 of the term
+``lambda * sum_layers ||s B[:, r':] A[r':]||_F`` added to the training loss
+(:data:`PRUNE_GAMMA`)."""
+RANK_STATE = "fedlr-rank"
+"""Name of the ConfigRecord in ``context.state`` under which a node keeps the
+LoRA rank it pruned itself to (:data:`PRUNE_GAMMA`), key ``rank``."""
 
 
 @dataclass(frozen=True)
 class RankPruning:
-    """HetLoRA's rank self-pruning in one round (:data:`fedlr.protocol.PRUNE_GAMMA`).
+    """HetLoRA's rank self-pruning in one round (:data:`PRUNE_GAMMA`).
 
     One rank per model: the tail norm sums the layers' norms
     (:func:`tail_norm`), and the node keeps or prunes every layer together.
@@ -128,27 +157,34 @@ def tail_norm(
 
 def pruning_settings(config: ConfigRecord) -> tuple[float, float]:
     """``(gamma, lambda)`` of ``prune-gamma`` and ``prune-lambda`` (1, 0 if absent)."""
-    gamma = config_float(config, protocol.PRUNE_GAMMA, 1.0)
+    gamma = config_float(config, PRUNE_GAMMA, 1.0)
     if not 0.0 < gamma <= 1.0:
-        raise ProtocolError(f"'{protocol.PRUNE_GAMMA}' must be in (0, 1], got {gamma}")
-    lam = config_float(config, protocol.PRUNE_LAMBDA, 0.0)
+        raise ProtocolError(f"'{PRUNE_GAMMA}' must be in (0, 1], got {gamma}")
+    lam = config_float(config, PRUNE_LAMBDA, 0.0)
     if not (math.isfinite(lam) and lam >= 0):
-        raise ProtocolError(
-            f"'{protocol.PRUNE_LAMBDA}' must be finite and >= 0, got {lam}"
-        )
+        raise ProtocolError(f"'{PRUNE_LAMBDA}' must be finite and >= 0, got {lam}")
     return gamma, lam
 
 
-def _kept_rank(context: Context) -> int | None:
-    """The rank this node pruned itself to (``context.state``), if any."""
-    record = context.state.config_records.get(protocol.RANK_STATE)
+def kept_rank(state: RecordDict) -> int | None:
+    """The rank a node pruned itself to (:data:`RANK_STATE` in its
+    ``context.state``), if any."""
+    record = state.config_records.get(RANK_STATE)
     if record is None or "rank" not in record:
         return None
     return config_int(record, "rank")
 
 
-def _received_width(layout: AdapterLayout, content: RecordDict) -> int | None:
-    """The rank of the instruction's first ``A`` (else ``B``), if it has one."""
+def keep_rank(context: Context, rank: int) -> None:
+    """Keep ``rank`` as the node's pruned rank (:data:`RANK_STATE`)."""
+    context.state[RANK_STATE] = ConfigRecord({"rank": int(rank)})
+
+
+def received_width(layout: AdapterLayout, content: RecordDict) -> int | None:
+    """The declared rank of the instruction's first ``A`` (else ``B``), if any.
+
+    Read from the ``Array``'s declared shape; nothing is decoded.
+    """
     record = content.array_records.get(protocol.ARRAYS)
     if record is None or not layout.modules:
         return None
@@ -160,42 +196,102 @@ def _received_width(layout: AdapterLayout, content: RecordDict) -> int | None:
     return None
 
 
-def node_rank(
-    view: LoraModel,
-    config: ConfigRecord,
-    content: RecordDict,
-    context: Context,
-    rank: int | None,
-    leading: bool,
-    pruning: bool,
-) -> int | None:
-    """The rank the node's model takes this round, unless ``lora-rank`` says.
+@dataclass(frozen=True)
+class RoundRank:
+    """The LoRA rank a node's model takes this round, and who decided it.
 
-    Heterogeneous ranks: the rank the node pruned itself to, else ``rank``
-    (else the model's). With pruning, a narrower instruction than that rank
-    means the server knows the node at a pruned rank that the node's state
-    lost (a restarted node, a resumed run): the node takes it and keeps it.
+    Attributes
+    ----------
+    rank : int or None
+        ``None``: each LoRA layer keeps its own rank (no rank was given
+        anywhere and the model's layers differ).
+    source : {"instruction", "kept", "node", "model", "server-pruned"}
+        ``lora-rank`` of the instruction; the rank the node pruned itself to
+        (:data:`RANK_STATE`); the node's own rank (``own``); the model's; or,
+        under pruning, a narrower instruction than the node's rank: the
+        server knows the node at a pruned rank its state lost (a restarted
+        node, a resumed run), which the node takes and keeps
+        (:func:`keep_rank`).
+    instead : int or None
+        ``"server-pruned"``: the rank the node would have taken.
+    """
+
+    rank: int | None
+    source: str
+    instead: int | None = None
+
+    @property
+    def adopted(self) -> bool:
+        """Whether the node takes a pruned rank the server knows it at."""
+        return self.source == "server-pruned"
+
+
+def round_rank(
+    config: Mapping[str, object],
+    state: RecordDict | None,
+    *,
+    own: int | None,
+    received: int | None = None,
+    model_rank: int | None = None,
+) -> RoundRank:
+    """The rank a node's LoRA model takes this round: one decision, in order.
+
+    1. the instruction's ``lora-rank`` (FedSpec grows it, a server may set
+       it);
+    2. heterogeneous ranks (``leading-rank``): the rank the node pruned
+       itself to (``state``, :data:`RANK_STATE`);
+    3. ``own``, the node's configured rank (its ``client-ranks`` entry, else
+       ``lora-rank``; :meth:`fedlr.config.RunConfig.rank_for`), whatever rank
+       an earlier instruction gave a model the process caches;
+    4. none: each layer keeps its own rank.
+
+    With pruning (``prune-gamma`` < 1 under ``leading-rank``), an
+    instruction whose factors are narrower (``received``) than that rank
+    (or than ``model_rank`` when none is known) is served at their width
+    (``source = "server-pruned"``: the caller keeps it, :func:`keep_rank`).
+
+    Parameters
+    ----------
+    config : mapping
+        The instruction's ConfigRecord, already checked against its bounds.
+    state : flwr.app.RecordDict or None
+        The node's ``context.state`` (``None``: nothing kept).
+    own : int or None
+        The node's configured rank (``None``: the model's).
+    received : int or None
+        The declared width of the instruction's first ``A``
+        (:func:`received_width`).
+    model_rank : int or None
+        The model's largest layer rank.
+
+    Returns
+    -------
+    RoundRank
+
+    Raises
+    ------
+    ProtocolError
+        If ``lora-rank`` is not >= 1, or ``prune-gamma`` / ``prune-lambda``
+        are out of range (:func:`pruning_settings`).
     """
     if protocol.LORA_RANK in config:
-        return None
-    kept = _kept_rank(context) if leading else None
-    target = kept if kept is not None else rank
-    if leading and pruning:
-        width = _received_width(view.layout, content)
-        own = target if target is not None else max(m.rank for m in view.layout.modules)
-        if width is not None and 1 <= width < own:
-            _LOG.log(
-                INFO,
-                "node %s: the server sends rank %d, below the node's %d: it "
-                "knows the node at a pruned rank; training at rank %d",
-                context.node_id,
-                width,
-                own,
-                width,
-            )
-            context.state[protocol.RANK_STATE] = ConfigRecord({"rank": width})
-            target = width
-    return target
+        rank = config_int(config, protocol.LORA_RANK)  # type: ignore[arg-type]
+        if rank < 1:
+            raise ProtocolError(f"'{protocol.LORA_RANK}' must be >= 1, got {rank}")
+        return RoundRank(rank, "instruction")
+    leading = bool(config.get(protocol.LEADING_RANK, False))
+    kept = kept_rank(state) if leading and state is not None else None
+    decided = (
+        RoundRank(kept, "kept")
+        if kept is not None
+        else RoundRank(own, "node" if own is not None else "model")
+    )
+    gamma, _ = pruning_settings(config)  # type: ignore[arg-type]
+    if leading and gamma < 1:
+        mine = decided.rank if decided.rank is not None else model_rank
+        if received is not None and mine is not None and 1 <= received < mine:
+            return RoundRank(received, "server-pruned", instead=mine)
+    return decided
 
 
 _TailFactors = list[tuple[float, torch.nn.Parameter, torch.nn.Parameter, int]]
@@ -241,7 +337,7 @@ def round_pruning(
     """The round's :class:`RankPruning` and its loss term (``None``: none)."""
     if not isinstance(view, LoraModel) or not leading:
         raise ProtocolError(
-            f"'{protocol.PRUNE_GAMMA}' prunes the rank of a LoRA model under "
+            f"'{PRUNE_GAMMA}' prunes the rank of a LoRA model under "
             f"'{protocol.LEADING_RANK}' (heterogeneous ranks); got a "
             f"{type(view.layout).__name__}"
             + ("" if leading else f" without '{protocol.LEADING_RANK}'")
@@ -249,7 +345,7 @@ def round_pruning(
     layer_ranks = sorted({m.rank for m in view.layout.modules})
     if len(layer_ranks) != 1:
         raise ProtocolError(
-            f"'{protocol.PRUNE_GAMMA}' prunes one rank per model; the model's "
+            f"'{PRUNE_GAMMA}' prunes one rank per model; the model's "
             f"LoRA layers have ranks {layer_ranks}"
         )
     rank = layer_ranks[0]

@@ -15,7 +15,6 @@ match). The LoRA, VeRA and SORF-VeRA payload kinds run either.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,14 +27,9 @@ from fedlr.adapters import LoraSettings, apply_lora, lora_layout
 from fedlr.adapters.lora import LoraModel
 from fedlr.adapters.orientation import resolve_targets
 from fedlr.config import RunConfig
-from fedlr.data import (
-    DATASETS,
-    PartitionConfig,
-    dataset_info,
-    load_dataset,
-    split_dataset,
-)
+from fedlr.data import DATASETS, dataset_info
 from fedlr.data.partition import FederatedSplit
+from fedlr.data.splits import dataset_split
 from fedlr.errors import ConfigError
 from fedlr.lm import EncodedInstructions, encode_instructions, evaluate_lm
 from fedlr.models import TEXT_MODELS, build_text_classifier, load_tokenizer
@@ -51,32 +45,6 @@ __all__ = ["CausalLMTask", "LoraModel", "TextTask", "text_task"]
 
 def _datasets(kind: str) -> list[str]:
     return sorted(name for name, spec in DATASETS.items() if spec.kind == kind)
-
-
-@functools.lru_cache(maxsize=8)
-def _split(
-    dataset: str,
-    seed: int,
-    partitioner: str,
-    num_partitions: int,
-    dirichlet_alpha: float,
-    classes_per_partition: int,
-    eval_fraction: float,
-    min_partition_size: int = 10,
-) -> FederatedSplit:
-    data = load_dataset(dataset, seed=seed)
-    return split_dataset(
-        data,
-        PartitionConfig(
-            partitioner=partitioner,
-            num_partitions=num_partitions,
-            seed=seed,
-            dirichlet_alpha=dirichlet_alpha,
-            classes_per_partition=classes_per_partition,
-            eval_fraction=eval_fraction,
-            min_partition_size=min_partition_size,
-        ),
-    )
 
 
 def text_task(config: RunConfig) -> TextTask | CausalLMTask:
@@ -100,18 +68,8 @@ class _Common:
     config: RunConfig
 
     def split(self, num_partitions: int | None = None) -> FederatedSplit:
-        """Held-out split and client partitions (cached)."""
-        c = self.config
-        return _split(
-            c.dataset,
-            c.seed,
-            c.partitioner,
-            num_partitions or c.num_partitions,
-            c.dirichlet_alpha,
-            c.classes_per_partition,
-            c.eval_fraction,
-            c.min_partition_size,
-        )
+        """Held-out split and client partitions (cached, :func:`dataset_split`)."""
+        return dataset_split(self.config, num_partitions)
 
     def encode(self, rows: datasets.Dataset) -> Any:
         raise NotImplementedError

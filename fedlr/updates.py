@@ -2,7 +2,7 @@
 
 :class:`ClientUpdate` is what every strategy's kernel and the robust step
 (:mod:`fedlr.robust`) receive: the reply's arrays, its weight and its scalar
-metrics, after the server's checks (:class:`~fedlr.strategies.replies.ReplyChecks`).
+metrics, after the server's checks (:class:`~fedlr.round.replies.Replies`).
 It lives below both, so the robust step does not import the strategies.
 """
 
@@ -41,7 +41,7 @@ class ClientUpdate:
         by this, never by ``num_examples`` directly.
     extras : dict of str to dict of str to torch.Tensor
         The extra ArrayRecords the strategy declares a reply carries
-        (:meth:`~fedlr.strategies.replies.ReplyChecks.reply_records`),
+        (:meth:`~fedlr.round.replies.Replies.reply_records`),
         decoded and checked once, by name.
     clip_factor : float
         The factor robust norm clipping moved the arrays by (``ref + f (x -

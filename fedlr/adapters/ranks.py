@@ -1,7 +1,8 @@
 """Heterogeneous LoRA ranks: the tensor rules both sides apply.
 
-The wire protocol (:mod:`fedlr.protocol`) names the keys that switch these
-rules on (``leading-rank``, ``fold-tail``, ``prune-gamma``); the math lives
+The instruction keys that switch these rules on are named elsewhere
+(``leading-rank`` in :mod:`fedlr.protocol`, ``fold-tail`` and
+``prune-gamma`` with the client features that read them); the math lives
 here, on layouts and tensors, with no Flower import:
 
 * :func:`leading_rank`: a node of rank ``r`` keeps the leading ``r``
@@ -22,8 +23,9 @@ from fedlr.errors import ProtocolError
 
 __all__ = ["fold_tail", "leading_rank", "pruned_rank"]
 
-# The instruction keys of these rules (fedlr.protocol names them; this module
-# stays free of Flower, so it spells them here for its messages).
+# The instruction keys of these rules (named where they are read: fedlr.pruning,
+# fedlr.strategies.fedex_lora; this module stays free of Flower and of the
+# strategies, so it spells them here for its messages).
 FOLD_TAIL = "fold-tail"
 PRUNE_GAMMA = "prune-gamma"
 
@@ -56,7 +58,7 @@ def leading_rank(
 def pruned_rank(rank: int, gamma: float) -> int:
     """The rank a node of rank ``r`` prunes itself to: ``max(1, floor(gamma r))``.
 
-    The rule of :data:`fedlr.protocol.PRUNE_GAMMA` (up to a rounding allowance
+    The rule of :data:`fedlr.pruning.PRUNE_GAMMA` (up to a rounding allowance
     of ``1e-9``, so that ``floor(0.57 * 100)`` is 57 although ``0.57 * 100`` is
     56.99999999999999 in floating point).
 
@@ -96,8 +98,9 @@ def fold_tail(
     ``(alpha / R) B[:, r:] A[r:]`` (transposed where the layer stores
     ``W0`` as (d_in, d_out), ``fan_in_fan_out``), computed in float64. With
     :func:`leading_rank`'s cut, ``W0 + (alpha / r) B_r A_r`` then equals
-    ``W0 + (alpha / R) B A``: the rule of :data:`fedlr.protocol.FOLD_TAIL`, which nodes
-    apply and the server's aggregation assumes.
+    ``W0 + (alpha / R) B A``: the rule of
+    :data:`fedlr.strategies.fedex_lora.FOLD_TAIL`, which nodes apply and the
+    server's aggregation assumes.
 
     Parameters
     ----------

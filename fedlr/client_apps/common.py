@@ -1,19 +1,27 @@
-"""What every fedlr ClientApp reads the same way: its partition, its settings."""
+"""What every fedlr ClientApp does the same way: its partition, its settings, replies.
+
+The vision payload kinds (``qrmix``, ``gpse``) also answer an ``evaluate``
+instruction the same way (:func:`image_evaluate_reply`).
+"""
 
 from __future__ import annotations
 
 from logging import WARNING, getLogger
 
-from flwr.app import ConfigRecord, Context
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import MetricRecordValues as Values
+from torch import nn
 
 from fedlr import protocol
 from fedlr.config import RunConfig
+from fedlr.data.images import ImageData
 from fedlr.errors import ConfigError
 from fedlr.flower.records import config_float, config_int
+from fedlr.image_task import evaluate_images
 from fedlr.instruction_checks import NodeLimits, check_value
-from fedlr.train import TrainSettings
+from fedlr.train import TrainSettings, pick_device
 
-__all__ = ["partition_of", "train_settings"]
+__all__ = ["image_evaluate_reply", "partition_of", "train_settings"]
 
 _LOG = getLogger("fedlr")
 
@@ -74,3 +82,39 @@ def train_settings(
     check_value(protocol.LR, settings.lr, limits)
     check_value(protocol.BATCH_SIZE, settings.batch_size, limits)
     return settings
+
+
+def image_evaluate_reply(
+    message: Message, model: nn.Module, data: ImageData, config: RunConfig
+) -> Message:
+    """The reply to an ``evaluate`` instruction: ``model`` on the local ``data``.
+
+    Evaluates in eval mode on ``device`` (in batches of ``eval-batch-size``),
+    moves ``model`` back to the CPU and replies with a MetricRecord
+    ``metrics`` of ``num-examples`` (``len(data)``), ``accuracy`` and
+    ``loss`` (mean cross-entropy).
+
+    Parameters
+    ----------
+    message : Message
+        The instruction replied to.
+    model : nn.Module
+        Maps (N, C, H, W) to logits over ``data``'s labels (a task view of
+        the global model, or the model itself).
+    data : ImageData
+    config : RunConfig
+    """
+    accuracy, loss = evaluate_images(
+        model,
+        data,
+        batch_size=config.eval_batch_size,
+        device=pick_device(config.device),
+    )
+    model.to("cpu")
+    metrics: dict[str, Values] = {
+        protocol.NUM_EXAMPLES: len(data),
+        "accuracy": accuracy,
+        "loss": loss,
+    }
+    reply = RecordDict({protocol.METRICS: MetricRecord(metrics)})
+    return Message(reply, reply_to=message)

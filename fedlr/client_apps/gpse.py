@@ -27,7 +27,11 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.app import MetricRecordValues as Values
 
 from fedlr import protocol
-from fedlr.client_apps.common import partition_of, train_settings
+from fedlr.client_apps.common import (
+    image_evaluate_reply,
+    partition_of,
+    train_settings,
+)
 from fedlr.config import RunConfig
 from fedlr.continual import (
     ContinualOptions,
@@ -44,7 +48,7 @@ from fedlr.flower.records import (
     config_record,
     state_to_record,
 )
-from fedlr.image_task import evaluate_images, train_sgd
+from fedlr.image_task import train_sgd
 from fedlr.instruction_checks import NodeLimits, check_config, decode_checked
 from fedlr.models.vision import VisionModel
 from fedlr.train import client_seed, pick_device
@@ -219,18 +223,4 @@ def evaluate_message(message: Message, context: Context) -> Message:
         stream.task_classes(task),
         stream.num_classes,
     )
-    accuracy, loss = evaluate_images(
-        module,
-        view,
-        batch_size=config.eval_batch_size,
-        device=pick_device(config.device),
-    )
-    model.to("cpu")
-    reply = RecordDict(
-        {
-            protocol.METRICS: MetricRecord(
-                {protocol.NUM_EXAMPLES: len(view), "accuracy": accuracy, "loss": loss}
-            )
-        }
-    )
-    return Message(reply, reply_to=message)
+    return image_evaluate_reply(message, module, view, config)

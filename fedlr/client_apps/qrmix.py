@@ -26,21 +26,20 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.app import MetricRecordValues as Values
 
 from fedlr import protocol
-from fedlr.client_apps.common import partition_of, train_settings
+from fedlr.client_apps.common import (
+    image_evaluate_reply,
+    partition_of,
+    train_settings,
+)
 from fedlr.config import RunConfig
+from fedlr.data.images import ImageData
 from fedlr.flower.records import (
     array_record,
     config_int,
     config_record,
     state_to_record,
 )
-from fedlr.image_task import (
-    EigenOptions,
-    ImageData,
-    ImageTask,
-    evaluate_images,
-    train_sgd,
-)
+from fedlr.image_task import EigenOptions, ImageTask, train_sgd
 from fedlr.instruction_checks import NodeLimits, check_config, decode_checked
 from fedlr.linalg.qrmix import fc_flatten, fc_hessian_eigenpairs
 from fedlr.models.vision import VisionModel
@@ -176,19 +175,4 @@ def evaluate_message(message: Message, context: Context) -> Message:
     pid, num = partition_of(context, config)
     model = _model(config)
     model.load_parameters(_checked_state(model, message, context)[0])
-    data = _partition(config, pid, num)
-    accuracy, loss = evaluate_images(
-        model,
-        data,
-        batch_size=config.eval_batch_size,
-        device=pick_device(config.device),
-    )
-    model.to("cpu")
-    reply = RecordDict(
-        {
-            protocol.METRICS: MetricRecord(
-                {protocol.NUM_EXAMPLES: len(data), "accuracy": accuracy, "loss": loss}
-            )
-        }
-    )
-    return Message(reply, reply_to=message)
+    return image_evaluate_reply(message, model, _partition(config, pid, num), config)

@@ -128,15 +128,12 @@ class TextClient(Generic[O]):
         config = RunConfig.from_mapping(context.run_config)
         options = self.options.from_run_config(context.run_config)
         pid, num = partition_of(context, config)
-        model_config = config
-        rank = config.lora_rank
-        if config.rank_list:  # heterogeneous ranks: this partition's own rank
-            rank = config.rank_for(pid)
-            model_config = config.replace(lora_rank=rank)
-        # The model may serve other nodes of this rank, one of which may have
-        # pruned it (HetLoRA), or have been given another lora-rank by an
-        # earlier instruction: apply_round gives it this node's rank back
-        # unless the instruction names one.
+        # The node's own rank (its client-ranks entry, else lora-rank): the
+        # model is cached per configured rank. The rank the round trains at
+        # is decided by apply_round (fedlr.pruning.round_rank), whatever an
+        # earlier node served by this model was given or pruned itself to.
+        rank = config.rank_for(pid)
+        model_config = config.replace(lora_rank=rank) if config.rank_list else config
         model = self.model(model_config, options)
         try:
             job = apply_round(model, message, context, rank=rank)

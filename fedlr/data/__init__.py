@@ -1,4 +1,4 @@
-"""Data: offline assets, the dataset registry and client partitioning.
+"""Data: offline assets, the dataset registry, client partitioning, image tensors.
 
 Public names are imported lazily (PEP 562), so ``import fedlr.data`` is cheap
 and ``python -m fedlr.data.assets`` runs without importing ``datasets``.
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
         require_asset,
     )
     from fedlr.data.hub import DatasetUnavailableError
+    from fedlr.data.images import ImageData, to_image_data
     from fedlr.data.partition import (
         FederatedSplit,
         PartitionConfig,
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
         offline_datasets,
         register_dataset,
     )
+    from fedlr.data.splits import dataset_split, partition_config
 
 _EXPORTS: dict[str, str] = {
     "AssetFetchError": "assets",
@@ -63,6 +65,10 @@ _EXPORTS: dict[str, str] = {
     "load_dataset": "registry",
     "offline_datasets": "registry",
     "register_dataset": "registry",
+    "ImageData": "images",
+    "to_image_data": "images",
+    "dataset_split": "splits",
+    "partition_config": "splits",
 }
 
 __all__ = [
@@ -72,6 +78,7 @@ __all__ = [
     "DatasetSpec",
     "DatasetUnavailableError",
     "FederatedSplit",
+    "ImageData",
     "PartitionConfig",
     "PartitionIndexError",
     "UnknownDatasetError",
@@ -79,13 +86,16 @@ __all__ = [
     "cache_dir",
     "clear_dataset_cache",
     "dataset_info",
+    "dataset_split",
     "ensure_assets",
     "load_dataset",
     "minilm_path",
     "offline_datasets",
+    "partition_config",
     "register_dataset",
     "require_asset",
     "split_dataset",
+    "to_image_data",
 ]
 
 

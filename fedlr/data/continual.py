@@ -18,8 +18,8 @@ capped), its own held-out split and its own client partitions, made by
 :meth:`ContinualStream.task_classes` says which logits a task uses (split
 streams are task-incremental: a shared head whose logits are restricted to the
 task's classes; permuted MNIST uses all ten). Images are returned as
-:class:`~fedlr.image_task.ImageData`, normalised like the base set
-(:data:`~fedlr.image_task.NORMALISATION`); the permutation is applied after
+:class:`~fedlr.data.images.ImageData`, normalised like the base set
+(:data:`~fedlr.data.images.NORMALISATION`); the permutation is applied after
 normalisation (one channel, so the two commute).
 """
 
@@ -34,10 +34,10 @@ import pyarrow as pa
 import torch
 from numpy.typing import NDArray
 
+from fedlr.data.images import ImageData, to_image_data
 from fedlr.data.partition import FederatedSplit, PartitionConfig, split_dataset
 from fedlr.data.registry import load_dataset
 from fedlr.errors import FedLRError
-from fedlr.image_task import ImageData, to_image_data
 
 __all__ = [
     "STREAMS",

@@ -382,7 +382,7 @@ def _check_secure(method: MethodConfig, sampled: int | None) -> None:
     """SecAgg+'s refusals of :func:`fedlr.server_apps.secagg.secure_exchange`
     that need no model, as the one-line error a typo gets."""
     from fedlr.errors import SecureAggregationError
-    from fedlr.server_apps.secagg import check_secure_config, check_secure_method
+    from fedlr.server_apps.secagg_checks import check_secure_config, check_secure_method
 
     try:
         if sampled is None:  # a deployment: the node count is not known here

@@ -51,8 +51,12 @@ then the space of those arrays; the LoRA family's product space
 factors, so it cannot calibrate the noise. Methods whose aggregate is not a
 mean of the sent arrays (FedEx-LoRA's residual ``mean(B_i A_i) - B A``,
 FedSpec's SVD of the mean of products, FlexLoRA, VeRA-FedEx) are refused with
-:class:`~fedlr.errors.PrivacyUnsupportedError`, and so are replies with extra
-records (SCAFFOLD's control deltas would travel un-noised).
+:class:`~fedlr.errors.PrivacyUnsupportedError`, and so are methods whose
+replies carry extra records (SCAFFOLD's control deltas, FOT's sketches would
+travel un-noised): both when the run config is resolved
+(:func:`check_privacy`, from the registration's ``sum_only`` and the records
+its client features and handler declare), and again per round for a reply
+that carries one anyway (:func:`privatize`).
 
 The noise is added to every update (``x_i + xi`` for one draw ``xi``), so a
 kernel that averages them with equal weights gets ``mean + xi`` exactly.
@@ -72,16 +76,19 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fedlr.errors import CheckpointError, ConfigError, PrivacyUnsupportedError
+from fedlr.errors import CheckpointError, PrivacyUnsupportedError
 from fedlr.privacy.accounting import History, epsilon
 from fedlr.privacy.randomness import secure_generator, seeded_generator
 from fedlr.privacy.settings import ClientDpSettings, PrivacyConfig, default_delta
-from fedlr.robust import ParameterSpace, RobustConfig
+from fedlr.robust import ParameterSpace
 from fedlr.updates import ClientUpdate
+
+if TYPE_CHECKING:
+    pass
 
 __all__ = [
     "CLIENT_DP_EPSILON",
@@ -89,8 +96,6 @@ __all__ = [
     "CLIENT_DP_STATE",
     "DP_EPSILON",
     "ClientDpLedger",
-    "check_privacy",
-    "check_robust",
     "clip_to_fixed_mean",
     "gaussian_noise",
     "keep_ledger",
@@ -114,68 +119,6 @@ _SPENT = "dp-epsilon-spent"
 _STREAM = 0xC11E
 """Tags client-level DP's seeded stream (``reproducible-noise``) apart from
 the other streams of the same seed and round."""
-
-
-def check_privacy(
-    method: str,
-    sum_only: bool,
-    payload: str,
-    privacy: PrivacyConfig,
-    training_changes: Sequence[str] = (),
-) -> None:
-    """Refuse a privacy mechanism the method cannot have.
-
-    ``training_changes`` are what the method's client features add to local
-    training under its options
-    (:meth:`fedlr.features.ClientFeature.training_change`).
-
-    Raises
-    ------
-    PrivacyUnsupportedError
-        DP-SGD for a method that does not train LoRA adapters or whose
-        clients change the loss or the gradients; client-level DP for a
-        method that is not sum-only.
-    """
-    if privacy.dp_sgd is not None and payload != "lora":
-        raise PrivacyUnsupportedError(
-            f"dp-max-grad-norm: DP-SGD serves methods that train LoRA adapters; "
-            f"method '{method}' trains a '{payload}' payload (no per-example "
-            "gradient sampler for its layers); use a LoRA method or set "
-            "dp-max-grad-norm = 0"
-        )
-    if privacy.dp_sgd is not None and training_changes:
-        raise PrivacyUnsupportedError(
-            f"dp-max-grad-norm: DP-SGD clips each example's gradient of the loss "
-            f"alone; method '{method}' adds {' and '.join(training_changes)}, "
-            "which that clipping would not bound; set dp-max-grad-norm = 0 or "
-            "switch the feature off"
-        )
-    if privacy.client_dp is not None and not sum_only:
-        raise PrivacyUnsupportedError(
-            f"client-dp-clip: client-level DP needs an aggregate that is a mean of "
-            f"the clients' arrays (a sum-only method); method '{method}' combines "
-            "each client's factors non-linearly, so clipping the sent arrays does "
-            "not bound its sensitivity; use fedavg-lora, ffa-lora, fedsvd, "
-            "fedavg-vera, ... or set client-dp-clip = 0"
-        )
-
-
-def check_robust(privacy: PrivacyConfig, robust: RobustConfig) -> None:
-    """Client-level DP and a robust rule do not combine (both set the weights).
-
-    Raises
-    ------
-    ConfigError
-        (key ``client-dp-clip``) if both are on.
-    """
-    if privacy.client_dp is not None and robust.active:
-        raise ConfigError(
-            "client-dp-clip",
-            f"client-level DP weighs every client equally and clips them itself; "
-            f"robust '{robust.rule}' (or max-client-weight < 1) would re-weigh or "
-            "drop clients by their updates, which the privacy analysis does not "
-            "cover; use robust = none",
-        )
 
 
 def clip_to_fixed_mean(

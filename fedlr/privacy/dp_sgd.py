@@ -26,9 +26,27 @@ an error reply naming ``dp-epsilon``).
 The feature is a *common* client feature (:func:`fedlr.features.common_feature`):
 every method gets it when its instruction carries ``dp-max-grad-norm`` > 0.
 It serves LoRA models only (VeRA and SORF-VeRA are refused with
-:class:`~fedlr.errors.PrivacyUnsupportedError`), and refuses rounds that also
-add a loss term or a gradient correction (FedProx, HetLoRA's pruning,
-SCAFFOLD), whose gradients Opacus's per-example clipping would not see.
+:class:`~fedlr.errors.PrivacyUnsupportedError`).
+
+Loss terms that read no data. A client feature's loss term that is a function
+of the parameters and of what the node received or kept, not of its examples
+(FedProx's proximal term ``(mu / 2) ||w - w_g||^2``, HetLoRA's tail
+regulariser; :attr:`fedlr.features.ClientFeature.loss_reads_data` ``False``),
+composes with DP-SGD: each step's update direction is
+
+    (sum_i clip_C(g_i) + N(0, sigma^2 C^2 I)) / (q n) + grad R(w),
+
+the noised mean of the clipped per-example gradients of the data loss
+(Opacus's ``DPOptimizer``), then the regulariser's gradient at the current
+parameters, added after the noise and before the optimizer's step
+(:class:`PrivateLoop`, Opacus's step hook). Given the released noised
+gradients, ``grad R(w)`` is a function of public and already-released
+quantities (``w_g`` from the server, the node's previous iterate), so the
+step is post-processing of the Gaussian mechanism and the accountant's
+``(sigma, q, steps)`` are unchanged. A term that reads the data, or a
+gradient transform (SCAFFOLD's correction), is refused: the clipping would
+not bound it (at configuration, :func:`fedlr.privacy.refusals.check_privacy`,
+and again on the node, :meth:`fedlr.client.ClientRound.loop_control`).
 
 References
 ----------
@@ -38,7 +56,7 @@ References
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Self
 
 import torch
@@ -52,7 +70,7 @@ from fedlr.errors import (
     PrivacyUnsupportedError,
     ProtocolError,
 )
-from fedlr.features import ClientFeature, RoundJob, common_feature
+from fedlr.features import ClientFeature, Record, RoundJob, common_feature
 from fedlr.flower.records import config_float, config_int
 from fedlr.privacy.accounting import History, epsilon, noise_multiplier_for
 from fedlr.privacy.backend import opacus_api
@@ -199,6 +217,13 @@ class PrivateLoop:
         state directory).
     run_id, server_round : int
         Recorded with the round's release in the node's ledger.
+    regulariser : callable, optional
+        ``R()``, a scalar function of the trained parameters that reads no
+        data (the round's data-independent loss terms,
+        :meth:`fedlr.client.ClientRound.penalty`): its gradient at the
+        current parameters is added to each step's noised gradient, after
+        the clipping and noise, before the optimizer's step (the module
+        docstring). ``None``: none.
     """
 
     def __init__(
@@ -209,8 +234,10 @@ class PrivateLoop:
         *,
         run_id: int = 0,
         server_round: int = 0,
+        regulariser: Callable[[], torch.Tensor] | None = None,
     ) -> None:
         self.settings = settings
+        self.regulariser = regulariser
         self.state = state
         self.policy = policy or NodePolicy()
         self.run_id = int(run_id)
@@ -298,10 +325,30 @@ class PrivateLoop:
             loss_reduction="mean",
             generator=noise,
         )
+        if self.regulariser is not None:
+            # after the clipping, the noise and the 1 / (q n) scaling
+            private.attach_step_hook(self._add_regulariser)
         self._hooks = api.GradSampleHooks(
             model, batch_first=True, loss_reduction="mean", strict=False
         )
         return private
+
+    def _add_regulariser(self, optimizer: Any) -> None:
+        """``p.grad += dR/dp`` at the current parameters (Opacus's step hook:
+        ``p.grad`` already holds the noised mean of the clipped per-example
+        gradients)."""
+        if self.regulariser is None:
+            return
+        params = [p for p in self._params if p.grad is not None]
+        with torch.enable_grad():
+            value = self.regulariser()
+        if not value.requires_grad:  # constant in the parameters
+            return
+        grads = torch.autograd.grad(value, params, allow_unused=True)
+        with torch.no_grad():
+            for p, g in zip(params, grads, strict=True):
+                if g is not None and p.grad is not None:
+                    p.grad.add_(g.to(p.grad.dtype))
 
     def _check_run_budget(self, release: tuple[float, float, int]) -> None:
         s = self.settings
@@ -382,7 +429,12 @@ class DpSgd(ClientFeature):
 
     On for a ``train`` instruction with ``dp-max-grad-norm`` > 0. It does not
     change the arrays; it runs the training loop (:meth:`loop`, a
-    :class:`PrivateLoop`) and reports the node's ``epsilon``.
+    :class:`PrivateLoop`, given the round's data-independent loss terms) and
+    reports the node's ``epsilon``.
+
+    Its keys are checked together when the settings are built
+    (:class:`~fedlr.privacy.settings.DpSgdSettings`, then the node's own
+    limits), so they are declared by name, without a bound each.
     """
 
     keys = (
@@ -393,6 +445,21 @@ class DpSgd(ClientFeature):
         DP_ACCOUNTANT,
         DP_ROUNDS,
         DP_REPRODUCIBLE,
+    )
+    node_state = (
+        Record(
+            _NODE_HISTORY,
+            "this run's `(σ, q, steps)` per round (the node's ledger of every "
+            "run is a file in its state directory)",
+        ),
+    )
+    metrics = (
+        Record(DP_EPSILON_SPENT, "the node's ε over its ledger (every run)"),
+        Record(DP_EPSILON_RUN, "the node's ε over this run"),
+        Record(DP_NOISE_MULTIPLIER, "the σ it used"),
+        Record(DP_DELTA, "the δ it used"),
+        Record(DP_SAMPLE_RATE, "`q = batch-size / n` (reveals `n`)"),
+        Record(DP_NOISE_REPRODUCIBLE, "1 if the noise came from the run seed"),
     )
     order = 90
 
@@ -440,6 +507,13 @@ class DpSgd(ClientFeature):
         )
 
     def loop(self, job: RoundJob) -> PrivateLoop:
+        """The private loop; the round's loss terms become its regulariser
+        (their gradient is added after the clipping and noise).
+
+        :meth:`fedlr.client.ClientRound.loop_control` refuses a round whose
+        terms read the data before the loop starts.
+        """
+        self.control.regulariser = job.penalty if job.has_penalty else None
         return self.control
 
     def reply_records(

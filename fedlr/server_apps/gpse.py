@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from fedlr import protocol
 from fedlr.config import RunConfig
 from fedlr.continual import (
     AccuracyMatrix,
@@ -31,10 +30,16 @@ from fedlr.continual import (
     task_view,
 )
 from fedlr.data.continual import ContinualStream
+from fedlr.data.images import ImageData
 from fedlr.errors import ConfigError
-from fedlr.image_task import ImageData, evaluate_images
+from fedlr.image_task import evaluate_images
 from fedlr.models.vision import VisionModel
-from fedlr.server_apps.plans import ServerPlan, check_strategy, register_plan
+from fedlr.server_apps.plans import (
+    ServerPlan,
+    base_train_config,
+    check_strategy,
+    register_plan,
+)
 from fedlr.strategies.fot import FedAvgContinual
 from fedlr.strategies.registry import MethodConfig
 from fedlr.train import pick_device
@@ -70,11 +75,7 @@ def gpse_plan(method: MethodConfig) -> ServerPlan:
         strategy=strategy,
         initial_arrays=initial,
         evaluate=evaluation,
-        train_config={
-            protocol.LR: config.lr,
-            protocol.LOCAL_STEPS: config.local_steps,
-            protocol.BATCH_SIZE: config.batch_size,
-        },
+        train_config=base_train_config(config),
         columns=COLUMNS,
         largest_partition=lambda n: max(
             stream_from_config(config, options, n).split(t)[1].largest_partition

@@ -17,11 +17,15 @@ from typing import cast
 
 import torch
 
-from fedlr import protocol
 from fedlr.adapters import Role, adapter_state
 from fedlr.adapters.lora import LoraModel
 from fedlr.errors import ConfigError
-from fedlr.server_apps.plans import ServerPlan, check_strategy, register_plan
+from fedlr.server_apps.plans import (
+    ServerPlan,
+    check_strategy,
+    heldout_plan,
+    register_plan,
+)
 from fedlr.strategies.lora import LoraStrategy
 from fedlr.strategies.registry import MethodConfig
 from fedlr.tasks import text_task
@@ -90,25 +94,17 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
         model.model.to("cpu")
         return result
 
-    extra = (*task.metric_columns, *strategy.extra_columns)
-    return ServerPlan(
+    return heldout_plan(
+        config,
         strategy=strategy,
         initial_arrays=initial,
         evaluate=evaluate_global,
-        train_config={
-            protocol.LR: config.lr,
-            protocol.LOCAL_STEPS: config.local_steps,
-            protocol.BATCH_SIZE: config.batch_size,
-        },
-        largest_partition=lambda n: task.split(n).largest_partition,
-        columns=tuple(extra),
-        description=(
-            f"{config.model} on {config.dataset}, {len(heldout)} held-out "
-            f"examples, device {device}"
-            + (
-                "; personalised: each client evaluates on its own held-out part"
-                if traits.personalised
-                else ""
-            )
+        heldout_examples=len(heldout),
+        device=device,
+        columns=(*task.metric_columns, *strategy.extra_columns),
+        note=(
+            "; personalised: each client evaluates on its own held-out part"
+            if traits.personalised
+            else ""
         ),
     )

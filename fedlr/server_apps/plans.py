@@ -4,9 +4,10 @@ A method's registry entry names its payload kind
 (:class:`~fedlr.payload_kind.PayloadKind`); the plan builder of that
 kind (``plan(method_config) -> ServerPlan``) is registered here under the
 kind's name (:func:`register_plan`), in the plan's own module, and
-:func:`build_plan` builds a method's plan. The payload kinds and the registry
-below do not import the plans. A plan is everything the generic round loop in
-:mod:`fedlr.server_apps.runner` needs and nothing about how the loop runs:
+:func:`fedlr.server_apps.builtin_plans.build_plan` builds a method's plan.
+The payload kinds and the registry below do not import the plans. A plan is
+everything the generic round loop in :mod:`fedlr.server_apps.runner` needs
+and nothing about how the loop runs:
 
 * the strategy, built from the run config;
 * the initial global arrays;
@@ -19,10 +20,14 @@ below do not import the plans. A plan is everything the generic round loop in
 * an optional ``finish(run_dir)`` that writes extra files at the end and
   returns extra ``summary.json`` fields.
 
+A plan whose global model is evaluated on the server's held-out split is built
+by :func:`heldout_plan` (the ``lora``, ``vera`` and ``qrmix`` kinds); every
+plan's train ConfigRecord starts from :func:`base_train_config`.
+
 A family adds a module of :mod:`fedlr.server_apps` with its builder,
-decorated with ``@register_plan("<payload kind name>")``: the first
-:func:`build_plan` imports every module of the package (``pkgutil``), as the
-method registry does with :mod:`fedlr.strategies`.
+decorated with ``@register_plan("<payload kind name>")``, and names it in
+:mod:`fedlr.server_apps.builtin_plans` (the lookup, above the plan modules,
+which import this one).
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ from typing import Any
 
 import torch
 
-import fedlr.server_apps as builtin
-from fedlr.discovery import import_submodules
+from fedlr import protocol
+from fedlr.config import RunConfig
+from fedlr.data.splits import dataset_split
 from fedlr.strategies.base import FedLRStrategy
 from fedlr.strategies.registry import MethodConfig, MethodSpec
 
@@ -43,10 +49,12 @@ __all__ = [
     "EvaluateFn",
     "PlanBuilder",
     "ServerPlan",
-    "build_plan",
+    "base_train_config",
     "check_strategy",
-    "plan_builder",
+    "heldout_plan",
     "register_plan",
+    "registered_kinds",
+    "registered_plan",
 ]
 
 EvaluateFn = Callable[[int, Mapping[str, torch.Tensor]], dict[str, float]]
@@ -117,6 +125,73 @@ def check_strategy(spec: MethodSpec, base: type) -> None:
         )
 
 
+def base_train_config(config: RunConfig, lr: float | None = None) -> dict[str, Any]:
+    """Base values of the train ConfigRecord: ``lr``, ``local-steps``, ``batch-size``.
+
+    Parameters
+    ----------
+    config : RunConfig
+    lr : float, optional
+        The round-1 learning rate when the kind has its own (VeRA's
+        ``vera-lr``); default the run's ``lr``.
+    """
+    return {
+        protocol.LR: config.lr if lr is None else lr,
+        protocol.LOCAL_STEPS: config.local_steps,
+        protocol.BATCH_SIZE: config.batch_size,
+    }
+
+
+def heldout_plan(
+    config: RunConfig,
+    *,
+    strategy: FedLRStrategy,
+    initial_arrays: dict[str, torch.Tensor],
+    evaluate: EvaluateFn,
+    heldout_examples: int,
+    device: torch.device,
+    columns: tuple[str, ...] = (),
+    lr: float | None = None,
+    model_note: str = "",
+    note: str = "",
+) -> ServerPlan:
+    """The plan of a kind whose global model is evaluated on the held-out split.
+
+    The shared part of the ``lora``, ``vera``/``sorf-vera`` and ``qrmix`` plans:
+    the data set is cut by :func:`fedlr.data.splits.dataset_split` (as the
+    tasks cut it), so ``largest_partition(n)`` is its largest partition for
+    ``n`` clients; the train ConfigRecord is :func:`base_train_config`; the
+    description reads ``"<model> on <dataset><model_note>, <k> held-out
+    examples, device <device><note>"``.
+
+    Parameters
+    ----------
+    config : RunConfig
+    strategy, initial_arrays, evaluate, columns
+        As in :class:`ServerPlan`.
+    heldout_examples : int
+        Size of the server's evaluation set (for the description).
+    device : torch.device
+        Where ``evaluate`` runs (for the description).
+    lr : float, optional
+        See :func:`base_train_config`.
+    model_note, note : str
+        Description text after the data set's name and at the end.
+    """
+    return ServerPlan(
+        strategy=strategy,
+        initial_arrays=initial_arrays,
+        evaluate=evaluate,
+        train_config=base_train_config(config, lr),
+        largest_partition=lambda n: dataset_split(config, n).largest_partition,
+        columns=columns,
+        description=(
+            f"{config.model} on {config.dataset}{model_note}, {heldout_examples} "
+            f"held-out examples, device {device}{note}"
+        ),
+    )
+
+
 PlanBuilder = Callable[[MethodConfig], ServerPlan]
 """``plan(method_config) -> ServerPlan``: the server side of one payload kind."""
 
@@ -146,29 +221,13 @@ def register_plan(payload: str) -> Callable[[PlanBuilder], PlanBuilder]:
     return decorator
 
 
-def _load_builtin() -> None:
-    """Import every module of :mod:`fedlr.server_apps` once (plans register)."""
-    import_submodules(builtin)
+def registered_plan(payload: str) -> PlanBuilder | None:
+    """The plan registered so far for payload kind ``payload``, or ``None``
+    (:func:`fedlr.server_apps.builtin_plans.plan_builder` loads fedlr's own
+    plans first)."""
+    return _PLANS.get(payload)
 
 
-def plan_builder(payload: str) -> PlanBuilder:
-    """The server plan registered for payload kind ``payload``.
-
-    Raises
-    ------
-    LookupError
-        If no plan is registered for the kind.
-    """
-    _load_builtin()
-    try:
-        return _PLANS[payload]
-    except KeyError:
-        raise LookupError(
-            f"no server plan is registered for payload kind '{payload}'; "
-            f"registered: {', '.join(sorted(_PLANS))}"
-        ) from None
-
-
-def build_plan(method: MethodConfig) -> ServerPlan:
-    """Build the server plan of a parsed run config's method (its payload kind's)."""
-    return plan_builder(method.spec.payload.name)(method)
+def registered_kinds() -> list[str]:
+    """The payload kinds with a registered plan, sorted."""
+    return sorted(_PLANS)

@@ -14,10 +14,14 @@ from pathlib import Path
 
 import torch
 
-from fedlr import protocol
 from fedlr.errors import ConfigError, ShapeMismatchError
 from fedlr.image_task import ImageTask, evaluate_images
-from fedlr.server_apps.plans import ServerPlan, check_strategy, register_plan
+from fedlr.server_apps.plans import (
+    ServerPlan,
+    check_strategy,
+    heldout_plan,
+    register_plan,
+)
 from fedlr.strategies.qrmix import VisionFedAvg
 from fedlr.strategies.registry import MethodConfig
 from fedlr.train import pick_device
@@ -93,19 +97,13 @@ def qrmix_plan(method: MethodConfig) -> ServerPlan:
         model.to("cpu")
         return {"accuracy": accuracy, "loss": loss}
 
-    return ServerPlan(
+    return heldout_plan(
+        config,
         strategy=strategy,
         initial_arrays=initial,
         evaluate=evaluate_global,
-        train_config={
-            protocol.LR: config.lr,
-            protocol.LOCAL_STEPS: config.local_steps,
-            protocol.BATCH_SIZE: config.batch_size,
-        },
-        largest_partition=lambda n: task.split(n).largest_partition,
+        heldout_examples=len(heldout),
+        device=device,
         columns=strategy.columns,
-        description=(
-            f"{config.model} on {config.dataset} ({size} parameters), "
-            f"{len(heldout)} held-out examples, device {device}"
-        ),
+        model_note=f" ({size} parameters)",
     )

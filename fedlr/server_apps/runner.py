@@ -6,10 +6,10 @@
 2. Build the method's :class:`~fedlr.server_apps.plans.ServerPlan` (strategy, initial
    arrays, evaluation) with the plan registered for its payload kind
    (:func:`~fedlr.server_apps.plans.build_plan`).
-3. Run the rounds (``strategy.run_round``: train, then federated evaluation
-   if the method asks for it); after each, evaluate, append a CSV row, log a
-   progress line and save ``checkpoint.pt`` (:mod:`fedlr.checkpoint`), from
-   which ``resume-from`` continues a crashed run.
+3. Run the rounds (:func:`fedlr.round.pipeline.run_round`: train, then
+   federated evaluation if the method asks for it); after each, evaluate,
+   append a CSV row, log a progress line and save ``checkpoint.pt``
+   (:mod:`fedlr.checkpoint`), from which ``resume-from`` continues a crashed run.
 4. Save the final arrays, the adapter directory (:mod:`fedlr.export`), a
    ``summary.json`` (with the settings and the code version) and the plots
    (:mod:`fedlr.plots`).
@@ -54,7 +54,10 @@ from fedlr.privacy.client_dp import CLIENT_DP_EPSILON, DP_EPSILON
 from fedlr.privacy.settings import PrivacyConfig, default_delta
 from fedlr.protocol import EXACT_MATCH
 from fedlr.results import ResultsWriter, ensure_output_dir, privacy_summary
-from fedlr.server_apps.plans import ServerPlan, build_plan
+from fedlr.round.instructions import expected_arrays
+from fedlr.round.pipeline import run_round
+from fedlr.server_apps.builtin_plans import build_plan
+from fedlr.server_apps.plans import ServerPlan
 from fedlr.server_apps.progress import RoundClock, gap_text, round_progress
 from fedlr.server_apps.secagg import (
     SECAGG_COLUMNS,
@@ -245,7 +248,8 @@ def run_server(grid: Grid, context: Context) -> Path:
     for server_round in range(first, config.num_server_rounds + 1):
         log(INFO, "")
         log(INFO, "[ROUND %d/%d]", server_round, config.num_server_rounds)
-        arrays = strategy.run_round(
+        arrays = run_round(
+            strategy,
             round_progress(grid, server_round, config.num_server_rounds),
             server_round,
             arrays,
@@ -278,7 +282,8 @@ class ServerRun:
     """One run's server side: the plan, its results writer, its checkpoints.
 
     :func:`run_server` drives it: :meth:`prepare`, :meth:`start` (round 0 or
-    the resumed checkpoint), then per round the strategy's ``run_round``,
+    the resumed checkpoint), then per round
+    :func:`fedlr.round.pipeline.run_round`,
     :meth:`evaluate_round` and :meth:`checkpoint`, and :meth:`finish`.
     """
 
@@ -397,12 +402,13 @@ class ServerRun:
     def expected_arrays(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Keys, shapes and dtypes of the global arrays this run sends.
 
-        The strategy's ``expected_arrays()`` (after its state is restored: a
-        grown FedSpec rank) where it declares them, else the plan's initial
+        The strategy's expected arrays
+        (:func:`fedlr.round.instructions.expected_arrays`, after its state is
+        restored: a grown FedSpec rank) where it declares them, else the plan's initial
         arrays; the dtypes are the initial arrays'.
         """
         initial = self.plan.initial_arrays
-        declared = self.strategy.expected_arrays()
+        declared = expected_arrays(self.strategy)
         shapes = (
             {key: tuple(t.shape) for key, t in initial.items()}
             if declared is None

@@ -3,7 +3,7 @@
 Flower 1.41 runs SecAgg+ only inside the legacy ``SecAggPlusWorkflow``
 (a ``LegacyContext``, ``configure_fit`` / ``aggregate_fit`` and FitIns
 records). fedlr's rounds are Message-API rounds
-(:meth:`~fedlr.strategies.base.FedLRStrategy.run_round`), so
+(:func:`~fedlr.round.pipeline.run_round`), so
 :class:`SecAggPlusExchange` drives the same four stages over the same
 ``Grid`` with the same messages and Flower's own primitives (Shamir
 ``combine_shares``, ECDH ``generate_shared_key``, ``pseudo_rand_gen`` masks,
@@ -75,10 +75,10 @@ from fedlr.privacy.secagg import (
     SecAggSettings,
     SecureScalars,
     Summand,
-    check_eligible,
     unflatten_sums,
 )
 from fedlr.privacy.settings import ClientDpSettings
+from fedlr.server_apps.secagg_checks import check_secure_config
 from fedlr.server_apps.secagg_unmask import (
     Collected,
     Masked,
@@ -89,7 +89,7 @@ from fedlr.server_apps.secagg_unmask import (
     payload_nbytes,
 )
 from fedlr.strategies.base import FedLRStrategy
-from fedlr.strategies.registry import MethodConfig, available_methods, get_method
+from fedlr.strategies.registry import MethodConfig
 
 __all__ = [
     "SECAGG_COLUMNS",
@@ -101,50 +101,6 @@ __all__ = [
 SECAGG_COLUMNS = ("secagg-bound", "secagg-clipped")
 """``results.csv`` columns of a secure run: the round's error bound per entry
 of the weighted mean, and the summand entries the clipping range cut."""
-
-
-def check_secure_method(method: MethodConfig) -> None:
-    """Whether the method and its robust settings can run under SecAgg+.
-
-    Raises
-    ------
-    SecureAggregationError
-        A method that is not sum-only, or a robust rule or weight cap.
-    """
-    config = method.run
-    eligible = [m for m in available_methods() if get_method(m).traits.sum_only]
-    check_eligible(
-        method.spec.name,
-        method.spec.traits.sum_only,
-        eligible,
-        robust=config.robust,
-        max_client_weight=config.max_client_weight,
-    )
-
-
-def check_secure_config(method: MethodConfig, sampled: int) -> int:
-    """The checks of a SecAgg+ run that need no model (the launcher runs them
-    before the SuperLink starts, the ServerApp again at start-up), for rounds
-    of ``sampled`` nodes; the reconstruction threshold.
-
-    Raises
-    ------
-    SecureAggregationError
-        :func:`check_secure_method`'s refusals, fewer than 2 sampled nodes or
-        too many for the quantisation range.
-    ConfigError
-        Distributed client DP with a ``secagg-clipping-range`` without room
-        for the noise.
-    """
-    check_secure_method(method)
-    config = method.run
-    _, threshold = config.secagg.shares_and_threshold(sampled)
-    dp = config.privacy.client_dp
-    if dp is not None:
-        ddp.check_range(
-            config.secagg.clipping_range, dp.clip, dp.noise_multiplier, threshold
-        )
-    return threshold
 
 
 def secure_exchange(
@@ -172,7 +128,7 @@ def secure_exchange(
     dp = config.privacy.client_dp
     if dp is not None:  # distributed client DP: the server must not noise again
         ddp.check_secure(
-            dp, settings.clipping_range, threshold, strategy.reply_records()
+            dp, settings.clipping_range, threshold, strategy.replies.records()
         )
         strategy.privacy = dataclasses.replace(strategy.privacy, client_dp=None)
     return SecAggPlusExchange(settings, strategy, seed=config.seed, dp=dp)
@@ -350,7 +306,7 @@ class SecAggPlusExchange(UnmaskStage):
         strategy = self.strategy
         records: dict[str, Mapping[str, tuple[int, ...]]] = {
             strategy.arrayrecord_key: strategy.reply_shapes(),
-            **strategy.reply_records(),
+            **strategy.replies.records(),
         }
         return [
             (f"{record}/{key}", tuple(records[record][key]))
@@ -370,7 +326,7 @@ class SecAggPlusExchange(UnmaskStage):
         }
         if self.dp is not None:
             weights[ddp.DP_CLIPPED] = ""
-        sketches = self.strategy.reply_records().get(protocol.SKETCHES)
+        sketches = self.strategy.replies.records().get(protocol.SKETCHES)
         if sketches:
             weights[protocol.GPSE_EXAMPLES] = ""
             for layer in sorted(sketches):

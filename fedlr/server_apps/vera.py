@@ -14,10 +14,14 @@ from collections.abc import Mapping
 
 import torch
 
-from fedlr import protocol
 from fedlr.adapters.vera import VeraModel
 from fedlr.config import RunConfig
-from fedlr.server_apps.plans import ServerPlan, check_strategy, register_plan
+from fedlr.server_apps.plans import (
+    ServerPlan,
+    check_strategy,
+    heldout_plan,
+    register_plan,
+)
 from fedlr.strategies.registry import MethodConfig
 from fedlr.strategies.sorf_vera import SorfVeRA
 from fedlr.strategies.vera import VeraStrategy
@@ -55,20 +59,17 @@ def _plan(
         vm.model.to("cpu")
         return result
 
-    return ServerPlan(
+    return heldout_plan(
+        config,
         strategy=strategy,
         initial_arrays=initial,
         evaluate=evaluate_global,
-        train_config={
-            protocol.LR: lr,
-            protocol.LOCAL_STEPS: config.local_steps,
-            protocol.BATCH_SIZE: config.batch_size,
-        },
-        largest_partition=lambda n: task.split(n).largest_partition,
+        heldout_examples=len(heldout),
+        device=device,
         columns=(*task.metric_columns, *columns),
-        description=(
-            f"{config.model} on {config.dataset}, {len(heldout)} held-out "
-            f"examples, device {device}, rank {strategy.projection_rank}, "
+        lr=lr,
+        note=(
+            f", rank {strategy.projection_rank}, "
             f"projection seed {strategy.projection_seed}"
         ),
     )

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 
 from fedlr.payloads import LORA
-from fedlr.strategies.base import ClientUpdate, RoundReport
+from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.lora import LoraStrategy
-from fedlr.strategies.registry import register_method
+from fedlr.strategies.registration import register_method
 
 __all__ = ["FedAvgLoRA"]
 
@@ -41,5 +41,5 @@ class FedAvgLoRA(LoraStrategy):
         current: dict[str, torch.Tensor],
     ) -> tuple[dict[str, torch.Tensor], RoundReport]:
         state = dict(current)
-        state.update(self.weighted_means(updates, self.layout.keys(*self.train_roles)))
+        state.update(weighted_means(updates, self.layout.keys(*self.train_roles)))
         return state, self.gap_report(updates)

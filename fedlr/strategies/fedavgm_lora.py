@@ -23,16 +23,16 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 
-from fedlr.options import NoOptions, option, require
+from fedlr.options import NoOptions, option
 from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
 from fedlr.strategies.lora import saved_tensors
-from fedlr.strategies.registry import register_method
+from fedlr.strategies.registration import register_method
 
 __all__ = ["FedAvgMLoRA", "ServerMomentumOptions"]
 
@@ -43,27 +43,14 @@ class ServerMomentumOptions(NoOptions):
 
     server_momentum: float = option(
         0.9,
-        "momentum β of the server's step on the averaged factors, in [0, 1) "
+        "momentum β of the server's step on the averaged factors (β = 0 with "
+        "`server-lr` 1 is FedAvg-LoRA) "
         "([methods/fedavgm-lora.md](methods/fedavgm-lora.md))",
-        bad=[(1.0, r"in \[0, 1\)")],
+        range="[0, 1)",
     )
     server_lr: float = option(
-        1.0,
-        "the server's step size η, finite and > 0 (β = 0, η = 1 is FedAvg-LoRA)",
-        bad=[(0.0, "finite and > 0")],
+        1.0, "the server's step size η on the aggregated update", range="> 0"
     )
-
-    def check(self) -> None:
-        require(
-            0.0 <= self.server_momentum < 1.0,
-            "server-momentum",
-            f"must be in [0, 1), got {self.server_momentum}",
-        )
-        require(
-            math.isfinite(self.server_lr) and self.server_lr > 0,
-            "server-lr",
-            f"must be finite and > 0, got {self.server_lr}",
-        )
 
 
 @register_method(
@@ -88,6 +75,8 @@ class FedAvgMLoRA(FedAvgLoRA):
         Other parameters: see :class:`~fedlr.strategies.lora.LoraStrategy`.
     """
 
+    method_options: ServerMomentumOptions
+
     extra_columns: tuple[str, ...] = ("momentum-norm",)
 
     def __init__(self, **kwargs: Any) -> None:
@@ -97,7 +86,7 @@ class FedAvgMLoRA(FedAvgLoRA):
     @property
     def momentum_options(self) -> ServerMomentumOptions:
         """The method's options (:attr:`method_options`), typed."""
-        return cast(ServerMomentumOptions, self.method_options)
+        return self.method_options
 
     def aggregate_updates(
         self,

@@ -13,21 +13,21 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Self, cast
+from typing import Any, ClassVar, Self
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
-from flwr.serverapp import Grid
 
 from fedlr import protocol
 from fedlr.adapters.roles import AdaptedModel, Role
 from fedlr.adapters.vera import VeraModel
 from fedlr.downlink import BaseDelta, Projections, encode_steps, receive_base
 from fedlr.errors import ReplyValidationError
-from fedlr.features import ClientFeature, RoundJob
-from fedlr.flower.records import record_nbytes, record_views
+from fedlr.features import Bound, ClientFeature, Record, RoundJob
+from fedlr.flower.records import record_views
 from fedlr.ledger import BaseLedger
 from fedlr.options import NoOptions, Options, option, require
+from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
 
 __all__ = [
@@ -51,7 +51,24 @@ class BaseWeights(ClientFeature):
     reports the version held (``base-held``).
     """
 
-    keys = (protocol.BASE_VERSION, protocol.BASE_CHECK)
+    # the names are fedlr.protocol's: fedlr.downlink (below the strategies)
+    # reads them too; the bounds are this feature's
+    keys = (
+        Bound(protocol.BASE_VERSION, "int", -1, 2**62),
+        Bound(protocol.BASE_CHECK, "floats", None, "base_keys"),
+    )
+    receives = (
+        Record(
+            protocol.BASE_DELTA,
+            "the base-weight changes the node missed, as low-rank factors "
+            "(instead of dense base weights in `arrays`)",
+        ),
+    )
+    node_state = (
+        Record(protocol.BASE_STATE, "the base weights at the version it holds"),
+        Record(f"{protocol.BASE_STATE}-version", "that version (a ConfigRecord)"),
+    )
+    metrics = (Record(protocol.BASE_HELD, "the `base-version` the node now keeps"),)
     order = 10
 
     @classmethod
@@ -135,6 +152,37 @@ class DownlinkOptions(NoOptions):
         check_downlink(self.fedex_downlink)
 
 
+class DownlinkReplies(Replies):
+    """FactoredDownlink's reply step (:class:`~fedlr.round.replies.Replies`)."""
+
+    method: FactoredDownlink
+
+    def validate_reply(
+        self, message: Message, expected: Mapping[str, tuple[int, ...]]
+    ) -> ClientUpdate:
+        """Base checks, then the node's ``base-held`` (a published version).
+
+        A node whose reply fails, or that does not say which base weights it
+        keeps, is sent the dense ones next time.
+        """
+        node = int(message.metadata.src_node_id)
+        try:
+            update = super().validate_reply(message, expected)
+        except Exception:
+            self.method.ledger.forget(node)
+            raise
+        held = update.metrics.get(protocol.BASE_HELD)
+        if held is None or not self.method.factored:
+            self.method.ledger.forget(node)
+            return update
+        try:
+            self.method.ledger.confirm(node, held)
+        except ValueError as exc:
+            self.method.ledger.forget(node)
+            raise ReplyValidationError(node, str(exc)) from None
+        return update
+
+
 class FactoredDownlink(FedLRStrategy):
     """Send the base weights' changes, not the base weights, where it pays.
 
@@ -155,6 +203,10 @@ class FactoredDownlink(FedLRStrategy):
         See :class:`~fedlr.strategies.base.FedLRStrategy`.
     """
 
+    method_options: DownlinkOptions
+
+    replies_type: ClassVar[type[Replies]] = DownlinkReplies
+
     folds_base: ClassVar[bool] = True
     options_type: ClassVar[type[Options]] = DownlinkOptions
 
@@ -171,7 +223,7 @@ class FactoredDownlink(FedLRStrategy):
     def fedex_downlink(self) -> str:
         """``"factored"`` or ``"dense"`` (the ``fedex-downlink`` option)."""
         # DownlinkOptions, or a method's options declaring the same key
-        return cast(DownlinkOptions, self.method_options).fedex_downlink
+        return self.method_options.fedex_downlink
 
     @property
     def ledger(self) -> BaseLedger:
@@ -283,19 +335,19 @@ class FactoredDownlink(FedLRStrategy):
             self.ledger.load_state_dict(ledger)
 
     # ------------------------------------------------------------ Flower hooks
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """The base messages, each node's base weights as dense or changes."""
-        self._deltas = {}
-        messages = super().configure_train(server_round, arrays, config, grid)
-        return self._per_node(messages, arrays, count=True)
-
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        messages = super().configure_evaluate(server_round, arrays, config, grid)
-        return self._per_node(messages, arrays, count=False)
+    def instructions(
+        self,
+        server_round: int,
+        messages: list[Message],
+        arrays: ArrayRecord,
+        *,
+        train: bool,
+    ) -> list[Message]:
+        """Each node's base weights, as dense or as changes."""
+        messages = super().instructions(server_round, messages, arrays, train=train)
+        if train:
+            self._deltas = {}
+        return self._per_node(messages, arrays, count=train)
 
     def _per_node(
         self, messages: Iterable[Message], arrays: ArrayRecord, *, count: bool
@@ -319,7 +371,6 @@ class FactoredDownlink(FedLRStrategy):
             protocol.BASE_VERSION: self.ledger.version,
             protocol.BASE_CHECK: list(self.ledger.checks or []),
         }
-        dense_nbytes = sum(len(arrays[k].data) for k in keys)
         out: list[Message] = []
         dense = 0
         for message in messages:
@@ -331,42 +382,12 @@ class FactoredDownlink(FedLRStrategy):
                 dense += 1
             else:
                 content[self.arrayrecord_key] = light
-                extra = 0
                 if plan:
-                    record = encode_steps(plan)
-                    content[protocol.BASE_DELTA] = record
-                    extra = record_nbytes(record)
-                if count:
-                    self.count_bytes_down(extra - dense_nbytes)
+                    content[protocol.BASE_DELTA] = encode_steps(plan)
             out.append(message)  # _with_config gave it its own content
         if count:
             self._dense_sends = dense
         return out
-
-    def validate_reply(
-        self, message: Message, expected: Mapping[str, tuple[int, ...]]
-    ) -> ClientUpdate:
-        """Base checks, then the node's ``base-held`` (a published version).
-
-        A node whose reply fails, or that does not say which base weights it
-        keeps, is sent the dense ones next time.
-        """
-        node = int(message.metadata.src_node_id)
-        try:
-            update = super().validate_reply(message, expected)
-        except Exception:
-            self.ledger.forget(node)
-            raise
-        held = update.metrics.get(protocol.BASE_HELD)
-        if held is None or not self.factored:
-            self.ledger.forget(node)
-            return update
-        try:
-            self.ledger.confirm(node, held)
-        except ValueError as exc:
-            self.ledger.forget(node)
-            raise ReplyValidationError(node, str(exc)) from None
-        return update
 
 
 def _with_config(message: Message, name: str, values: Mapping[str, Any]) -> Message:

@@ -42,7 +42,6 @@ References
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self, cast
@@ -55,16 +54,16 @@ from fedlr.adapters.ranks import fold_tail
 from fedlr.adapters.roles import Role
 from fedlr.downlink import lowrank_delta
 from fedlr.errors import ConfigError
-from fedlr.features import ClientFeature, RoundJob
+from fedlr.features import Bound, ClientFeature, RoundJob
 from fedlr.linalg import (
     StackedResidual,
     factored_frobenius_norm,
     flexlora_factors,
     stacked_update,
 )
-from fedlr.options import option, require
+from fedlr.options import option
 from fedlr.payloads import LORA
-from fedlr.strategies.base import ClientUpdate, RoundReport
+from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
 from fedlr.strategies.fedex_downlink import (
     BaseWeights,
@@ -72,9 +71,15 @@ from fedlr.strategies.fedex_downlink import (
     FactoredDownlink,
 )
 from fedlr.strategies.hetero import HeteroFoldLoRA, LayerResult, LayerUpdates
-from fedlr.strategies.registry import register_method
+from fedlr.strategies.registration import register_method
 
-__all__ = ["FedExLoRA", "FedExOptions", "FoldTail", "HeteroFedExLoRA"]
+__all__ = ["FOLD_TAIL", "FedExLoRA", "FedExOptions", "FoldTail", "HeteroFedExLoRA"]
+
+FOLD_TAIL = "fold-tail"
+"""Instruction key of heterogeneous FedEx: with ``leading-rank``, the
+components a node of rank ``r`` cuts away, ``(alpha / R) B[:, r:] A[r:]``, are
+added to its base weights (:func:`fedlr.adapters.ranks.fold_tail`), so that
+its model equals the global one exactly."""
 
 
 @dataclass(frozen=True)
@@ -83,21 +88,11 @@ class FedExOptions(DownlinkOptions):
 
     fedex_fold_scale: float = option(
         1.0,
-        "share c of each round's exact residual folded into W0, in [0, 1]: 1 is "
-        "FedEx-LoRA (exact), 0 drops the residual as FedIT does (fedavg-lora's "
-        "model); for studying the fold, see "
-        "[results/drift](results/drift/README.md)",
-        bad=[(1.5, r"in \[0, 1\]")],
+        "share c of each round's exact residual folded into W0: 1 is FedEx-LoRA "
+        "(exact), 0 drops the residual as FedIT does (fedavg-lora's model); for "
+        "studying the fold, see [results/drift](results/drift/README.md)",
+        range="[0, 1]",
     )
-
-    def check(self) -> None:
-        super().check()
-        scale = self.fedex_fold_scale
-        require(
-            math.isfinite(scale) and 0.0 <= scale <= 1.0,
-            "fedex-fold-scale",
-            f"must be in [0, 1], got {scale}",
-        )
 
 
 class FoldTail(ClientFeature):
@@ -110,14 +105,14 @@ class FoldTail(ClientFeature):
     the kept copy of the base weights stays the server's.
     """
 
-    keys = (protocol.FOLD_TAIL, protocol.LEADING_RANK)
+    keys = (Bound(FOLD_TAIL, "bool"),)
     order = 20
 
     @classmethod
     def for_round(cls, job: RoundJob) -> Self | None:
         config = job.config
         on = bool(config.get(protocol.LEADING_RANK, False)) and bool(
-            config.get(protocol.FOLD_TAIL, False)
+            config.get(FOLD_TAIL, False)
         )
         return cls() if on and isinstance(job.adapted, LoraModel) else None
 
@@ -155,6 +150,8 @@ class FedExLoRA(FactoredDownlink, FedAvgLoRA):
     adapted layer.
     """
 
+    method_options: FedExOptions
+
     heterogeneous_ranks: ClassVar[bool] = True
     """Accepts ``client-ranks`` (then :meth:`from_run_config` builds a
     :class:`HeteroFedExLoRA`, its ``hetero_variant``)."""
@@ -162,7 +159,7 @@ class FedExLoRA(FactoredDownlink, FedAvgLoRA):
     @property
     def fold_scale(self) -> float:
         """``c``: the share of the residual folded (``fedex-fold-scale``)."""
-        return cast(FedExOptions, self.method_options).fedex_fold_scale
+        return self.method_options.fedex_fold_scale
 
     def step_bytes_bound(self, sampled: int) -> float:
         """One change has rank at most ``(k - 1) r`` per layer."""
@@ -193,7 +190,7 @@ class FedExLoRA(FactoredDownlink, FedAvgLoRA):
         # Each layer's stacked factors once: the fold and the gap share them.
         residuals = self.layer_residuals(updates)
         state = dict(current)
-        state.update(self.weighted_means(updates, self.layout.keys(*self.train_roles)))
+        state.update(weighted_means(updates, self.layout.keys(*self.train_roles)))
         # fedex-fold-scale 0: FedIT's model, the base weights stay.
         folded = self.layout.modules if self.fold_scale > 0 else ()
         for module in folded:
@@ -269,7 +266,7 @@ class HeteroFedExLoRA(HeteroFoldLoRA):
 
     def round_config(self, server_round: int) -> dict[str, Any]:
         config = super().round_config(server_round)
-        config[protocol.FOLD_TAIL] = True
+        config[FOLD_TAIL] = True
         return config
 
     def aggregate_layer(

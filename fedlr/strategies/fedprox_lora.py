@@ -18,20 +18,23 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Self, cast
+from typing import Any, Self
 
 import torch
 
-from fedlr import protocol
 from fedlr.errors import ProtocolError
-from fedlr.features import ClientFeature, RoundJob
+from fedlr.features import Bound, ClientFeature, RoundJob
 from fedlr.flower.records import config_float
-from fedlr.options import NoOptions, option, require
+from fedlr.options import NoOptions, option
 from fedlr.payloads import LORA
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
-from fedlr.strategies.registry import register_method
+from fedlr.strategies.registration import register_method
 
-__all__ = ["FedProxLoRA", "ProximalOptions", "ProximalTerm"]
+__all__ = ["PROXIMAL_MU", "FedProxLoRA", "ProximalOptions", "ProximalTerm"]
+
+PROXIMAL_MU = "proximal-mu"
+"""Instruction key: weight ``mu`` of the clients' proximal term
+``(mu / 2) ||theta - theta_global||^2`` over the trained parameters."""
 
 
 class ProximalTerm(ClientFeature):
@@ -40,9 +43,14 @@ class ProximalTerm(ClientFeature):
     On for a ``train`` instruction with ``proximal-mu`` > 0; ``p`` runs over
     the parameters the round trains and ``p_0`` are their values as loaded
     (the global ones).
+
+    The term reads no data (a function of the parameters and the received
+    ones), so DP-SGD adds its gradient ``mu (p - p_0)`` after the per-example
+    clipping and noise (:mod:`fedlr.privacy.dp_sgd`).
     """
 
-    keys = (protocol.PROXIMAL_MU,)
+    keys = (Bound(PROXIMAL_MU, "float", 0.0),)
+    loss_reads_data = False
     order = 40
 
     def __init__(self, mu: float) -> None:
@@ -57,9 +65,9 @@ class ProximalTerm(ClientFeature):
     def for_round(cls, job: RoundJob) -> Self | None:
         if not job.is_train:
             return None
-        mu = config_float(job.config, protocol.PROXIMAL_MU, 0.0)
+        mu = config_float(job.config, PROXIMAL_MU, 0.0)
         if not (math.isfinite(mu) and mu >= 0):
-            raise ProtocolError(f"'{protocol.PROXIMAL_MU}' must be >= 0, got {mu}")
+            raise ProtocolError(f"'{PROXIMAL_MU}' must be >= 0, got {mu}")
         return cls(mu) if mu > 0 else None
 
     def loss(self, job: RoundJob) -> Callable[[], torch.Tensor]:
@@ -85,16 +93,9 @@ class ProximalOptions(NoOptions):
     proximal_mu: float = option(
         0.01,
         "weight μ of the clients' proximal term (μ/2)·‖θ − θ_global‖² over the "
-        "parameters they train; finite and ≥ 0 (0 gives FedAvg-LoRA)",
-        bad=[(float("inf"), "finite and >= 0")],
+        "parameters they train (0 gives FedAvg-LoRA)",
+        range=">= 0",
     )
-
-    def check(self) -> None:
-        require(
-            math.isfinite(self.proximal_mu) and self.proximal_mu >= 0,
-            "proximal-mu",
-            f"must be finite and >= 0, got {self.proximal_mu}",
-        )
 
 
 @register_method(
@@ -118,13 +119,15 @@ class FedProxLoRA(FedAvgLoRA):
         Other parameters: see :class:`~fedlr.strategies.lora.LoraStrategy`.
     """
 
+    method_options: ProximalOptions
+
     @property
     def proximal_mu(self) -> float:
         """``mu`` of the proximal term (the ``proximal-mu`` option)."""
-        return cast(ProximalOptions, self.method_options).proximal_mu
+        return self.method_options.proximal_mu
 
     def round_config(self, server_round: int) -> dict[str, Any]:
         """The base round config plus ``proximal-mu``."""
         config = super().round_config(server_round)
-        config[protocol.PROXIMAL_MU] = self.proximal_mu
+        config[PROXIMAL_MU] = self.proximal_mu
         return config

@@ -67,7 +67,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from logging import INFO
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar
 
 import torch
 from flwr.supercore import log
@@ -90,10 +90,10 @@ from fedlr.linalg import (
 )
 from fedlr.options import option, require
 from fedlr.payloads import LORA
-from fedlr.strategies.base import ClientUpdate, RoundReport
+from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.hetero import HeteroRankLoRA, layout_at_rank
 from fedlr.strategies.lora_svd import SeededLoraStrategy
-from fedlr.strategies.registry import register_method
+from fedlr.strategies.registration import register_method
 from fedlr.strategies.svd_solver import SvdSolverChoice, SvdSolverOptions
 
 __all__ = [
@@ -115,15 +115,14 @@ class FedSpecOptions(SvdSolverOptions):
     fedspec_threshold: float = option(
         0.05,
         "the rank grows by 2 (up to `fedspec-max-rank`) when the tail energy "
-        "fraction Σ_{j>r}σⱼ² / Σⱼσⱼ² of the mean of products exceeds this; in "
-        "[0, 1)",
-        bad=[(1.0, r"in \[0, 1\)")],
+        "fraction Σ_{j>r}σⱼ² / Σⱼσⱼ² of the mean of products exceeds this",
+        range="[0, 1)",
     )
     fedspec_max_rank: int = option(
         16,
-        "cap of the adaptive rank; ≥ 1, ≥ `lora-rank` and ≤ the smaller side of "
+        "cap of the adaptive rank, ≥ `lora-rank` and ≤ the smaller side of "
         "every adapted layer (checked when the server builds the model)",
-        bad=[(0, "must be >= 1")],
+        range=">= 1",
     )
     fedspec_energy: str = option(
         "sigma2",
@@ -139,16 +138,6 @@ class FedSpecOptions(SvdSolverOptions):
             self.fedspec_energy in ENERGY_RULES,
             "fedspec-energy",
             f"must be one of {list(ENERGY_RULES)}, got {self.fedspec_energy!r}",
-        )
-        require(
-            0.0 <= self.fedspec_threshold < 1.0,
-            "fedspec-threshold",
-            f"must be in [0, 1), got {self.fedspec_threshold}",
-        )
-        require(
-            self.fedspec_max_rank >= 1,
-            "fedspec-max-rank",
-            f"must be >= 1, got {self.fedspec_max_rank}",
         )
 
 
@@ -177,6 +166,8 @@ class FedSpec(SvdSolverChoice, SeededLoraStrategy):
     **kwargs
         Other parameters: see :class:`~fedlr.strategies.lora_svd.SeededLoraStrategy`.
     """
+
+    method_options: FedSpecOptions
 
     extra_columns: tuple[str, ...] = (
         "tail-energy",
@@ -210,17 +201,17 @@ class FedSpec(SvdSolverChoice, SeededLoraStrategy):
     @property
     def threshold(self) -> float:
         """The ``fedspec-threshold`` option."""
-        return cast(FedSpecOptions, self.method_options).fedspec_threshold
+        return self.method_options.fedspec_threshold
 
     @property
     def max_rank(self) -> int:
         """The ``fedspec-max-rank`` option."""
-        return cast(FedSpecOptions, self.method_options).fedspec_max_rank
+        return self.method_options.fedspec_max_rank
 
     @property
     def energy(self) -> str:
         """The ``fedspec-energy`` option."""
-        return cast(FedSpecOptions, self.method_options).fedspec_energy
+        return self.method_options.fedspec_energy
 
     def state_dict(self) -> dict[str, Any]:
         """The current rank and its history (the layout follows the rank)."""
@@ -252,7 +243,7 @@ class FedSpec(SvdSolverChoice, SeededLoraStrategy):
     ) -> tuple[dict[str, torch.Tensor], RoundReport]:
         self.check_ranks(updates)
         state = dict(current)
-        state.update(self.weighted_means(updates, self.layout.keys(Role.HEAD)))
+        state.update(weighted_means(updates, self.layout.keys(Role.HEAD)))
         weights = [u.weight for u in updates]
         rank = self.rank
         # 1. Truncated SVD of every layer's mean of products, at the largest rank
@@ -462,7 +453,7 @@ class HeteroFedSpec(HeteroRankLoRA, FedSpec):
         current: dict[str, torch.Tensor],
     ) -> tuple[dict[str, torch.Tensor], RoundReport]:
         state = dict(current)
-        state.update(self.weighted_means(updates, self.layout.keys(Role.HEAD)))
+        state.update(weighted_means(updates, self.layout.keys(Role.HEAD)))
         layers = self.layer_updates(updates)
         svds = {
             layer.module.name: factored_svd(*stacked_update(*layer.factors))

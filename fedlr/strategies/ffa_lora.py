@@ -26,7 +26,7 @@ from fedlr.adapters.roles import Role
 from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.lora_svd import SeededLoraStrategy
-from fedlr.strategies.registry import register_method
+from fedlr.strategies.registration import register_method
 
 __all__ = ["FFALoRA"]
 

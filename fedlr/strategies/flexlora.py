@@ -22,7 +22,7 @@ from fedlr.strategies.hetero import (
     LayerResult,
     LayerUpdates,
 )
-from fedlr.strategies.registry import register_method
+from fedlr.strategies.registration import register_method
 
 __all__ = ["FlexLoRA"]
 

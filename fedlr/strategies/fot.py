@@ -43,31 +43,37 @@ References
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from logging import INFO
-from typing import Any, Self, cast
+from typing import Any, ClassVar, Self
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message
-from flwr.serverapp import Grid
+from flwr.app import ArrayRecord, Message
 from flwr.supercore import log
 
 from fedlr import protocol
 from fedlr.config import RunConfig
 from fedlr.continual import ContinualOptions
 from fedlr.errors import ReplyValidationError
-from fedlr.flower.records import record_nbytes
+from fedlr.features import Record
 from fedlr.linalg.fot import (
     expand_basis,
     project_update,
     weighted_residual_fraction,
 )
-from fedlr.options import Options, option, require
+from fedlr.options import Options, option
 from fedlr.payloads import GPSE
 from fedlr.robust import ParameterSpace, UpdateSpace
-from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
-from fedlr.strategies.registry import register_method
+from fedlr.round.describe import app_arguments
+from fedlr.round.replies import Replies
+from fedlr.strategies.base import (
+    ClientUpdate,
+    FedLRStrategy,
+    RoundReport,
+    weighted_means,
+)
+from fedlr.strategies.registration import register_method
 
 __all__ = ["FOT", "FOTOptions", "FedAvgContinual"]
 
@@ -95,6 +101,8 @@ class FedAvgContinual(FedLRStrategy):
         Other parameters: see :class:`~fedlr.strategies.base.FedLRStrategy`.
     """
 
+    method_options: ContinualOptions
+
     def __init__(
         self,
         *,
@@ -109,12 +117,12 @@ class FedAvgContinual(FedLRStrategy):
     @property
     def rounds_per_task(self) -> int:
         """The ``rounds-per-task`` option."""
-        return cast(ContinualOptions, self.method_options).rounds_per_task
+        return self.method_options.rounds_per_task
 
     @property
     def num_tasks(self) -> int:
         """The ``num-tasks`` option."""
-        return cast(ContinualOptions, self.method_options).num_tasks
+        return self.method_options.num_tasks
 
     @classmethod
     def from_run_config(
@@ -133,7 +141,7 @@ class FedAvgContinual(FedLRStrategy):
             shapes=shapes,
             lr=config.lr,
             options=options,
-            **cls.base_options(config),
+            **app_arguments(cls, config),
             **cls.strategy_kwargs(projected),
         )
 
@@ -165,7 +173,7 @@ class FedAvgContinual(FedLRStrategy):
         updates: list[ClientUpdate],
         current: dict[str, torch.Tensor],
     ) -> tuple[dict[str, torch.Tensor], RoundReport]:
-        state = self.weighted_means(updates, self.shapes, like=current)
+        state = weighted_means(updates, self.shapes, like=current)
         task, _ = self.task_of(server_round)
         return state, RoundReport(metrics={"task": float(task)})
 
@@ -175,38 +183,82 @@ class FOTOptions(ContinualOptions):
     """FOT's run-config keys (the ``gpse`` payload's and its own)."""
 
     fot_eps: float = option(
-        0.95,
-        "GPSE energy threshold ε in [0, 1] at the first task boundary",
-        bad=[(1.5, r"in \[0, 1\]")],
+        0.95, "GPSE energy threshold ε at the first task boundary", range="[0, 1]"
     )
     fot_eps_inc: float = option(
-        0.01,
-        "added to ε after each boundary (capped at 1), in [0, 1]",
-        bad=[(-0.1, r"in \[0, 1\]")],
+        0.01, "added to ε after each boundary (capped at 1)", range="[0, 1]"
     )
     fot_sketch_dim: int = option(
         0,
-        "sketch columns m per layer (`0`: the layer's input dimension d); ≥ 0",
-        bad=[(-1, "must be >= 0")],
+        "sketch columns m per layer (`0`: the layer's input dimension d)",
+        range=">= 0",
     )
 
-    def check(self) -> None:
-        super().check()
-        require(
-            0.0 <= self.fot_eps <= 1.0,
-            "fot-eps",
-            f"must be in [0, 1], got {self.fot_eps}",
-        )
-        require(
-            math.isfinite(self.fot_eps_inc) and 0.0 <= self.fot_eps_inc <= 1.0,
-            "fot-eps-inc",
-            f"must be in [0, 1], got {self.fot_eps_inc}",
-        )
-        require(
-            self.fot_sketch_dim >= 0,
-            "fot-sketch-dim",
-            f"must be >= 0, got {self.fot_sketch_dim}",
-        )
+
+class FotReplies(Replies):
+    """FOT's reply step (:class:`~fedlr.round.replies.Replies`)."""
+
+    method: FOT
+
+    def validate_reply(
+        self, message: Message, expected: Mapping[str, tuple[int, ...]]
+    ) -> ClientUpdate:
+        """The base checks, then (boundary rounds) the sketches and fractions.
+
+        Raises
+        ------
+        ReplyValidationError
+            Missing sketches, wrong layer set, shape, dtype, NaN/Inf, or a
+            residual fraction outside [0, 1] or a bad ``gpse-examples``.
+        """
+        update = super().validate_reply(message, expected)
+        if self.method.boundary_task(self.method._round) < 0:
+            return update
+        node = update.node_id
+        for layer in self.method.dims:
+            r = update.metrics.get(protocol.gpse_fraction_key(layer))
+            if r is None or not 0.0 <= r <= 1.0:
+                raise ReplyValidationError(
+                    node,
+                    f"'{protocol.gpse_fraction_key(layer)}' must be in [0, 1], got {r}",
+                )
+        b = update.metrics.get(protocol.GPSE_EXAMPLES)
+        if b is None or not math.isfinite(b) or b < 1:
+            raise ReplyValidationError(
+                node, f"'{protocol.GPSE_EXAMPLES}' must be >= 1, got {b}"
+            )
+        return update
+
+    def records(self) -> dict[str, dict[str, tuple[int, ...]]]:
+        """Boundary rounds: the ``sketches`` record, one per projected layer."""
+        if self.method.boundary_task(self.method._round) < 0:
+            return {}
+        return {
+            protocol.SKETCHES: {
+                layer: self.method.sketch_shape(layer) for layer in self.method.dims
+            }
+        }
+
+    def clip_extras(self, update: ClientUpdate) -> ClientUpdate:
+        """The sketches are of the trained model's activations, not of the
+        update: clipping the update leaves them as sent."""
+        return update
+
+    def space(self, current: Mapping[str, torch.Tensor]) -> UpdateSpace:
+        """The clients' weight changes, each projected layer's off its basis.
+
+        What FOT would publish of a client's update is its projection: a
+        change inside the protected span is removed anyway and does not count
+        towards the norm robust options measure.
+        """
+
+        def project(key: str, delta: torch.Tensor) -> torch.Tensor:
+            layer = key.removesuffix(".weight")
+            if key.endswith(".weight") and layer in self.method.dims:
+                return project_update(delta, self.method.bases.get(layer))
+            return delta
+
+        return ParameterSpace(current, transform=project)
 
 
 @register_method(
@@ -215,6 +267,13 @@ class FOTOptions(ContinualOptions):
     options=FOTOptions,
     summary="FedAvg with updates projected off GPSE bases of earlier tasks",
     sum_only=True,
+    records=(
+        Record(
+            protocol.SKETCHES,
+            "at a task boundary, per projected layer: a random projection of "
+            "the node's residual activations on the finished task (from its data)",
+        ),
+    ),
 )
 class FOT(FedAvgContinual):
     """Federated orthogonal training (FedProject + GPSE).
@@ -232,6 +291,10 @@ class FOT(FedAvgContinual):
     **kwargs
         Other parameters: see :class:`FedAvgContinual`.
     """
+
+    method_options: FOTOptions
+
+    replies_type: ClassVar[type[Replies]] = FotReplies
 
     def __init__(
         self,
@@ -281,7 +344,7 @@ class FOT(FedAvgContinual):
     @property
     def fot_options(self) -> FOTOptions:
         """The method's options (:attr:`method_options`), typed."""
-        return cast(FOTOptions, self.method_options)
+        return self.method_options
 
     @property
     def eps_inc(self) -> float:
@@ -329,61 +392,26 @@ class FOT(FedAvgContinual):
         config[protocol.SKETCH_DIM] = self.sketch_dim
         return config
 
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """Sample nodes; at a boundary also send the current bases."""
+    def instructions(
+        self,
+        server_round: int,
+        messages: list[Message],
+        arrays: ArrayRecord,
+        *,
+        train: bool,
+    ) -> list[Message]:
+        """At a boundary, every train instruction also carries the bases."""
+        messages = super().instructions(server_round, messages, arrays, train=train)
+        if not train:
+            return messages
         self._round = server_round
-        messages = list(super().configure_train(server_round, arrays, config, grid))
         if self.boundary_task(server_round) >= 0:
             bases = ArrayRecord({k: v.contiguous() for k, v in self.bases.items()})
             for message in messages:
                 message.content[protocol.BASES] = bases
-            self.count_bytes_down(record_nbytes(bases) * len(messages))
         return messages
 
     # -------------------------------------------------------------- validation
-    def validate_reply(
-        self, message: Message, expected: Mapping[str, tuple[int, ...]]
-    ) -> ClientUpdate:
-        """The base checks, then (boundary rounds) the sketches and fractions.
-
-        Raises
-        ------
-        ReplyValidationError
-            Missing sketches, wrong layer set, shape, dtype, NaN/Inf, or a
-            residual fraction outside [0, 1] or a bad ``gpse-examples``.
-        """
-        update = super().validate_reply(message, expected)
-        if self.boundary_task(self._round) < 0:
-            return update
-        node = update.node_id
-        for layer in self.dims:
-            r = update.metrics.get(protocol.gpse_fraction_key(layer))
-            if r is None or not 0.0 <= r <= 1.0:
-                raise ReplyValidationError(
-                    node,
-                    f"'{protocol.gpse_fraction_key(layer)}' must be in [0, 1], got {r}",
-                )
-        b = update.metrics.get(protocol.GPSE_EXAMPLES)
-        if b is None or not math.isfinite(b) or b < 1:
-            raise ReplyValidationError(
-                node, f"'{protocol.GPSE_EXAMPLES}' must be >= 1, got {b}"
-            )
-        return update
-
-    def reply_records(self) -> dict[str, dict[str, tuple[int, ...]]]:
-        """Boundary rounds: the ``sketches`` record, one per projected layer."""
-        if self.boundary_task(self._round) < 0:
-            return {}
-        return {
-            protocol.SKETCHES: {layer: self.sketch_shape(layer) for layer in self.dims}
-        }
-
-    def clip_extras(self, update: ClientUpdate) -> ClientUpdate:
-        """The sketches are of the trained model's activations, not of the
-        update: clipping the update leaves them as sent."""
-        return update
 
     # ------------------------------------------------------------- aggregation
     def expand_bases(self, updates: list[ClientUpdate]) -> dict[str, int]:
@@ -409,22 +437,6 @@ class FOT(FedAvgContinual):
         )
         self.eps = min(1.0, self.eps + self.eps_inc)
         return added
-
-    def robust_space(self, current: Mapping[str, torch.Tensor]) -> UpdateSpace:
-        """The clients' weight changes, each projected layer's off its basis.
-
-        What FOT would publish of a client's update is its projection: a
-        change inside the protected span is removed anyway and does not count
-        towards the norm robust options measure.
-        """
-
-        def project(key: str, delta: torch.Tensor) -> torch.Tensor:
-            layer = key.removesuffix(".weight")
-            if key.endswith(".weight") and layer in self.dims:
-                return project_update(delta, self.bases.get(layer))
-            return delta
-
-        return ParameterSpace(current, transform=project)
 
     def aggregate_updates(
         self,

@@ -41,10 +41,9 @@ from typing import Any, ClassVar, Self
 
 import torch
 
-from fedlr import protocol
 from fedlr.adapters.roles import AdapterLayout, Role
 from fedlr.errors import ProtocolError
-from fedlr.features import ClientFeature, RoundJob
+from fedlr.features import Bound, ClientFeature, RoundJob
 from fedlr.linalg import (
     DEFAULT_COST_MODEL,
     local_svd_factors,
@@ -52,12 +51,16 @@ from fedlr.linalg import (
     updates_svd,
 )
 from fedlr.payloads import LORA
-from fedlr.strategies.base import ClientUpdate, RoundReport
+from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.lora_svd import PersonalArrays, PersonalLoraStrategy
-from fedlr.strategies.registry import register_method
+from fedlr.strategies.registration import register_method
 from fedlr.strategies.svd_solver import SvdSolverChoice, SvdSolverOptions
 
-__all__ = ["ClientSvd", "GlobalSVD", "LocalSVD"]
+__all__ = ["CLIENT_SVD", "ClientSvd", "GlobalSVD", "LocalSVD"]
+
+CLIENT_SVD = "client-svd"
+"""Instruction key of Local SVD: the client re-factors ``(B, A)`` as balanced
+singular factors before it replies."""
 
 
 class ClientSvd(ClientFeature):
@@ -68,12 +71,12 @@ class ClientSvd(ClientFeature):
     (:func:`fedlr.linalg.local_svd_factors`) before they are sent.
     """
 
-    keys = (protocol.CLIENT_SVD,)
+    keys = (Bound(CLIENT_SVD, "bool"),)
     order = 60
 
     @classmethod
     def for_round(cls, job: RoundJob) -> Self | None:
-        return cls() if bool(job.config.get(protocol.CLIENT_SVD, False)) else None
+        return cls() if bool(job.config.get(CLIENT_SVD, False)) else None
 
     def reply_arrays(
         self, job: RoundJob, trained: dict[str, torch.Tensor]
@@ -81,7 +84,7 @@ class ClientSvd(ClientFeature):
         layout = job.adapted.layout
         if not isinstance(layout, AdapterLayout):
             raise ProtocolError(
-                f"'{protocol.CLIENT_SVD}' re-factors LoRA layers; the model "
+                f"'{CLIENT_SVD}' re-factors LoRA layers; the model "
                 f"has a {type(layout).__name__}"
             )
         for m in layout.modules:
@@ -116,6 +119,8 @@ class GlobalSVD(SvdSolverChoice, PersonalLoraStrategy):
     Parameters: see :class:`~fedlr.strategies.lora_svd.PersonalLoraStrategy`.
     """
 
+    method_options: SvdSolverOptions
+
     extra_columns: tuple[str, ...] = (
         *PersonalLoraStrategy.extra_columns,
         "svd-randomized",
@@ -132,7 +137,7 @@ class GlobalSVD(SvdSolverChoice, PersonalLoraStrategy):
     ) -> tuple[dict[str, torch.Tensor], RoundReport]:
         self.check_ranks(updates)
         state = dict(current)
-        state.update(self.weighted_means(updates, self.layout.keys(Role.HEAD)))
+        state.update(weighted_means(updates, self.layout.keys(Role.HEAD)))
         weights = [u.weight for u in updates]
         personal: dict[int, dict[str, torch.Tensor]] = {u.node_id: {} for u in updates}
         layers: dict[str, tuple[float, float]] = {}
@@ -187,7 +192,7 @@ class LocalSVD(PersonalLoraStrategy):
 
     def round_config(self, server_round: int) -> dict[str, Any]:
         config = super().round_config(server_round)
-        config[protocol.CLIENT_SVD] = True
+        config[CLIENT_SVD] = True
         return config
 
     def aggregate_updates(

@@ -31,13 +31,13 @@ components, scaled by ``sqrt(r / R)`` (then ``(alpha / r) B A`` is the
 leading part of ``(alpha / R) B_R A_R``; :func:`fedlr.client.apply_round`).
 Once a node has replied, the server knows its rank and sends it only those
 ``r`` components. Replies are validated at the rank their ``A`` declares
-(:meth:`HeteroRankLoRA.check_rank`): one of the ``client-ranks``, the rank
-its partition trains when the reply reports its ``partition-id`` (fedlr's
-own clients: ``client-ranks`` cycled over the partitions), and, once a reply
-of the node was accepted, that rank for good (with HetLoRA's pruning, any
-rank up to the node's previous one); any other rank is dropped naming the
-node and both ranks. A reply whose layers disagree on the
-rank is dropped naming the key.
+(:meth:`~fedlr.strategies.hetero_replies.HeteroReplies.check_rank`): one of
+the ``client-ranks``, the rank its partition trains when the reply reports
+its ``partition-id`` (fedlr's own clients: ``client-ranks`` cycled over the
+partitions), and, once a reply of the node was accepted, that rank for good
+(with HetLoRA's pruning, any rank up to the node's previous one); any other
+rank is dropped naming the node and both ranks. A reply whose layers
+disagree on the rank is dropped naming the key.
 
 Robust options and the update-size screen measure client ``i``'s update as
 the change of each layer's scaled product against what it was sent,
@@ -54,27 +54,25 @@ the round's clients of their received gaps (per layer in ``layers.csv``).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from logging import getLogger
 from typing import Any, ClassVar, NamedTuple
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
-from flwr.serverapp import Grid
+from flwr.app import ArrayRecord, Message, RecordDict
 
 from fedlr import protocol
 from fedlr.adapters.ranks import leading_rank
 from fedlr.adapters.roles import AdapterLayout, LoraModule, Role
 from fedlr.config import RunConfig
-from fedlr.errors import ReplyValidationError
 from fedlr.flower.records import record_nbytes, record_to_state, state_to_record
 from fedlr.linalg import (
     factors_for_rank,
 )
-from fedlr.protocol import PARTITION_ID
-from fedlr.robust import RankedProductSpace, UpdateSpace
-from fedlr.strategies.base import ClientUpdate, RoundReport
+from fedlr.round.replies import Replies
+from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.fedex_downlink import FactoredDownlink
+from fedlr.strategies.hetero_replies import HeteroReplies, layout_at_rank
 from fedlr.strategies.lora import LoraStrategy
 
 _LOG = getLogger("fedlr")
@@ -86,12 +84,6 @@ __all__ = [
     "LayerUpdates",
     "layout_at_rank",
 ]
-
-
-def layout_at_rank(layout: AdapterLayout, rank: int) -> AdapterLayout:
-    """``layout`` with every module at ``rank`` and its ``alpha / r`` scaling
-    (:meth:`AdapterLayout.at_rank`)."""
-    return layout.at_rank(rank)
 
 
 class LayerResult(NamedTuple):
@@ -141,6 +133,8 @@ class HeteroRankLoRA(LoraStrategy):
         Other parameters: see :class:`~fedlr.strategies.lora.LoraStrategy`.
     """
 
+    replies_type: ClassVar[type[Replies]] = HeteroReplies
+
     heterogeneous_ranks: ClassVar[bool] = True
 
     trims_downlink: ClassVar[bool] = True
@@ -169,6 +163,7 @@ class HeteroRankLoRA(LoraStrategy):
                 f"partition ranks {list(cycle)} must be client ranks {list(ranks)}"
             )
         self.client_ranks = ranks
+        self.extra_settings = {"client_ranks": list(ranks)}
         self.partition_ranks = cycle
         self.node_ranks: dict[int, int] = {}
         self.extra_columns: tuple[str, ...] = (
@@ -188,9 +183,6 @@ class HeteroRankLoRA(LoraStrategy):
             "client_ranks": ranks,
             "partition_ranks": ranks,
         }
-
-    def options(self) -> dict[str, Any]:
-        return {**super().options(), "client_ranks": list(self.client_ranks)}
 
     def round_config(self, server_round: int) -> dict[str, Any]:
         config = super().round_config(server_round)
@@ -217,19 +209,6 @@ class HeteroRankLoRA(LoraStrategy):
         """Each update's scaling ``alpha / r_i``."""
         key = self.layout.modules[0].a_key
         return [self.alpha() / int(u.arrays[key].shape[0]) for u in updates]
-
-    def robust_space(self, current: Mapping[str, torch.Tensor]) -> UpdateSpace:
-        """Each layer's scaled product change against what the client was sent.
-
-        Client ``i`` of rank ``r_i`` is measured as ``s_i (B_i A_i - B0_i
-        A0_i)`` (:class:`~fedlr.robust.RankedProductSpace`), ``B0_i``,
-        ``A0_i`` its start (:meth:`start_of`); the head as parameters.
-        """
-        return RankedProductSpace(
-            [(m.a_key, m.b_key) for m in self.layout.modules],
-            start=lambda update: self.start_of(update, current),
-            scaling=lambda update: self.scalings([update])[0],
-        )
 
     def start_of(
         self, update: ClientUpdate, current: Mapping[str, torch.Tensor]
@@ -312,7 +291,7 @@ class HeteroRankLoRA(LoraStrategy):
     ) -> tuple[dict[str, torch.Tensor], RoundReport]:
         """Head averaged; each layer by :meth:`aggregate_layer`."""
         state = dict(current)
-        state.update(self.weighted_means(updates, self.layout.keys(Role.HEAD)))
+        state.update(weighted_means(updates, self.layout.keys(Role.HEAD)))
         results = {
             layer.module.name: self.aggregate_layer(layer, current, state)
             for layer in self.layer_updates(updates)
@@ -355,11 +334,18 @@ class HeteroRankLoRA(LoraStrategy):
         state[module.a_key] = a.to(current[module.a_key].dtype)
 
     # ------------------------------------------------------------ Flower hooks
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """Base messages; a node of known rank ``r`` gets only ``r`` components."""
-        messages = list(super().configure_train(server_round, arrays, config, grid))
+    def instructions(
+        self,
+        server_round: int,
+        messages: list[Message],
+        arrays: ArrayRecord,
+        *,
+        train: bool,
+    ) -> list[Message]:
+        """A node of known rank ``r`` is sent only ``r`` components to train."""
+        messages = super().instructions(server_round, messages, arrays, train=train)
+        if not train:
+            return messages
         self._down_by_rank = {}
         out: list[Message] = []
         for message in messages:
@@ -375,7 +361,6 @@ class HeteroRankLoRA(LoraStrategy):
                 full = content.array_records[key]
                 record = self._at_rank(full, rank)
                 content[key] = record
-                self.count_bytes_down(record_nbytes(record) - record_nbytes(full))
                 message = Message(
                     content=content,
                     message_type=message.metadata.message_type,
@@ -394,106 +379,12 @@ class HeteroRankLoRA(LoraStrategy):
         cut = leading_rank(layout_at_rank(self.layout, rank), record_to_state(record))
         return state_to_record(cut)
 
-    def validate_reply(
-        self, message: Message, expected: Mapping[str, tuple[int, ...]]
-    ) -> ClientUpdate:
-        """Check a reply at the rank its first ``A`` (or ``B``) declares.
-
-        The rank is checked (:meth:`check_rank`) before the arrays, and the
-        partition's rank (:meth:`check_partition_rank`) after them; a valid
-        reply fixes the node's rank (:attr:`node_ranks`).
-        """
-        node = int(message.metadata.src_node_id)
-        rank = self._declared_rank(message)
-        if rank is None:
-            return super().validate_reply(message, expected)
-        self.check_rank(node, rank)
-        shapes = layout_at_rank(self.layout, rank).shapes(*self.train_roles)
-        update = super().validate_reply(message, shapes)  # at the declared rank
-        if node not in self.node_ranks:
-            self.check_partition_rank(update, rank)
-        self.node_ranks[node] = rank
-        return update
-
-    def check_rank(self, node: int, rank: int) -> None:
-        """Refuse a reply of ``node`` at ``rank`` unless it is a client rank
-        and, once the node's rank is known, that rank.
-
-        Raises
-        ------
-        ReplyValidationError
-            Naming the node, if ``rank`` is not one of ``client_ranks``, or
-            differs from the node's rank (fixed by its first accepted reply).
-        """
-        if rank not in self.client_ranks:
-            raise ReplyValidationError(
-                node,
-                f"rank {rank} is not one of the client ranks {list(self.client_ranks)}",
-            )
-        known = self.node_ranks.get(node)
-        if known is not None and rank != known:
-            raise ReplyValidationError(
-                node,
-                f"rank {rank} differs from the node's rank {known} (fixed by its "
-                "first accepted reply)",
-            )
-
-    def partition_rank(self, update: ClientUpdate) -> int | None:
-        """The rank the reply's ``partition-id`` trains, if both are known."""
-        if not self.partition_ranks or PARTITION_ID not in update.metrics:
-            return None
-        partition = update.partition_id
-        return self.partition_ranks[partition % len(self.partition_ranks)]
-
-    def check_partition_rank(self, update: ClientUpdate, rank: int) -> None:
-        """A node's first reply must be at its partition's rank.
-
-        Raises
-        ------
-        ReplyValidationError
-            Naming the node, the partition and both ranks.
-        """
-        want = self.partition_rank(update)
-        if want is not None and rank != want:
-            raise ReplyValidationError(
-                update.node_id,
-                f"rank {rank} is not partition {update.partition_id}'s rank {want} "
-                "(client-ranks, cycled over the partitions)",
-            )
-
     def check_reply_rank(self, message: Message) -> None:
         """No one-rank check: :meth:`validate_reply` checks the declared rank.
 
         (A mixin's override of ``SeededLoraStrategy.check_reply_rank``, e.g. in
         :class:`~fedlr.strategies.fedspec.HeteroFedSpec`.)
         """
-
-    def _declared_rank(self, message: Message) -> int | None:
-        """The rank the reply's first ``A`` (else ``B``) declares, unread.
-
-        ``None`` (validate at the global rank, naming the shape) unless the
-        declared shape is a LoRA factor of the layer at some rank
-        ``1 .. min(d_out, d_in)``.
-        """
-        if message.has_error():
-            return None
-        record = message.content.array_records.get(self.arrayrecord_key)
-        if record is None:
-            return None
-        m = self.layout.modules[0]
-        widest = min(m.d_out, m.d_in)
-        for key, axis, side in ((m.a_key, 0, m.d_in), (m.b_key, 1, m.d_out)):
-            if key in record:
-                shape = list(record[key].shape)
-                if (
-                    len(shape) == 2
-                    and all(isinstance(n, int) for n in shape)
-                    and shape[1 - axis] == side
-                    and 1 <= shape[axis] <= widest
-                ):
-                    return int(shape[axis])
-                return None
-        return None
 
 
 class HeteroFoldLoRA(HeteroRankLoRA, FactoredDownlink):

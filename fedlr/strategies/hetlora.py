@@ -9,36 +9,41 @@ family's protocol and reports: :mod:`fedlr.strategies.hetero`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from logging import DEBUG, INFO, getLogger
-from typing import Any, Self, cast
+from typing import Any, ClassVar, Self, cast
 
 import torch
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import Message, RecordDict
 
 from fedlr import protocol
 from fedlr.adapters.ranks import leading_rank
 from fedlr.adapters.roles import AdapterLayout
 from fedlr.errors import ReplyValidationError
-from fedlr.features import ClientFeature, RoundJob
+from fedlr.features import Bound, ClientFeature, Record, RoundJob
 from fedlr.linalg import (
     factored_frobenius_norm,
     hetlora_factors,
     received_gap,
     stacked_update,
 )
-from fedlr.options import NoOptions, option, require
+from fedlr.options import NoOptions, option
 from fedlr.payloads import LORA
-from fedlr.pruning import pruning_settings, round_pruning, tail_norm
-from fedlr.strategies.base import ClientUpdate, RoundReport
-from fedlr.strategies.hetero import (
-    HeteroRankLoRA,
-    LayerResult,
-    LayerUpdates,
+from fedlr.pruning import (
+    PRUNE_GAMMA,
+    PRUNE_LAMBDA,
+    RANK_STATE,
+    keep_rank,
+    pruning_settings,
+    round_pruning,
+    tail_norm,
 )
-from fedlr.strategies.registry import register_method
+from fedlr.round.replies import Replies
+from fedlr.strategies.base import ClientUpdate, RoundReport
+from fedlr.strategies.hetero import HeteroRankLoRA, LayerResult, LayerUpdates
+from fedlr.strategies.hetero_replies import HeteroReplies
+from fedlr.strategies.registration import register_method
 
 _LOG = getLogger("fedlr")
 
@@ -51,32 +56,20 @@ class HetLoRAOptions(NoOptions):
 
     hetlora_prune_gamma: float = option(
         1.0,
-        "decay factor γ of the clients' rank self-pruning, in (0, 1]; `1.0` "
-        "turns it off. A client of rank r regularises its last components "
-        "[r′, r), r′ = max(1, ⌊γr⌋), and, if their norm went down during its "
-        "local training, prunes to rank r′ for the rest of the run "
+        "decay factor γ of the clients' rank self-pruning; `1.0` turns it off. "
+        "A client of rank r regularises its last components [r′, r), "
+        "r′ = max(1, ⌊γr⌋), and, if their norm went down during its local "
+        "training, prunes to rank r′ for the rest of the run "
         "([methods/hetlora.md](methods/hetlora.md#rank-self-pruning))",
-        bad=[(0.0, r"in \(0, 1\]")],
+        range="(0, 1]",
     )
     hetlora_prune_lambda: float = option(
         0.1,
         "weight λ of the pruning term λ·Σ_layers ‖(α/r) B_tail A_tail‖_F added "
-        "to the clients' loss (only with `hetlora-prune-gamma` < 1); finite and "
-        "≥ 0 (0: prune only when training alone shrinks the tail)",
-        bad=[(-1.0, "finite and >= 0")],
+        "to the clients' loss (only with `hetlora-prune-gamma` < 1; 0: prune "
+        "only when training alone shrinks the tail)",
+        range=">= 0",
     )
-
-    def check(self) -> None:
-        require(
-            0.0 < self.hetlora_prune_gamma <= 1.0,
-            "hetlora-prune-gamma",
-            f"must be in (0, 1], got {self.hetlora_prune_gamma}",
-        )
-        require(
-            math.isfinite(self.hetlora_prune_lambda) and self.hetlora_prune_lambda >= 0,
-            "hetlora-prune-lambda",
-            f"must be finite and >= 0, got {self.hetlora_prune_lambda}",
-        )
 
 
 PRUNING_COLUMNS = ("mean-client-rank", "pruned-clients")
@@ -92,11 +85,28 @@ class RankSelfPruning(ClientFeature):
     (:func:`fedlr.pruning.round_pruning`); if that norm went down during
     training, it replies at rank ``r'`` (the leading components, rescaled by
     :func:`fedlr.adapters.ranks.leading_rank`), reports ``rank-pruned`` and keeps
-    rank ``r'`` in ``context.state`` (:func:`fedlr.pruning.node_rank` conforms
-    later rounds to it).
+    rank ``r'`` in ``context.state`` (:func:`fedlr.pruning.round_rank` serves
+    later rounds at it).
+
+    The tail regulariser reads no data (a norm of the parameters), so DP-SGD
+    adds its gradient after the per-example clipping and noise; the pruning
+    decision reads only the trained parameters.
     """
 
-    keys = (protocol.PRUNE_GAMMA, protocol.PRUNE_LAMBDA)
+    keys = (
+        Bound(PRUNE_GAMMA, "float", 0.0, 1.0, low_open=True),
+        Bound(PRUNE_LAMBDA, "float", 0.0),
+    )
+    node_state = (
+        Record(RANK_STATE, "the rank the node pruned itself to (key `rank`)"),
+    )
+    metrics = (
+        Record(
+            protocol.RANK_PRUNED,
+            "1 if the node pruned its rank after this round's training, else 0",
+        ),
+    )
+    loss_reads_data = False
     order = 50
 
     def __init__(self, gamma: float, lam: float, leading: bool) -> None:
@@ -147,7 +157,7 @@ class RankSelfPruning(ClientFeature):
             return trained
         lora = cast(AdapterLayout, layout)  # round_pruning checked it
         cut = leading_rank(lora.at_rank(rank), trained)
-        job.context.state[protocol.RANK_STATE] = ConfigRecord({"rank": rank})
+        keep_rank(job.context, rank)
         _LOG.log(
             INFO,
             "node %s: tail norm %.4g -> %.4g (components %d..%d): rank pruned %d -> %d",
@@ -170,6 +180,69 @@ class RankSelfPruning(ClientFeature):
         content: RecordDict,
     ) -> None:
         metrics[protocol.RANK_PRUNED] = self.pruned
+
+
+class HetLoRAReplies(HeteroReplies):
+    """HetLoRA's reply step (:class:`~fedlr.round.replies.Replies`)."""
+
+    method: HetLoRA
+
+    def validate_replies(
+        self, replies: list[Message]
+    ) -> tuple[list[ClientUpdate], list[str]]:
+        self.method._shrunk = set()
+        return super().validate_replies(replies)
+
+    def check_rank(self, node: int, rank: int) -> None:
+        """With pruning: any rank ``1 .. R`` not above the node's previous one.
+
+        Self-pruning is the one change of a node's rank the server accepts
+        (a smaller rank, for good); a node not seen yet may reply at any
+        rank ``1 .. R`` (its partition's rank, or a smaller one, is checked
+        after the arrays: :meth:`check_partition_rank`).
+
+        Raises
+        ------
+        ReplyValidationError
+            Naming the node: without pruning, a rank that is not a client
+            rank or differs from the node's; with pruning, a rank above the
+            node's previous rank (or R).
+        """
+        if not self.method.pruning:
+            super().check_rank(node, rank)
+            return
+        known = node in self.method.node_ranks
+        previous = self.method.node_ranks.get(node, self.method.rank)
+        if rank > previous:
+            raise ReplyValidationError(
+                node,
+                f"rank {rank} grew from {previous}: a node that pruned its rank "
+                "never grows it back"
+                if known
+                else f"rank {rank} exceeds the largest client rank {previous}",
+            )
+        if known and rank < previous:
+            self.method._shrunk.add(node)
+
+    def check_partition_rank(self, update: ClientUpdate, rank: int) -> None:
+        """With pruning, a first reply may be at its partition's rank or a
+        smaller one (it pruned in its first round).
+
+        Raises
+        ------
+        ReplyValidationError
+            Naming the node, the partition and both ranks.
+        """
+        want = self.partition_rank(update)
+        if not self.method.pruning or want is None:
+            super().check_partition_rank(update, rank)
+            return
+        if rank > want:
+            raise ReplyValidationError(
+                update.node_id,
+                f"rank {rank} exceeds partition {update.partition_id}'s rank {want} "
+                "(client-ranks, cycled over the partitions)",
+            )
 
 
 @register_method(
@@ -215,6 +288,10 @@ class HetLoRA(HeteroRankLoRA):
         out of range.
     """
 
+    method_options: HetLoRAOptions
+
+    replies_type: ClassVar[type[Replies]] = HetLoRAReplies
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._shrunk: set[int] = set()
@@ -224,12 +301,12 @@ class HetLoRA(HeteroRankLoRA):
     @property
     def prune_gamma(self) -> float:
         """The decay factor ``gamma`` (the ``hetlora-prune-gamma`` option)."""
-        return cast(HetLoRAOptions, self.method_options).hetlora_prune_gamma
+        return self.method_options.hetlora_prune_gamma
 
     @property
     def prune_lambda(self) -> float:
         """The pruning term's weight (the ``hetlora-prune-lambda`` option)."""
-        return cast(HetLoRAOptions, self.method_options).hetlora_prune_lambda
+        return self.method_options.hetlora_prune_lambda
 
     @property
     def pruning(self) -> bool:
@@ -240,66 +317,9 @@ class HetLoRA(HeteroRankLoRA):
         """The base round config, plus ``prune-gamma`` and ``prune-lambda``."""
         config = super().round_config(server_round)
         if self.pruning:
-            config[protocol.PRUNE_GAMMA] = self.prune_gamma
-            config[protocol.PRUNE_LAMBDA] = self.prune_lambda
+            config[PRUNE_GAMMA] = self.prune_gamma
+            config[PRUNE_LAMBDA] = self.prune_lambda
         return config
-
-    def check_rank(self, node: int, rank: int) -> None:
-        """With pruning: any rank ``1 .. R`` not above the node's previous one.
-
-        Self-pruning is the one change of a node's rank the server accepts
-        (a smaller rank, for good); a node not seen yet may reply at any
-        rank ``1 .. R`` (its partition's rank, or a smaller one, is checked
-        after the arrays: :meth:`check_partition_rank`).
-
-        Raises
-        ------
-        ReplyValidationError
-            Naming the node: without pruning, a rank that is not a client
-            rank or differs from the node's; with pruning, a rank above the
-            node's previous rank (or R).
-        """
-        if not self.pruning:
-            super().check_rank(node, rank)
-            return
-        known = node in self.node_ranks
-        previous = self.node_ranks.get(node, self.rank)
-        if rank > previous:
-            raise ReplyValidationError(
-                node,
-                f"rank {rank} grew from {previous}: a node that pruned its rank "
-                "never grows it back"
-                if known
-                else f"rank {rank} exceeds the largest client rank {previous}",
-            )
-        if known and rank < previous:
-            self._shrunk.add(node)
-
-    def check_partition_rank(self, update: ClientUpdate, rank: int) -> None:
-        """With pruning, a first reply may be at its partition's rank or a
-        smaller one (it pruned in its first round).
-
-        Raises
-        ------
-        ReplyValidationError
-            Naming the node, the partition and both ranks.
-        """
-        want = self.partition_rank(update)
-        if not self.pruning or want is None:
-            super().check_partition_rank(update, rank)
-            return
-        if rank > want:
-            raise ReplyValidationError(
-                update.node_id,
-                f"rank {rank} exceeds partition {update.partition_id}'s rank {want} "
-                "(client-ranks, cycled over the partitions)",
-            )
-
-    def validate_replies(
-        self, replies: list[Message]
-    ) -> tuple[list[ClientUpdate], list[str]]:
-        self._shrunk = set()
-        return super().validate_replies(replies)
 
     def aggregate_updates(
         self,

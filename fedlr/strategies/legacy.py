@@ -75,6 +75,7 @@ from flwr.supercore import log
 
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.protocol import METRICS, SERVER_ROUND
+from fedlr.round.instructions import check_arrays, note_sent, prepare_round
 from fedlr.strategies.base import FedLRStrategy
 
 __all__ = ["LegacyStrategy"]
@@ -130,7 +131,7 @@ class LegacyStrategy(Strategy):
     initial_arrays : mapping of str to torch.Tensor
         The global arrays of round 1 (for LoRA methods:
         ``adapter_state(model, layout, strategy.send_roles)``), checked
-        against the strategy (:meth:`FedLRStrategy.check_arrays`).
+        against the strategy (:func:`fedlr.round.instructions.check_arrays`).
     train_config : mapping, optional
         Values sent in every ``FitIns.config`` (``lr`` is decayed per round by
         the strategy's ``lr_decay``).
@@ -154,7 +155,7 @@ class LegacyStrategy(Strategy):
         super().__init__()
         if not initial_arrays:
             raise ValueError("initial_arrays is empty")
-        strategy.check_arrays(ArrayRecord(dict(initial_arrays)))
+        check_arrays(strategy, ArrayRecord(dict(initial_arrays)))
         self.strategy = strategy
         self.send_keys: list[str] = list(initial_arrays)
         self._initial = {k: v.detach().clone() for k, v in initial_arrays.items()}
@@ -226,8 +227,8 @@ class LegacyStrategy(Strategy):
         """Sample clients like the Message-API strategy; the same round config."""
         state = self._to_state(parameters)
         record = ArrayRecord(state)
-        config = self.strategy.prepare_round(
-            server_round, record, ConfigRecord(dict(self.train_config))
+        config = prepare_round(
+            self.strategy, server_round, record, ConfigRecord(dict(self.train_config))
         )
         available = client_manager.num_available()
         size = max(
@@ -238,7 +239,7 @@ class LegacyStrategy(Strategy):
             num_clients=min(size, available) if available else size,
             min_num_clients=self.strategy.min_available_nodes,
         )
-        self.strategy.note_sent(record, len(clients))
+        note_sent(self.strategy, record, len(clients))
         fit_config: dict[str, Scalar] = {
             k: v for k, v in config.items() if isinstance(v, (int, float, str, bool))
         }

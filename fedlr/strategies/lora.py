@@ -33,9 +33,28 @@ from fedlr.linalg import (
 )
 from fedlr.options import Options
 from fedlr.robust import ProductSpace, UpdateSpace
+from fedlr.round.describe import app_arguments
+from fedlr.round.instructions import bind_model, check_bound_model
+from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
 
 __all__ = ["LoraStrategy"]
+
+
+class LoraReplies(Replies):
+    """LoraStrategy's reply step (:class:`~fedlr.round.replies.Replies`)."""
+
+    method: LoraStrategy
+
+    def space(self, current: Mapping[str, torch.Tensor]) -> UpdateSpace:
+        """Each adapted layer's product change ``B_i A_i - B A``, from the factors.
+
+        A factor the client does not send (FFA-LoRA's A, FedSA's B) is the
+        global one; the head's change is measured as parameters.
+        """
+        return ProductSpace(
+            current, [(m.a_key, m.b_key) for m in self.method.layout.modules]
+        )
 
 
 class LoraStrategy(FedLRStrategy):
@@ -52,6 +71,8 @@ class LoraStrategy(FedLRStrategy):
     **kwargs
         Other parameters: see :class:`~fedlr.strategies.base.FedLRStrategy`.
     """
+
+    replies_type: ClassVar[type[Replies]] = LoraReplies
 
     send_roles: ClassVar[tuple[Role, ...]] = (Role.LORA_A, Role.LORA_B, Role.HEAD)
     train_roles: ClassVar[tuple[Role, ...]] = (Role.LORA_A, Role.LORA_B, Role.HEAD)
@@ -99,7 +120,7 @@ class LoraStrategy(FedLRStrategy):
         return cls(
             layout=layout,
             options=options,
-            **cls.base_options(config),
+            **app_arguments(cls, config),
             **cls.strategy_kwargs(config),
         )
 
@@ -141,14 +162,6 @@ class LoraStrategy(FedLRStrategy):
 
     def reply_shapes(self) -> dict[str, tuple[int, ...]]:
         return self.layout.shapes(*self.train_roles)
-
-    def robust_space(self, current: Mapping[str, torch.Tensor]) -> UpdateSpace:
-        """Each adapted layer's product change ``B_i A_i - B A``, from the factors.
-
-        A factor the client does not send (FFA-LoRA's A, FedSA's B) is the
-        global one; the head's change is measured as parameters.
-        """
-        return ProductSpace(current, [(m.a_key, m.b_key) for m in self.layout.modules])
 
     def round_config(self, server_round: int) -> dict[str, Any]:
         config: dict[str, Any] = {
@@ -231,7 +244,7 @@ class LoraStrategy(FedLRStrategy):
         """
         view = _lora_view(model)
         strategy = cls(layout=view.layout, **kwargs)
-        strategy.bind_model(view)  # fingerprint, head warning (fedlr.fingerprint)
+        bind_model(strategy, view)  # fingerprint, head warning (fedlr.fingerprint)
         return strategy
 
     def initial_arrays(self, model: torch.nn.Module | AdaptedModel) -> ArrayRecord:
@@ -251,7 +264,7 @@ class LoraStrategy(FedLRStrategy):
         """
         view = _lora_view(model)
         check_layout(self.layout, view.layout, self.send_roles, what="the model")
-        self.check_model(view, what="the model given to initial_arrays")
+        check_bound_model(self, view, what="the model given to initial_arrays")
         return state_to_record(view.state(self.send_roles), self.send_keys())
 
     def load_into(
@@ -299,7 +312,7 @@ class LoraStrategy(FedLRStrategy):
                 log(WARNING, "%s: set to the strategy's LoRA alpha", change)
         if changes:
             view = _lora_view(view.model)
-        self.check_model(view, what="the model given to load_into")
+        check_bound_model(self, view, what="the model given to load_into")
         load_from_initial(view, state)
 
 

@@ -23,15 +23,12 @@ evaluations.
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Iterable, Mapping, Sequence
-from logging import INFO, WARNING, getLogger
+from logging import WARNING, getLogger
 from typing import Any, ClassVar, Self
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-from flwr.serverapp import Grid
-from flwr.supercore import log
+from flwr.app import ArrayRecord, Message, RecordDict
 
 from fedlr import protocol
 from fedlr.adapters.plugin import adapted
@@ -40,8 +37,8 @@ from fedlr.adapters.sorf_vera import SorfVeraLayout
 from fedlr.adapters.vera import VeraLayout
 from fedlr.config import RunConfig
 from fedlr.errors import ReplyValidationError
-from fedlr.features import ClientFeature, RoundJob
-from fedlr.flower.records import record_nbytes, record_to_state, state_to_record
+from fedlr.features import ClientFeature, Record, RoundJob
+from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.linalg import (
     DEFAULT_COST_MODEL,
     aggregate_gap,
@@ -50,11 +47,20 @@ from fedlr.linalg import (
     personal_change,
     require_common_rank,
 )
-from fedlr.strategies.base import ClientUpdate, RoundReport
-from fedlr.strategies.lora import LoraStrategy
-from fedlr.strategies.replies import without_helper_metrics
+from fedlr.round.replies import Replies
+from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
+from fedlr.strategies.lora import LoraReplies, LoraStrategy
 
-__all__ = ["PersonalArrays", "PersonalLoraStrategy", "SeededLoraStrategy"]
+__all__ = [
+    "PERSONAL_GRAM",
+    "PersonalArrays",
+    "PersonalLoraStrategy",
+    "SeededLoraStrategy",
+]
+
+PERSONAL_GRAM = "personal-gram"
+"""Reply ArrayRecord of ``B^T B`` (r x r) per layer, keyed by the ``B`` key:
+what the server's gap report needs of factors kept on the node (FedSA-LoRA)."""
 
 _LOG = getLogger("fedlr")
 
@@ -73,7 +79,29 @@ class PersonalArrays(ClientFeature):
     needs of the kept factors.
     """
 
-    keys = (protocol.KEEP_ROLES, protocol.PERSONAL_SPLIT)
+    # keep-roles and personal-split are the common round's keys (it trains
+    # the kept roles and picks the data by them): read here, not declared
+    receives = (
+        Record(protocol.PERSONAL, "the node's own factors (Global SVD's `lora_B`)"),
+    )
+    sends = (
+        Record(
+            PERSONAL_GRAM,
+            "`B^T B` (r x r) per layer when `B` stays on the node (FedSA-LoRA)",
+        ),
+    )
+    node_state = (
+        Record(
+            protocol.PERSONAL,
+            "the node's personal arrays: received ones, or its trained `keep-roles`",
+        ),
+    )
+    metrics = (
+        Record(
+            protocol.PERSONAL_LOADED,
+            "1 if personal arrays were loaded over the global ones this round",
+        ),
+    )
     order = 30
 
     @classmethod
@@ -126,12 +154,26 @@ class PersonalArrays(ClientFeature):
             trained, layout.keys(*job.keep_roles)
         )
         if Role.LORA_B in job.keep_roles and isinstance(layout, AdapterLayout):
-            content[protocol.PERSONAL_GRAM] = ArrayRecord(
+            content[PERSONAL_GRAM] = ArrayRecord(
                 {
                     m.b_key: (trained[m.b_key].T @ trained[m.b_key]).contiguous()
                     for m in layout.modules
                 }
             )
+
+
+class SeededReplies(LoraReplies):
+    """SeededLoraStrategy's reply step (:class:`~fedlr.round.replies.Replies`)."""
+
+    method: SeededLoraStrategy
+
+    def validate_reply(
+        self, message: Message, expected: Mapping[str, tuple[int, ...]]
+    ) -> ClientUpdate:
+        """Drop a reply whose factors have another rank, then the base checks."""
+        if not message.has_error():
+            self.method.check_reply_rank(message)
+        return super().validate_reply(message, expected)
 
 
 class SeededLoraStrategy(LoraStrategy):
@@ -157,6 +199,8 @@ class SeededLoraStrategy(LoraStrategy):
         Other parameters: see :class:`~fedlr.strategies.lora.LoraStrategy`.
     """
 
+    replies_type: ClassVar[type[Replies]] = SeededReplies
+
     extra_columns: tuple[str, ...] = ()
     keep_roles: ClassVar[tuple[Role, ...]] = ()
 
@@ -175,13 +219,6 @@ class SeededLoraStrategy(LoraStrategy):
         self.initial_state = {k: v.detach().clone() for k, v in state.items()}
 
     # -------------------------------------------------------------- validation
-    def validate_reply(
-        self, message: Message, expected: Mapping[str, tuple[int, ...]]
-    ) -> ClientUpdate:
-        """Drop a reply whose factors have another rank, then the base checks."""
-        if not message.has_error():
-            self.check_reply_rank(message)
-        return super().validate_reply(message, expected)
 
     def check_reply_rank(self, message: Message) -> None:
         """Every factor of the reply has this round's rank.
@@ -287,7 +324,7 @@ class SeededLoraStrategy(LoraStrategy):
         """``current`` with every sent-and-trained key replaced by its weighted mean."""
         state = dict(current)
         keys = [k for k in self.layout.keys(*self.train_roles) if k in current]
-        state.update(self.weighted_means(list(updates), keys))
+        state.update(weighted_means(list(updates), keys))
         return state
 
     def initial_arrays(self, model: torch.nn.Module | AdaptedModel) -> ArrayRecord:
@@ -299,6 +336,26 @@ class SeededLoraStrategy(LoraStrategy):
         record = super().initial_arrays(model)
         self.bind_initial(adapted(model).state((Role.LORA_A, Role.LORA_B, Role.HEAD)))
         return record
+
+
+class PersonalReplies(SeededReplies):
+    """PersonalLoraStrategy's reply step (:class:`~fedlr.round.replies.Replies`)."""
+
+    method: PersonalLoraStrategy
+
+    def records(self) -> dict[str, dict[str, tuple[int, ...]]]:
+        """The ``personal-gram`` record (``B^T B``, r x r per layer) when B is kept."""
+        if Role.LORA_B not in self.method.keep_roles:
+            return {}
+        return {
+            PERSONAL_GRAM: {
+                m.b_key: (m.rank, m.rank) for m in self.method.layout.modules
+            }
+        }
+
+    def clip_extras(self, update: ClientUpdate) -> ClientUpdate:
+        """The gram is of the node's own ``B``, which clipping does not move."""
+        return update
 
 
 class PersonalLoraStrategy(SeededLoraStrategy):
@@ -314,6 +371,8 @@ class PersonalLoraStrategy(SeededLoraStrategy):
 
     Parameters: see :class:`SeededLoraStrategy`.
     """
+
+    replies_type: ClassVar[type[Replies]] = PersonalReplies
 
     extra_columns: tuple[str, ...] = (
         "accuracy-std",
@@ -380,8 +439,6 @@ class PersonalLoraStrategy(SeededLoraStrategy):
             content = RecordDict(dict(message.content.items()))
             record = ArrayRecord(arrays)
             content[protocol.PERSONAL] = record
-            if count:
-                self.count_bytes_down(record_nbytes(record))
             out.append(
                 Message(
                     content=content,
@@ -391,99 +448,20 @@ class PersonalLoraStrategy(SeededLoraStrategy):
             )
         return out
 
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """Base messages plus each node's personal factors (if the server has any)."""
-        return self._with_personal(
-            super().configure_train(server_round, arrays, config, grid), count=True
-        )
-
-    def configure_evaluate(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """Every client evaluates its personalised model on its held-out part."""
-        eval_config = ConfigRecord(dict(config))
-        for key, value in self.round_config(server_round).items():
-            eval_config[key] = value
-        messages = super().configure_evaluate(server_round, arrays, eval_config, grid)
-        return self._with_personal(messages, count=False)
-
-    def aggregate_evaluate(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> MetricRecord | None:
-        """Mean and spread of the clients' accuracies; kept in ``last_evaluation``.
-
-        Beside them, the clients' own metrics as ``evaluate_metrics_aggr_fn``
-        aggregates them (replies with a valid ``num-examples``); fedlr's
-        ``accuracy`` and ``loss`` (unweighted means over clients) replace
-        the aggregation function's values of those keys.
-        """
-        accuracies: list[float] = []
-        losses: list[float] = []
-        extras: dict[str, list[float]] = {k: [] for k in protocol.TASK_EVAL_METRICS}
-        contents: list[RecordDict] = []
-        for message in replies:
-            if message.has_error():
-                log(INFO, "round %d: evaluate error: %s", server_round, message.error)
-                continue
-            metrics = next(iter(message.content.metric_records.values()), None)
-            if metrics is None:
-                continue
-            try:  # the user's metrics are aggregated by evaluate_metrics_aggr_fn
-                self.reply_weight(int(message.metadata.src_node_id), message.content)
-                contents.append(without_helper_metrics(message.content))
-            except ReplyValidationError as exc:
-                log(WARNING, "round %d: evaluate reply: %s", server_round, exc)
-            acc, loss = metrics.get("accuracy"), metrics.get("loss")
-            if not isinstance(acc, (int, float)) or not isinstance(loss, (int, float)):
-                log(
-                    INFO,
-                    "round %d: evaluate reply without scalar accuracy and loss",
-                    server_round,
-                )
-                continue
-            if math.isfinite(acc) and math.isfinite(loss):
-                accuracies.append(float(acc))
-                losses.append(float(loss))
-                for key, values in extras.items():
-                    value = metrics.get(key)
-                    if isinstance(value, (int, float)) and math.isfinite(value):
-                        values.append(float(value))
-        clients = (
-            self.evaluate_metrics_aggr_fn(contents, self.weighted_by_key)
-            if contents
-            else None
-        )
-        if not accuracies:
-            self.last_evaluation = {}
-            return clients
-        self.last_evaluation = {
-            "accuracy": statistics.fmean(accuracies),
-            "loss": statistics.fmean(losses),
-            "accuracy-std": statistics.pstdev(accuracies),
-            "accuracy-min": min(accuracies),
-            "accuracy-max": max(accuracies),
-            "evaluated-clients": float(len(accuracies)),
-            **{k: statistics.fmean(v) for k, v in extras.items() if v},
-        }
-        quiet = ("accuracy", "loss", *protocol.TASK_EVAL_METRICS)
-        return self.merge_metrics(clients, self.last_evaluation, quiet=quiet)
+    def instructions(
+        self,
+        server_round: int,
+        messages: list[Message],
+        arrays: ArrayRecord,
+        *,
+        train: bool,
+    ) -> list[Message]:
+        """Each node's personal factors (if the server has any), to train with
+        and to evaluate its personalised model on its held-out part."""
+        messages = super().instructions(server_round, messages, arrays, train=train)
+        return self._with_personal(messages, count=train)
 
     # -------------------------------------------------------------- validation
-    def reply_records(self) -> dict[str, dict[str, tuple[int, ...]]]:
-        """The ``personal-gram`` record (``B^T B``, r x r per layer) when B is kept."""
-        if Role.LORA_B not in self.keep_roles:
-            return {}
-        return {
-            protocol.PERSONAL_GRAM: {
-                m.b_key: (m.rank, m.rank) for m in self.layout.modules
-            }
-        }
-
-    def clip_extras(self, update: ClientUpdate) -> ClientUpdate:
-        """The gram is of the node's own ``B``, which clipping does not move."""
-        return update
 
     # --------------------------------------------------------------------- gap
     def personal_gap_report(
@@ -502,7 +480,7 @@ class PersonalLoraStrategy(SeededLoraStrategy):
             change_sq = 0.0
             own_sq = 0.0
             for weight, u in zip(w.tolist(), updates, strict=True):
-                gram = u.extras[protocol.PERSONAL_GRAM]
+                gram = u.extras[PERSONAL_GRAM]
                 change, own = personal_change(
                     gram[module.b_key], u.arrays[module.a_key], new_state[module.a_key]
                 )

@@ -26,23 +26,30 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from logging import INFO
 from pathlib import Path
-from typing import Any, ClassVar, Self, cast
+from typing import Any, ClassVar, Self
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message
-from flwr.serverapp import Grid
+from flwr.app import ArrayRecord, Message
 from flwr.supercore import log
 
 from fedlr import protocol
 from fedlr.config import RunConfig
 from fedlr.errors import ReplyValidationError
+from fedlr.features import Record
 from fedlr.flower.records import record_to_state
 from fedlr.image_task import EigenOptions
 from fedlr.linalg.qrmix import ClientEigen, fc_flatten, fc_unflatten, qrmix_update
 from fedlr.options import Options, option, require
 from fedlr.payloads import QRMIX
-from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
-from fedlr.strategies.registry import register_method
+from fedlr.round.describe import app_arguments
+from fedlr.round.replies import Replies
+from fedlr.strategies.base import (
+    ClientUpdate,
+    FedLRStrategy,
+    RoundReport,
+    weighted_means,
+)
+from fedlr.strategies.registration import register_method
 
 __all__ = ["QRMix", "QRMixOptions", "VisionFedAvg"]
 
@@ -104,7 +111,7 @@ class VisionFedAvg(FedLRStrategy):
     ) -> Self:
         """Build from the run config's common keys and the method's options."""
         return cls(
-            shapes=shapes, head=head, options=options, **cls.base_options(config)
+            shapes=shapes, head=head, options=options, **app_arguments(cls, config)
         )
 
     @property
@@ -132,7 +139,7 @@ class VisionFedAvg(FedLRStrategy):
         updates: list[ClientUpdate],
         current: dict[str, torch.Tensor],
     ) -> tuple[dict[str, torch.Tensor], RoundReport]:
-        state = self.weighted_means(updates, self.shapes, like=current)
+        state = weighted_means(updates, self.shapes, like=current)
         step = self.head_vector(state).double() - self.head_vector(current).double()
         norm = float(torch.linalg.vector_norm(step))
         report = RoundReport(
@@ -151,21 +158,15 @@ class QRMixOptions(EigenOptions):
     """QR-Mix's run-config keys (the ``qrmix`` payload's and its own)."""
 
     warmup_rounds: int = option(
-        5,
-        "FedAvg rounds before the QR-Mix head update (≥ 0)",
-        bad=[(-1, "must be >= 0")],
+        5, "FedAvg rounds before the QR-Mix head update", range=">= 0"
     )
-    qrmix_tau: float = option(
-        1.0, "ridge τ of (H̄ + τI) (> 0)", bad=[(0.0, "finite and > 0")]
-    )
-    qrmix_gamma: float = option(
-        1.0, "step scale γ (> 0)", bad=[(float("nan"), "finite and > 0")]
-    )
+    qrmix_tau: float = option(1.0, "ridge τ of (H̄ + τI)", range="> 0")
+    qrmix_gamma: float = option(1.0, "step scale γ", range="> 0")
     qrmix_form: str = option(
         "fisher",
         "`fisher` = γ(H̄ + τI)⁻¹b, `literal` = the source's γ(τQz + b − QQᵀb) "
         "([methods/qrmix.md](methods/qrmix.md))",
-        bad=[("exact", "not one of fisher, literal")],
+        choices=("fisher", "literal"),
     )
     qrmix_warmup_checkpoint: str = option(
         "",
@@ -176,25 +177,6 @@ class QRMixOptions(EigenOptions):
 
     def check(self) -> None:
         super().check()
-        require(
-            self.warmup_rounds >= 0,
-            "warmup-rounds",
-            f"must be >= 0, got {self.warmup_rounds}",
-        )
-        for key, value in (
-            ("qrmix-tau", self.qrmix_tau),
-            ("qrmix-gamma", self.qrmix_gamma),
-        ):
-            require(
-                math.isfinite(value) and value > 0,
-                key,
-                f"must be finite and > 0, got {value}",
-            )
-        require(
-            self.qrmix_form in ("fisher", "literal"),
-            "qrmix-form",
-            f"'{self.qrmix_form}' is not one of fisher, literal",
-        )
         checkpoint = self.qrmix_warmup_checkpoint
         require(
             not checkpoint or Path(checkpoint).expanduser().is_absolute(),
@@ -204,11 +186,62 @@ class QRMixOptions(EigenOptions):
         )
 
 
+class QRMixReplies(Replies):
+    """QRMix's reply step (:class:`~fedlr.round.replies.Replies`)."""
+
+    method: QRMix
+
+    def validate_reply(
+        self, message: Message, expected: Mapping[str, tuple[int, ...]]
+    ) -> ClientUpdate:
+        """The base checks, then in stage 2 the ``eigen`` record.
+
+        Raises
+        ------
+        ReplyValidationError
+            On a missing or malformed ``eigen`` record: wrong keys or shapes,
+            NaN/Inf, a negative eigenvalue, non-orthonormal vectors, or a
+            ``delta`` that does not match the reply's head weights.
+        """
+        update = super().validate_reply(message, expected)
+        if self.method._stage == 2:
+            self.method.parse_eigen(update)
+        return update
+
+    def records(self) -> dict[str, dict[str, tuple[int, ...]]]:
+        """Stage 2: the ``eigen`` record (vectors p x k, values k, delta p)."""
+        if self.method._stage != 2:
+            return {}
+        p, k = self.method.head_dim, self.method.k
+        shapes = ((p, k), (k,), (p,))
+        return {protocol.EIGEN: dict(zip(protocol.EIGEN_KEYS, shapes, strict=True))}
+
+    def clip_extras(self, update: ClientUpdate) -> ClientUpdate:
+        """Clipping moves the head by ``f``; the ``eigen`` delta (the head's
+        change, which stage 2's least squares consumes) moves with it, the
+        curvature (vectors, values) does not."""
+        f = update.clip_factor
+        if f == 1.0 or protocol.EIGEN not in update.extras:
+            return update
+        eigen = dict(update.extras[protocol.EIGEN])
+        eigen["delta"] = (eigen["delta"].double() * f).to(eigen["delta"].dtype)
+        return dataclasses.replace(
+            update, extras={**update.extras, protocol.EIGEN: eigen}
+        )
+
+
 @register_method(
     "qrmix",
     payload=QRMIX,
     options=QRMixOptions,
     summary="FedAvg warm-up, then the FC layer from clients' Hessian eigenpairs",
+    records=(
+        Record(
+            protocol.EIGEN,
+            "stage 2: the node's top-k eigenpairs of its FC layer's Hessian and "
+            "its head's change (from its data)",
+        ),
+    ),
 )
 class QRMix(VisionFedAvg):
     """FedAvg, then the QR-Mix update of the FC head.
@@ -227,9 +260,13 @@ class QRMix(VisionFedAvg):
         Other parameters: see :class:`VisionFedAvg`.
     """
 
+    method_options: QRMixOptions
+
+    replies_type: ClassVar[type[Replies]] = QRMixReplies
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        opts = cast(QRMixOptions, self.method_options)
+        opts = self.method_options
         self.warmup_rounds = 0 if opts.qrmix_warmup_checkpoint else opts.warmup_rounds
         """Stage-1 rounds (0 with a warm-up checkpoint, which skips stage 1)."""
         self.k = min(opts.qrmix_k, self.head_dim)
@@ -241,17 +278,17 @@ class QRMix(VisionFedAvg):
     @property
     def tau(self) -> float:
         """The ridge ``τ`` (the ``qrmix-tau`` option)."""
-        return cast(QRMixOptions, self.method_options).qrmix_tau
+        return self.method_options.qrmix_tau
 
     @property
     def gamma(self) -> float:
         """The step scale ``γ`` (the ``qrmix-gamma`` option)."""
-        return cast(QRMixOptions, self.method_options).qrmix_gamma
+        return self.method_options.qrmix_gamma
 
     @property
     def form(self) -> str:
         """``"fisher"`` or ``"literal"`` (the ``qrmix-form`` option)."""
-        return cast(QRMixOptions, self.method_options).qrmix_form
+        return self.method_options.qrmix_form
 
     def summary(self) -> None:
         """Log the settings, then FedAvg's."""
@@ -273,52 +310,22 @@ class QRMix(VisionFedAvg):
         """1 for the warm-up rounds, then 2."""
         return 1 if server_round <= self.warmup_rounds else 2
 
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    def instructions(
+        self,
+        server_round: int,
+        messages: list[Message],
+        arrays: ArrayRecord,
+        *,
+        train: bool,
     ) -> list[Message]:
-        """Remember the round's stage and global head, then configure as usual."""
-        self._stage = self.stage(server_round)
-        self._current_head = self.head_vector(record_to_state(arrays)).double()
-        return list(super().configure_train(server_round, arrays, config, grid))
+        """Remember the round's stage and global head (the replies are checked
+        against them)."""
+        if train:
+            self._stage = self.stage(server_round)
+            self._current_head = self.head_vector(record_to_state(arrays)).double()
+        return super().instructions(server_round, messages, arrays, train=train)
 
     # -------------------------------------------------------------- validation
-    def validate_reply(
-        self, message: Message, expected: Mapping[str, tuple[int, ...]]
-    ) -> ClientUpdate:
-        """The base checks, then in stage 2 the ``eigen`` record.
-
-        Raises
-        ------
-        ReplyValidationError
-            On a missing or malformed ``eigen`` record: wrong keys or shapes,
-            NaN/Inf, a negative eigenvalue, non-orthonormal vectors, or a
-            ``delta`` that does not match the reply's head weights.
-        """
-        update = super().validate_reply(message, expected)
-        if self._stage == 2:
-            self.parse_eigen(update)
-        return update
-
-    def reply_records(self) -> dict[str, dict[str, tuple[int, ...]]]:
-        """Stage 2: the ``eigen`` record (vectors p x k, values k, delta p)."""
-        if self._stage != 2:
-            return {}
-        p, k = self.head_dim, self.k
-        shapes = ((p, k), (k,), (p,))
-        return {protocol.EIGEN: dict(zip(protocol.EIGEN_KEYS, shapes, strict=True))}
-
-    def clip_extras(self, update: ClientUpdate) -> ClientUpdate:
-        """Clipping moves the head by ``f``; the ``eigen`` delta (the head's
-        change, which stage 2's least squares consumes) moves with it, the
-        curvature (vectors, values) does not."""
-        f = update.clip_factor
-        if f == 1.0 or protocol.EIGEN not in update.extras:
-            return update
-        eigen = dict(update.extras[protocol.EIGEN])
-        eigen["delta"] = (eigen["delta"].double() * f).to(eigen["delta"].dtype)
-        return dataclasses.replace(
-            update, extras={**update.extras, protocol.EIGEN: eigen}
-        )
 
     def parse_eigen(self, update: ClientUpdate) -> ClientEigen:
         """Check and unpack a stage-2 reply's ``eigen`` record."""

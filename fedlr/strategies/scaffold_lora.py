@@ -43,21 +43,23 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, Self, cast
+from typing import Any, ClassVar, Self, cast
 
 import torch
-from flwr.app import ArrayRecord, RecordDict
+from flwr.app import ArrayRecord, Message, RecordDict
 
 from fedlr import protocol
 from fedlr.adapters.lora import LoraModel, parameters_by_key
 from fedlr.errors import ProtocolError
-from fedlr.features import ClientFeature, RoundJob
+from fedlr.features import ClientFeature, Record, RoundJob
 from fedlr.flower.records import config_float, record_to_state
 from fedlr.payloads import LORA
+from fedlr.round.instructions import with_records
+from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
-from fedlr.strategies.lora import saved_tensors
-from fedlr.strategies.registry import register_method
+from fedlr.strategies.lora import LoraReplies, saved_tensors
+from fedlr.strategies.registration import register_method
 
 __all__ = ["CONTROL", "CONTROL_DELTA", "ScaffoldCorrection", "ScaffoldLoRA"]
 
@@ -76,8 +78,24 @@ class ScaffoldCorrection(ClientFeature):
     record is checked before use (exactly the trained LoRA arrays' keys and
     shapes, finite); the node's ``c_i`` starts at zero and is dropped with a
     warning-free restart at zero when it no longer fits (another rank).
+
+    Its replies carry an extra record (``scaffold-delta``), which client-level
+    DP would not noise: the method is refused with it at configuration.
     """
 
+    receives = (
+        Record(CONTROL, "the server's control variate `c`, keyed as the arrays"),
+    )
+    sends = (
+        Record(
+            CONTROL_DELTA,
+            "the node's control-variate change `Δc_i = c_i+ − c_i`, keyed as "
+            "the trained arrays",
+        ),
+    )
+    node_state = (
+        Record(_NODE_CONTROL, "the node's control variate `c_i` (an ArrayRecord)"),
+    )
     order = 45
 
     def __init__(self, control: dict[str, torch.Tensor]) -> None:
@@ -166,6 +184,37 @@ class ScaffoldCorrection(ClientFeature):
         content[CONTROL_DELTA] = ArrayRecord(delta)
 
 
+class ScaffoldReplies(LoraReplies):
+    """ScaffoldLoRA's reply step (:class:`~fedlr.round.replies.Replies`)."""
+
+    method: ScaffoldLoRA
+
+    def records(self) -> dict[str, dict[str, tuple[int, ...]]]:
+        """Every reply carries ``scaffold-delta``, keyed as the trained arrays."""
+        return {CONTROL_DELTA: self.method.layout.shapes(*self.method.train_roles)}
+
+    def clip_extras(self, update: ClientUpdate) -> ClientUpdate:
+        """A clipped reply's control delta, as if its step had been the clipped one.
+
+        ``Delta c_i = -c + (x - y_i) / (K eta)``; with ``y_i`` moved to
+        ``x + f (y_i - x)`` it becomes ``f (Delta c_i + c) - c``.
+        """
+        f = update.clip_factor
+        if f == 1.0:
+            return update
+        delta = update.extras[CONTROL_DELTA]
+        moved = {
+            k: (
+                f * (v.double() + self.method.control[k].double())
+                - self.method.control[k].double()
+            ).to(v.dtype)
+            for k, v in delta.items()
+        }
+        return dataclasses.replace(
+            update, extras={**update.extras, CONTROL_DELTA: moved}
+        )
+
+
 @register_method(
     "scaffold-lora",
     payload=LORA,
@@ -184,6 +233,8 @@ class ScaffoldLoRA(FedAvgLoRA):
     Parameters: see :class:`~fedlr.strategies.lora.LoraStrategy`.
     """
 
+    replies_type: ClassVar[type[Replies]] = ScaffoldReplies
+
     extra_columns: tuple[str, ...] = ("control-norm",)
 
     def __init__(self, **kwargs: Any) -> None:
@@ -193,33 +244,20 @@ class ScaffoldLoRA(FedAvgLoRA):
             for key, shape in self.layout.shapes(*self.train_roles).items()
         }
 
-    def instruction_records(self, server_round: int) -> dict[str, ArrayRecord]:
+    def instructions(
+        self,
+        server_round: int,
+        messages: list[Message],
+        arrays: ArrayRecord,
+        *,
+        train: bool,
+    ) -> list[Message]:
         """``scaffold-control``: ``c`` for every train instruction."""
-        return {CONTROL: ArrayRecord({k: v.clone() for k, v in self.control.items()})}
-
-    def reply_records(self) -> dict[str, dict[str, tuple[int, ...]]]:
-        """Every reply carries ``scaffold-delta``, keyed as the trained arrays."""
-        return {CONTROL_DELTA: self.layout.shapes(*self.train_roles)}
-
-    def clip_extras(self, update: ClientUpdate) -> ClientUpdate:
-        """A clipped reply's control delta, as if its step had been the clipped one.
-
-        ``Delta c_i = -c + (x - y_i) / (K eta)``; with ``y_i`` moved to
-        ``x + f (y_i - x)`` it becomes ``f (Delta c_i + c) - c``.
-        """
-        f = update.clip_factor
-        if f == 1.0:
-            return update
-        delta = update.extras[CONTROL_DELTA]
-        moved = {
-            k: (
-                f * (v.double() + self.control[k].double()) - self.control[k].double()
-            ).to(v.dtype)
-            for k, v in delta.items()
-        }
-        return dataclasses.replace(
-            update, extras={**update.extras, CONTROL_DELTA: moved}
-        )
+        messages = super().instructions(server_round, messages, arrays, train=train)
+        if not train:
+            return messages
+        control = ArrayRecord({k: v.clone() for k, v in self.control.items()})
+        return [with_records(m, {CONTROL: control}) for m in messages]
 
     def aggregate_updates(
         self,

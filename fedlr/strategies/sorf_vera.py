@@ -48,8 +48,9 @@ from fedlr.linalg import mean_lambda_d_rot, refit_layer, weighted_mean
 from fedlr.linalg.sorf_pair_signs import SIGN_RULES
 from fedlr.options import Options
 from fedlr.payloads import SORF_VERA
+from fedlr.round.describe import app_arguments
 from fedlr.strategies.base import ClientUpdate, RoundReport
-from fedlr.strategies.registry import register_method
+from fedlr.strategies.registration import register_method
 from fedlr.strategies.vera import ProjectionChecked
 
 __all__ = ["SorfVeRA"]
@@ -146,7 +147,7 @@ class SorfVeRA(ProjectionChecked):
             projection_a=vm.projection_a,
             projection_b=vm.projection_b,
             options=options,
-            **cls.base_options(config),
+            **app_arguments(cls, config),
         )
 
     def summary(self) -> None:

@@ -23,12 +23,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from logging import INFO
-from typing import cast
 
 from flwr.supercore import log
 
 from fedlr.linalg import SVD_SOLVERS, TruncatedSVD
-from fedlr.options import NoOptions, Options, option, require
+from fedlr.options import NoOptions, option, require
 
 __all__ = ["SvdSolverChoice", "SvdSolverOptions"]
 
@@ -64,13 +63,13 @@ class SvdSolverChoice:
     line per run, again after a resume).
     """
 
-    method_options: Options
+    method_options: SvdSolverOptions
     _svd_switch_logged: bool = False
 
     @property
     def svd_solver(self) -> str:
         """The ``svd-solver`` option: ``auto``, ``exact`` or ``randomized``."""
-        return cast(SvdSolverOptions, self.method_options).svd_solver
+        return self.method_options.svd_solver
 
     def note_svd(
         self,

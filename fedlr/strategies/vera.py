@@ -31,11 +31,10 @@ References
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from logging import INFO
-from typing import Any, ClassVar, Self, cast
+from typing import Any, ClassVar, Self
 
 import torch
 from flwr.app import ArrayRecord, Message
@@ -55,16 +54,20 @@ from fedlr.errors import ReplyValidationError
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.linalg import weighted_mean
 from fedlr.linalg.vera import fold_vera_residual, vera_gap_norms
-from fedlr.options import Options, option, require
+from fedlr.options import Options, option
 from fedlr.payloads import VERA
+from fedlr.round.describe import app_arguments
+from fedlr.round.instructions import bind_model, check_bound_model
+from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
 from fedlr.strategies.fedex_downlink import (
     BaseWeights,
+    DownlinkOptions,
     FactoredDownlink,
     check_downlink,
     downlink_option,
 )
-from fedlr.strategies.registry import register_method
+from fedlr.strategies.registration import register_method
 from fedlr.vera_tasks import VeraOptions
 
 __all__ = [
@@ -90,6 +93,24 @@ def check_projection_metrics(
         )
 
 
+class ProjectionReplies(Replies):
+    """ProjectionChecked's reply step (:class:`~fedlr.round.replies.Replies`)."""
+
+    method: ProjectionChecked
+
+    def validate_reply(
+        self, message: Message, expected: Mapping[str, tuple[int, ...]]
+    ) -> ClientUpdate:
+        update = super().validate_reply(message, expected)
+        check_projection_metrics(
+            update.node_id,
+            update.metrics,
+            self.method.projection_seed,
+            self.method.projection_rank,
+        )
+        return update
+
+
 class ProjectionChecked(FedLRStrategy):
     """A strategy over a VeRA-family model: shared projections by seed and rank.
 
@@ -98,21 +119,14 @@ class ProjectionChecked(FedLRStrategy):
     models whose layout is a ``layout_type``.
     """
 
+    replies_type: ClassVar[type[Replies]] = ProjectionReplies
+
     layout_type: ClassVar[type[RoleLayout]]
     layout: Any
     send_roles: ClassVar[tuple[Role, ...]]
     train_roles: ClassVar[tuple[Role, ...]]
     projection_seed: int
     projection_rank: int
-
-    def validate_reply(
-        self, message: Message, expected: Mapping[str, tuple[int, ...]]
-    ) -> ClientUpdate:
-        update = super().validate_reply(message, expected)
-        check_projection_metrics(
-            update.node_id, update.metrics, self.projection_seed, self.projection_rank
-        )
-        return update
 
     def projection_config(self) -> dict[str, Any]:
         """ConfigRecord values every client checks its projections against."""
@@ -154,7 +168,7 @@ class ProjectionChecked(FedLRStrategy):
             projection_b=view.projection_b,
             **kwargs,
         )
-        strategy.bind_model(view)  # fingerprint, head warning (fedlr.fingerprint)
+        bind_model(strategy, view)  # fingerprint, head warning (fedlr.fingerprint)
         return strategy
 
     def initial_arrays(self, model: torch.nn.Module | AdaptedModel) -> ArrayRecord:
@@ -169,7 +183,7 @@ class ProjectionChecked(FedLRStrategy):
         """
         view = vera_view(model, self.layout_type)
         check_projection_model(self.layout, view, self.send_roles)
-        self.check_model(view, what="the model given to initial_arrays")
+        check_bound_model(self, view, what="the model given to initial_arrays")
         return state_to_record(view.state(self.send_roles), self.send_keys())
 
     def load_into(
@@ -194,7 +208,7 @@ class ProjectionChecked(FedLRStrategy):
         state = (
             record_to_state(arrays) if isinstance(arrays, ArrayRecord) else dict(arrays)
         )
-        self.check_model(view, what="the model given to load_into")
+        check_bound_model(self, view, what="the model given to load_into")
         load_from_initial(view, state)
 
 
@@ -266,7 +280,7 @@ class VeraStrategy(ProjectionChecked):
             projection_a=vm.projection_a,
             projection_b=vm.projection_b,
             options=options,
-            **cls.base_options(config),
+            **app_arguments(cls, config),
         )
 
     def summary(self) -> None:
@@ -338,24 +352,19 @@ class FedAvgVeRA(VeraStrategy):
 
 
 @dataclass(frozen=True)
-class VeraFedExOptions(VeraOptions):
+class VeraFedExOptions(VeraOptions, DownlinkOptions):
     """VeRA-FedEx's run-config keys (the ``vera`` payload's and its own)."""
 
     fedex_lr: float = option(
         1.0,
-        "fraction of the residual folded into W0 (1 = exact), in (0, 1]",
-        bad=[(1.5, r"in \(0, 1\]")],
+        "fraction of the residual folded into W0 (1 = exact)",
+        range="(0, 1]",
     )
     fedex_downlink: str = downlink_option()
 
     def check(self) -> None:
         super().check()
         check_downlink(self.fedex_downlink)
-        require(
-            math.isfinite(self.fedex_lr) and 0 < self.fedex_lr <= 1,
-            "fedex-lr",
-            f"must be in (0, 1], got {self.fedex_lr}",
-        )
 
 
 @register_method(
@@ -380,10 +389,12 @@ class VeraFedEx(FactoredDownlink, VeraStrategy):
     weights (role ``base``) of every adapted layer.
     """
 
+    method_options: VeraFedExOptions
+
     @property
     def fedex_lr(self) -> float:
         """Step of the residual fold (the ``fedex-lr`` option)."""
-        return cast(VeraFedExOptions, self.method_options).fedex_lr
+        return self.method_options.fedex_lr
 
     def delta_projections(self) -> Any:
         return self.projections

@@ -55,6 +55,7 @@ from fedlr.robust import DEFAULT_SCREEN_RATIO, screen_sizes
 from fedlr.server_apps.progress import RoundClock
 from fedlr.server_apps.runner import ServerRun
 from fedlr.strategies import FedAvgLoRA
+from fedlr.strategies.base import weighted_means
 from fedlr.updates import ClientUpdate
 from tests.strategies.test_client_dp import (
     CLIP,
@@ -174,7 +175,7 @@ the 25 S client kept), without it 1 S (limit 20 S, that client dropped)."""
 
 def _replies(strategy: FedAvgLoRA, current):
     """Every partition's reply arrays, scaled to its norm in the screen's space."""
-    space = strategy.robust_space(current)
+    space = strategy.replies.space(current)
 
     def update(arrays) -> ClientUpdate:
         return ClientUpdate(
@@ -313,7 +314,7 @@ def _presence_trials(reproducible: bool) -> tuple[float, float, float]:
             ledger=ClientDpLedger(),
         )
         spent = metrics["client-dp-epsilon"]
-        mean = FedAvgLoRA.weighted_means(noised, ["w"])["w"]
+        mean = weighted_means(noised, ["w"])["w"]
         known = sum(honest) / m
         if reproducible:  # the attacker recomputes the noise from the seed
             known = (

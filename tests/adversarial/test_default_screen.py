@@ -183,7 +183,7 @@ if __name__ == "__main__":  # python -m tests.adversarial.test_default_screen [R
     from pathlib import Path
 
     from fedlr.data.assets import ensure_assets
-    from fedlr.server_apps.plans import build_plan
+    from fedlr.server_apps.builtin_plans import build_plan
     from fedlr.strategies.registry import resolve
     from tests.strategies.test_every_method import ASSETS, run_config
 

@@ -45,8 +45,15 @@ from fedlr.client_apps.app import app
 from fedlr.errors import ConfigError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
-from fedlr.instruction_checks import BOUNDS, MAX_BATCH_SIZE, MAX_LOCAL_STEPS
-from fedlr.server_apps.plans import build_plan
+from fedlr.instruction_checks import (
+    BOUNDS,
+    MAX_BATCH_SIZE,
+    MAX_LOCAL_STEPS,
+    Bound,
+    bound_of,
+    declared_keys,
+)
+from fedlr.server_apps.builtin_plans import build_plan
 from fedlr.strategies.registry import client_features, resolve
 from tests.conftest import ROOT, tiny_run_config
 
@@ -573,20 +580,23 @@ def test_rank_32_then_honest_fedex_lora(envs):
 
 # ------------------------------------------------------------------ the table
 def test_every_key_a_client_feature_reads_is_bounded():
-    """The methods' features (fedlr.strategies); a feature elsewhere (DP-SGD)
-    checks its own settings when it builds them."""
-    bounded = {b.key for b in BOUNDS}
+    """The methods' features (fedlr.strategies) declare a bound for each key,
+    which the node's check finds; a feature elsewhere (DP-SGD) checks its own
+    settings when it builds them."""
     features = [f for f in client_features() if f.__module__.startswith("fedlr.strat")]
     assert len(features) >= 7
     for feature in features:
-        assert set(feature.keys) <= bounded, (feature.__name__, feature.keys)
+        for key in feature.keys:
+            assert isinstance(key, Bound), (feature.__name__, key)
+            assert bound_of(key.key) == key, (feature.__name__, key)
+    common = {b.key for b in BOUNDS}
     for key in (
         protocol.LR,
         protocol.LOCAL_STEPS,
         protocol.BATCH_SIZE,
         protocol.LORA_RANK,
     ):
-        assert key in bounded
+        assert key in common
 
 
 def test_docs_list_every_bound_and_node_limit():
@@ -594,7 +604,8 @@ def test_docs_list_every_bound_and_node_limit():
     section = text.split("## A client that checks the server", 1)[1].split("\n## ", 1)[
         0
     ]
-    for bound in BOUNDS:
+    declared = [d.bound for d in declared_keys() if d.bound is not None]
+    for bound in [*BOUNDS, *declared]:
         assert f"`{bound.key}`" in section, bound.key
     assert f"`max-local-steps` | {MAX_LOCAL_STEPS}" in section
     assert f"`max-batch-size` | {MAX_BATCH_SIZE}" in section

@@ -34,6 +34,7 @@ from fedlr.errors import NoValidRepliesError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.privacy.secagg import SecAggSettings
+from fedlr.round.pipeline import run_round
 from fedlr.server_apps.secagg import SecAggPlusExchange
 from fedlr.strategies.fot import FedAvgContinual
 from tests.unit.test_secagg import EXAMPLES, SEED, SHAPES, app, max_gap
@@ -142,8 +143,8 @@ def secure_round(
     current = state_to_record({k: torch.zeros(s) for k, s in SHAPES.items()})
     started = time.perf_counter()
     try:
-        new = strategy.run_round(
-            grid, number, current, ConfigRecord({}), exchange=exchange
+        new = run_round(
+            strategy, grid, number, current, ConfigRecord({}), exchange=exchange
         )
         result: dict[str, torch.Tensor] | NoValidRepliesError = record_to_state(new)
     except NoValidRepliesError as exc:
@@ -355,7 +356,7 @@ def test_round_metrics_come_from_the_secure_sums():
     )
     exchange = SecAggPlusExchange(SecAggSettings(), strategy, seed=SEED)
     current = state_to_record({k: torch.zeros(s) for k, s in SHAPES.items()})
-    strategy.run_round(grid, 1, current, ConfigRecord({}), exchange=exchange)
+    run_round(strategy, grid, 1, current, ConfigRecord({}), exchange=exchange)
     metrics = strategy.last_report.metrics
     want = sum(n * 0.1 * p for p, n in enumerate(EXAMPLES)) / sum(EXAMPLES)
     strategy_loss.append(float(metrics.get("train-loss", np.nan)))

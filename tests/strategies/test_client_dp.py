@@ -58,6 +58,7 @@ from fedlr.privacy.settings import ClientDpSettings, PrivacyConfig
 from fedlr.protocol import ARRAYS, CONFIG, METRICS, NUM_EXAMPLES, decode_roles
 from fedlr.robust import ParameterSpace, RobustConfig
 from fedlr.strategies import FedAvgLoRA, FedAvgMLoRA, FedSVD, FFALoRA
+from fedlr.strategies.base import weighted_means
 from fedlr.strategies.registry import resolve
 from fedlr.updates import ClientUpdate
 
@@ -224,7 +225,7 @@ def test_clipping_bounds_each_update_and_the_denominator_is_fixed():
     # each moved update is x + (m / W) clip(u_i): its clipped norm <= C
     for u in moved:
         assert space.norm(u) * 5 / 3 <= CLIP * (1 + 1e-6)
-    mean = FedAvgLoRA.weighted_means(moved, ["a", "b"])
+    mean = weighted_means(moved, ["a", "b"])
     want = _clipped_mean(current, [u.arrays for u in updates], 5)
     for k in want:
         assert torch.allclose(mean[k].double(), want[k], atol=1e-6)
@@ -244,7 +245,7 @@ def _zero_round(settings: ClientDpSettings, shape=(200, 150), server_round: int 
         server_round=server_round,
         ledger=ClientDpLedger(),
     )
-    return FedAvgLoRA.weighted_means(noised, ["w"])["w"], metrics
+    return weighted_means(noised, ["w"])["w"], metrics
 
 
 def test_reproducible_noise_is_the_seeded_gaussian_of_std_z_c_over_m():

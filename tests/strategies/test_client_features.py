@@ -16,13 +16,16 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
 from fedlr import apply_round
-from fedlr.adapters import Role
+from fedlr.adapters import Role, parameters_by_key
 from fedlr.errors import ProtocolError
 from fedlr.features import ClientFeature, common_features
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state
 from fedlr.robust import RobustConfig, robust_aggregate
+from fedlr.round.instructions import prepare_round
+from fedlr.round.pipeline import run_round
 from fedlr.strategies.fedavgm_lora import FedAvgMLoRA, ServerMomentumOptions
+from fedlr.strategies.feddyn_lora import FedDynLoRA
 from fedlr.strategies.registry import client_features, registered_methods
 from fedlr.strategies.scaffold_lora import CONTROL, CONTROL_DELTA, ScaffoldLoRA
 from fedlr.updates import ClientUpdate
@@ -66,8 +69,8 @@ def _scaffold_instruction(strategy: ScaffoldLoRA, model, seed: int = 3):
         k: 0.1 * torch.randn(v.shape, generator=g) for k, v in strategy.control.items()
     }
     message = _instruction(strategy, model)
-    for name, record in strategy.instruction_records(1).items():
-        message.content[name] = record
+    arrays = message.content.array_records["arrays"]
+    [message] = strategy.instructions(1, [message], arrays, train=True)
     return message
 
 
@@ -157,7 +160,7 @@ def test_scaffold_server_moves_c_by_the_mean_delta_and_drops_a_reply_without_it(
     model = build_model("scaffold-lora")
     strategy = ScaffoldLoRA.for_model(model)
     current = record_to_state(strategy.initial_arrays(model))
-    strategy.prepare_round(1, ArrayRecord(current), ConfigRecord({}))
+    prepare_round(strategy, 1, ArrayRecord(current), ConfigRecord({}))
     strategy.nodes_sampled_from = 4  # 3 of 4 nodes reply
     keys = strategy.layout.keys(*strategy.train_roles)
     g = torch.Generator().manual_seed(0)
@@ -190,8 +193,8 @@ def test_scaffold_two_rounds_in_process_through_the_plugin_app():
     arrays = strategy.initial_arrays(model)
     norms = []
     for server_round in (1, 2):
-        arrays = strategy.run_round(
-            grid, server_round, arrays, ConfigRecord({"lr": 0.1})
+        arrays = run_round(
+            strategy, grid, server_round, arrays, ConfigRecord({"lr": 0.1})
         )
         report = strategy.last_report.metrics
         assert report["clients"] == 3 and report["dropped"] == 0
@@ -218,7 +221,8 @@ def test_fedavgm_momentum_steps_match_the_formula_over_three_rounds():
     v = {k: torch.zeros_like(x[k]) for k in keys}
     g = torch.Generator().manual_seed(1)
     for server_round in (1, 2, 3):
-        strategy.prepare_round(
+        prepare_round(
+            strategy,
             server_round,
             ArrayRecord({k: t.float() for k, t in x.items()}),
             ConfigRecord({}),
@@ -276,7 +280,7 @@ def test_fedavgm_with_zero_momentum_and_unit_step_is_fedavg_bit_for_bit():
     ]
     out = []
     for strategy in (plain, momentum):
-        strategy.prepare_round(1, ArrayRecord(current), ConfigRecord({}))
+        prepare_round(strategy, 1, ArrayRecord(current), ConfigRecord({}))
         arrays, _ = strategy.aggregate_train(1, replies)
         out.append(record_to_state(arrays))
     for k in out[0]:
@@ -297,7 +301,7 @@ def test_a_clipped_scaffold_reply_moves_its_control_delta_with_its_step():
         k: 0.1 * torch.randn(v.shape, generator=g) for k, v in strategy.control.items()
     }
     control = {k: v.clone() for k, v in strategy.control.items()}
-    strategy.prepare_round(1, ArrayRecord(current), ConfigRecord({}))
+    prepare_round(strategy, 1, ArrayRecord(current), ConfigRecord({}))
     strategy.nodes_sampled_from = 3
     replies, deltas = [], []
     # the third is clipped (norm-clip), yet under the default screen's ratio
@@ -311,8 +315,10 @@ def test_a_clipped_scaffold_reply_moves_its_control_delta_with_its_step():
         message = reply(1000 + node, arrays, {"num-examples": 4})
         message.content[CONTROL_DELTA] = ArrayRecord(delta)
         replies.append(message)
-    updates, _ = strategy.validate_replies(replies)
-    outcome = robust_aggregate(updates, strategy.robust_space(current), strategy.robust)
+    updates, _ = strategy.replies.validate_replies(replies)
+    outcome = robust_aggregate(
+        updates, strategy.replies.space(current), strategy.robust
+    )
     factors = [u.clip_factor for u in outcome.updates]
     assert factors[:2] == [1.0, 1.0] and 0.0 < factors[2] < 0.5
     _, metrics = strategy.aggregate_train(1, replies)
@@ -339,7 +345,51 @@ def test_clipped_extras_scale_linearly_by_default():
         extras={"x": {"a": torch.ones(2)}},
         clip_factor=0.25,
     )
-    moved = strategy.clip_extras(update)
+    moved = strategy.replies.clip_extras(update)
     torch.testing.assert_close(moved.extras["x"]["a"], torch.full((2,), 0.25))
     same = dataclasses.replace(update, clip_factor=1.0)
-    assert strategy.clip_extras(same) is same
+    assert strategy.replies.clip_extras(same) is same
+
+
+# ------------------------------------------------------------------ FedDyn
+def test_feddyn_term_gradient_and_node_state_follow_the_formulas():
+    """Loss-term gradient -g + alpha (theta - theta_0); after the reply
+    g <- g - alpha (theta_k - theta_0), kept in context.state, read back."""
+    model = build_model("feddyn-lora")
+    strategy = FedDynLoRA.for_model(model, feddyn_alpha=0.3)
+    context = _context()
+    keys = strategy.layout.keys(*strategy.train_roles)
+    params = parameters_by_key(model, strategy.layout)
+    x, y = load_data(0)
+    g = {k: torch.zeros_like(params[k], dtype=torch.float64) for k in keys}
+    for _ in range(2):  # round 1 from g = 0, round 2 from the kept g
+        job = apply_round(model, _instruction(strategy, model), context)
+        assert [type(f).__name__ for f in job.features] == ["DynamicRegulariser"]
+        start = {k: params[k].detach().double().clone() for k in keys}
+        assert float(job.penalty().detach()) == 0.0
+        for _ in range(3):
+            for p in job.parameters():
+                p.grad = None
+            job.penalty().backward()
+            for k in keys:
+                d = params[k].detach().double() - start[k]
+                torch.testing.assert_close(params[k].grad.double(), -g[k] + 0.3 * d)
+            loss = torch.nn.functional.cross_entropy(job.model(x), y)
+            loss.backward()
+            with torch.no_grad():
+                for p in job.parameters():
+                    p.sub_(0.1 * p.grad)
+        job.reply(num_examples=len(y))
+        kept = record_to_state(context.state["fedlr-feddyn"])
+        assert set(kept) == set(keys)
+        for k in keys:
+            g[k] = g[k] - 0.3 * (params[k].detach().double() - start[k])
+            torch.testing.assert_close(kept[k].double(), g[k], rtol=1e-5, atol=1e-7)
+
+
+def test_feddyn_reply_without_penalty_says_what_to_add():
+    model = build_model("feddyn-lora")
+    strategy = FedDynLoRA.for_model(model)
+    job = apply_round(model, _instruction(strategy, model), _context())
+    with pytest.raises(ProtocolError, match=r"job.penalty\(\)"):
+        job.reply(num_examples=4)

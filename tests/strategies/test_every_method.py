@@ -18,13 +18,19 @@ Properties
    ``frobenius-gap`` is ~0 where the method reports one.
 2. A reply missing an expected key and a reply with an unexpected key are
    dropped with reasons naming the node and the key; the valid replies are
-   aggregated exactly as if the bad ones had never been sent.
+   aggregated exactly as if the bad ones had never been sent. Both rounds
+   compared are rounds of the same five nodes (same instructions): in one,
+   two of them reply with the bad replies, in the other they send nothing.
 3. ``state_dict`` round-trips: a fresh strategy given the saved state behaves
    as the one that ran (reply shapes, round config, instructions, aggregation,
    state after the round); unknown state keys raise ``ValueError``.
 4. The method's options extend its payload kind's, parse from a bare
    ``{"method": name}``, carry help texts, and a bad value of every numeric
    key is a ``ConfigError`` naming the key.
+5. A rejected round changes nothing the method keeps.
+6. A row with a ``reference`` implementation (FedAdam-LoRA: Flower's own
+   ``FedAdam``) publishes its arrays, round after round of disagreeing
+   clients, on the same replies.
 
 Tolerances follow scipy: ``K * eps * max(shape)`` in the dtype the arrays
 travel in (float32), relative to the compared tensor's largest entry.
@@ -43,6 +49,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.clientapp import ClientApp
+from flwr.serverapp.strategy import FedAdam
 
 from fedlr import protocol
 from fedlr.adapters import Role
@@ -51,8 +58,10 @@ from fedlr.errors import ConfigError, FedLRError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.linalg.sorf import build_lambda_d_rot
-from fedlr.server_apps.plans import ServerPlan, build_plan
+from fedlr.server_apps.builtin_plans import build_plan
+from fedlr.server_apps.plans import ServerPlan
 from fedlr.strategies.base import FedLRStrategy
+from fedlr.strategies.lora_svd import PERSONAL_GRAM
 from fedlr.strategies.registry import available_methods, get_method, resolve
 from tests.conftest import tiny_run_config
 from tests.strategies.conftest import reply
@@ -66,6 +75,8 @@ NODES = (1000, 1001, 1002)
 WEIGHTS = (5, 17, 40)
 """Different ``num-examples`` per client: agreeing clients must not care."""
 MISSING_NODE, EXTRA_NODE = 1003, 1004
+ROUND_NODES = (*NODES, MISSING_NODE, EXTRA_NODE)
+"""The population of property 2's round, the same in both rounds it compares."""
 EXTRA_KEY = "not-a-parameter.weight"
 METHODS = available_methods()
 PROPERTIES = ("fedavg", "wrong-keys", "state", "options")
@@ -77,6 +88,9 @@ Extras = Callable[
     [Any, int, Mapping[str, torch.Tensor], Mapping[str, torch.Tensor], int],
     tuple[Records, dict[str, float]],
 ]
+Step = Callable[[int, State, list[Message]], State]
+"""A reference's round: ``(round, current global state, replies) -> new state``."""
+Reference = Callable[[Any], Step]
 
 
 # ----------------------------------------------------------- effective models
@@ -165,7 +179,7 @@ def no_extras(
     g = torch.Generator().manual_seed(seed)
     records = {
         name: {k: 0.01 * torch.randn(shape, generator=g) for k, shape in shapes.items()}
-        for name, shapes in strategy.reply_records().items()
+        for name, shapes in strategy.replies.records().items()
     }
     return records, {}
 
@@ -179,7 +193,7 @@ def personal_gram(
     for m in strategy.layout.modules:
         b = torch.randn(m.d_out, m.rank, generator=g)
         grams[m.b_key] = b.T @ b
-    return {protocol.PERSONAL_GRAM: grams}, {}
+    return {PERSONAL_GRAM: grams}, {}
 
 
 def projection_echo(
@@ -224,6 +238,62 @@ def fot_sketches(
     return {protocol.SKETCHES: sketches}, metrics
 
 
+# ------------------------------------------------- reference implementations
+def flower_fedadam(strategy: Any) -> Step:
+    """Flower's own ``FedAdam`` with the strategy's options, driven through its
+    Message API: ``configure_train`` (which keeps the current arrays) on a grid
+    of the round's nodes, then ``aggregate_train`` on the same replies. It
+    keeps its ``m`` and ``v`` from round to round."""
+    opts = strategy.method_options
+    flower = FedAdam(
+        eta=opts.server_lr,
+        beta_1=opts.server_beta1,
+        beta_2=opts.server_beta2,
+        tau=opts.server_tau,
+    )
+
+    def step(server_round: int, current: State, replies: list[Message]) -> State:
+        grid = InProcessGrid(ClientApp(), num_nodes=len(replies), run_config={})
+        flower.configure_train(
+            server_round, ArrayRecord(dict(current)), ConfigRecord({}), grid
+        )
+        arrays, _ = flower.aggregate_train(server_round, replies)
+        assert arrays is not None, "Flower's FedAdam aggregated nothing"
+        return record_to_state(arrays)
+
+    return step
+
+
+def feddyn_server(strategy: Any) -> Step:
+    """FedDyn's server (Acar et al., ICLR 2021, Algorithm 1) in float64, the
+    paper's uniform means weighted by the replies' ``num-examples`` shares
+    ``w_k``: ``h <- h - alpha (|P| / m) sum_k w_k (theta_k - theta)`` and
+    ``theta <- sum_k w_k theta_k - h / alpha``, ``m`` the grid's nodes (the
+    reference test instructs ``NODES``), ``h`` kept from round to round."""
+    alpha = strategy.method_options.feddyn_alpha
+    h: State = {}
+
+    def step(server_round: int, current: State, replies: list[Message]) -> State:
+        thetas = [record_to_state(r.content.array_records["arrays"]) for r in replies]
+        examples = [
+            r.content.metric_records["metrics"]["num-examples"] for r in replies
+        ]
+        assert all(isinstance(n, int) for n in examples), examples
+        w = torch.tensor(examples, dtype=F64)
+        w = w / w.sum()
+        share = len(replies) / len(NODES)
+        new = dict(current)
+        for key in thetas[0]:
+            x = current[key].double()
+            stacked = torch.stack([t[key].double() for t in thetas])
+            mean = torch.tensordot(w, stacked, dims=1)
+            h[key] = h.get(key, torch.zeros_like(x)) - alpha * share * (mean - x)
+            new[key] = mean - h[key] / alpha
+        return new
+
+    return step
+
+
 # -------------------------------------------------------------------- table
 TEXT, VISION, CONTINUAL = "text", "vision", "continual"
 ASSETS = {TEXT: ["polarity", "minilm"], VISION: [], CONTINUAL: ["mnist"]}
@@ -259,6 +329,11 @@ class Case:
         Property (one of ``PROPERTIES``) -> why it does not apply.
     xfail : mapping of str to str
         Property -> the known library deviation (a strict xfail).
+    reference : callable, optional
+        The method's reference implementation (property 6): given the
+        strategy (its options), a :data:`Step` ``(round, current, replies) ->
+        expected new global state``, called once per round in order (it may
+        keep state across rounds).
     """
 
     method: str
@@ -272,6 +347,7 @@ class Case:
     state_matters: bool = False
     skip: Mapping[str, str] = field(default_factory=dict)
     xfail: Mapping[str, str] = field(default_factory=dict)
+    reference: Reference | None = None
 
 
 VERA_RANKS = {"vera-rank": 8, "sorf-rank": 4}
@@ -284,6 +360,15 @@ SORF_REFIT = (
     "exactly; on this plan the refit misses the agreed update by relative-gap "
     "~0.78 (refit_layer in fedlr/linalg/sorf_refit.py)"
 )
+ADAM_STEP = (
+    "Adam's step is normalised: agreeing clients' update Delta moves each entry "
+    "by about eta_t sign(Delta), not by Delta (see its reference test instead)"
+)
+FEDDYN_SHIFT = (
+    "FedDyn's server state h moves the model beyond the clients' mean by design: "
+    "agreeing clients' update Delta moves round 1's model by (1 + |P| / m) Delta "
+    "(2 Delta when every node replies), not by Delta (see its reference test)"
+)
 
 CASES: dict[str, Case] = {
     c.method: c
@@ -293,6 +378,22 @@ CASES: dict[str, Case] = {
         # server momentum / control variates: state the next round depends on
         Case("fedavgm-lora", TEXT, lora_products, state_matters=True),
         Case("scaffold-lora", TEXT, lora_products, state_matters=True),
+        Case(
+            "fedadam-lora",
+            TEXT,
+            lora_products,
+            state_matters=True,
+            skip={"fedavg": ADAM_STEP},
+            reference=flower_fedadam,
+        ),
+        Case(
+            "feddyn-lora",
+            TEXT,
+            lora_products,
+            state_matters=True,
+            skip={"fedavg": FEDDYN_SHIFT},
+            reference=feddyn_server,
+        ),
         Case("fedex-lora", TEXT, lora_products, fixed_roles=(Role.BASE,)),
         # disagreeing clients grow FedSpec's rank from 4 to 6 in the warm round
         Case("fedspec", TEXT, lora_products, state_matters=True),
@@ -622,8 +723,13 @@ def test_reply_with_a_missing_or_an_extra_key_is_dropped(method, plans):
     server_round = case.warm_rounds + 1
     with_bad, state = warm(case, plan)
     only_valid, _ = warm(case, plan)
+    # equal populations: both strategies instruct the same nodes; the bad
+    # replies take the place of two nodes' replies, they are not added
+    sent = configure(with_bad, plan, server_round, state, len(ROUND_NODES))
+    assert sent.keys() == set(ROUND_NODES)
+    clean_sent = configure(only_valid, plan, server_round, state, len(ROUND_NODES))
+    assert_same_messages(sent, clean_sent)
 
-    assert len(configure(with_bad, plan, server_round, state, num_nodes=5)) == 5
     valid = distinct_replies(case, with_bad, server_round, state)
     missing_key = sorted(with_bad.reply_shapes())[0]
     short = trained(with_bad, state, SEED + MISSING_NODE)
@@ -646,11 +752,18 @@ def test_reply_with_a_missing_or_an_extra_key_is_dropped(method, plans):
     assert f"1 missing ['{missing_key}']" in short_reason
     assert f"1 unexpected ['{EXTRA_KEY}']" in extra_reason
 
-    configure(only_valid, plan, server_round, state)
     expected, clean = only_valid.aggregate_train(
         server_round, distinct_replies(case, only_valid, server_round, state)
     )
-    assert expected is not None and clean is not None and clean["dropped"] == 0
+    assert expected is not None and clean is not None
+    # the two silent nodes are dropped as silent; the same three are aggregated
+    assert clean["clients"] == 3 and clean["dropped"] == 2
+    assert clean[protocol.NUM_EXAMPLES] == metrics[protocol.NUM_EXAMPLES]
+    silent = sorted(only_valid.last_dropped)
+    assert [r.split(":")[0] for r in silent] == [
+        f"node {n}" for n in (MISSING_NODE, EXTRA_NODE)
+    ]
+    assert all("no reply" in r for r in silent), silent
     assert_same(record_to_state(arrays), record_to_state(expected), "arrays")
 
 
@@ -732,3 +845,107 @@ def test_options_are_typed_documented_and_validated(method, plans):
                 resolve({"method": method, key: value})
             assert info.value.key == key, (key, value, str(info.value))
             assert f"'{key}'" in str(info.value)
+
+
+# -------------------------------------------------------- 5. rejected rounds
+BOOKKEEPING = frozenset(
+    {"last_report", "last_rejection", "rejected_rounds", "_warned_clashes"}
+)
+"""What a rejected round must change: its count, reason and report."""
+CACHES = frozenset({("BaseLedger", "_source")})
+"""Caches a restored state may forget: the ledger's ``_source`` (the objects
+it last checksummed; forgetting it costs one checksum pass)."""
+
+
+def _plain(value: Any, seen: frozenset[int] = frozenset()) -> Any:
+    """``value`` as nested dicts, lists and tensors (objects by their
+    attributes), copied, for :func:`assert_same`."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if id(value) in seen:
+        return "<cycle>"
+    seen = seen | {id(value)}
+    if isinstance(value, Mapping):
+        return {k: _plain(v, seen) for k, v in value.items()}
+    if isinstance(value, (set, frozenset)):
+        return [_plain(v, seen) for v in sorted(value, key=repr)]
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, seen) for v in value]
+    if callable(value) and not hasattr(value, "__dict__"):
+        return repr(type(value))
+    if hasattr(value, "__dict__") and not isinstance(value, type):
+        name = type(value).__name__
+        kept = {k: v for k, v in vars(value).items() if (name, k) not in CACHES}
+        return {"<type>": name, **_plain(kept, seen)}
+    return copy.deepcopy(value)
+
+
+def _attributes(strategy: FedLRStrategy) -> dict[str, Any]:
+    return {
+        name: _plain(value)
+        for name, value in vars(strategy).items()
+        if name not in BOOKKEEPING and name != "replies"
+    }
+
+
+@pytest.mark.parametrize("method", params("state"))
+def test_a_rejected_round_changes_nothing_the_method_keeps(method, plans):
+    """Every attribute the method's aggregation changed is put back when the
+    publish check refuses the result (here: ``max_update_ratio`` ~ 0)."""
+    case = case_of(method, "state")
+    plan = plans(method)
+    server_round = case.warm_rounds + 1
+    strategy, state = warm(case, plan)
+    configure(strategy, plan, server_round, state)
+    replies = distinct_replies(case, strategy, server_round, state)
+    before: dict[str, Any] = {}
+    aggregate = strategy.aggregate_updates
+
+    def spy(*args: Any, **kwargs: Any) -> Any:  # the state the method starts from
+        before.update(_attributes(strategy))
+        return aggregate(*args, **kwargs)
+
+    strategy.aggregate_updates = spy  # type: ignore[method-assign]
+    strategy.max_update_ratio = 1e-300
+    arrays, metrics = strategy.aggregate_train(server_round, replies)
+    assert arrays is None and metrics is not None and metrics["rejected"] == 1.0
+    assert before, "the method never ran"
+    after = _attributes(strategy)
+    after.pop("max_update_ratio"), before.pop("max_update_ratio")
+    assert_same(after, before, type(strategy).__name__)
+
+
+# ------------------------------------------ 6. the reference implementation
+REFERENCE_ROUNDS = 3
+"""Rounds compared: the first (moments from zero) and two that carry them."""
+
+
+@pytest.mark.parametrize(
+    "method", [m for m in METHODS if m in CASES and CASES[m].reference is not None]
+)
+def test_the_method_matches_its_reference_implementation(
+    method: str, plans: Callable[[str], ServerPlan]
+) -> None:
+    case = CASES[method]
+    assert case.reference is not None
+    plan = plans(method)
+    strategy = fresh(plan)
+    reference = case.reference(strategy)
+    state = dict(plan.initial_arrays)
+    for server_round in range(1, REFERENCE_ROUNDS + 1):
+        configure(strategy, plan, server_round, state)
+        replies = distinct_replies(case, strategy, server_round, state)
+        want = reference(server_round, dict(state), replies)
+        arrays, metrics = strategy.aggregate_train(server_round, replies)
+        assert arrays is not None and metrics is not None
+        assert metrics["dropped"] == 0, strategy.last_dropped
+        got = record_to_state(arrays)
+        eps = torch.finfo(next(iter(state.values())).dtype).eps
+        assert_close(got, want, eps, f"{method} round {server_round}")
+        # not vacuous: the round moved the arrays beyond the tolerance
+        assert any(
+            float((got[k].double() - state[k].double()).abs().max())
+            > tolerance(want[k].double(), eps)
+            for k in got.keys() & state.keys()
+        ), f"round {server_round} changed nothing"
+        state = got

@@ -13,9 +13,15 @@ from fedlr.client_apps.app import app as client_app
 from fedlr.errors import ConfigError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state
-from fedlr.server_apps.plans import build_plan
+from fedlr.round.instructions import prepare_round
+from fedlr.server_apps.builtin_plans import build_plan
 from fedlr.strategies import FedAvgLoRA
-from fedlr.strategies.fedprox_lora import FedProxLoRA, ProximalOptions, ProximalTerm
+from fedlr.strategies.fedprox_lora import (
+    PROXIMAL_MU,
+    FedProxLoRA,
+    ProximalOptions,
+    ProximalTerm,
+)
 from fedlr.strategies.registry import get_method, resolve
 from tests.conftest import tiny_run_config
 from tests.strategies.conftest import reply
@@ -36,12 +42,12 @@ def test_registered_with_its_option_and_the_lora_payload():
 def test_round_config_carries_mu_and_aggregation_is_fedavg():
     prox = FedProxLoRA(layout=LAYOUT, proximal_mu=0.3)
     plain = FedAvgLoRA(layout=LAYOUT)
-    assert prox.round_config(1)[protocol.PROXIMAL_MU] == 0.3
-    assert protocol.PROXIMAL_MU not in plain.round_config(1)
+    assert prox.round_config(1)[PROXIMAL_MU] == 0.3
+    assert PROXIMAL_MU not in plain.round_config(1)
     replies = [reply(1000 + i, _client(i), {"num-examples": 2 + i}) for i in range(3)]
     results = []
     for strategy in (prox, plain):
-        strategy.prepare_round(1, ArrayRecord(_global()), ConfigRecord({}))
+        prepare_round(strategy, 1, ArrayRecord(_global()), ConfigRecord({}))
         arrays, _ = strategy.aggregate_train(1, replies)
         results.append(record_to_state(arrays))
     assert results[0].keys() == results[1].keys()

@@ -40,6 +40,8 @@ from fedlr.protocol import (
     TRAIN_ROLES,
     decode_roles,
 )
+from fedlr.round.instructions import check_arrays, expected_arrays, prepare_round
+from fedlr.round.pipeline import run_round
 from fedlr.strategies import FedAvgLoRA, FedSALoRA, FedSVD
 from fedlr.strategies.qrmix import VisionFedAvg
 from tests.conftest import tiny_run_config
@@ -197,7 +199,7 @@ def test_flower_train_loss_spelling_is_accepted():
 
 def test_train_loss_is_the_mean_over_the_clients_that_report_one():
     strategy = FedAvgLoRA(layout=LAYOUT)
-    strategy.prepare_round(1, _initial(strategy), ConfigRecord())
+    prepare_round(strategy, 1, _initial(strategy), ConfigRecord())
     arrays = adapter_state(MODEL, LAYOUT, strategy.train_roles)
     _, metrics = strategy.aggregate_train(
         1,
@@ -307,7 +309,7 @@ def test_run_round_counts_lost_replies_through_aggregate_train():
 
     strategy = FedAvgLoRA(layout=LAYOUT)
     grid = InProcessGrid(_client_app(), num_nodes=3, run_config={}, reply_hook=lose)
-    strategy.run_round(grid, 1, _initial(strategy), ConfigRecord(), timeout=5.0)
+    run_round(strategy, grid, 1, _initial(strategy), ConfigRecord(), timeout=5.0)
     assert strategy.last_report.metrics["dropped"] == 1
     assert strategy.last_dropped == ["node 1002: no reply (timed out or lost)"]
     assert not hasattr(strategy, "_missing")
@@ -334,7 +336,7 @@ def test_wrong_shapes_and_missing_keys_are_named():
     arrays[a_key] = torch.zeros(3, 6)
     del arrays[LAYOUT.modules[1].b_key]
     with pytest.raises(InitialArraysError, match=r"1 missing") as info:
-        strategy.check_arrays(ArrayRecord(arrays))
+        check_arrays(strategy, ArrayRecord(arrays))
     assert info.value.shapes == {a_key: ((3, 6), (2, 6))}
     assert info.value.unexpected == []
 
@@ -342,7 +344,7 @@ def test_wrong_shapes_and_missing_keys_are_named():
 def test_strategies_without_a_fixed_send_set_are_not_checked():
     shapes = {"fc.weight": (2, 4), "fc.bias": (2,)}
     strategy = VisionFedAvg(shapes=shapes, head="fc")
-    assert strategy.expected_arrays() is None
+    assert expected_arrays(strategy) is None
     grid = InProcessGrid(ClientApp(), num_nodes=2, run_config={})
     odd = ArrayRecord({"anything": torch.zeros(3)})
     assert len(list(strategy.configure_train(1, odd, ConfigRecord(), grid))) == 2
@@ -356,7 +358,7 @@ def test_legacy_adapter_checks_its_initial_arrays():
 # ----------------------------------------------------- 6. wrong-keys reason
 def test_wrong_keys_reason_names_train_roles():
     strategy = FedSVD(layout=LAYOUT)  # clients train B and the head only
-    strategy.prepare_round(1, _initial(strategy), ConfigRecord())
+    prepare_round(strategy, 1, _initial(strategy), ConfigRecord())
     good = adapter_state(MODEL, LAYOUT, strategy.train_roles)
     everything = adapter_state(MODEL, LAYOUT, FedAvgLoRA.train_roles)
     _, metrics = strategy.aggregate_train(
@@ -378,9 +380,7 @@ def test_summary_lists_every_fedlr_option(caplog):
         def __init__(self, *, layout, boost: float = 1.5, **kwargs) -> None:
             super().__init__(layout=layout, **kwargs)
             self.boost = boost
-
-        def options(self):
-            return {**super().options(), "boost": self.boost}
+            self.extra_settings = {"boost": boost}
 
     with caplog.at_level(logging.INFO):
         Tuned(layout=LAYOUT, min_replies=2, lr_decay=0.9).summary()

@@ -142,7 +142,7 @@ def test_ranked_product_space_matches_dense_scaled_products():
         ClientUpdate(node, c, n, {}, None, 0)  # type: ignore[arg-type]
         for node, c, n in zip(NODES, clients, WEIGHTS, strict=True)
     ]
-    space = strategy.robust_space(current)
+    space = strategy.replies.space(current)
     assert isinstance(space, RankedProductSpace)
 
     def dense(c) -> torch.Tensor:
@@ -270,20 +270,20 @@ def test_hetlora_allows_only_pruning_to_a_smaller_rank():
     strategy = _strategy("hetlora", hetlora_prune_gamma=0.5, partition_ranks=(2, 4, 8))
     node = NODES[2]
     strategy.node_ranks[node] = 4
-    strategy.check_rank(node, 4)
-    strategy.check_rank(node, 1)  # pruned (a smaller rank)
+    strategy.replies.check_rank(node, 4)
+    strategy.replies.check_rank(node, 1)  # pruned (a smaller rank)
     with pytest.raises(ReplyValidationError, match="rank 8 grew from 4"):
-        strategy.check_rank(node, 8)
+        strategy.replies.check_rank(node, 8)
     # a first reply: its partition's rank or a smaller one
     update = ClientUpdate(node, {}, 1, {"partition-id": 1.0}, None, 0)  # type: ignore[arg-type]
-    strategy.check_partition_rank(update, 4)
-    strategy.check_partition_rank(update, 2)
+    strategy.replies.check_partition_rank(update, 4)
+    strategy.replies.check_partition_rank(update, 2)
     with pytest.raises(
         ReplyValidationError, match="rank 8 exceeds partition 1's rank 4"
     ):
-        strategy.check_partition_rank(update, 8)
+        strategy.replies.check_partition_rank(update, 8)
     # without pruning a known node's rank is fixed
     fixed = _strategy("hetlora")
     fixed.node_ranks[node] = 8
     with pytest.raises(ReplyValidationError, match="differs from the node's rank 8"):
-        fixed.check_rank(node, 4)
+        fixed.replies.check_rank(node, 4)

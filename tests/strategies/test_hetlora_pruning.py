@@ -27,7 +27,10 @@ from fedlr.client import RankPruning, apply_round, tail_norm
 from fedlr.errors import ConfigError, ProtocolError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
+from fedlr.pruning import PRUNE_GAMMA, PRUNE_LAMBDA, RANK_STATE
+from fedlr.round.instructions import prepare_round
 from fedlr.server_apps.local import run_in_process
+from fedlr.strategies.fedprox_lora import PROXIMAL_MU
 from fedlr.strategies.hetero import layout_at_rank
 from fedlr.strategies.hetlora import HetLoRA
 from fedlr.strategies.registry import resolve
@@ -112,7 +115,7 @@ def _instruction(
         hetlora_prune_lambda=lam,
     )
     arrays = adapter_state(server, layout, strategy.send_roles)
-    config = strategy.prepare_round(1, state_to_record(arrays), ConfigRecord())
+    config = prepare_round(strategy, 1, state_to_record(arrays), ConfigRecord())
     config[protocol.SERVER_ROUND] = 1
     content = RecordDict(
         {protocol.ARRAYS: state_to_record(arrays), protocol.CONFIG: config}
@@ -208,7 +211,7 @@ def test_no_pruning_term_at_lambda_zero_or_gamma_one():
     assert job.pruning is not None and job.pruning.before > 0
     assert not job.has_penalty and float(job.penalty()) == 0.0
     instruction, _, _ = _instruction(gamma=1.0, lam=0.3)
-    assert protocol.PRUNE_GAMMA not in instruction.content["config"]
+    assert PRUNE_GAMMA not in instruction.content["config"]
     job = apply_round(_model(4), instruction, _context())
     assert job.pruning is None and not job.has_penalty
     answer = job.reply(num_examples=3)
@@ -217,7 +220,7 @@ def test_no_pruning_term_at_lambda_zero_or_gamma_one():
 
 def test_the_penalty_adds_fedprox_and_pruning_terms():
     instruction, _, _ = _instruction(gamma=0.5, lam=0.3)
-    instruction.content["config"][protocol.PROXIMAL_MU] = 0.2
+    instruction.content["config"][PROXIMAL_MU] = 0.2
     client = _model(4)
     job = apply_round(client, instruction, _context())
     layout = lora_layout(client)
@@ -304,7 +307,7 @@ def test_a_shrunk_tail_replies_at_the_pruned_rank_and_keeps_it():
     for m in layout.modules:
         torch.testing.assert_close(got[m.a_key], gain * trained[m.a_key][:2])
         torch.testing.assert_close(got[m.b_key], gain * trained[m.b_key][:, :2])
-    assert context.state.config_records[protocol.RANK_STATE]["rank"] == 2
+    assert context.state.config_records[RANK_STATE]["rank"] == 2
 
     # Next round: a model built at the node's configured rank 4 (or a shared
     # one, with rank=4) is conformed to the kept rank 2; the tail is [1, 2).
@@ -327,7 +330,7 @@ def test_a_grown_tail_keeps_the_rank():
     answer = job.reply(num_examples=5)
     assert answer.content["metrics"][protocol.RANK_PRUNED] == 0
     assert set(_a_rank(answer).values()) == {4}
-    assert protocol.RANK_STATE not in context.state.config_records
+    assert RANK_STATE not in context.state.config_records
 
 
 def test_a_node_that_lost_its_kept_rank_takes_the_servers():
@@ -343,20 +346,20 @@ def test_a_node_that_lost_its_kept_rank_takes_the_servers():
     context = _context()
     job = apply_round(_model(4), _message(content), context, rank=4)
     assert job.pruning.rank == 2
-    assert context.state.config_records[protocol.RANK_STATE]["rank"] == 2
+    assert context.state.config_records[RANK_STATE]["rank"] == 2
 
 
 def test_a_bad_pruning_instruction_is_refused():
     instruction, _, _ = _instruction()
     config = instruction.content["config"]
-    config[protocol.PRUNE_GAMMA] = 1.5
+    config[PRUNE_GAMMA] = 1.5
     with pytest.raises(ProtocolError, match="'prune-gamma' must be in"):
         apply_round(_model(4), instruction, _context())
-    config[protocol.PRUNE_GAMMA] = 0.5
-    config[protocol.PRUNE_LAMBDA] = -1.0
+    config[PRUNE_GAMMA] = 0.5
+    config[PRUNE_LAMBDA] = -1.0
     with pytest.raises(ProtocolError, match="'prune-lambda' must be finite"):
         apply_round(_model(4), instruction, _context())
-    config[protocol.PRUNE_LAMBDA] = 0.1
+    config[PRUNE_LAMBDA] = 0.1
     del config[protocol.LEADING_RANK]
     with pytest.raises(ProtocolError, match="without 'leading-rank'"):
         apply_round(_model(8), instruction, _context())
@@ -417,7 +420,7 @@ def test_the_server_accepts_lower_ranks_and_drops_a_grown_one(caplog):
     )
     assert strategy.extra_columns[-2:] == ("mean-client-rank", "pruned-clients")
     config = strategy.round_config(1)
-    assert (config[protocol.PRUNE_GAMMA], config[protocol.PRUNE_LAMBDA]) == (0.5, 0.1)
+    assert (config[PRUNE_GAMMA], config[PRUNE_LAMBDA]) == (0.5, 0.1)
     current = _arrays(R, 0)
     _, current, metrics = _round(strategy, 1, current, [4, R])
     assert (metrics["clients"], metrics["dropped"]) == (2, 0)
@@ -444,7 +447,7 @@ def test_the_server_accepts_lower_ranks_and_drops_a_grown_one(caplog):
 def test_without_pruning_only_client_ranks_are_accepted(caplog):
     strategy = HetLoRA(layout=_layout(), client_ranks=(4, R))
     assert "pruned-clients" not in strategy.extra_columns
-    assert protocol.PRUNE_GAMMA not in strategy.round_config(1)
+    assert PRUNE_GAMMA not in strategy.round_config(1)
     with caplog.at_level(logging.WARNING, logger="flwr"):
         _, _, metrics = _round(strategy, 1, _arrays(R, 0), [4, 3])
     assert metrics["dropped"] == 1 and "pruned-clients" not in metrics
@@ -577,8 +580,8 @@ def test_pruning_off_gives_todays_results(tmp_path):
         **{"hetlora-prune-lambda": 5.0},
     )
     for log in (plain_log, off_log):
-        assert protocol.PRUNE_GAMMA not in log.keys
-        assert protocol.PRUNE_LAMBDA not in log.keys
+        assert PRUNE_GAMMA not in log.keys
+        assert PRUNE_LAMBDA not in log.keys
     assert list(off.columns) == list(plain.columns)
     assert "pruned-clients" not in plain.columns
     timing = [c for c in plain.columns if "seconds" in c]

@@ -14,6 +14,7 @@ from fedlr.adapters import AdapterLayout, LoraModule, Role
 from fedlr.errors import NoValidRepliesError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state
+from fedlr.round.pipeline import run_round
 from fedlr.strategies import FedAvgLoRA, FedExLoRA, available_methods, get_method
 from tests.strategies.conftest import reply
 
@@ -290,7 +291,7 @@ def test_a_node_that_never_replies_is_dropped_as_missing():
     strategy = FedAvgLoRA(layout=LAYOUT)
     keys = strategy.send_keys()
     initial = ArrayRecord({k: _global()[k] for k in keys})
-    state = strategy.run_round(grid, 1, initial, ConfigRecord(), timeout=5.0)
+    state = run_round(strategy, grid, 1, initial, ConfigRecord(), timeout=5.0)
     metrics = strategy.last_report.metrics
     assert metrics["dropped"] == 2 and metrics["clients"] == 1
     assert strategy.last_dropped == [

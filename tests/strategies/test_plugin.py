@@ -47,7 +47,9 @@ from fedlr.errors import (
 )
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state
+from fedlr.round.instructions import prepare_round
 from fedlr.strategies import FedAvgLoRA, FedAvgVeRA, FedSALoRA, FedSpec, FedSVD
+from fedlr.strategies.lora_svd import PERSONAL_GRAM
 from tests.conftest import ROOT
 from tests.plugin_app.client_app import app as plugin_client
 from tests.plugin_app.client_app import train as plugin_train
@@ -113,8 +115,8 @@ def _context(partition: int = 0) -> Context:
 
 def _instruction(strategy, model, node_id: int = 1000) -> Message:
     """Round 1's train instruction of ``strategy`` for ``model``."""
-    config = strategy.prepare_round(
-        1, strategy.initial_arrays(model), ConfigRecord({"lr": 0.1})
+    config = prepare_round(
+        strategy, 1, strategy.initial_arrays(model), ConfigRecord({"lr": 0.1})
     )
     config[protocol.SERVER_ROUND] = 1
     content = RecordDict(
@@ -379,13 +381,13 @@ def test_fedsvd_reply_is_exactly_b_and_head_and_a_stays_frozen():
     layout = lora_layout(model)
     assert set(arrays) == set(layout.keys(Role.LORA_B, Role.HEAD))
     # The reply passes the strategy's checks (the old plain-peft reply did not).
-    update = strategy.validate_reply(answer, strategy.reply_shapes())
+    update = strategy.replies.validate_reply(answer, strategy.reply_shapes())
     assert update.num_examples == 128 and update.metrics["train-loss"] > 0
     old = reply(
         1000, adapter_state(model, layout, FedSVD.send_roles), {"num-examples": 8}
     )
     with pytest.raises(ReplyValidationError, match=r"unexpected.*lora_A"):
-        strategy.validate_reply(old, strategy.reply_shapes())
+        strategy.replies.validate_reply(old, strategy.reply_shapes())
     # A is loaded and frozen; B and the head train.
     model = build_model("fedsvd")
     job = apply_round(model, instruction, context)
@@ -430,14 +432,14 @@ def test_fedsa_lora_keeps_b_in_context_state_and_sends_its_gram():
     arrays = record_to_state(answer.content["arrays"])
     assert set(arrays) == set(layout.keys(Role.LORA_A, Role.HEAD))
     kept = record_to_state(context.state.array_records[protocol.PERSONAL])
-    grams = record_to_state(answer.content.array_records[protocol.PERSONAL_GRAM])
+    grams = record_to_state(answer.content.array_records[PERSONAL_GRAM])
     for m in layout.modules:
         torch.testing.assert_close(grams[m.b_key], kept[m.b_key].T @ kept[m.b_key])
         assert torch.count_nonzero(kept[m.b_key]) > 0
     metrics = answer.content["metrics"]
     assert metrics["mine"] == 3 and metrics["train-loss"] == 0.5  # unchanged
     assert metrics[protocol.PERSONAL_LOADED] == 0
-    strategy.validate_reply(answer, strategy.reply_shapes())
+    strategy.replies.validate_reply(answer, strategy.reply_shapes())
     # The next round starts from the kept B, not from the model's.
     model = build_model("fedsa-lora")
     job = apply_round(model, _instruction(strategy, model), context)
@@ -474,7 +476,7 @@ def test_vera_client_checks_the_projection_seed_and_rank():
     metrics = answer.content["metrics"]
     assert metrics[protocol.PROJECTION_SEED] == 0
     assert metrics[protocol.PROJECTION_RANK] == 8
-    update = strategy.validate_reply(answer, strategy.reply_shapes())
+    update = strategy.replies.validate_reply(answer, strategy.reply_shapes())
     assert set(update.arrays) == set(strategy.reply_shapes())
 
 
@@ -562,7 +564,7 @@ def test_legacy_aggregate_fit_equals_the_message_api(strategy_cls):
     sizes = [10, 30, 60]
 
     modern = strategy_cls(layout=layout)
-    modern.prepare_round(1, ArrayRecord(initial), ConfigRecord({}))
+    prepare_round(modern, 1, ArrayRecord(initial), ConfigRecord({}))
     expected, metrics = modern.aggregate_train(
         1,
         [
@@ -588,7 +590,7 @@ def test_legacy_aggregate_fit_equals_the_message_api(strategy_cls):
         )
         for i, (state, n) in enumerate(zip(states, sizes, strict=True))
     ]
-    legacy.strategy.prepare_round(1, ArrayRecord(initial), ConfigRecord({}))
+    prepare_round(legacy.strategy, 1, ArrayRecord(initial), ConfigRecord({}))
     got, legacy_metrics = legacy.aggregate_fit(1, results, [])
     got_arrays = parameters_to_ndarrays(got)
     want = record_to_state(expected)
@@ -606,7 +608,7 @@ def test_legacy_drops_bad_fitres_and_failures_with_reasons(caplog):
     layout = lora_layout(model)
     initial = adapter_state(model, layout, FedAvgLoRA.send_roles)
     legacy = LegacyStrategy(FedAvgLoRA(layout=layout), initial_arrays=initial)
-    legacy.strategy.prepare_round(1, ArrayRecord(initial), ConfigRecord({}))
+    prepare_round(legacy.strategy, 1, ArrayRecord(initial), ConfigRecord({}))
     (noise,) = _client_states(layout, 5)[:1]  # a trained-looking step from initial
     good = {k: initial[k] + 0.01 * v for k, v in noise.items()}
     keys = legacy.reply_keys
@@ -752,7 +754,7 @@ def test_helper_ids_and_flags_are_not_averaged(method):
 def test_without_helper_metrics_keeps_the_users_metrics():
     from flwr.app import MetricRecord
 
-    from fedlr.strategies.replies import without_helper_metrics
+    from fedlr.round.publish import without_helper_metrics
 
     content = RecordDict(
         {

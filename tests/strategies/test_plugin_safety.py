@@ -42,6 +42,7 @@ from fedlr.fingerprint import (
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state
 from fedlr.robust import RobustConfig
+from fedlr.round.instructions import instruction_config, prepare_round
 from fedlr.strategies import FedAvgLoRA
 from tests.conftest import ROOT
 from tests.plugin_app.task import MLP, build_model, load_data, score
@@ -158,7 +159,7 @@ def test_the_fingerprint_is_the_same_for_the_same_seed(method):
     again = model_fingerprint(view, fingerprint_roles(view.layout, *_roles(strategy)))
     assert again == fingerprint  # bit for bit: the same seed, the same numbers
     assert len(fingerprint.values) == PROBES * len(fingerprint.keys)
-    config = strategy.instruction_config(1)
+    config = instruction_config(strategy, 1)
     assert BaseFingerprint.from_config(config) == fingerprint
     other = adapted(build_model(method, seed=1))
     if method == "sorf-vera":  # the same projections, another base
@@ -384,7 +385,7 @@ def test_trimmed_clients_are_counted_and_their_metrics_reported_apart():
         model, robust=RobustConfig(rule="trimmed-mean", trim_fraction=0.2)
     )
     initial = strategy.initial_arrays(model)
-    strategy.prepare_round(1, initial, ConfigRecord({}))
+    prepare_round(strategy, 1, initial, ConfigRecord({}))
     state = record_to_state(initial)
     g = torch.Generator().manual_seed(0)
     replies = []
@@ -410,9 +411,8 @@ def test_build_sorf_vera_model_is_a_module():
         id(p) for p in model.model.parameters()
     }
     assert adapted(model) is model
-    assert protocol.BASE_FINGERPRINT in get_method("sorf-vera").strategy.for_model(
-        model
-    ).instruction_config(1)
+    bound = get_method("sorf-vera").strategy.for_model(model)
+    assert protocol.BASE_FINGERPRINT in instruction_config(bound, 1)
 
 
 # ---------------------------------------------------------------------- docs

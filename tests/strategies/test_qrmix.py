@@ -193,11 +193,13 @@ def test_clipped_stage_two_reply_moves_its_eigen_delta_with_its_head():
         _reply(1000 + i, c, 5, e)
         for i, (c, e) in enumerate(zip(clients, eigens, strict=True))
     ]
-    updates, _ = strategy.validate_replies(replies)
-    outcome = robust_aggregate(updates, strategy.robust_space(current), strategy.robust)
+    updates, _ = strategy.replies.validate_replies(replies)
+    outcome = robust_aggregate(
+        updates, strategy.replies.space(current), strategy.robust
+    )
     factors = [u.clip_factor for u in outcome.updates]
     assert min(factors[:3]) > 0.9 and 0.0 < factors[3] < 0.5
-    moved = strategy.clip_extras(outcome.updates[3])
+    moved = strategy.replies.clip_extras(outcome.updates[3])
     torch.testing.assert_close(
         moved.extras["eigen"]["delta"].double(),
         factors[3] * eigens[3]["delta"].double(),

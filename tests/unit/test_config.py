@@ -33,9 +33,26 @@ BAD = [
 @pytest.mark.parametrize(("key", "value", "message"), BAD)
 def test_bad_value_names_the_key(key, value, message):
     with pytest.raises(ConfigError, match=message) as info:
-        RunConfig.from_mapping({key: value})
+        RunConfig.from_mapping({key: value}, method_keys=())
     assert info.value.key == key
     assert f"'{key}'" in str(info.value)
+
+
+def test_unknown_keys_are_refused_where_every_method_is_known():
+    """RunConfig knows no method: alone it leaves other keys to the method's
+    options; with the methods' keys (what the registry's resolve passes) it
+    refuses a key none declares, suggesting the closest."""
+    from fedlr.strategies.registry import all_option_keys, resolve
+
+    assert RunConfig.from_mapping({"fedspec-threshold": 0.5, "zzz": 1}) == RunConfig()
+    with pytest.raises(ConfigError, match="did you mean 'fedspec-threshold'") as info:
+        resolve({"fedspec-treshold": 0.5})
+    assert info.value.key == "fedspec-treshold"
+    with pytest.raises(ConfigError, match="did you mean 'num-server-rounds'"):
+        RunConfig.from_mapping({"num-server-round": 3}, method_keys=all_option_keys())
+    assert resolve(
+        {"method": "fedavg-lora", "fedspec-threshold": 0.5}
+    ).run == RunConfig(method="fedavg-lora")
 
 
 def test_unknown_method_lists_known_ones():

@@ -1,8 +1,10 @@
 """Every run-config key: an invalid value is refused by name before training.
 
-``AT_PARSE`` holds the bad values that the keys' declarations list
-(``option(default, help, bad=[(value, message regex), ...])`` in
-``RunConfig`` and the registered methods' options): each is parsed, a method
+``AT_PARSE`` holds the bad values that the keys' declarations give
+(``option(default, help, range=..., choices=..., bad=[(value, message
+regex), ...])`` in ``RunConfig`` and the registered methods' options: a value
+just outside each bound of the range, one outside the choices, and each
+``bad`` value, :func:`fedlr.options.bad_values`): each is parsed, a method
 option with a method that declares it, and must be refused with its message.
 ``AT_START`` holds the keys whose validity depends on a registry or the model
 (checked when the ServerApp builds its plan, before round 1). A new key
@@ -12,23 +14,26 @@ without a bad value in its declaration or an entry in ``AT_START`` fails
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from flwr.app import Context, RecordDict
 
 from fedlr.config import RunConfig
 from fedlr.errors import ConfigError, FedLRError
 from fedlr.flower import InProcessGrid
+from fedlr.options import bad_values
 from fedlr.strategies.registry import all_option_keys, registered_methods, resolve
 from tests.conftest import tiny_run_config
 
 
 def _declared_bad_values() -> list[tuple[str, object, str]]:
-    """(key, value, message regex) for each ``bad`` value of each declaration."""
+    """(key, value, message regex) for each value a declaration refuses."""
     keys = {**RunConfig.option_fields(), **all_option_keys()}
     return [
         (key, value, message)
         for key, f in keys.items()
-        for value, message in f.metadata.get("bad", ())
+        for value, message in bad_values(key, f)
     ]
 
 
@@ -69,6 +74,51 @@ def test_invalid_value_is_refused_with_the_key_named(key, value, message):
     with pytest.raises(ConfigError, match=message) as info:
         resolve(run_config)
     assert info.value.key == key and f"'{key}'" in str(info.value)
+
+
+def _bounds() -> list[tuple[str, object]]:
+    """(key, value) for each closed, finite bound of each declared range."""
+    keys = {**RunConfig.option_fields(), **all_option_keys()}
+    cases = []
+    for key, f in keys.items():
+        range_ = f.metadata.get("range")
+        if range_ is None:
+            continue
+        kind = f.type if isinstance(f.type, str) else f.type.__name__
+        for bound, closed in (
+            (range_.low, range_.low_closed),
+            (range_.high, range_.high_closed),
+        ):
+            if closed and math.isfinite(bound):
+                cases.append((key, int(bound) if kind == "int" else float(bound)))
+    return cases
+
+
+BOUNDS = _bounds()
+
+
+def test_ranges_are_declared_and_each_gives_refusals():
+    ranged = {key for key, _ in BOUNDS} | {
+        key
+        for key, f in {**RunConfig.option_fields(), **all_option_keys()}.items()
+        if f.metadata.get("range") is not None
+    }
+    assert {"num-server-rounds", "seed", "lr", "fedspec-threshold"} <= ranged
+    refused = {key for key, _, message in AT_PARSE if message.startswith("must")}
+    assert ranged <= refused
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), BOUNDS, ids=[f"{k}={v!r}" for k, v in BOUNDS]
+)
+def test_a_closed_bound_of_a_declared_range_is_accepted(key, value):
+    run_config: dict[str, object] = {key: value}
+    if key not in RunConfig.option_fields():
+        spec = next(s for s in registered_methods() if key in s.options.option_fields())
+        run_config["method"] = spec.name
+        assert getattr(resolve(run_config).options, key.replace("-", "_")) == value
+    else:
+        assert getattr(resolve(run_config).run, key.replace("-", "_")) == value
 
 
 def _never_called(message, context):

@@ -30,7 +30,13 @@ def test_committed_files_are_generated_from_the_declarations():
 @pytest.fixture
 def copy(tmp_path: Path) -> Path:
     (tmp_path / "docs").mkdir()
-    for name in ("pyproject.toml", "docs/configuration.md", "README.md"):
+    for name in (
+        "pyproject.toml",
+        "docs/configuration.md",
+        "README.md",
+        "docs/reliability.md",  # the client features' rows (fedlr.featuredoc)
+        "docs/privacy.md",
+    ):
         shutil.copy(ROOT / name, tmp_path / name)
     return tmp_path
 

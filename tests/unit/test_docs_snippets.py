@@ -87,7 +87,7 @@ def test_the_checks_catch_a_bare_flwr_run():
         "no --stream",
         "no output-dir",
     ]
-    good = 'flwr run . --stream \\\n  --run-config \'output-dir="/abs/path"\''
+    good = "flwr run . --stream \\\n  --run-config 'output-dir=\"/abs/path\"'"
     (command,) = flwr_run_commands(good)
     assert command_problems(command) == []
     assert flwr_run_commands("# flwr run . is typed here\nmake run") == []

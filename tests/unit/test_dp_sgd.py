@@ -238,9 +238,7 @@ def test_a_node_past_its_budget_refuses_naming_dp_epsilon():
     # It trained while the next round fitted, and refused the one that did not.
     history = node_history(state)
     assert len(history) == len(spent) >= 3 and spent[-1] <= 2.0
-    beyond = epsilon(
-        [*history, (1.5, 0.1, 5)], default_delta(40), settings.accountant
-    )
+    beyond = epsilon([*history, (1.5, 0.1, 5)], default_delta(40), settings.accountant)
     assert beyond > 2.0
 
 
@@ -278,6 +276,8 @@ def _independent_epsilon(kind: str, rounds: list[tuple[float, float, int]], delt
         ("fedavg-lora", {"dp-noise-multiplier": 1.1, "dp-accountant": "rdp"}),
         ("ffa-lora", {"dp-noise-multiplier": 0.9, "dp-accountant": "prv"}),
         ("fedsvd", {"dp-epsilon": 3.0, "dp-delta": 1e-6}),
+        # a loss term that reads no data: the accountant is unchanged
+        ("fedprox-lora", {"dp-noise-multiplier": 1.0, "proximal-mu": 0.5}),
     ],
 )
 def test_runs_report_the_epsilon_opacus_computes(tmp_path, assets, method, privacy):
@@ -293,6 +293,7 @@ def test_runs_report_the_epsilon_opacus_computes(tmp_path, assets, method, priva
 
     settings = {"dp-max-grad-norm": 1.0, **privacy}
     config = tiny_run_config(tmp_path, method=method, **settings)
+    privacy = {k: v for k, v in privacy.items() if k.startswith("dp-")}
     run_dir = run_in_process(config, reply_hook=hook)
     frame = pd.read_csv(run_dir / "results.csv")
     assert (frame["clients"] == 3).all() and (frame["dropped"] == 0).all()
@@ -376,15 +377,10 @@ HETERO = {"client-ranks": "4,8"}
 @pytest.mark.parametrize(
     ("config", "named"),
     [
-        ({"method": "fedprox-lora"}, "FedProx's proximal term"),
         ({"method": "scaffold-lora"}, "SCAFFOLD's control-variate"),
-        (
-            {"method": "hetlora", **HETERO, "hetlora-prune-gamma": 0.9},
-            "HetLoRA's rank self-pruning",
-        ),
     ],
 )
-def test_dp_sgd_with_a_loss_term_or_gradient_change_is_refused_at_config(config, named):
+def test_dp_sgd_with_a_gradient_change_is_refused_at_config(config, named):
     # At configuration time, not in every client's first round.
     with pytest.raises(PrivacyUnsupportedError, match=named) as caught:
         resolve({**config, **DP})
@@ -398,9 +394,13 @@ def test_dp_sgd_with_a_loss_term_or_gradient_change_is_refused_at_config(config,
         {"method": "fedprox-lora", "proximal-mu": 0.0},  # no proximal term
         {"method": "hetlora", **HETERO, "hetlora-prune-gamma": 1.0},  # no pruning
         {"method": "fedavg-lora"},
+        # loss terms that read no data: added after the clipping and noise
+        # (tests/unit/test_dp_sgd_loss_terms.py)
+        {"method": "fedprox-lora"},
+        {"method": "hetlora", **HETERO, "hetlora-prune-gamma": 0.9},
     ],
 )
-def test_dp_sgd_is_accepted_where_the_features_leave_training_alone(config):
+def test_dp_sgd_is_accepted_where_the_features_leave_the_clipping_whole(config):
     assert resolve({**config, **DP}).run.privacy.dp_sgd is not None
 
 

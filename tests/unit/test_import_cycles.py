@@ -1,23 +1,34 @@
-"""No import cycles between the modules of fedlr, counting every import.
+"""No import cycles between the modules of fedlr, and no import runs up a floor.
 
-Imports inside functions and under ``TYPE_CHECKING`` count too: they hide a
-cycle from Python's import machinery, not from the reader. The layering this
-keeps: the run config, the robust step and the payload kinds import neither
-the strategies nor the server apps; a payload kind's server plan is found by
-the kind's name (:mod:`fedlr.server_apps.plans`), the methods' run-config keys
-through :mod:`fedlr.method_options`.
+Every import counts: imports inside functions and under ``TYPE_CHECKING``
+(they hide a cycle from Python's import machinery, not from the reader), and
+imports through :mod:`importlib`: ``importlib.import_module("fedlr.x")`` is an
+edge to ``fedlr.x``, and a discovery of a package's modules
+(``import_submodules(pkg)``, ``pkgutil.iter_modules(pkg.__path__)``,
+``pkgutil.walk_packages``) is an edge from the discovering module to every
+module of that package. The method registry's discovery of
+:mod:`fedlr.strategies` is such an edge; it is why the strategy modules
+register through :mod:`fedlr.strategies.registration` and never import
+:mod:`fedlr.strategies.registry`, and why :class:`fedlr.config.RunConfig`
+knows no method (the registry hands it the methods' keys).
 
 The graph is built as the repository's ``import_cycles.py`` tool builds it
-(kept here so that a clean clone runs it): a module's edges are the fedlr
-modules it names in any ``import``/``from ... import`` (relative ones
-resolved; ``from pkg import mod`` names ``pkg.mod``), each cut to the longest
-module it starts with; a package's ``__init__`` is left out of the graph (it
-re-exports), and so is a module's import of its own submodules.
+(kept here so that a clean clone runs it), plus the importlib edges: a
+module's edges are the fedlr modules it names in any ``import``/``from ...
+import`` (relative ones resolved; ``from pkg import mod`` names ``pkg.mod``),
+each cut to the longest module it starts with; a package's ``__init__`` is
+left out of the graph (it re-exports, resolving names lazily), and so is a
+module's import of its own submodules.
+
+:data:`FLOORS` declares the layers of fedlr once, bottom first; a module may
+import its own floor and those below, never one above.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -25,10 +36,100 @@ import pytest
 
 from fedlr.payloads import PAYLOADS
 from fedlr.server_apps import gpse, lora, qrmix, vera
-from fedlr.server_apps.plans import plan_builder, register_plan
+from fedlr.server_apps.builtin_plans import plan_builder
+from fedlr.server_apps.plans import register_plan
 from tests.conftest import ROOT
 
 Graph = dict[str, set[str]]
+
+#: The floors of fedlr, bottom first: (name, modules). A module is named
+#: exactly, or by its package with a trailing dot; the longest match places it.
+FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        # kernels, options, errors, the wire format and the mechanisms the
+        # run config names (robust rules, privacy), the results writer
+        "foundation",
+        (
+            "fedlr.errors",
+            "fedlr.options",
+            "fedlr.discovery",
+            "fedlr.linalg.",
+            "fedlr.train",
+            "fedlr.tracking",
+            "fedlr.checkpoint",
+            "fedlr.results",
+            "fedlr.plots",
+            "fedlr.flower.records",
+            "fedlr.flower.certs",
+            "fedlr.flower.grid",
+            "fedlr.adapters.roles",
+            "fedlr.protocol",
+            "fedlr.updates",
+            "fedlr.robust",
+            "fedlr.privacy.",
+        ),
+    ),
+    ("config", ("fedlr.config",)),
+    ("data, models, adapters", ("fedlr.data.", "fedlr.models.", "fedlr.adapters.")),
+    (
+        "tasks",
+        (
+            "fedlr.tasks",
+            "fedlr.vera_tasks",
+            "fedlr.image_task",
+            "fedlr.lm",
+            "fedlr.continual",
+        ),
+    ),
+    (
+        # the client's round, its features and handlers, the payload kinds
+        # (whose handlers they hold), the methods' client features table, and
+        # the privacy steps that read the features (DP-SGD, client-level and
+        # distributed DP)
+        "client side",
+        (
+            "fedlr.features",
+            "fedlr.method_features",
+            "fedlr.pruning",
+            "fedlr.instruction_checks",
+            "fedlr.fingerprint",
+            "fedlr.downlink",
+            "fedlr.client",
+            "fedlr.client_apps.",
+            "fedlr.privacy.dp_sgd",
+            "fedlr.privacy.client_dp",
+            "fedlr.privacy.refusals",
+            "fedlr.privacy.distributed_dp",
+            "fedlr.payload_kind",
+            "fedlr.payloads",
+        ),
+    ),
+    (
+        "strategies and registry",
+        ("fedlr.strategies.", "fedlr.round.", "fedlr.ledger"),
+    ),
+    (
+        # what a process runs: the ServerApp and its plans, the dispatching
+        # ClientApp (it looks the method up, so it sits above every method's
+        # client feature), the launcher and the tools
+        "apps",
+        (
+            "fedlr.server_apps.",
+            "fedlr.client_apps.app",
+            "fedlr.flower.launch",
+            "fedlr.compare",
+            "fedlr.configdoc",
+            "fedlr.featuredoc",
+            "fedlr.export",
+        ),
+    ),
+)
+
+#: Imports that run up a floor and are known: (importer, imported).
+KNOWN_UPWARD: frozenset[tuple[str, str]] = frozenset()
+
+#: Calls that import every module of the package they are given.
+DISCOVERY_CALLS = frozenset({"import_submodules", "iter_modules", "walk_packages"})
 
 
 def module_name(root: Path, path: Path) -> str:
@@ -53,7 +154,97 @@ def imported_names(module: str, is_package: bool, node: ast.AST) -> list[str]:
     return []
 
 
-def import_graph(root: Path) -> Graph:
+def _aliases(module: str, is_package: bool, tree: ast.AST) -> dict[str, str]:
+    """Local name -> the dotted name an import binds it to."""
+    bound: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname:
+                    bound[alias.asname] = alias.name
+                else:
+                    top = alias.name.split(".")[0]
+                    bound[top] = top
+        elif isinstance(node, ast.ImportFrom):
+            prefix = imported_names(module, is_package, node)[0]
+            for alias in node.names:
+                bound[alias.asname or alias.name] = f"{prefix}.{alias.name}"
+    return bound
+
+
+def _dotted(node: ast.AST, aliases: dict[str, str]) -> str | None:
+    """``pkg.sub`` for an expression naming an imported module (``pkg.sub``,
+    an alias of it, or ``alias.__path__``), else ``None``."""
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value, aliases)
+        if base is None:
+            return None
+        return base if node.attr == "__path__" else f"{base}.{node.attr}"
+    if isinstance(node, ast.Name):
+        return aliases.get(node.id)
+    return None
+
+
+def _string(node: ast.AST, module: str) -> str | None:
+    """The module name an ``import_module`` argument spells: a literal, or
+    the literal start of an f-string (``__name__`` read as the module's own
+    name); ``None`` when it starts with anything else."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.JoinedStr):
+        text = ""
+        for part in node.values:
+            if isinstance(part, ast.Constant) and isinstance(part.value, str):
+                text += part.value
+            elif (
+                isinstance(part, ast.FormattedValue)
+                and isinstance(part.value, ast.Name)
+                and part.value.id == "__name__"
+            ):
+                text += module
+            else:
+                return text or None
+        return text
+    return None
+
+
+def importlib_targets(
+    module: str, is_package: bool, tree: ast.AST, files: dict[str, Path]
+) -> set[str]:
+    """The fedlr modules a module imports through :mod:`importlib`.
+
+    ``importlib.import_module(name)`` imports ``name`` (a name ending in a
+    package and a dot, the start of an f-string, imports any module of that
+    package: all of them count); a discovery call (:data:`DISCOVERY_CALLS`)
+    given a package imports every module of it.
+    """
+    aliases = _aliases(module, is_package, tree)
+    found: set[str] = set()
+
+    def package_modules(package: str) -> set[str]:
+        return {m for m in files if m.startswith(package + ".")}
+
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        if name == "import_module" and node.args:
+            text = _string(node.args[0], module)
+            if text is None:
+                continue
+            if text.endswith("."):
+                found |= package_modules(text[:-1])
+            else:
+                found.add(text)
+        elif name in DISCOVERY_CALLS and node.args:
+            package = _dotted(node.args[0], aliases)
+            if package is not None:
+                found |= package_modules(package)
+    return found
+
+
+def import_graph(root: Path, *, with_importlib: bool = True) -> Graph:
     """Module -> the package's modules it imports, package ``__init__``s left out."""
     files = {module_name(root, p): p for p in sorted(root.rglob("*.py"))}
     packages = {m for m, p in files.items() if p.name == "__init__.py"}
@@ -62,18 +253,25 @@ def import_graph(root: Path) -> Graph:
         if module in packages:
             continue
         is_package = path.name == "__init__.py"
+        tree = ast.parse(path.read_text(), str(path))
+        names = [
+            name
+            for node in ast.walk(tree)
+            for name in imported_names(module, is_package, node)
+        ]
+        if with_importlib:
+            names += sorted(importlib_targets(module, is_package, tree, files))
         targets: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            for name in imported_names(module, is_package, node):
-                while name and name not in files:  # the longest module it names
-                    name = name.rpartition(".")[0]
-                if (
-                    name
-                    and name != module
-                    and not name.startswith(module + ".")
-                    and name not in packages
-                ):
-                    targets.add(name)
+        for name in names:
+            while name and name not in files:  # the longest module it names
+                name = name.rpartition(".")[0]
+            if (
+                name
+                and name != module
+                and not name.startswith(module + ".")
+                and name not in packages
+            ):
+                targets.add(name)
         edges[module] = targets
     return edges
 
@@ -123,26 +321,129 @@ def describe(edges: Graph, found: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def test_fedlr_has_no_import_cycles() -> None:
+def floor_of(module: str, floors: tuple[tuple[str, tuple[str, ...]], ...]) -> int:
+    """The index of ``module``'s floor (the longest pattern that places it).
+
+    Raises
+    ------
+    LookupError
+        If no floor names it.
+    """
+    best: tuple[int, int] | None = None
+    for level, (_, patterns) in enumerate(floors):
+        for pattern in patterns:
+            hit = module == pattern or (
+                pattern.endswith(".") and module.startswith(pattern)
+            )
+            if hit and (best is None or len(pattern) > best[0]):
+                best = (len(pattern), level)
+    if best is None:
+        raise LookupError(f"{module} is on no floor: add it to FLOORS")
+    return best[1]
+
+
+def upward_imports(
+    edges: Graph, floors: tuple[tuple[str, tuple[str, ...]], ...]
+) -> set[tuple[str, str]]:
+    """Every (importer, imported) whose imported module is on a higher floor."""
+    return {
+        (m, w)
+        for m, targets in edges.items()
+        for w in targets
+        if floor_of(w, floors) > floor_of(m, floors)
+    }
+
+
+# ------------------------------------------------------------------ fedlr
+def test_fedlr_has_no_import_cycles_counting_importlib() -> None:
     edges = import_graph(ROOT / "fedlr")
     found = cycles(edges)
     report = describe(edges, found)
-    if found:
-        print(report)
     assert not found, f"{len(found)} import cycles in fedlr:\n{report}"
 
 
-def test_lower_layers_import_no_strategies_or_server_apps() -> None:
+def test_every_module_of_fedlr_is_on_a_floor() -> None:
+    unplaced = []
+    for module in import_graph(ROOT / "fedlr"):
+        try:
+            floor_of(module, FLOORS)
+        except LookupError:
+            unplaced.append(module)
+    assert not unplaced, f"modules on no floor (add them to FLOORS): {unplaced}"
+
+
+def test_no_import_runs_up_a_floor() -> None:
     edges = import_graph(ROOT / "fedlr")
-    for low in ("fedlr.config", "fedlr.robust", "fedlr.payloads", "fedlr.options"):
+    upward = upward_imports(edges, FLOORS)
+    names = [name for name, _ in FLOORS]
+    lines = [
+        f"  {m} ({names[floor_of(m, FLOORS)]}) -> {w} ({names[floor_of(w, FLOORS)]})"
+        for m, w in sorted(upward - KNOWN_UPWARD)
+    ]
+    assert not lines, "imports that run up a floor:\n" + "\n".join(lines)
+    gone = sorted(KNOWN_UPWARD - upward)
+    assert not gone, f"known upward imports no longer there (drop them): {gone}"
+
+
+def test_the_run_config_and_the_client_import_no_strategy() -> None:
+    """Named, because these were loops the tool could not see: the run config
+    discovered every strategy, and the client asked the registry."""
+    edges = import_graph(ROOT / "fedlr")
+    for low in (
+        "fedlr.config",
+        "fedlr.options",
+        "fedlr.robust",
+        "fedlr.payloads",
+        "fedlr.client",
+        "fedlr.method_features",
+    ):
         upward = sorted(
             m
             for m in edges[low]
             if m.startswith(("fedlr.strategies.", "fedlr.server_apps."))
         )
         assert not upward, f"{low} imports {upward}"
+    assert "fedlr.strategies.fedspec" in edges["fedlr.strategies.registry"]
+    strategies = [m for m in edges if m.startswith("fedlr.strategies.")]
+    importers = sorted(m for m in strategies if "fedlr.strategies.registry" in edges[m])
+    assert not importers, f"strategy modules import the registry: {importers}"
 
 
+_FRESH_PROCESS = """
+import sys
+from fedlr.config import RunConfig
+from fedlr.method_features import MethodsNotLoadedError, client_features
+RunConfig.from_mapping({"method": "fedspec", "fedspec-threshold": 0.5})
+assert not [m for m in sys.modules if m.startswith("fedlr.strategies.")], "config"
+try:
+    client_features()
+except MethodsNotLoadedError:
+    pass
+else:
+    raise AssertionError("client features before the methods loaded")
+from fedlr import apply_round
+names = [f.__name__ for f in client_features()]
+assert "ProximalTerm" in names and "ScaffoldCorrection" in names, names
+print("ok")
+"""
+
+
+def test_config_loads_no_strategy_and_the_client_table_waits_for_them() -> None:
+    """At run time too: parsing the run config imports no strategy module; the
+    client's table of features refuses to answer before the methods loaded,
+    and ``from fedlr import apply_round`` loads them."""
+    done = subprocess.run(
+        [sys.executable, "-c", _FRESH_PROCESS],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+# ------------------------------------------------------------------ the counter
 def _write(root: Path, files: dict[str, str]) -> Path:
     for rel, text in files.items():
         path = root / rel
@@ -177,6 +478,49 @@ def test_the_counter_sees_hidden_imports(tmp_path: Path) -> None:
     assert "pkg.sub.d -> pkg.b" in describe(edges, cycles(edges))
 
 
+def test_the_counter_sees_importlib_loops(tmp_path: Path) -> None:
+    """A registry that discovers its plug-ins while they import it is a cycle;
+    with the registration below the discovery, it is none."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/plugins/__init__.py": "",
+        "pkg/plugins/one.py": "from pkg.registry import register\n",
+        "pkg/plugins/two.py": "from pkg.registry import register\n",
+        "pkg/named.py": "import importlib\n"
+        "def load():\n    importlib.import_module('pkg.plugins.one')\n",
+        "pkg/prefixed.py": "import importlib\n"
+        "def load(n):\n    importlib.import_module(f'pkg.plugins.{n}')\n",
+        "pkg/user.py": "import importlib\n"
+        "def load(n):\n    importlib.import_module(n)\n",
+    }
+    discovery = (
+        "import pkgutil\nimport importlib\nimport pkg.plugins as found\n"
+        "from pkg.discovery import import_submodules\n"
+        "def register(c):\n    return c\n"
+        "def load():\n    import_submodules(found)\n"
+        "    for m in pkgutil.iter_modules(found.__path__):\n        pass\n"
+    )
+    root = _write(tmp_path / "a", {**files, "pkg/registry.py": discovery})
+    edges = import_graph(root)
+    assert edges["pkg.registry"] == {"pkg.plugins.one", "pkg.plugins.two"}
+    assert edges["pkg.named"] == {"pkg.plugins.one"}
+    assert edges["pkg.prefixed"] == {"pkg.plugins.one", "pkg.plugins.two"}
+    assert edges["pkg.user"] == set()
+    assert cycles(edges) == [["pkg.plugins.one", "pkg.plugins.two", "pkg.registry"]]
+    assert cycles(import_graph(root, with_importlib=False)) == []
+
+    split = {
+        "pkg/plugins/one.py": "from pkg.registration import register\n",
+        "pkg/plugins/two.py": "from pkg.registration import register\n",
+        "pkg/registration.py": "def register(c):\n    return c\n",
+        "pkg/registry.py": "import pkg.plugins as found\n"
+        "from pkg.registration import register\n"
+        "def load():\n    import_submodules(found)\n",
+    }
+    root = _write(tmp_path / "b", {**files, **split})
+    assert cycles(import_graph(root)) == []
+
+
 def test_the_counter_finds_nothing_in_a_layered_package(tmp_path: Path) -> None:
     root = _write(
         tmp_path,
@@ -187,6 +531,26 @@ def test_the_counter_finds_nothing_in_a_layered_package(tmp_path: Path) -> None:
         },
     )
     assert cycles(import_graph(root)) == []
+
+
+def test_an_upward_import_is_found_and_named(tmp_path: Path) -> None:
+    root = _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/low.py": "def f():\n    from pkg.high import g\n",
+            "pkg/high.py": "from pkg.low import f\n",
+            "pkg/side.py": "",
+        },
+    )
+    floors = (("bottom", ("pkg.low", "pkg.side")), ("top", ("pkg.high",)))
+    edges = import_graph(root)
+    assert upward_imports(edges, floors) == {("pkg.low", "pkg.high")}
+    with pytest.raises(LookupError, match=r"pkg\.side is on no floor"):
+        floor_of("pkg.side", floors[1:])
+    assert floor_of("fedlr.client_apps.app", FLOORS) > floor_of(
+        "fedlr.client_apps.lora", FLOORS
+    )
 
 
 def test_every_payload_kind_has_its_server_plan_by_name() -> None:

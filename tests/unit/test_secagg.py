@@ -36,6 +36,7 @@ from fedlr.privacy.secagg import (
     mean_error_bound,
     unflatten_sums,
 )
+from fedlr.round.pipeline import run_round
 from fedlr.server_apps.secagg import SecAggPlusExchange
 from fedlr.strategies.fot import FedAvgContinual
 from fedlr.strategies.registry import available_methods, get_method
@@ -45,6 +46,13 @@ EXAMPLES = (10, 25, 40, 60)
 """num-examples of partitions 0..3; the weight scale is the largest."""
 SEED = 11
 SUM_ONLY = sorted(m for m in available_methods() if get_method(m).traits.sum_only)
+
+
+def listed_sum_only(message: str) -> list[str]:
+    """The method names a refusal lists after "sum-only methods: ", in order."""
+    _, sep, names = message.partition("sum-only methods: ")
+    assert sep, f"the refusal lists no sum-only methods: {message!r}"
+    return names.split(", ")
 
 
 def client_arrays(partition: int) -> dict[str, torch.Tensor]:
@@ -131,8 +139,8 @@ def secure_round(
     )
     exchange = SecAggPlusExchange(settings or SecAggSettings(), strategy, seed=SEED)
     current = {k: torch.zeros(s) for k, s in SHAPES.items()}
-    new = strategy.run_round(
-        grid, 1, state_to_record(current), ConfigRecord({}), exchange=exchange
+    new = run_round(
+        strategy, grid, 1, state_to_record(current), ConfigRecord({}), exchange=exchange
     )
     return record_to_state(new), strategy, exchange
 
@@ -190,7 +198,8 @@ def test_only_sum_only_methods_are_served(method):
         check_eligible(method, sum_only, SUM_ONLY)
     message = str(info.value)
     assert message.startswith(f"{method} needs each client's arrays")
-    assert "fedavg-lora" in message and "\n" not in message
+    assert "\n" not in message
+    assert listed_sum_only(message) == SUM_ONLY
 
 
 def test_robust_rules_are_refused():
@@ -351,5 +360,8 @@ def test_run_in_process_refuses_a_method_that_is_not_sum_only(tmp_path):
     config = tiny_run_config(
         tmp_path, method="fedex-lora", **{"secure-aggregation": True}
     )
-    with pytest.raises(SecureAggregationError, match="sum-only methods: fedavg,"):
+    with pytest.raises(SecureAggregationError) as info:
         run_in_process(config)
+    registered = sorted(m for m in available_methods() if get_method(m).traits.sum_only)
+    assert "fedex-lora" not in registered
+    assert listed_sum_only(str(info.value)) == registered

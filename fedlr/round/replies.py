@@ -1,37 +1,55 @@
-"""The server's one path for client replies: screen, validate, weigh.
+"""The round's first steps: decode and validate every reply, then screen sizes.
 
-Every reply a strategy aggregates goes through :class:`ReplyChecks` (mixed
-into :class:`~fedlr.strategies.base.FedLRStrategy`): one reply per
-instructed node (:meth:`~ReplyChecks.screen_replies`), then records, keys,
-shapes, dtypes, finiteness and the weight (:meth:`~ReplyChecks.validate_reply`,
+Every reply a strategy aggregates goes through its :class:`Replies` step
+(``strategy.replies``, an instance of the strategy's ``replies_type``): one
+reply per instructed node (:meth:`~Replies.screen_replies`), then records,
+keys, shapes, dtypes, finiteness and the weight (:meth:`~Replies.validate_reply`,
 the arrays by :func:`fedlr.protocol.validate_arrays`). What passes becomes a
 :class:`ClientUpdate`; what does not is dropped with a reason naming the node,
-and nothing a client sends can raise past :meth:`~ReplyChecks.validate_replies`.
-Then the update-size screen (:meth:`~ReplyChecks.screen_update_sizes`,
+and nothing a client sends can raise past :meth:`~Replies.validate_replies`.
+Then the update-size screen (:meth:`~Replies.screen_update_sizes`,
 ``screen-ratio``) drops an update far larger than the round's median one.
-Methods add checks by overriding :meth:`~ReplyChecks.validate_reply` and
-calling ``super()``, or read extra records with
-:meth:`~ReplyChecks.extra_arrays`.
+
+A method whose replies carry more than its arrays subclasses :class:`Replies`
+in its own module and names it as its strategy's ``replies_type``: the extra
+records it declares (:meth:`~Replies.records`, each checked like the arrays),
+the space its updates are measured and moved in (:meth:`~Replies.space`), how
+a clipped update's records follow it (:meth:`~Replies.clip_extras`), and any
+further check (:meth:`~Replies.validate_reply`, calling ``super()``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping
+from logging import WARNING
+from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.app import Message, MetricRecord, RecordDict
+from flwr.supercore import log
 
-from fedlr.errors import ProtocolError, ReplyValidationError
+from fedlr.errors import NoValidRepliesError, ProtocolError, ReplyValidationError
 from fedlr.flower.records import record_nbytes
-from fedlr.privacy.settings import PrivacyConfig
-from fedlr.protocol import HELPER_METRICS, PARTITION_ID, validate_arrays
-from fedlr.robust import ScreenOutcome, UpdateSpace, screen_sizes
+from fedlr.protocol import (
+    PARTITION_ID,
+    TRAIN_ROLES,
+    encode_roles,
+    validate_arrays,
+)
+from fedlr.robust import ParameterSpace, ScreenOutcome, UpdateSpace, screen_sizes
 from fedlr.updates import ClientUpdate
 
-__all__ = ["ClientUpdate", "ReplyChecks", "conform_dtypes", "node_of", "short"]
+__all__ = [
+    "ClientUpdate",
+    "Replies",
+    "conform_dtypes",
+    "node_of",
+    "reply_step_type",
+    "short",
+]
 
 
 def node_of(message: Message) -> int:
@@ -88,31 +106,20 @@ def conform_dtypes(
     return dataclasses.replace(update, arrays={**update.arrays, **cast})
 
 
-class ReplyChecks:
-    """Screening and validation of client replies, for a strategy to mix in.
+class Replies:
+    """The decode, validate and screen steps of a strategy's round.
 
-    The strategy provides :attr:`arrayrecord_key`, :attr:`weighted_by_key`,
-    :attr:`max_num_examples`, :attr:`screen_ratio`, :attr:`privacy`, the nodes
-    instructed this round (:attr:`_sent`), :meth:`reply_shapes`,
-    :meth:`reply_hint` and :meth:`robust_space`.
+    Parameters
+    ----------
+    method : FedLRStrategy
+        The strategy whose replies this step checks; its settings
+        (``arrayrecord_key``, ``weighted_by_key``, ``max_num_examples``,
+        ``screen_ratio``, ``privacy``), the nodes instructed this round and
+        :meth:`reply_shapes` are read when a round is checked.
     """
 
-    arrayrecord_key: str
-    weighted_by_key: str
-    max_num_examples: int | None
-    screen_ratio: float
-    privacy: PrivacyConfig
-    last_screen: ScreenOutcome | None
-    _sent: list[int] | None
-    _current: ArrayRecord | None
-
-    if TYPE_CHECKING:  # provided by the strategy
-
-        def reply_shapes(self) -> dict[str, tuple[int, ...]]: ...
-
-        def reply_hint(self) -> str: ...
-
-        def robust_space(self, current: Mapping[str, torch.Tensor]) -> UpdateSpace: ...
+    def __init__(self, method: Any) -> None:
+        self.method = method
 
     def screen_replies(self, replies: list[Message]) -> tuple[list[Message], list[str]]:
         """Keep each instructed node's first reply; name the others and the silent.
@@ -129,8 +136,10 @@ class ReplyChecks:
             nodes sent one, client-level DP's ``m``, is kept apart:
             ``instructed``, set by ``note_sent``).
         """
-        sent = None if self._sent is None else set(self._sent)  # O(1) lookups
-        self._sent = None
+        sent = (
+            None if self.method._sent is None else set(self.method._sent)
+        )  # O(1) lookups
+        self.method._sent = None
         kept: list[Message] = []
         dropped: list[str] = []
         seen: set[int] = set()
@@ -158,7 +167,7 @@ class ReplyChecks:
         Replies are cast to these (:func:`conform_dtypes`): the global arrays
         keep their dtype whatever a client sends.
         """
-        current = self._current
+        current = self.method._current
         if current is None:
             return {}
         out: dict[str, torch.dtype] = {}
@@ -177,7 +186,7 @@ class ReplyChecks:
         fail unexpectedly (an error other than :class:`ReplyValidationError`)
         is dropped too, with the error named, and the round goes on.
         """
-        expected = self.reply_shapes()
+        expected = self.method.reply_shapes()
         dtypes = self.layout_dtypes()
         updates: list[ClientUpdate] = []
         dropped: list[str] = []
@@ -225,18 +234,18 @@ class ReplyChecks:
             One reason per dropped update, naming its node, its norm, its
             ratio to the round's median and the ``screen-ratio``.
         """
-        space = self.robust_space(current)
-        if self.privacy.client_dp is None:
-            outcome = screen_sizes(updates, space, self.screen_ratio)
+        space = self.space(current)
+        if self.method.privacy.client_dp is None:
+            outcome = screen_sizes(updates, space, self.method.screen_ratio)
         else:  # each on its own: kept or not whatever the others sent
-            each = [screen_sizes([u], space, self.screen_ratio) for u in updates]
+            each = [screen_sizes([u], space, self.method.screen_ratio) for u in updates]
             outcome = ScreenOutcome(
                 [u for o in each for u in o.updates],
                 [r for o in each for r in o.reasons],
                 [x for o in each for x in o.ratios],
                 max((o.bound for o in each), default=math.inf),
             )
-        self.last_screen = outcome
+        self.method.last_screen = outcome
         return outcome.updates, [
             str(ReplyValidationError(node, reason)) for node, reason in outcome.reasons
         ]
@@ -256,9 +265,9 @@ class ReplyChecks:
                 node, f"expected one MetricRecord, got {len(metric_records)}"
             )
         metrics = metric_records[0]
-        num = metrics.get(self.weighted_by_key)
+        num = metrics.get(self.method.weighted_by_key)
         if num is None:
-            raise ReplyValidationError(node, f"missing '{self.weighted_by_key}'")
+            raise ReplyValidationError(node, f"missing '{self.method.weighted_by_key}'")
         if (
             isinstance(num, (list, bool))
             or not isinstance(num, (int, float))
@@ -267,13 +276,18 @@ class ReplyChecks:
             or float(num) != int(num)
         ):
             raise ReplyValidationError(
-                node, f"'{self.weighted_by_key}' must be a positive integer, got {num}"
+                node,
+                f"'{self.method.weighted_by_key}' must be a positive integer, "
+                f"got {num}",
             )
-        if self.max_num_examples is not None and num > self.max_num_examples:
+        if (
+            self.method.max_num_examples is not None
+            and num > self.method.max_num_examples
+        ):
             raise ReplyValidationError(
                 node,
-                f"'{self.weighted_by_key}' = {num:.6g} exceeds max-num-examples "
-                f"{self.max_num_examples}",
+                f"'{self.method.weighted_by_key}' = {num:.6g} exceeds max-num-examples "
+                f"{self.method.max_num_examples}",
             )
         return metrics, int(num)
 
@@ -318,22 +332,22 @@ class ReplyChecks:
         if message.has_error():
             raise ReplyValidationError(node, f"client error: {message.error.reason}")
         content = message.content
-        if self.arrayrecord_key not in content.array_records:
+        if self.method.arrayrecord_key not in content.array_records:
             raise ReplyValidationError(
-                node, f"no ArrayRecord '{self.arrayrecord_key}' in the reply"
+                node, f"no ArrayRecord '{self.method.arrayrecord_key}' in the reply"
             )
         metrics, num = self.reply_weight(node, content)
-        record = content.array_records[self.arrayrecord_key]
+        record = content.array_records[self.method.arrayrecord_key]
         try:
             arrays = validate_arrays(
-                record, expected, name=self.arrayrecord_key, hint=self.reply_hint()
+                record, expected, name=self.method.arrayrecord_key, hint=self.hint()
             )
         except ProtocolError as exc:
             raise ReplyValidationError(node, str(exc)) from None
         scalars = {
             k: float(v)
             for k, v in metrics.items()
-            if k != self.weighted_by_key
+            if k != self.method.weighted_by_key
             and isinstance(v, (int, float))
             and not isinstance(v, bool)
         }
@@ -353,7 +367,7 @@ class ReplyChecks:
             content=content,
             nbytes=record_nbytes(record),
         )
-        extra_records = self.reply_records()
+        extra_records = self.records()
         if not extra_records:
             return update
         extras = {
@@ -365,7 +379,7 @@ class ReplyChecks:
         )
         return dataclasses.replace(update, extras=extras, nbytes=nbytes)
 
-    def reply_records(self) -> dict[str, dict[str, tuple[int, ...]]]:
+    def records(self) -> dict[str, dict[str, tuple[int, ...]]]:
         """Extra ArrayRecords every valid reply carries: name -> keys and shapes.
 
         Each is checked like ``arrays`` (:meth:`extra_arrays`), decoded once
@@ -374,21 +388,96 @@ class ReplyChecks:
         """
         return {}
 
+    def space(self, current: Mapping[str, torch.Tensor]) -> UpdateSpace:
+        """The space in which the screen and the robust rules measure and move
+        client updates.
 
-def without_helper_metrics(content: RecordDict) -> RecordDict:
-    """``content`` with :data:`fedlr.protocol.HELPER_METRICS` left out of its
-    MetricRecords (a copy; the same object when it has none of them)."""
-    if not any(
-        key in record
-        for record in content.metric_records.values()
-        for key in HELPER_METRICS
-    ):
-        return content
-    out = RecordDict()
-    for name, record in content.items():
-        if isinstance(record, MetricRecord):
-            record = MetricRecord(
-                {k: v for k, v in record.items() if k not in HELPER_METRICS}
-            )
-        out[name] = record
-    return out
+        The default is the change of the reply's arrays against the round's
+        global state (:class:`~fedlr.robust.ParameterSpace`); the LoRA family
+        measures products, FOT projected updates, QR-Mix the head's change.
+        """
+        return ParameterSpace(current)
+
+    def clip_extras(self, update: ClientUpdate) -> ClientUpdate:
+        """Move a clipped update's extra records as its arrays were moved.
+
+        Robust norm clipping moves the arrays to ``ref + f (x - ref)``
+        (``update.clip_factor`` = f); the extra records of :meth:`records`
+        follow here. Default: each scales by ``f`` (a record linear in the
+        update). A method whose records depend on the update otherwise
+        overrides this (SCAFFOLD-LoRA's control delta).
+        """
+        f = update.clip_factor
+        if f == 1.0 or not update.extras:
+            return update
+        extras = {
+            name: {k: v * f for k, v in record.items()}
+            for name, record in update.extras.items()
+        }
+        return dataclasses.replace(update, extras=extras)
+
+    def hint(self) -> str:
+        """What a client must send back, appended to a wrong-keys drop reason."""
+        if self.method.train_roles:
+            roles = encode_roles(self.method.train_roles)
+            return f"the client must send exactly the arrays of {TRAIN_ROLES}={roles}"
+        keys = sorted(self.method.reply_shapes())
+        return (
+            f"the client must send exactly the {len(keys)} arrays it was sent "
+            f"({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})"
+        )
+
+    def accept(
+        self,
+        server_round: int,
+        replies: Iterable[Message],
+        current: Mapping[str, torch.Tensor],
+        min_replies: int,
+    ) -> tuple[list[ClientUpdate], list[str]]:
+        """The round's valid updates and why the others were dropped.
+
+        In order: who may answer (:meth:`screen_replies`), what the reply holds
+        (:meth:`validate_replies`), how large its update is
+        (:meth:`screen_update_sizes`); each drop is logged.
+
+        Raises
+        ------
+        NoValidRepliesError
+            With fewer than ``min_replies`` valid updates.
+        """
+        fresh, dropped = self.screen_replies(list(replies))
+        updates, invalid = self.validate_replies(fresh)
+        updates, oversized = self.screen_update_sizes(updates, current)
+        dropped = invalid + oversized + dropped
+        for reason in dropped:
+            log(WARNING, "round %d: dropped a reply: %s", server_round, reason)
+        if len(updates) < min_replies:
+            raise NoValidRepliesError(server_round, len(updates), min_replies, dropped)
+        return updates, dropped
+
+
+@functools.cache
+def reply_step_type(strategy_type: type) -> type[Replies]:
+    """The reply step of a strategy class: the ``replies_type`` its classes
+    declare, combined in the order of its MRO.
+
+    A strategy that inherits from two families (``HeteroFoldLoRA`` from the
+    heterogeneous-rank family and the factored downlink) gets a reply step
+    that inherits from both families' steps, so each family's checks run in
+    the order its strategy methods did (cooperative ``super()``).
+    """
+    declared: list[type[Replies]] = []
+    for klass in strategy_type.__mro__:
+        step = vars(klass).get("replies_type")
+        if step is not None and step not in declared:
+            declared.append(step)
+    leaves = [
+        step
+        for step in declared
+        if not any(other is not step and issubclass(other, step) for other in declared)
+    ]
+    if not leaves:
+        return Replies
+    if len(leaves) == 1:
+        return leaves[0]
+    return type(f"{strategy_type.__name__}Replies", tuple(leaves), {})

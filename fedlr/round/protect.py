@@ -1,0 +1,130 @@
+"""The round's protection steps, between the screen and the method.
+
+One of them acts on a round's validated updates, composed from the run
+config: the robust rule (:class:`RobustStep`: norm clipping, trimming, the
+geometric median, weight caps, in the method's update space) or client-level
+DP (:class:`ClientDpStep`: each update clipped, the mean noised; refused
+beside a robust rule at construction, :func:`fedlr.privacy.refusals.check_robust`).
+Each step returns the updates the method aggregates, the updates it left out
+and its metrics; :func:`protection_steps` composes them for a strategy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from logging import WARNING
+from typing import Any, Protocol
+
+import torch
+from flwr.supercore import log
+
+from fedlr.privacy.client_dp import protect
+from fedlr.robust import RobustConfig, robust_aggregate
+from fedlr.round.replies import Replies
+from fedlr.updates import ClientUpdate
+
+__all__ = [
+    "ClientDpStep",
+    "Protected",
+    "ProtectionStep",
+    "RobustStep",
+    "protection_steps",
+]
+
+
+@dataclass
+class Protected:
+    """What a protection step passes on.
+
+    Attributes
+    ----------
+    updates : list of ClientUpdate
+        The updates the method aggregates (clipped, re-weighted, noised...).
+    left_out : list of ClientUpdate
+        Updates a robust rule left out (their metrics are reported apart).
+    metrics : dict of str to float
+        The step's round metrics (``robust-trimmed``, ``client-dp-epsilon``...).
+    """
+
+    updates: list[ClientUpdate]
+    left_out: list[ClientUpdate]
+    metrics: dict[str, float]
+
+
+class ProtectionStep(Protocol):
+    """One step between the screen and the method."""
+
+    def __call__(
+        self,
+        server_round: int,
+        done: Protected,
+        current: Mapping[str, torch.Tensor],
+    ) -> Protected: ...
+
+
+@dataclass
+class RobustStep:
+    """The robust rule, in the space of the strategy's reply step.
+
+    The kept updates' extra records follow their arrays
+    (:meth:`~fedlr.round.replies.Replies.clip_extras`); the reasons are logged
+    and kept in the strategy's ``last_robust``.
+    """
+
+    config: RobustConfig
+    replies: Replies
+    strategy: Any
+
+    def __call__(
+        self, server_round: int, done: Protected, current: Mapping[str, torch.Tensor]
+    ) -> Protected:
+        updates = done.updates
+        outcome = robust_aggregate(updates, self.replies.space(current), self.config)
+        for reason in outcome.reasons:
+            log(
+                WARNING,
+                "round %d: robust (%s): %s",
+                server_round,
+                self.config.rule,
+                reason,
+            )
+        kept_nodes = {u.node_id for u in outcome.updates}
+        left_out = [u for u in updates if u.node_id not in kept_nodes]
+        self.strategy.last_robust = outcome.reasons
+        return Protected(
+            [self.replies.clip_extras(u) for u in outcome.updates],
+            done.left_out + left_out,
+            {**done.metrics, **outcome.metrics},
+        )
+
+
+@dataclass
+class ClientDpStep:
+    """Client-level DP (when on) and DP-SGD's largest client epsilon.
+
+    :func:`fedlr.privacy.client_dp.protect`: reads the strategy's ``privacy``,
+    ``reply_shapes()``, ``instructed`` (``m``), ``nodes_sampled_from`` and
+    ``client_dp_ledger``.
+    """
+
+    strategy: Any
+
+    def __call__(
+        self, server_round: int, done: Protected, current: Mapping[str, torch.Tensor]
+    ) -> Protected:
+        updates, metrics = protect(self.strategy, server_round, done.updates, current)
+        return Protected(updates, done.left_out, {**done.metrics, **metrics})
+
+
+def protection_steps(strategy: Any) -> list[ProtectionStep]:
+    """The protection steps of ``strategy``'s round, from its settings.
+
+    The robust rule when one is active, then client-level DP (which also
+    reports DP-SGD's largest client epsilon, so it always runs).
+    """
+    steps: list[ProtectionStep] = []
+    if strategy.robust.active:
+        steps.append(RobustStep(strategy.robust, strategy.replies, strategy))
+    steps.append(ClientDpStep(strategy))
+    return steps
