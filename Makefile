@@ -83,7 +83,7 @@ bench: setup
 # Methods x seeds through `flwr run` (ENGINE=inprocess: same apps in one process),
 # then table.md / table.csv / comparison.png in OUT.
 compare: setup
-	HF_HUB_OFFLINE=1 FLWR_HOME=$(FLWR_HOME) $(PY) -m fedlr.compare run --conf $(CONF) \
+	HF_HUB_OFFLINE=1 FLWR_HOME=$(FLWR_HOME) $(PY) -m fedlr.runs.compare run --conf $(CONF) \
 		--methods $(METHODS) --seeds $(SEEDS) --out $(OUT) --engine $(ENGINE) \
 		--client-gpus $(CLIENT_GPUS) $(if $(SET),--set '$(SET)') $(if $(VERBOSE),--verbose)
 
@@ -93,7 +93,7 @@ results: setup
 
 # Regenerate plots of finished runs: make plots RUNS="outputs/a outputs/b" OUT=dir
 plots: setup
-	$(PY) -m fedlr.plots $(RUNS) --out $(OUT)
+	$(PY) -m fedlr.runs.plots $(RUNS) --out $(OUT)
 
 clean:
 	rm -rf .flwr outputs .pytest_cache .mypy_cache .ruff_cache .hypothesis

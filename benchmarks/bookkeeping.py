@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from fedlr.checkpoint import get_rng_state, save_checkpoint
-from fedlr.results import ResultsWriter
+from fedlr.runs.checkpoint import get_rng_state, save_checkpoint
+from fedlr.runs.results import ResultsWriter
 
 
 def _row(server_round: int) -> dict[str, float]:

@@ -97,7 +97,7 @@ class DropOne:
             Key,
         )
 
-        from fedlr import protocol
+        from fedlr.wire import protocol
 
         if not reply.has_content() or not str(
             instruction.metadata.message_type
@@ -122,8 +122,8 @@ class DropOne:
         return reply
 
     def _measure(self, server_round: int, instruction: Any, reply: Any) -> None:
-        from fedlr import protocol
         from fedlr.flower.records import record_to_state
+        from fedlr.wire import protocol
 
         sent = record_to_state(reply.content.array_records[protocol.ARRAYS])
         base_record = instruction.content.array_records.get(protocol.ARRAYS)

@@ -74,14 +74,14 @@ from matplotlib.figure import Figure
 from scipy import stats
 
 from fedlr.adapters.roles import Role
-from fedlr.compare import quiet_in_process
-from fedlr.config import RunConfig
+from fedlr.config.run import RunConfig
 from fedlr.flower.records import record_to_state
-from fedlr.protocol import ARRAYS, CONFIG, METRICS, NUM_EXAMPLES, SERVER_ROUND
-from fedlr.robust import ProductSpace
+from fedlr.robust.spaces import ProductSpace
+from fedlr.runs.compare import quiet_in_process
 from fedlr.server_apps.local import run_in_process
-from fedlr.tasks import text_task
-from fedlr.updates import ClientUpdate
+from fedlr.tasks.text import text_task
+from fedlr.wire.protocol import ARRAYS, CONFIG, METRICS, NUM_EXAMPLES, SERVER_ROUND
+from fedlr.wire.updates import ClientUpdate
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "outputs" / "drift-grid"
@@ -155,7 +155,7 @@ def cell_config(
 def split_ok(dataset: str, seed: int, settings: Mapping[str, Any] = SETTINGS) -> bool:
     """Whether ``seed``'s split of ``dataset`` gives every client its minimum.
 
-    The split is the one a run builds (:meth:`fedlr.tasks.TextTask.split`,
+    The split is the one a run builds (:meth:`fedlr.tasks.text.TextTask.split`,
     cached per process); a split that cannot give every partition
     ``min-partition-size`` rows raises the run's ``ValueError`` before any
     training, and is ``False`` here.
@@ -252,7 +252,7 @@ def drift_of(
     ||u_bar||`` with ``u_i = B_i A_i - B A`` per layer (``reference`` holds
     ``A``, ``B``), ``u_bar = sum_i w_i u_i`` and ``w_i = weight_i / sum
     weight``. From the k x k Gram matrix of the updates
-    (:class:`fedlr.robust.ProductSpace`, r x r products per pair).
+    (:class:`fedlr.robust.rules.ProductSpace`, r x r products per pair).
     """
     if not updates:
         raise ValueError("drift_of needs at least one update")

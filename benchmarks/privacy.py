@@ -26,7 +26,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from fedlr.compare import collect, load_run
+from fedlr.runs.compare import collect, load_run
 
 NO_DP = "no DP"
 CLAIMS = (("ffa-lora", "fedavg-lora"), ("fedsvd", "ffa-lora"))

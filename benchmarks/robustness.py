@@ -7,7 +7,7 @@ table [--out DIR]``.
 The default task (fedex-lora, MiniLM with LoRA r = 8 on polarity, Dirichlet
 0.5) with five clients, in process
 (:func:`fedlr.server_apps.local.run_in_process`), under each rule of
-:data:`fedlr.robust.ROBUST_RULES`. Each run is one of:
+:data:`fedlr.robust.rules.ROBUST_RULES`. Each run is one of:
 
 * ``clean``: five honest clients (the accuracy a rule costs without attack);
 * ``<attack>-<m>of5``: the last ``m`` partitions (1 or 2) collude. They train
@@ -55,13 +55,15 @@ import pandas as pd
 import torch
 from flwr.app import Message, MessageType, MetricRecord, RecordDict
 
-from fedlr import protocol
-from fedlr.compare import parse_overrides
 from fedlr.flower.records import record_to_state, state_to_record
-from fedlr.robust import DEFAULT_SCREEN_RATIO, ROBUST_RULES, ProductSpace
+from fedlr.robust.rules import ROBUST_RULES
+from fedlr.robust.screen import DEFAULT_SCREEN_RATIO
+from fedlr.robust.spaces import ProductSpace
+from fedlr.runs.compare import parse_overrides
 from fedlr.server_apps.builtin_plans import build_plan
 from fedlr.server_apps.local import run_in_process
 from fedlr.strategies.registry import resolve
+from fedlr.wire import protocol
 
 ATTACKS = ("sign-flip", "alie", "under-the-clip", "under-the-cap")
 NUM_CLIENTS = 5
@@ -182,7 +184,7 @@ def _delta(
 def _update(
     ref: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]
 ) -> SimpleNamespace:
-    """What :class:`~fedlr.robust.ProductSpace` measures: the sent arrays."""
+    """What :class:`~fedlr.robust.rules.ProductSpace` measures: the sent arrays."""
     arrays = {k: ref[k].double() + d if k in ref else d for k, d in delta.items()}
     return SimpleNamespace(arrays=arrays)
 

@@ -33,11 +33,11 @@ _LAZY = {
     "lora_layout": "fedlr.adapters",
     "LoraModule": "fedlr.adapters",
     "Role": "fedlr.adapters",
-    "RunConfig": "fedlr.config",
+    "RunConfig": "fedlr.config.run",
     "InProcessGrid": "fedlr.flower",
-    "ClientRound": "fedlr.client",
-    "apply_round": "fedlr.client",
-    "RobustConfig": "fedlr.robust",
+    "ClientRound": "fedlr.client.round",
+    "apply_round": "fedlr.client.round",
+    "RobustConfig": "fedlr.robust.rules",
     "SorfVeraSettings": "fedlr.adapters",
     "build_sorf_vera_model": "fedlr.adapters",
 }
@@ -51,7 +51,7 @@ def _strategies() -> dict[str, Any]:
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        if _LAZY[name] == "fedlr.client":  # its client features: every method's
+        if _LAZY[name] == "fedlr.client.round":  # its client features: every method's
             _strategies()
         return getattr(importlib.import_module(_LAZY[name]), name)
     if name == "__all__":

@@ -109,7 +109,7 @@ class ReplyValidationError(FedLRError, ValueError):
 
 
 class ProtocolError(FedLRError, ValueError):
-    """A message breaks fedlr's wire protocol (:mod:`fedlr.protocol`).
+    """A message breaks fedlr's wire protocol (:mod:`fedlr.wire.protocol`).
 
     Raised on either side: a record with the wrong keys, shapes or values, or
     a ConfigRecord value that does not decode. On the server the strategy turns
@@ -121,7 +121,7 @@ class InstructionError(ProtocolError):
     """A node refuses an instruction: a value or array outside what it accepts.
 
     Raised before the node changes anything (its model, its ``context.state``)
-    by :mod:`fedlr.instruction_checks`; fedlr's ClientApp answers it with an
+    by :mod:`fedlr.wire.checks`; fedlr's ClientApp answers it with an
     error reply naming the key, and the node serves the next round as before.
 
     Parameters
@@ -168,7 +168,7 @@ class BaseOutOfSyncError(ProtocolError):
 
     It keeps none (its state was lost), older ones than the changes sent start
     from, or its result fails the server's checksum
-    (:func:`fedlr.downlink.receive_base`). The node's reply is an error; the
+    (:func:`fedlr.wire.downlink.receive_base`). The node's reply is an error; the
     server drops it and sends that node the dense base weights next time.
     """
 
@@ -256,7 +256,7 @@ class BaseMismatchError(FedLRError, ValueError):
     base weights of every adapted layer (and of adapter factors that never
     travel, FFA-LoRA's ``A``), and :func:`fedlr.apply_round` and
     ``strategy.load_into`` refuse a model whose own differ
-    (:mod:`fedlr.fingerprint`).
+    (:mod:`fedlr.wire.fingerprint`).
     """
 
 
@@ -317,7 +317,7 @@ class RecordTypeError(RecordError, TypeError):
 class UnsupportedModelError(FedLRError, TypeError):
     """A model that fedlr's plug-in helpers cannot adapt.
 
-    The helpers (:mod:`fedlr.client`, a strategy's ``for_model``,
+    The helpers (:mod:`fedlr.client.round`, a strategy's ``for_model``,
     ``initial_arrays`` and ``load_into``) take a peft ``PeftModel`` with LoRA
     (``LoraConfig``) or VeRA (``VeraConfig``) on ``nn.Linear`` or
     ``transformers`` ``Conv1D`` (GPT-2) layers, or a

@@ -1,6 +1,6 @@
 """The client features' rows of the docs, generated from their declarations.
 
-A client feature (:class:`fedlr.features.ClientFeature`) declares its wire
+A client feature (:class:`fedlr.client.features.ClientFeature`) declares its wire
 keys with their bounds, its node state, the extra records it receives and
 sends, its reply metrics and whether its loss term reads the data; a method's
 registration adds the records its own client handler sends
@@ -10,7 +10,7 @@ from those declarations, between markers
 ``<!-- end generated -->``:
 
 - ``docs/reliability.md``, ``instruction-keys``: every ConfigRecord key a
-  node checks (the common round's :data:`~fedlr.instruction_checks.BOUNDS`,
+  node checks (the common round's :data:`~fedlr.wire.checks.BOUNDS`,
   then each feature's), what it accepts and who reads it;
 - ``docs/reliability.md``, ``client-features``: each feature's methods, node
   state, records and metrics;
@@ -29,12 +29,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from fedlr.client.features import ClientFeature, Record, common_features
 from fedlr.errors import PrivacyUnsupportedError
-from fedlr.features import ClientFeature, Record, common_features
-from fedlr.instruction_checks import BOUNDS, declared_keys
 from fedlr.privacy.refusals import check_privacy, dp_sgd_conflict, reply_records
 from fedlr.privacy.settings import ClientDpSettings, DpSgdSettings, PrivacyConfig
 from fedlr.strategies.registry import MethodSpec, client_features, registered_methods
+from fedlr.wire.checks import BOUNDS, declared_keys
 
 __all__ = [
     "END",
@@ -89,9 +89,7 @@ def render_keys() -> str:
     features = {f"{f.__module__}.{f.__qualname__}": f for f in client_features()}
     users = _users(features.values())
     lines = [
-        *_do_not_edit(
-            "fedlr/instruction_checks.py's BOUNDS and the client features' keys"
-        ),
+        *_do_not_edit("fedlr/wire/checks.py's BOUNDS and the client features' keys"),
         "| key | accepted | read by |",
         "|---|---|---|",
     ]

@@ -1,6 +1,6 @@
 """A plug-in user's own adapted model, seen through fedlr's declared roles.
 
-fedlr's client helpers (:mod:`fedlr.client`) and the strategies' plug-in
+fedlr's client helpers (:mod:`fedlr.client.round`) and the strategies' plug-in
 methods (``for_model``, ``initial_arrays``, ``load_into``) take the model a
 user built themselves:
 

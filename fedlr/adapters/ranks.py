@@ -1,7 +1,7 @@
 """Heterogeneous LoRA ranks: the tensor rules both sides apply.
 
 The instruction keys that switch these rules on are named elsewhere
-(``leading-rank`` in :mod:`fedlr.protocol`, ``fold-tail`` and
+(``leading-rank`` in :mod:`fedlr.wire.protocol`, ``fold-tail`` and
 ``prune-gamma`` with the client features that read them); the math lives
 here, on layouts and tensors, with no Flower import:
 
@@ -23,7 +23,7 @@ from fedlr.errors import ProtocolError
 
 __all__ = ["fold_tail", "leading_rank", "pruned_rank"]
 
-# The instruction keys of these rules (named where they are read: fedlr.pruning,
+# The instruction keys of these rules (named where they are read: fedlr.client.pruning,
 # fedlr.strategies.fedex_lora; this module stays free of Flower and of the
 # strategies, so it spells them here for its messages).
 FOLD_TAIL = "fold-tail"
@@ -38,7 +38,7 @@ def leading_rank(
     A layer of rank ``r`` sent ``A`` (R, d_in) and ``B`` (d_out, R) with
     ``R > r`` keeps ``A[:r]`` and ``B[:, :r]`` times ``sqrt(r / R)``: then
     ``(alpha / r) B A`` is the rank-``r`` leading part of ``(alpha / R) B_R A_R``.
-    The rule of :data:`fedlr.protocol.LEADING_RANK`: nodes apply it to what
+    The rule of :data:`fedlr.wire.protocol.LEADING_RANK`: nodes apply it to what
     they receive, the server to what it sends a node of known rank.
     """
     out = dict(received)
@@ -58,7 +58,7 @@ def leading_rank(
 def pruned_rank(rank: int, gamma: float) -> int:
     """The rank a node of rank ``r`` prunes itself to: ``max(1, floor(gamma r))``.
 
-    The rule of :data:`fedlr.pruning.PRUNE_GAMMA` (up to a rounding allowance
+    The rule of :data:`fedlr.client.pruning.PRUNE_GAMMA` (up to a rounding allowance
     of ``1e-9``, so that ``floor(0.57 * 100)`` is 57 although ``0.57 * 100`` is
     56.99999999999999 in floating point).
 

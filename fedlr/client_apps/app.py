@@ -2,7 +2,7 @@
 
 ``[tool.flwr.app.components] clientapp = "client_apps.app:app"`` names it. The
 run config's ``method`` is looked up in the registry; its payload kind
-(:mod:`fedlr.payloads`) holds the ``train`` and ``evaluate`` handlers. An
+(:mod:`fedlr.wire.payloads`) holds the ``train`` and ``evaluate`` handlers. An
 instruction the node refuses is answered with an error reply naming the key
 (:func:`refuse_bad_instructions`).
 """
@@ -18,14 +18,14 @@ from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.constant import ErrorCode
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
-from fedlr import protocol
 from fedlr.client_apps.secagg import secagg_mod
-from fedlr.config import RunConfig
+from fedlr.config.run import RunConfig
 from fedlr.errors import InstructionError, NodePolicyError
 from fedlr.flower.records import config_float
 from fedlr.privacy.dp_sgd import DP_MAX_GRAD_NORM
 from fedlr.privacy.node_policy import node_policy
 from fedlr.strategies.registry import PayloadKind, get_method
+from fedlr.wire import protocol
 
 __all__ = ["app", "enforce_node_policy", "refuse_bad_instructions"]
 
@@ -38,7 +38,7 @@ def refuse_bad_instructions(
     """A Flower client mod: an instruction the node refuses gets an error reply.
 
     The handlers check an instruction before they change anything
-    (:mod:`fedlr.instruction_checks`); an
+    (:mod:`fedlr.wire.checks`); an
     :class:`~fedlr.errors.InstructionError` becomes an error reply whose
     reason names the key, the node logs it and serves the next round as
     before. Other exceptions are left to Flower (an error reply too).

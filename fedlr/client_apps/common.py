@@ -12,14 +12,14 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.app import MetricRecordValues as Values
 from torch import nn
 
-from fedlr import protocol
-from fedlr.config import RunConfig
+from fedlr.client.train import TrainSettings, pick_device
+from fedlr.config.run import RunConfig
 from fedlr.data.images import ImageData
 from fedlr.errors import ConfigError
 from fedlr.flower.records import config_float, config_int
-from fedlr.image_task import evaluate_images
-from fedlr.instruction_checks import NodeLimits, check_value
-from fedlr.train import TrainSettings, pick_device
+from fedlr.tasks.image import evaluate_images
+from fedlr.wire import protocol
+from fedlr.wire.checks import NodeLimits, check_value
 
 __all__ = ["image_evaluate_reply", "partition_of", "train_settings"]
 
@@ -65,7 +65,7 @@ def train_settings(
     """Local training settings of a round: the ConfigRecord's, else the run config's.
 
     The values used, wherever they come from, are within the node's
-    ``limits`` (:data:`fedlr.instruction_checks.BOUNDS`).
+    ``limits`` (:data:`fedlr.wire.checks.BOUNDS`).
 
     Raises
     ------

@@ -26,20 +26,13 @@ import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.app import MetricRecordValues as Values
 
-from fedlr import protocol
+from fedlr.client.train import client_seed, pick_device
 from fedlr.client_apps.common import (
     image_evaluate_reply,
     partition_of,
     train_settings,
 )
-from fedlr.config import RunConfig
-from fedlr.continual import (
-    ContinualOptions,
-    build_continual_model,
-    sketch_layer_inputs,
-    stream_from_config,
-    task_view,
-)
+from fedlr.config.run import RunConfig
 from fedlr.data.continual import ContinualStream
 from fedlr.errors import InstructionError
 from fedlr.flower.records import (
@@ -48,10 +41,17 @@ from fedlr.flower.records import (
     config_record,
     state_to_record,
 )
-from fedlr.image_task import train_sgd
-from fedlr.instruction_checks import NodeLimits, check_config, decode_checked
 from fedlr.models.vision import VisionModel
-from fedlr.train import client_seed, pick_device
+from fedlr.tasks.continual import (
+    ContinualOptions,
+    build_continual_model,
+    sketch_layer_inputs,
+    stream_from_config,
+    task_view,
+)
+from fedlr.tasks.image import train_sgd
+from fedlr.wire import protocol
+from fedlr.wire.checks import NodeLimits, check_config, decode_checked
 
 __all__ = ["evaluate_message", "train_message"]
 
@@ -104,7 +104,7 @@ def _checked(
     """The instruction's weights and bases, checked before anything is decoded.
 
     The ConfigRecord (if any) against :data:`BOUNDS
-    <fedlr.instruction_checks.BOUNDS>` (``sketch-dim`` at most the widest
+    <fedlr.wire.checks.BOUNDS>` (``sketch-dim`` at most the widest
     projected layer's ``d``, tasks within the run's); ``arrays`` exactly the
     model's state; ``bases`` one ``(d, k)`` basis, ``1 <= k <= d``, per
     projected layer at most.

@@ -9,20 +9,20 @@ node and replies with ``personal-gram``), ``client-svd`` (Local SVD),
 ``personal-split``, ``proximal-mu`` (FedProx-LoRA), ``leading-rank`` and
 HetLoRA's ``prune-gamma``, ``prune-lambda`` (rank self-pruning); an optional
 ArrayRecord ``personal``, Global SVD's per-node factor) is applied by
-:func:`fedlr.client.apply_round`, the node trains its partition with AdamW
+:func:`fedlr.client.round.apply_round`, the node trains its partition with AdamW
 and replies with exactly the ``train-roles`` arrays (at its pruned rank when
 it prunes) and a MetricRecord with ``num-examples``, ``train-loss``,
 ``partition-id`` (and ``personal-loaded`` for personalised methods,
-``rank-pruned`` with pruning). :mod:`fedlr.protocol` names every key.
+``rank-pruned`` with pruning). :mod:`fedlr.wire.protocol` names every key.
 """
 
 from __future__ import annotations
 
 from fedlr.adapters.lora import LoraModel
 from fedlr.client_apps.text import TextClient
-from fedlr.config import RunConfig
-from fedlr.options import NoOptions
-from fedlr.tasks import text_task
+from fedlr.config.options import NoOptions
+from fedlr.config.run import RunConfig
+from fedlr.tasks.text import text_task
 
 __all__ = ["CLIENT", "evaluate_message", "train_message"]
 

@@ -25,13 +25,13 @@ import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.app import MetricRecordValues as Values
 
-from fedlr import protocol
+from fedlr.client.train import client_seed, pick_device
 from fedlr.client_apps.common import (
     image_evaluate_reply,
     partition_of,
     train_settings,
 )
-from fedlr.config import RunConfig
+from fedlr.config.run import RunConfig
 from fedlr.data.images import ImageData
 from fedlr.flower.records import (
     array_record,
@@ -39,11 +39,11 @@ from fedlr.flower.records import (
     config_record,
     state_to_record,
 )
-from fedlr.image_task import EigenOptions, ImageTask, train_sgd
-from fedlr.instruction_checks import NodeLimits, check_config, decode_checked
 from fedlr.linalg.qrmix import fc_flatten, fc_hessian_eigenpairs
 from fedlr.models.vision import VisionModel
-from fedlr.train import client_seed, pick_device
+from fedlr.tasks.image import EigenOptions, ImageTask, train_sgd
+from fedlr.wire import protocol
+from fedlr.wire.checks import NodeLimits, check_config, decode_checked
 
 __all__ = ["evaluate_message", "head_features", "train_message"]
 
@@ -96,7 +96,7 @@ def _checked_state(
     """The instruction's parameters, checked against the model before decoding.
 
     The ConfigRecord (if any) is checked against :data:`BOUNDS
-    <fedlr.instruction_checks.BOUNDS>`; ``arrays`` must hold exactly the
+    <fedlr.wire.checks.BOUNDS>`; ``arrays`` must hold exactly the
     model's parameters, with their shapes.
     """
     limits = NodeLimits.of_node(context.node_config)

@@ -50,13 +50,13 @@ from flwr.client.mod import secaggplus_mod
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
-from fedlr import protocol
 from fedlr.client_apps.secagg_guard import secagg_guard
-from fedlr.config import RunConfig
+from fedlr.config.run import RunConfig
 from fedlr.errors import ProtocolError
 from fedlr.privacy import distributed_dp as ddp
 from fedlr.privacy.node_policy import node_policy
 from fedlr.privacy.secagg import SecureScalars, flatten_summands
+from fedlr.wire import protocol
 
 __all__ = [
     "DP_THRESHOLD",

@@ -9,7 +9,7 @@ node), ``sorf_d_scale``, ``sorf_d_angles`` and the head; the node trains
 from __future__ import annotations
 
 from fedlr.client_apps.text import TextClient
-from fedlr.vera_tasks import SorfVeraOptions, build_sorf_vera_text_model
+from fedlr.tasks.vera import SorfVeraOptions, build_sorf_vera_text_model
 
 __all__ = ["CLIENT", "evaluate_message", "train_message"]
 

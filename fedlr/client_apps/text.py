@@ -2,11 +2,11 @@
 
 The three kinds differ only in the model they build and the options they
 read; the round itself is the public client side a plug-in user has
-(:func:`fedlr.client.apply_round`): load the instruction's arrays into the
+(:func:`fedlr.client.round.apply_round`): load the instruction's arrays into the
 model (rank and scaling, personal arrays, projection check, what trains),
 train on the node's partition with fedlr's loop, reply with
-:meth:`~fedlr.client.ClientRound.reply`. So fedlr's own clients and a user's
-follow one protocol (:mod:`fedlr.protocol`) by construction.
+:meth:`~fedlr.client.round.ClientRound.reply`. So fedlr's own clients and a user's
+follow one protocol (:mod:`fedlr.wire.protocol`) by construction.
 
 Data: a node trains on its whole partition, or, when the strategy asks for
 ``personal-split`` (personalised methods), on its own train part, and
@@ -20,17 +20,17 @@ from typing import Generic, TypeVar
 
 from flwr.app import Context, Message
 
-from fedlr import protocol
 from fedlr.adapters.roles import AdaptedModel
-from fedlr.client import ClientRound, apply_round
+from fedlr.client.round import ClientRound, apply_round
+from fedlr.client.train import EncodedText, client_seed, pick_device, train_steps
 from fedlr.client_apps.common import partition_of, train_settings
-from fedlr.config import RunConfig
+from fedlr.config.options import Options
+from fedlr.config.run import RunConfig
 from fedlr.errors import InstructionError
-from fedlr.instruction_checks import NodeLimits
-from fedlr.lm import EncodedInstructions
-from fedlr.options import Options
-from fedlr.tasks import text_task
-from fedlr.train import EncodedText, client_seed, pick_device, train_steps
+from fedlr.tasks.lm import EncodedInstructions
+from fedlr.tasks.text import text_task
+from fedlr.wire import protocol
+from fedlr.wire.checks import NodeLimits
 
 __all__ = ["TextClient"]
 
@@ -130,7 +130,7 @@ class TextClient(Generic[O]):
         pid, num = partition_of(context, config)
         # The node's own rank (its client-ranks entry, else lora-rank): the
         # model is cached per configured rank. The rank the round trains at
-        # is decided by apply_round (fedlr.pruning.round_rank), whatever an
+        # is decided by apply_round (fedlr.client.pruning.round_rank), whatever an
         # earlier node served by this model was given or pruned itself to.
         rank = config.rank_for(pid)
         model_config = config.replace(lora_rank=rank) if config.rank_list else config

@@ -12,7 +12,7 @@ drops it. The reply echoes both in its MetricRecord. Clients train with
 from __future__ import annotations
 
 from fedlr.client_apps.text import TextClient
-from fedlr.vera_tasks import VeraOptions, build_vera_text_model
+from fedlr.tasks.vera import VeraOptions, build_vera_text_model
 
 __all__ = ["CLIENT", "evaluate_message", "train_message"]
 

@@ -1,6 +1,6 @@
 """Images as tensors: the pair every image source hands to the vision loops.
 
-:class:`ImageData` is what the image task (:mod:`fedlr.image_task`) and the
+:class:`ImageData` is what the image task (:mod:`fedlr.tasks.image`) and the
 continual streams (:mod:`fedlr.data.continual`) return: normalised float32
 images and int64 labels. :func:`to_image_data` turns the registry's ``uint8``
 pixels into one, normalised per channel by :data:`NORMALISATION`. It lives in

@@ -10,7 +10,7 @@ data set and the :class:`~fedlr.data.partition.PartitionConfig`.
 
 The settings are read by attribute (:class:`SplitSettings`), so the data
 layer needs nothing from the run config's module: a
-:class:`~fedlr.config.RunConfig` is one.
+:class:`~fedlr.config.run.RunConfig` is one.
 """
 
 from __future__ import annotations

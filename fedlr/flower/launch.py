@@ -314,7 +314,7 @@ def check_before_start(
     ConfigError
         Naming the key (or the ``--option``) that would be refused.
     """
-    from fedlr.tracking import check_tracker_installed
+    from fedlr.runs.tracking import check_tracker_installed
 
     run = method.run
     _check_dataset(method)

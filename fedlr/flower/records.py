@@ -95,7 +95,7 @@ def record_views(record: ArrayRecord, keys: Iterable[str]) -> dict[str, torch.Te
     is seconds per call. The tensors share memory with the immutable
     ``bytes`` of each ``Array``: never write to them. Arrays not serialised
     as ``numpy.ndarray`` are decoded with a copy. Not for untrusted replies
-    (:func:`fedlr.protocol.decode_array` checks those).
+    (:func:`fedlr.wire.protocol.decode_array` checks those).
     """
     return {key: _payload_view(record[key]) for key in keys}
 

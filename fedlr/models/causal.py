@@ -61,12 +61,12 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-from fedlr.config import PRECISIONS, QUANTIZATIONS
+from fedlr.client.train import pad_rows
+from fedlr.config.run import PRECISIONS, QUANTIZATIONS
 from fedlr.data.assets import cache_dir
 from fedlr.data.instruct_text import build_tokenizer, tokenizer_path
 from fedlr.data.instructions import DATASET_NAME, _digest, make_splits
 from fedlr.errors import ConfigError
-from fedlr.train import pad_rows
 
 __all__ = [
     "CAUSAL_MODELS",

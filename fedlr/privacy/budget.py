@@ -45,7 +45,7 @@ def data_key(data: Any, chunk: int = 4096) -> str:
 
     Parameters
     ----------
-    data : fedlr.train.TrainData
+    data : fedlr.client.train.TrainData
         ``len(data)`` examples; ``data.batch(indices)`` a dict of tensors.
     chunk : int
         Examples hashed per batch.

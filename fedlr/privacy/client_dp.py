@@ -62,7 +62,7 @@ The noise is added to every update (``x_i + xi`` for one draw ``xi``), so a
 kernel that averages them with equal weights gets ``mean + xi`` exactly.
 Values computed from the replies without noise (``train-loss``, the gaps,
 client counts) are outside the epsilon
-(:func:`fedlr.results.privacy_summary` names them in ``summary.json``).
+(:func:`fedlr.runs.results.privacy_summary` names them in ``summary.json``).
 
 References
 ----------
@@ -84,8 +84,8 @@ from fedlr.errors import CheckpointError, PrivacyUnsupportedError
 from fedlr.privacy.accounting import History, epsilon
 from fedlr.privacy.randomness import secure_generator, seeded_generator
 from fedlr.privacy.settings import ClientDpSettings, PrivacyConfig, default_delta
-from fedlr.robust import ParameterSpace
-from fedlr.updates import ClientUpdate
+from fedlr.robust.spaces import ParameterSpace
+from fedlr.wire.updates import ClientUpdate
 
 if TYPE_CHECKING:
     pass

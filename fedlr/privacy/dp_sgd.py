@@ -23,7 +23,7 @@ the round's clients). With a budget ``dp-epsilon`` and no
 more than the budget refuses to train (:class:`~fedlr.errors.PrivacyBudgetError`,
 an error reply naming ``dp-epsilon``).
 
-The feature is a *common* client feature (:func:`fedlr.features.common_feature`):
+The feature is a *common* client feature (:func:`fedlr.client.features.common_feature`):
 every method gets it when its instruction carries ``dp-max-grad-norm`` > 0.
 It serves LoRA models only (VeRA and SORF-VeRA are refused with
 :class:`~fedlr.errors.PrivacyUnsupportedError`).
@@ -31,7 +31,7 @@ It serves LoRA models only (VeRA and SORF-VeRA are refused with
 Loss terms that read no data. A client feature's loss term that is a function
 of the parameters and of what the node received or kept, not of its examples
 (FedProx's proximal term ``(mu / 2) ||w - w_g||^2``, HetLoRA's tail
-regulariser; :attr:`fedlr.features.ClientFeature.loss_reads_data` ``False``),
+regulariser; :attr:`fedlr.client.features.ClientFeature.loss_reads_data` ``False``),
 composes with DP-SGD: each step's update direction is
 
     (sum_i clip_C(g_i) + N(0, sigma^2 C^2 I)) / (q n) + grad R(w),
@@ -46,7 +46,7 @@ step is post-processing of the Gaussian mechanism and the accountant's
 ``(sigma, q, steps)`` are unchanged. A term that reads the data, or a
 gradient transform (SCAFFOLD's correction), is refused: the clipping would
 not bound it (at configuration, :func:`fedlr.privacy.refusals.check_privacy`,
-and again on the node, :meth:`fedlr.client.ClientRound.loop_control`).
+and again on the node, :meth:`fedlr.client.round.ClientRound.loop_control`).
 
 References
 ----------
@@ -64,13 +64,14 @@ import torch.nn.functional as F
 from flwr.app import ConfigRecord, RecordDict
 
 from fedlr.adapters.lora import LoraModel
+from fedlr.client.features import ClientFeature, Record, RoundJob, common_feature
+from fedlr.client.train import TrainData, TrainSettings
 from fedlr.errors import (
     ConfigError,
     PrivacyBudgetError,
     PrivacyUnsupportedError,
     ProtocolError,
 )
-from fedlr.features import ClientFeature, Record, RoundJob, common_feature
 from fedlr.flower.records import config_float, config_int
 from fedlr.privacy.accounting import History, epsilon, noise_multiplier_for
 from fedlr.privacy.backend import opacus_api
@@ -78,8 +79,7 @@ from fedlr.privacy.budget import PrivacyLedger, data_key
 from fedlr.privacy.node_policy import NodePolicy, node_policy
 from fedlr.privacy.randomness import secure_generator, seeded_generator
 from fedlr.privacy.settings import DpSgdSettings
-from fedlr.protocol import SERVER_ROUND
-from fedlr.train import TrainData, TrainSettings
+from fedlr.wire.protocol import SERVER_ROUND
 
 __all__ = [
     "DP_ACCOUNTANT",
@@ -203,7 +203,7 @@ def sample_mean_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
 
 
 class PrivateLoop:
-    """DP-SGD's :class:`~fedlr.train.LoopControl`: one node's training loop.
+    """DP-SGD's :class:`~fedlr.client.train.LoopControl`: one node's training loop.
 
     Parameters
     ----------
@@ -220,7 +220,7 @@ class PrivateLoop:
     regulariser : callable, optional
         ``R()``, a scalar function of the trained parameters that reads no
         data (the round's data-independent loss terms,
-        :meth:`fedlr.client.ClientRound.penalty`): its gradient at the
+        :meth:`fedlr.client.round.ClientRound.penalty`): its gradient at the
         current parameters is added to each step's noised gradient, after
         the clipping and noise, before the optimizer's step (the module
         docstring). ``None``: none.
@@ -510,7 +510,7 @@ class DpSgd(ClientFeature):
         """The private loop; the round's loss terms become its regulariser
         (their gradient is added after the clipping and noise).
 
-        :meth:`fedlr.client.ClientRound.loop_control` refuses a round whose
+        :meth:`fedlr.client.round.ClientRound.loop_control` refuses a round whose
         terms read the data before the loop starts.
         """
         self.control.regulariser = job.penalty if job.has_penalty else None
@@ -527,7 +527,7 @@ class DpSgd(ClientFeature):
         if len(control.history) == self.rounds_before:
             raise ProtocolError(
                 f"{DP_MAX_GRAD_NORM} is set but no private step ran: train with "
-                "fedlr.train.train_steps(..., control=job.loop_control())"
+                "fedlr.client.train.train_steps(..., control=job.loop_control())"
             )
         metrics[DP_EPSILON_SPENT] = control.spent()
         metrics[DP_EPSILON_RUN] = control.spent_this_run()

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from fedlr.errors import ConfigError, PrivacyUnsupportedError
 from fedlr.privacy.settings import PrivacyConfig
-from fedlr.robust import RobustConfig
+from fedlr.robust.rules import RobustConfig
 
 if TYPE_CHECKING:
-    from fedlr.features import ClientFeature, Record
+    from fedlr.client.features import ClientFeature, Record
 
 __all__ = ["check_privacy", "check_robust", "dp_sgd_conflict", "reply_records"]
 
@@ -36,7 +36,7 @@ def check_privacy(
 
     Read from the method's registration: its payload kind, its ``sum_only``
     trait, its client features' traits
-    (:class:`fedlr.features.ClientFeature`: what each adds to local training
+    (:class:`fedlr.client.features.ClientFeature`: what each adds to local training
     under ``options``, whether a loss term reads the data, the extra records
     its replies carry) and the extra records the method's own client handler
     sends (``records``: FOT's sketches, QR-Mix's eigenpairs).
@@ -111,9 +111,10 @@ def dp_sgd_conflict(feature: type[ClientFeature], options: Any) -> str | None:
     """What ``feature`` adds to local training that DP-SGD cannot serve, or
     ``None``.
 
-    A feature's training change (:meth:`~fedlr.features.ClientFeature.training_change`)
+    A feature's training change
+    (:meth:`~fedlr.client.features.ClientFeature.training_change`)
     is served when it is only a loss term that reads no data
-    (:attr:`~fedlr.features.ClientFeature.loss_reads_data` ``False``): DP-SGD
+    (:attr:`~fedlr.client.features.ClientFeature.loss_reads_data` ``False``): DP-SGD
     adds its gradient after the per-example clipping and noise
     (:mod:`fedlr.privacy.dp_sgd`). A gradient transform, or a loss term that
     reads the data, is not: the clipping would not bound it.
@@ -132,7 +133,7 @@ def reply_records(
     features: Sequence[type[ClientFeature]], records: Sequence[Record] = ()
 ) -> list[tuple[str, Record]]:
     """The extra records a method's replies may carry, each with who sends it:
-    its client features' (:attr:`~fedlr.features.ClientFeature.sends`) and
+    its client features' (:attr:`~fedlr.client.features.ClientFeature.sends`) and
     ``records`` (the method's own client handler's)."""
     sent = [(f.__name__, r) for f in features for r in f.sends]
     return sent + [("the method's client", r) for r in records]

@@ -11,7 +11,7 @@ Two independent mechanisms (:doc:`docs/privacy.md <privacy>`):
   fixed-denominator mean (:mod:`fedlr.privacy.client_dp`).
 
 Nothing here imports Opacus or Flower; the run config
-(:class:`fedlr.config.RunConfig`) builds these from its keys.
+(:class:`fedlr.config.run.RunConfig`) builds these from its keys.
 """
 
 from __future__ import annotations

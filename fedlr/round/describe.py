@@ -8,7 +8,7 @@ from typing import Any
 
 from flwr.supercore import log
 
-from fedlr.config import RunConfig
+from fedlr.config.run import RunConfig
 
 __all__ = ["app_arguments", "log_summary", "settings"]
 

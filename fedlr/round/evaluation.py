@@ -17,10 +17,10 @@ from typing import Any
 from flwr.app import Message, MetricRecord, RecordDict
 from flwr.supercore import log
 
-from fedlr import protocol
 from fedlr.errors import ReplyValidationError
 from fedlr.round.pipeline import merged_metrics
 from fedlr.round.publish import without_helper_metrics
+from fedlr.wire import protocol
 
 __all__ = [
     "NO_EVALUATE_HANDLER",
@@ -55,7 +55,7 @@ def aggregate_evaluation(
     A reply carries a MetricRecord only (no arrays needed); an error reply
     or one without exactly one MetricRecord and a positive integer weight
     is dropped with a logged reason. ``None`` when no reply is valid. The
-    helpers' ids and flags (:data:`fedlr.protocol.HELPER_METRICS`) are not
+    helpers' ids and flags (:data:`fedlr.wire.protocol.HELPER_METRICS`) are not
     averaged.
 
     When ``evaluate`` was not given and every reply is Flower's ``No

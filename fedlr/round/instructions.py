@@ -24,9 +24,9 @@ from flwr.serverapp.strategy import FedAvg
 from fedlr.adapters.plugin import warn_unsaved_heads
 from fedlr.adapters.roles import AdaptedModel, RoleLayout
 from fedlr.errors import InitialArraysError
-from fedlr.fingerprint import check_model, fingerprint_roles, model_fingerprint
 from fedlr.flower.records import record_nbytes
-from fedlr.protocol import LR, encode_roles
+from fedlr.wire.fingerprint import check_model, fingerprint_roles, model_fingerprint
+from fedlr.wire.protocol import LR, encode_roles
 
 __all__ = [
     "bind_model",
@@ -220,7 +220,7 @@ def bind_model(strategy: Any, view: AdaptedModel) -> None:
 
     Sets ``strategy.base_fingerprint``, the frozen base weights of every
     adapted layer and the adapter factors that never travel, as built
-    (:mod:`fedlr.fingerprint`), sent with every instruction, and warns about
+    (:mod:`fedlr.wire.fingerprint`), sent with every instruction, and warns about
     a task head fedlr would never send
     (:func:`~fedlr.adapters.plugin.warn_unsaved_heads`).
     """

@@ -29,7 +29,6 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from fedlr.flower.records import record_to_state, state_to_record
-from fedlr.protocol import NUM_EXAMPLES, TRAIN_LOSS_ALIASES
 from fedlr.round.protect import Protected, protection_steps
 from fedlr.round.publish import (
     RoundReport,
@@ -39,6 +38,7 @@ from fedlr.round.publish import (
     round_metrics,
 )
 from fedlr.round.replies import short
+from fedlr.wire.protocol import NUM_EXAMPLES, TRAIN_LOSS_ALIASES
 
 __all__ = [
     "NUMERIC_FAULTS",

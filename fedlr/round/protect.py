@@ -20,9 +20,9 @@ import torch
 from flwr.supercore import log
 
 from fedlr.privacy.client_dp import protect
-from fedlr.robust import RobustConfig, robust_aggregate
+from fedlr.robust.rules import RobustConfig, robust_aggregate
 from fedlr.round.replies import Replies
-from fedlr.updates import ClientUpdate
+from fedlr.wire.updates import ClientUpdate
 
 __all__ = [
     "ClientDpStep",

@@ -18,14 +18,14 @@ from typing import Any
 import torch
 from flwr.app import MetricRecord, MetricRecordValues, RecordDict
 
-from fedlr.protocol import (
+from fedlr.wire.protocol import (
     HELPER_METRICS,
     NUM_EXAMPLES,
     TRAIN_LOSS,
     TRAIN_LOSS_ALIASES,
     train_loss_of,
 )
-from fedlr.updates import ClientUpdate
+from fedlr.wire.updates import ClientUpdate
 
 __all__ = [
     "RoundReport",
@@ -138,7 +138,7 @@ def check_new_state(
 def mean_train_loss(updates: list[ClientUpdate]) -> float:
     """Weighted mean training loss of the updates that report one, else NaN.
 
-    Either spelling counts (:data:`~fedlr.protocol.TRAIN_LOSS_ALIASES`); a
+    Either spelling counts (:data:`~fedlr.wire.protocol.TRAIN_LOSS_ALIASES`); a
     reported NaN or Inf is kept (a diverged client shows in the mean).
     """
     reported = [
@@ -237,7 +237,7 @@ def merge_metrics(
 
 
 def without_helper_metrics(content: RecordDict) -> RecordDict:
-    """``content`` with :data:`fedlr.protocol.HELPER_METRICS` left out of its
+    """``content`` with :data:`fedlr.wire.protocol.HELPER_METRICS` left out of its
     MetricRecords (a copy; the same object when it has none of them)."""
     if not any(
         key in record

@@ -4,7 +4,7 @@ Every reply a strategy aggregates goes through its :class:`Replies` step
 (``strategy.replies``, an instance of the strategy's ``replies_type``): one
 reply per instructed node (:meth:`~Replies.screen_replies`), then records,
 keys, shapes, dtypes, finiteness and the weight (:meth:`~Replies.validate_reply`,
-the arrays by :func:`fedlr.protocol.validate_arrays`). What passes becomes a
+the arrays by :func:`fedlr.wire.protocol.validate_arrays`). What passes becomes a
 :class:`ClientUpdate`; what does not is dropped with a reason naming the node,
 and nothing a client sends can raise past :meth:`~Replies.validate_replies`.
 Then the update-size screen (:meth:`~Replies.screen_update_sizes`,
@@ -33,14 +33,15 @@ from flwr.supercore import log
 
 from fedlr.errors import NoValidRepliesError, ProtocolError, ReplyValidationError
 from fedlr.flower.records import record_nbytes
-from fedlr.protocol import (
+from fedlr.robust.screen import ScreenOutcome, screen_sizes
+from fedlr.robust.spaces import ParameterSpace, UpdateSpace
+from fedlr.wire.protocol import (
     PARTITION_ID,
     TRAIN_ROLES,
     encode_roles,
     validate_arrays,
 )
-from fedlr.robust import ParameterSpace, ScreenOutcome, UpdateSpace, screen_sizes
-from fedlr.updates import ClientUpdate
+from fedlr.wire.updates import ClientUpdate
 
 __all__ = [
     "ClientUpdate",
@@ -215,13 +216,13 @@ class Replies:
     ) -> tuple[list[ClientUpdate], list[str]]:
         """Drop validated updates far larger than the round's median update.
 
-        :func:`fedlr.robust.screen_sizes` in the method's update space
+        :func:`fedlr.robust.screen.screen_sizes` in the method's update space
         (:meth:`robust_space` of ``current``) with :attr:`screen_ratio` (0:
         off). Kept in :attr:`last_screen` (every update's ratio).
 
         Under client-level DP each update is screened on its own, against
         ``screen_ratio`` times the current state's norm (what
-        :func:`~fedlr.robust.screen_sizes` does with one update): the round's
+        :func:`~fedlr.robust.screen.screen_sizes` does with one update): the round's
         median would let one client's update decide whether another's is
         dropped, an influence on the published mean beyond its own clipped
         ``C / m``. The screen only drops; the clipping that follows
@@ -297,7 +298,7 @@ class Replies:
     ) -> dict[str, torch.Tensor]:
         """A reply's extra ArrayRecord ``name``, checked like its ``arrays``.
 
-        The one validator (:func:`fedlr.protocol.validate_arrays`) for the
+        The one validator (:func:`fedlr.wire.protocol.validate_arrays`) for the
         records methods add (FedSA's ``personal-gram``, QR-Mix's ``eigen``,
         FOT's ``sketches``).
 
@@ -320,7 +321,7 @@ class Replies:
     ) -> ClientUpdate:
         """Check one reply: error flag, records, keys, shapes, dtype, finiteness.
 
-        The arrays are checked by :func:`fedlr.protocol.validate_arrays`; a
+        The arrays are checked by :func:`fedlr.wire.protocol.validate_arrays`; a
         wrong key set names what the client must send (:meth:`reply_hint`).
 
         Raises
@@ -393,7 +394,7 @@ class Replies:
         client updates.
 
         The default is the change of the reply's arrays against the round's
-        global state (:class:`~fedlr.robust.ParameterSpace`); the LoRA family
+        global state (:class:`~fedlr.robust.spaces.ParameterSpace`); the LoRA family
         measures products, FOT projected updates, QR-Mix the head's change.
         """
         return ParameterSpace(current)

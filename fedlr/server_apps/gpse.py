@@ -8,7 +8,7 @@ the current task's, ``acc`` the same mean and ``fgt`` the running forgetting
 (drop from each finished task's best boundary accuracy to now). At the last
 round of each task the per-task accuracies become a row of the accuracy
 matrix; ``finish`` writes ``accuracy_matrix.csv`` and adds ``ACC``, ``FGT``
-and the matrix to ``summary.json`` (definitions in :mod:`fedlr.continual`).
+and the matrix to ``summary.json`` (definitions in :mod:`fedlr.tasks.continual`).
 """
 
 from __future__ import annotations
@@ -20,19 +20,11 @@ from typing import Any
 
 import torch
 
-from fedlr.config import RunConfig
-from fedlr.continual import (
-    AccuracyMatrix,
-    ContinualOptions,
-    build_continual_model,
-    forgetting,
-    stream_from_config,
-    task_view,
-)
+from fedlr.client.train import pick_device
+from fedlr.config.run import RunConfig
 from fedlr.data.continual import ContinualStream
 from fedlr.data.images import ImageData
 from fedlr.errors import ConfigError
-from fedlr.image_task import evaluate_images
 from fedlr.models.vision import VisionModel
 from fedlr.server_apps.plans import (
     ServerPlan,
@@ -42,7 +34,15 @@ from fedlr.server_apps.plans import (
 )
 from fedlr.strategies.fot import FedAvgContinual
 from fedlr.strategies.registry import MethodConfig
-from fedlr.train import pick_device
+from fedlr.tasks.continual import (
+    AccuracyMatrix,
+    ContinualOptions,
+    build_continual_model,
+    forgetting,
+    stream_from_config,
+    task_view,
+)
+from fedlr.tasks.image import evaluate_images
 
 __all__ = ["gpse_plan"]
 

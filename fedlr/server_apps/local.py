@@ -8,7 +8,7 @@ engine for the same run config (the simulation tests check this); what is
 saved is the start-up of a SuperLink and a Ray cluster per run, about 40 s on
 a 2-core machine. Clients train one after another, each with every core.
 
-Used by ``python -m fedlr.compare run --engine inprocess`` for sweeps on a
+Used by ``python -m fedlr.runs.compare run --engine inprocess`` for sweeps on a
 small machine, and by the kill-and-resume tests.
 """
 

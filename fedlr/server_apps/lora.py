@@ -19,6 +19,7 @@ import torch
 
 from fedlr.adapters import Role, adapter_state
 from fedlr.adapters.lora import LoraModel
+from fedlr.client.train import pick_device
 from fedlr.errors import ConfigError
 from fedlr.server_apps.plans import (
     ServerPlan,
@@ -28,8 +29,7 @@ from fedlr.server_apps.plans import (
 )
 from fedlr.strategies.lora import LoraStrategy
 from fedlr.strategies.registry import MethodConfig
-from fedlr.tasks import text_task
-from fedlr.train import pick_device
+from fedlr.tasks.text import text_task
 
 __all__ = ["lora_plan"]
 

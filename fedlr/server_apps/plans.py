@@ -1,7 +1,7 @@
 """Server plans: what the ServerApp builds for a method.
 
 A method's registry entry names its payload kind
-(:class:`~fedlr.payload_kind.PayloadKind`); the plan builder of that
+(:class:`~fedlr.wire.payload_kind.PayloadKind`); the plan builder of that
 kind (``plan(method_config) -> ServerPlan``) is registered here under the
 kind's name (:func:`register_plan`), in the plan's own module, and
 :func:`fedlr.server_apps.builtin_plans.build_plan` builds a method's plan.
@@ -39,11 +39,11 @@ from typing import Any
 
 import torch
 
-from fedlr import protocol
-from fedlr.config import RunConfig
+from fedlr.config.run import RunConfig
 from fedlr.data.splits import dataset_split
 from fedlr.strategies.base import FedLRStrategy
 from fedlr.strategies.registry import MethodConfig, MethodSpec
+from fedlr.wire import protocol
 
 __all__ = [
     "EvaluateFn",
@@ -78,7 +78,7 @@ class ServerPlan:
         Base values of the train ConfigRecord (``lr`` is decayed per round by
         the strategy).
     columns : tuple of str
-        Extra ``results.csv`` columns (beyond :data:`fedlr.results.COLUMNS`),
+        Extra ``results.csv`` columns (beyond :data:`fedlr.runs.results.COLUMNS`),
         filled from ``evaluate``'s result and from the strategy's round
         metrics.
     description : str

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
+from fedlr.client.train import pick_device
 from fedlr.errors import ConfigError, ShapeMismatchError
-from fedlr.image_task import ImageTask, evaluate_images
 from fedlr.server_apps.plans import (
     ServerPlan,
     check_strategy,
@@ -24,7 +24,7 @@ from fedlr.server_apps.plans import (
 )
 from fedlr.strategies.qrmix import VisionFedAvg
 from fedlr.strategies.registry import MethodConfig
-from fedlr.train import pick_device
+from fedlr.tasks.image import ImageTask, evaluate_images
 
 __all__ = ["load_warmup_checkpoint", "qrmix_plan"]
 

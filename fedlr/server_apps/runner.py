@@ -1,6 +1,6 @@
 """What the ServerApp does, as a function of a Grid and a Context.
 
-1. Read the run config: the common keys (:class:`~fedlr.config.RunConfig`),
+1. Read the run config: the common keys (:class:`~fedlr.config.run.RunConfig`),
    the method's registry entry and its options
    (:func:`~fedlr.strategies.registry.resolve`).
 2. Build the method's :class:`~fedlr.server_apps.plans.ServerPlan` (strategy, initial
@@ -9,10 +9,10 @@
 3. Run the rounds (:func:`fedlr.round.pipeline.run_round`: train, then
    federated evaluation if the method asks for it); after each, evaluate,
    append a CSV row, log a progress line and save ``checkpoint.pt``
-   (:mod:`fedlr.checkpoint`), from which ``resume-from`` continues a crashed run.
-4. Save the final arrays, the adapter directory (:mod:`fedlr.export`), a
+   (:mod:`fedlr.runs.checkpoint`), from which ``resume-from`` continues a crashed run.
+4. Save the final arrays, the adapter directory (:mod:`fedlr.runs.export`), a
    ``summary.json`` (with the settings and the code version) and the plots
-   (:mod:`fedlr.plots`).
+   (:mod:`fedlr.runs.plots`).
 
 Tests call :func:`run_server` with an :class:`~fedlr.flower.InProcessGrid`;
 ``flwr run`` calls it through :mod:`fedlr.server_apps.app`.
@@ -35,7 +35,15 @@ from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
-from fedlr.checkpoint import (
+from fedlr.config.run import RunConfig
+from fedlr.errors import ConfigError
+from fedlr.flower.grid import InProcessGrid
+from fedlr.flower.records import record_to_state, state_to_record
+from fedlr.privacy.client_dp import CLIENT_DP_EPSILON, DP_EPSILON
+from fedlr.privacy.settings import PrivacyConfig, default_delta
+from fedlr.round.instructions import expected_arrays
+from fedlr.round.pipeline import run_round
+from fedlr.runs.checkpoint import (
     check_checkpoint_arrays,
     check_resumable,
     get_rng_state,
@@ -44,18 +52,10 @@ from fedlr.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from fedlr.config import RunConfig
-from fedlr.errors import ConfigError
-from fedlr.export import export_adapter
-from fedlr.flower.grid import InProcessGrid
-from fedlr.flower.records import record_to_state, state_to_record
-from fedlr.plots import write_run_plots
-from fedlr.privacy.client_dp import CLIENT_DP_EPSILON, DP_EPSILON
-from fedlr.privacy.settings import PrivacyConfig, default_delta
-from fedlr.protocol import EXACT_MATCH
-from fedlr.results import ResultsWriter, ensure_output_dir, privacy_summary
-from fedlr.round.instructions import expected_arrays
-from fedlr.round.pipeline import run_round
+from fedlr.runs.export import export_adapter
+from fedlr.runs.plots import write_run_plots
+from fedlr.runs.results import ResultsWriter, ensure_output_dir, privacy_summary
+from fedlr.runs.tracking import code_version, open_tracker
 from fedlr.server_apps.builtin_plans import build_plan
 from fedlr.server_apps.plans import ServerPlan
 from fedlr.server_apps.progress import RoundClock, gap_text, round_progress
@@ -66,7 +66,7 @@ from fedlr.server_apps.secagg import (
 )
 from fedlr.strategies.base import FedLRStrategy
 from fedlr.strategies.registry import MethodConfig, resolve
-from fedlr.tracking import code_version, open_tracker
+from fedlr.wire.protocol import EXACT_MATCH
 
 __all__ = ["REPRODUCIBLE", "ServerRun", "guarantee_lines", "run_server"]
 
@@ -547,8 +547,9 @@ class ServerRun:
         self.started = time.perf_counter()  # a round's seconds exclude this
 
     def finish(self, arrays: ArrayRecord) -> Path:
-        """Write the final arrays, the adapter (:func:`fedlr.export.export_adapter`),
-        ``summary.json`` and the plots; close the tracker."""
+        """Write the final arrays, the adapter
+        (:func:`fedlr.runs.export.export_adapter`), ``summary.json`` and the
+        plots; close the tracker."""
         config, run_dir = self.config, self.run_dir
         final = record_to_state(arrays)
         save_arrays(run_dir / "final_arrays.pt", final)

@@ -54,7 +54,6 @@ from flwr.common.secure_aggregation.secaggplus_constants import (
 from flwr.serverapp import Grid
 from flwr.supercore import log
 
-from fedlr import protocol
 from fedlr.client_apps.secagg import (
     CLIPPED,
     CLIPPING_RANGE,
@@ -90,6 +89,7 @@ from fedlr.server_apps.secagg_unmask import (
 )
 from fedlr.strategies.base import FedLRStrategy
 from fedlr.strategies.registry import MethodConfig
+from fedlr.wire import protocol
 
 __all__ = [
     "SECAGG_COLUMNS",

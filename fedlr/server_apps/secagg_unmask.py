@@ -45,7 +45,6 @@ from flwr.supercore.primitives.asymmetric import (
     public_key_to_bytes,
 )
 
-from fedlr import protocol
 from fedlr.client_apps.secagg import CLIPPED, LOSS_EXAMPLES
 from fedlr.errors import ReplyValidationError, SecureAggregationError
 from fedlr.flower.records import record_nbytes
@@ -57,6 +56,7 @@ from fedlr.privacy.secagg import (
     mean_error_bound,
 )
 from fedlr.strategies.base import FedLRStrategy
+from fedlr.wire import protocol
 
 __all__ = [
     "Collected",

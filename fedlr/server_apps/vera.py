@@ -15,7 +15,8 @@ from collections.abc import Mapping
 import torch
 
 from fedlr.adapters.vera import VeraModel
-from fedlr.config import RunConfig
+from fedlr.client.train import pick_device
+from fedlr.config.run import RunConfig
 from fedlr.server_apps.plans import (
     ServerPlan,
     check_strategy,
@@ -25,9 +26,8 @@ from fedlr.server_apps.plans import (
 from fedlr.strategies.registry import MethodConfig
 from fedlr.strategies.sorf_vera import SorfVeRA
 from fedlr.strategies.vera import VeraStrategy
-from fedlr.tasks import text_task
-from fedlr.train import pick_device
-from fedlr.vera_tasks import (
+from fedlr.tasks.text import text_task
+from fedlr.tasks.vera import (
     SorfVeraOptions,
     VeraOptions,
     build_sorf_vera_text_model,

@@ -7,7 +7,7 @@ values (:meth:`round_config`), per-node records (:meth:`instructions`) and
 its reply step (``replies_type``). The rest of a round (instructions and
 bytes, decoding and validating replies, the screen, the robust rule,
 client-level DP, rejected rounds, metrics) is composed steps in
-:mod:`fedlr.round`; ``ClientUpdate`` (:mod:`fedlr.updates`) and
+:mod:`fedlr.round`; ``ClientUpdate`` (:mod:`fedlr.wire.updates`) and
 ``RoundReport`` (:mod:`fedlr.round.publish`) are re-exported from here.
 """
 
@@ -25,13 +25,13 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from fedlr.adapters.roles import Role
-from fedlr.fingerprint import BaseFingerprint
+from fedlr.config.options import NoOptions, Options, coerce, kebab
 from fedlr.linalg import weighted_mean
-from fedlr.options import NoOptions, Options, coerce, kebab
 from fedlr.privacy.client_dp import ClientDpLedger, keep_ledger
 from fedlr.privacy.refusals import check_robust
 from fedlr.privacy.settings import PrivacyConfig
-from fedlr.robust import DEFAULT_SCREEN_RATIO, RobustConfig, ScreenOutcome
+from fedlr.robust.rules import RobustConfig
+from fedlr.robust.screen import DEFAULT_SCREEN_RATIO, ScreenOutcome
 from fedlr.round.describe import log_summary
 from fedlr.round.evaluation import (
     aggregate_evaluation,
@@ -41,7 +41,8 @@ from fedlr.round.instructions import evaluate_instructions, train_instructions
 from fedlr.round.pipeline import aggregate_round
 from fedlr.round.publish import RoundReport
 from fedlr.round.replies import Replies, reply_step_type
-from fedlr.updates import ClientUpdate
+from fedlr.wire.fingerprint import BaseFingerprint
+from fedlr.wire.updates import ClientUpdate
 
 __all__ = ["ClientUpdate", "FedLRStrategy", "RoundReport", "weighted_means"]
 
@@ -86,7 +87,7 @@ class FedLRStrategy(FedAvg):
         If the train config carries ``lr``, round ``t`` sends
         ``lr * lr_decay ** (t - 1)`` (a server-side step-size schedule).
     robust : RobustConfig, optional
-        Robust aggregation (:mod:`fedlr.robust`): norm clipping, geometric
+        Robust aggregation (:mod:`fedlr.robust.rules`): norm clipping, geometric
         median, client trimming, a cap on a client's weight share. Default:
         none (the method's plain weighted aggregation).
     max_num_examples : int, optional
@@ -107,7 +108,7 @@ class FedLRStrategy(FedAvg):
     screen_ratio : float, default 20.0
         A reply whose update norm (in the reply step's ``space``) exceeds this times
         the round's median update norm, and the current state's norm, is
-        dropped before aggregation (:func:`fedlr.robust.screen_sizes`); 0
+        dropped before aggregation (:func:`fedlr.robust.screen.screen_sizes`); 0
         turns the screen off.
     privacy : PrivacyConfig, optional
         Differential privacy (:mod:`fedlr.privacy`): DP-SGD settings sent to

@@ -34,13 +34,13 @@ from typing import Any
 
 import torch
 
+from fedlr.config.options import NoOptions, option, redeclare
 from fedlr.linalg import weighted_mean
-from fedlr.options import NoOptions, option, redeclare
-from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.fedavgm_lora import ServerMomentumOptions
 from fedlr.strategies.lora import LoraStrategy, saved_tensors
 from fedlr.strategies.registration import register_method
+from fedlr.wire.payloads import LORA
 
 __all__ = ["FedAdamLoRA", "FedAdamOptions", "adam_step_size"]
 

@@ -27,12 +27,12 @@ from typing import Any
 
 import torch
 
-from fedlr.options import NoOptions, option
-from fedlr.payloads import LORA
+from fedlr.config.options import NoOptions, option
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
 from fedlr.strategies.lora import saved_tensors
 from fedlr.strategies.registration import register_method
+from fedlr.wire.payloads import LORA
 
 __all__ = ["FedAvgMLoRA", "ServerMomentumOptions"]
 

@@ -47,15 +47,15 @@ import torch
 from flwr.app import ArrayRecord, MetricRecordValues, RecordDict
 
 from fedlr.adapters.lora import LoraModel, parameters_by_key
+from fedlr.client.features import Bound, ClientFeature, Record, RoundJob
+from fedlr.config.options import NoOptions, option
 from fedlr.errors import ProtocolError
-from fedlr.features import Bound, ClientFeature, Record, RoundJob
 from fedlr.flower.records import config_float, record_to_state
 from fedlr.linalg import weighted_mean
-from fedlr.options import NoOptions, option
-from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.lora import LoraStrategy, saved_tensors
 from fedlr.strategies.registration import register_method
+from fedlr.wire.payloads import LORA
 
 __all__ = ["FEDDYN_ALPHA", "DynamicRegulariser", "FedDynLoRA", "FedDynOptions"]
 
@@ -173,7 +173,7 @@ class DynamicRegulariser(ClientFeature):
         if self.calls == 0:
             raise ProtocolError(
                 "feddyn-lora adds a loss term: add job.penalty() to every step's "
-                "loss (fedlr.client.ClientRound.penalty)"
+                "loss (fedlr.client.round.ClientRound.penalty)"
             )
         new: dict[str, torch.Tensor] = {}
         for key, g in self.gradient.items():

@@ -1,7 +1,7 @@
-"""The FedEx methods' factored downlink, on the server (:mod:`fedlr.downlink`).
+"""The FedEx methods' factored downlink, on the server (:mod:`fedlr.wire.downlink`).
 
 :class:`FactoredDownlink` is mixed into FedEx-LoRA and VeRA-FedEx: it keeps a
-:class:`~fedlr.ledger.BaseLedger`, tells every instruction the version and
+:class:`~fedlr.round.ledger.BaseLedger`, tells every instruction the version and
 checksum of the base weights it leads to, and, per node, replaces the dense
 base weights with the changes the node missed when it keeps the earlier ones
 and the changes are smaller. A node's ``base-held`` reply metric is checked
@@ -18,17 +18,17 @@ from typing import Any, ClassVar, Self
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
-from fedlr import protocol
 from fedlr.adapters.roles import AdaptedModel, Role
 from fedlr.adapters.vera import VeraModel
-from fedlr.downlink import BaseDelta, Projections, encode_steps, receive_base
+from fedlr.client.features import Bound, ClientFeature, Record, RoundJob
+from fedlr.config.options import NoOptions, Options, option, require
 from fedlr.errors import ReplyValidationError
-from fedlr.features import Bound, ClientFeature, Record, RoundJob
 from fedlr.flower.records import record_views
-from fedlr.ledger import BaseLedger
-from fedlr.options import NoOptions, Options, option, require
+from fedlr.round.ledger import BaseLedger
 from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
+from fedlr.wire import protocol
+from fedlr.wire.downlink import BaseDelta, Projections, encode_steps, receive_base
 
 __all__ = [
     "DOWNLINKS",
@@ -47,11 +47,11 @@ class BaseWeights(ClientFeature):
     On when the instruction carries ``base-version``: dense base weights in
     ``arrays`` are taken and kept in ``context.state``; otherwise the kept
     ones are brought up to date with the ``base-delta`` changes and checked
-    against ``base-check`` (:func:`fedlr.downlink.receive_base`). The reply
+    against ``base-check`` (:func:`fedlr.wire.downlink.receive_base`). The reply
     reports the version held (``base-held``).
     """
 
-    # the names are fedlr.protocol's: fedlr.downlink (below the strategies)
+    # the names are fedlr.wire.protocol's: fedlr.wire.downlink (below the strategies)
     # reads them too; the bounds are this feature's
     keys = (
         Bound(protocol.BASE_VERSION, "int", -1, 2**62),

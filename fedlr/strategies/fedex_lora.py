@@ -48,21 +48,18 @@ from typing import Any, ClassVar, Self, cast
 
 import torch
 
-from fedlr import protocol
 from fedlr.adapters.lora import LoraModel
 from fedlr.adapters.ranks import fold_tail
 from fedlr.adapters.roles import Role
-from fedlr.downlink import lowrank_delta
+from fedlr.client.features import Bound, ClientFeature, RoundJob
+from fedlr.config.options import option
 from fedlr.errors import ConfigError
-from fedlr.features import Bound, ClientFeature, RoundJob
 from fedlr.linalg import (
     StackedResidual,
     factored_frobenius_norm,
     flexlora_factors,
     stacked_update,
 )
-from fedlr.options import option
-from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
 from fedlr.strategies.fedex_downlink import (
@@ -72,6 +69,9 @@ from fedlr.strategies.fedex_downlink import (
 )
 from fedlr.strategies.hetero import HeteroFoldLoRA, LayerResult, LayerUpdates
 from fedlr.strategies.registration import register_method
+from fedlr.wire import protocol
+from fedlr.wire.downlink import lowrank_delta
+from fedlr.wire.payloads import LORA
 
 __all__ = ["FOLD_TAIL", "FedExLoRA", "FedExOptions", "FoldTail", "HeteroFedExLoRA"]
 

@@ -22,13 +22,13 @@ from typing import Any, Self
 
 import torch
 
+from fedlr.client.features import Bound, ClientFeature, RoundJob
+from fedlr.config.options import NoOptions, option
 from fedlr.errors import ProtocolError
-from fedlr.features import Bound, ClientFeature, RoundJob
 from fedlr.flower.records import config_float
-from fedlr.options import NoOptions, option
-from fedlr.payloads import LORA
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
 from fedlr.strategies.registration import register_method
+from fedlr.wire.payloads import LORA
 
 __all__ = ["PROXIMAL_MU", "FedProxLoRA", "ProximalOptions", "ProximalTerm"]
 

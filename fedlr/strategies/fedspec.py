@@ -72,8 +72,8 @@ from typing import Any, ClassVar
 import torch
 from flwr.supercore import log
 
-from fedlr import protocol
 from fedlr.adapters.roles import AdapterLayout, Role
+from fedlr.config.options import option, require
 from fedlr.errors import ConfigError
 from fedlr.linalg import (
     DEFAULT_COST_MODEL,
@@ -88,13 +88,13 @@ from fedlr.linalg import (
     svd_of_mean,
     truncate,
 )
-from fedlr.options import option, require
-from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.hetero import HeteroRankLoRA, layout_at_rank
 from fedlr.strategies.lora_svd import SeededLoraStrategy
 from fedlr.strategies.registration import register_method
 from fedlr.strategies.svd_solver import SvdSolverChoice, SvdSolverOptions
+from fedlr.wire import protocol
+from fedlr.wire.payloads import LORA
 
 __all__ = [
     "ENERGY_RULES",

@@ -30,10 +30,10 @@ import torch
 
 from fedlr.adapters.roles import Role
 from fedlr.linalg import factored_svd, pad_factors
-from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.lora_svd import SeededLoraStrategy
 from fedlr.strategies.registration import register_method
+from fedlr.wire.payloads import LORA
 
 __all__ = ["FedSVD"]
 

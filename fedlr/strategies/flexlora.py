@@ -16,13 +16,13 @@ import torch
 from fedlr.linalg import (
     flexlora_factors,
 )
-from fedlr.payloads import LORA
 from fedlr.strategies.hetero import (
     HeteroRankLoRA,
     LayerResult,
     LayerUpdates,
 )
 from fedlr.strategies.registration import register_method
+from fedlr.wire.payloads import LORA
 
 __all__ = ["FlexLoRA"]
 

@@ -15,12 +15,10 @@ from typing import ClassVar
 import torch
 
 from fedlr.adapters.roles import Role
-from fedlr.downlink import lowrank_delta
 from fedlr.linalg import (
     factored_frobenius_norm,
     stacked_update,
 )
-from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate
 from fedlr.strategies.fedex_downlink import DownlinkOptions
 from fedlr.strategies.hetero import (
@@ -29,6 +27,8 @@ from fedlr.strategies.hetero import (
     LayerUpdates,
 )
 from fedlr.strategies.registration import register_method
+from fedlr.wire.downlink import lowrank_delta
+from fedlr.wire.payloads import LORA
 
 __all__ = ["FLoRA"]
 

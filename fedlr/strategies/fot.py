@@ -52,19 +52,16 @@ import torch
 from flwr.app import ArrayRecord, Message
 from flwr.supercore import log
 
-from fedlr import protocol
-from fedlr.config import RunConfig
-from fedlr.continual import ContinualOptions
+from fedlr.client.features import Record
+from fedlr.config.options import Options, option
+from fedlr.config.run import RunConfig
 from fedlr.errors import ReplyValidationError
-from fedlr.features import Record
 from fedlr.linalg.fot import (
     expand_basis,
     project_update,
     weighted_residual_fraction,
 )
-from fedlr.options import Options, option
-from fedlr.payloads import GPSE
-from fedlr.robust import ParameterSpace, UpdateSpace
+from fedlr.robust.spaces import ParameterSpace, UpdateSpace
 from fedlr.round.describe import app_arguments
 from fedlr.round.replies import Replies
 from fedlr.strategies.base import (
@@ -74,6 +71,9 @@ from fedlr.strategies.base import (
     weighted_means,
 )
 from fedlr.strategies.registration import register_method
+from fedlr.tasks.continual import ContinualOptions
+from fedlr.wire import protocol
+from fedlr.wire.payloads import GPSE
 
 __all__ = ["FOT", "FOTOptions", "FedAvgContinual"]
 

@@ -42,19 +42,19 @@ from typing import Any, ClassVar, Self
 import torch
 
 from fedlr.adapters.roles import AdapterLayout, Role
+from fedlr.client.features import Bound, ClientFeature, RoundJob
 from fedlr.errors import ProtocolError
-from fedlr.features import Bound, ClientFeature, RoundJob
 from fedlr.linalg import (
     DEFAULT_COST_MODEL,
     local_svd_factors,
     pad_factors,
     updates_svd,
 )
-from fedlr.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.lora_svd import PersonalArrays, PersonalLoraStrategy
 from fedlr.strategies.registration import register_method
 from fedlr.strategies.svd_solver import SvdSolverChoice, SvdSolverOptions
+from fedlr.wire.payloads import LORA
 
 __all__ = ["CLIENT_SVD", "ClientSvd", "GlobalSVD", "LocalSVD"]
 

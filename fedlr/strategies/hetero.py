@@ -28,7 +28,7 @@ back:
 The protocol: the global ``A``, ``B`` are at rank ``R``; the ConfigRecord
 says ``leading-rank``, so a node of rank ``r`` keeps their leading ``r``
 components, scaled by ``sqrt(r / R)`` (then ``(alpha / r) B A`` is the
-leading part of ``(alpha / R) B_R A_R``; :func:`fedlr.client.apply_round`).
+leading part of ``(alpha / R) B_R A_R``; :func:`fedlr.client.round.apply_round`).
 Once a node has replied, the server knows its rank and sends it only those
 ``r`` components. Replies are validated at the rank their ``A`` declares
 (:meth:`~fedlr.strategies.hetero_replies.HeteroReplies.check_rank`): one of
@@ -41,7 +41,7 @@ disagree on the rank is dropped naming the key.
 
 Robust options and the update-size screen measure client ``i``'s update as
 the change of each layer's scaled product against what it was sent,
-``s_i (B_i A_i - B0_i A0_i)`` (:class:`~fedlr.robust.RankedProductSpace`,
+``s_i (B_i A_i - B0_i A0_i)`` (:class:`~fedlr.robust.spaces.RankedProductSpace`,
 from ``2 r x 2 r`` Gram blocks, never a dense matrix per client), so clients
 of different ranks are compared in one space.
 
@@ -61,10 +61,9 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 from flwr.app import ArrayRecord, Message, RecordDict
 
-from fedlr import protocol
 from fedlr.adapters.ranks import leading_rank
 from fedlr.adapters.roles import AdapterLayout, LoraModule, Role
-from fedlr.config import RunConfig
+from fedlr.config.run import RunConfig
 from fedlr.flower.records import record_nbytes, record_to_state, state_to_record
 from fedlr.linalg import (
     factors_for_rank,
@@ -74,6 +73,7 @@ from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.fedex_downlink import FactoredDownlink
 from fedlr.strategies.hetero_replies import HeteroReplies, layout_at_rank
 from fedlr.strategies.lora import LoraStrategy
+from fedlr.wire import protocol
 
 _LOG = getLogger("fedlr")
 

@@ -19,10 +19,10 @@ from flwr.app import Message
 
 from fedlr.adapters.roles import AdapterLayout
 from fedlr.errors import ReplyValidationError
-from fedlr.protocol import PARTITION_ID
-from fedlr.robust import RankedProductSpace, UpdateSpace
+from fedlr.robust.spaces import RankedProductSpace, UpdateSpace
 from fedlr.strategies.lora import LoraReplies
-from fedlr.updates import ClientUpdate
+from fedlr.wire.protocol import PARTITION_ID
+from fedlr.wire.updates import ClientUpdate
 
 __all__ = ["HeteroReplies", "layout_at_rank"]
 
@@ -44,7 +44,7 @@ class HeteroReplies(LoraReplies):
         """Each layer's scaled product change against what the client was sent.
 
         Client ``i`` of rank ``r_i`` is measured as ``s_i (B_i A_i - B0_i
-        A0_i)`` (:class:`~fedlr.robust.RankedProductSpace`), ``B0_i``,
+        A0_i)`` (:class:`~fedlr.robust.spaces.RankedProductSpace`), ``B0_i``,
         ``A0_i`` its start (:meth:`start_of`); the head as parameters.
         """
         return RankedProductSpace(

@@ -17,20 +17,10 @@ from typing import Any, ClassVar, Self, cast
 import torch
 from flwr.app import Message, RecordDict
 
-from fedlr import protocol
 from fedlr.adapters.ranks import leading_rank
 from fedlr.adapters.roles import AdapterLayout
-from fedlr.errors import ReplyValidationError
-from fedlr.features import Bound, ClientFeature, Record, RoundJob
-from fedlr.linalg import (
-    factored_frobenius_norm,
-    hetlora_factors,
-    received_gap,
-    stacked_update,
-)
-from fedlr.options import NoOptions, option
-from fedlr.payloads import LORA
-from fedlr.pruning import (
+from fedlr.client.features import Bound, ClientFeature, Record, RoundJob
+from fedlr.client.pruning import (
     PRUNE_GAMMA,
     PRUNE_LAMBDA,
     RANK_STATE,
@@ -39,11 +29,21 @@ from fedlr.pruning import (
     round_pruning,
     tail_norm,
 )
+from fedlr.config.options import NoOptions, option
+from fedlr.errors import ReplyValidationError
+from fedlr.linalg import (
+    factored_frobenius_norm,
+    hetlora_factors,
+    received_gap,
+    stacked_update,
+)
 from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.hetero import HeteroRankLoRA, LayerResult, LayerUpdates
 from fedlr.strategies.hetero_replies import HeteroReplies
 from fedlr.strategies.registration import register_method
+from fedlr.wire import protocol
+from fedlr.wire.payloads import LORA
 
 _LOG = getLogger("fedlr")
 
@@ -82,10 +82,10 @@ class RankSelfPruning(ClientFeature):
     On for a ``train`` instruction with ``prune-gamma`` < 1 (and
     ``leading-rank``). A node of rank ``r`` adds ``prune-lambda`` times the
     norm of its components ``[r', r)`` to the loss
-    (:func:`fedlr.pruning.round_pruning`); if that norm went down during
+    (:func:`fedlr.client.pruning.round_pruning`); if that norm went down during
     training, it replies at rank ``r'`` (the leading components, rescaled by
     :func:`fedlr.adapters.ranks.leading_rank`), reports ``rank-pruned`` and keeps
-    rank ``r'`` in ``context.state`` (:func:`fedlr.pruning.round_rank` serves
+    rank ``r'`` in ``context.state`` (:func:`fedlr.client.pruning.round_rank` serves
     later rounds at it).
 
     The tail regulariser reads no data (a norm of the parameters), so DP-SGD
@@ -262,7 +262,7 @@ class HetLoRA(HeteroRankLoRA):
     rank ``r`` adds ``lambda * sum_layers ||s B[:, r':] A[r':]||_F``
     (``r' = max(1, floor(gamma r))``, ``s = alpha / r``) to its loss and, if
     that tail norm is lower after training than as received, replies at rank
-    ``r'`` and keeps it (:func:`fedlr.client.apply_round`). One rank per
+    ``r'`` and keeps it (:func:`fedlr.client.round.apply_round`). One rank per
     client, for all its layers (the norms are summed over the layers). The
     server then accepts a reply at any rank ``1 .. R`` up to the node's
     previous rank (:meth:`check_rank`); a node whose rank grows is dropped.

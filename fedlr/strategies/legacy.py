@@ -74,9 +74,9 @@ from flwr.server.strategy import Strategy
 from flwr.supercore import log
 
 from fedlr.flower.records import record_to_state, state_to_record
-from fedlr.protocol import METRICS, SERVER_ROUND
 from fedlr.round.instructions import check_arrays, note_sent, prepare_round
 from fedlr.strategies.base import FedLRStrategy
+from fedlr.wire.protocol import METRICS, SERVER_ROUND
 
 __all__ = ["LegacyStrategy"]
 

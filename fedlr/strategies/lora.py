@@ -10,7 +10,6 @@ import torch
 from flwr.app import ArrayRecord
 from flwr.supercore import log
 
-from fedlr import protocol
 from fedlr.adapters.lora import LoraModel
 from fedlr.adapters.plugin import (
     adapted,
@@ -19,7 +18,8 @@ from fedlr.adapters.plugin import (
     load_from_initial,
 )
 from fedlr.adapters.roles import AdaptedModel, AdapterLayout, Role
-from fedlr.config import RunConfig
+from fedlr.config.options import Options
+from fedlr.config.run import RunConfig
 from fedlr.errors import ConfigError, UnsupportedModelError
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.linalg import (
@@ -31,12 +31,12 @@ from fedlr.linalg import (
     gap_summary,
     stacked_residual,
 )
-from fedlr.options import Options
-from fedlr.robust import ProductSpace, UpdateSpace
+from fedlr.robust.spaces import ProductSpace, UpdateSpace
 from fedlr.round.describe import app_arguments
 from fedlr.round.instructions import bind_model, check_bound_model
 from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
+from fedlr.wire import protocol
 
 __all__ = ["LoraStrategy"]
 
@@ -168,7 +168,8 @@ class LoraStrategy(FedLRStrategy):
             protocol.TRAIN_ROLES: protocol.encode_roles(self.train_roles)
         }
         alphas = {float(f"{m.scaling * m.rank:.12g}") for m in self.layout.modules}
-        if len(alphas) == 1:  # a client's scaling is lora-alpha / r (fedlr.client)
+        # a client's scaling is lora-alpha / r (fedlr.client.round)
+        if len(alphas) == 1:
             config[protocol.LORA_ALPHA] = alphas.pop()
         return config
 
@@ -244,7 +245,7 @@ class LoraStrategy(FedLRStrategy):
         """
         view = _lora_view(model)
         strategy = cls(layout=view.layout, **kwargs)
-        bind_model(strategy, view)  # fingerprint, head warning (fedlr.fingerprint)
+        bind_model(strategy, view)  # fingerprint, head warning (fedlr.wire.fingerprint)
         return strategy
 
     def initial_arrays(self, model: torch.nn.Module | AdaptedModel) -> ArrayRecord:

@@ -30,14 +30,13 @@ from typing import Any, ClassVar, Self
 import torch
 from flwr.app import ArrayRecord, Message, RecordDict
 
-from fedlr import protocol
 from fedlr.adapters.plugin import adapted
 from fedlr.adapters.roles import AdaptedModel, AdapterLayout, Role
 from fedlr.adapters.sorf_vera import SorfVeraLayout
 from fedlr.adapters.vera import VeraLayout
-from fedlr.config import RunConfig
+from fedlr.client.features import ClientFeature, Record, RoundJob
+from fedlr.config.run import RunConfig
 from fedlr.errors import ReplyValidationError
-from fedlr.features import ClientFeature, Record, RoundJob
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.linalg import (
     DEFAULT_COST_MODEL,
@@ -50,6 +49,7 @@ from fedlr.linalg import (
 from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.lora import LoraReplies, LoraStrategy
+from fedlr.wire import protocol
 
 __all__ = [
     "PERSONAL_GRAM",

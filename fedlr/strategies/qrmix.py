@@ -32,15 +32,12 @@ import torch
 from flwr.app import ArrayRecord, Message
 from flwr.supercore import log
 
-from fedlr import protocol
-from fedlr.config import RunConfig
+from fedlr.client.features import Record
+from fedlr.config.options import Options, option, require
+from fedlr.config.run import RunConfig
 from fedlr.errors import ReplyValidationError
-from fedlr.features import Record
 from fedlr.flower.records import record_to_state
-from fedlr.image_task import EigenOptions
 from fedlr.linalg.qrmix import ClientEigen, fc_flatten, fc_unflatten, qrmix_update
-from fedlr.options import Options, option, require
-from fedlr.payloads import QRMIX
 from fedlr.round.describe import app_arguments
 from fedlr.round.replies import Replies
 from fedlr.strategies.base import (
@@ -50,6 +47,9 @@ from fedlr.strategies.base import (
     weighted_means,
 )
 from fedlr.strategies.registration import register_method
+from fedlr.tasks.image import EigenOptions
+from fedlr.wire import protocol
+from fedlr.wire.payloads import QRMIX
 
 __all__ = ["QRMix", "QRMixOptions", "VisionFedAvg"]
 

@@ -1,9 +1,9 @@
 """Registering a method: :class:`MethodSpec` and :func:`register_method`.
 
 A method is one unit: its name, its strategy class, its options (a frozen
-:class:`~fedlr.options.Options` dataclass of its own run-config keys) and its
+:class:`~fedlr.config.options.Options` dataclass of its own run-config keys) and its
 payload kind (:class:`PayloadKind`: the run-config keys and the ClientApp
-handlers of one kind of payload, see :mod:`fedlr.payloads`; the ServerApp
+handlers of one kind of payload, see :mod:`fedlr.wire.payloads`; the ServerApp
 finds the kind's server plan by its name, :mod:`fedlr.server_apps.plans`). A
 strategy module registers its method once, with the class decorator::
 
@@ -20,14 +20,14 @@ This module is what a strategy module imports to register; the lookups
 :mod:`fedlr.strategies.registry`, which finds the built-in methods by
 importing every module of :mod:`fedlr.strategies` and so sits above them.
 Each registration also records the method's client features in
-:mod:`fedlr.method_features`, a table below the client side.
+:mod:`fedlr.client.method_features`, a table below the client side.
 
 A run-config key two methods declare is one setting: the same type, help
-text, range, choices and bad values (:func:`fedlr.options.redeclare` copies a
+text, range, choices and bad values (:func:`fedlr.config.options.redeclare` copies a
 declaration); only the default may differ between methods, for a key of the
 methods' own (not a payload kind's, which the clients read without knowing the
 method) that is not a string (``""`` in ``pyproject.toml`` stands for "each
-method's own default", :data:`fedlr.options.METHOD_DEFAULT`).
+method's own default", :data:`fedlr.config.options.METHOD_DEFAULT`).
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from fedlr.config import RunConfig
-from fedlr.features import ClientFeature, Record
-from fedlr.method_features import record_method_features
-from fedlr.options import Options, declaration
-from fedlr.payload_kind import PayloadKind
+from fedlr.client.features import ClientFeature, Record
+from fedlr.client.method_features import record_method_features
+from fedlr.config.options import Options, declaration
+from fedlr.config.run import RunConfig
 from fedlr.strategies.base import FedLRStrategy
+from fedlr.wire.payload_kind import PayloadKind
 
 __all__ = [
     "MethodSpec",
@@ -110,7 +110,7 @@ class MethodSpec:
     summary : str
         One line for listings.
     client : tuple of type
-        The method's client features (:class:`fedlr.features.ClientFeature`
+        The method's client features (:class:`fedlr.client.features.ClientFeature`
         subclasses, each in the method's own module): what a node does for
         this method beyond the common round.
     sum_only : bool
@@ -274,7 +274,7 @@ def check_shared_keys(spec: MethodSpec, others: Iterable[MethodSpec]) -> None:
     text, range, choices and bad values. The defaults may differ, but only for
     a key of the methods' own that is not a string: a payload kind's key is
     read by the clients without knowing the method, and a string key's
-    ``""`` (:data:`fedlr.options.METHOD_DEFAULT`) could be a value.
+    ``""`` (:data:`fedlr.config.options.METHOD_DEFAULT`) could be a value.
 
     Raises
     ------
@@ -290,8 +290,8 @@ def check_shared_keys(spec: MethodSpec, others: Iterable[MethodSpec]) -> None:
             if declaration(f) != declaration(g):
                 reason = (
                     "one key is one setting: declare it with the same type, help, "
-                    "range, choices and bad values (fedlr.options.redeclare copies "
-                    "a declaration), or name the new setting differently"
+                    "range, choices and bad values (fedlr.config.options.redeclare "
+                    "copies a declaration), or name the new setting differently"
                 )
             elif f.default != g.default:
                 own = (

@@ -9,7 +9,7 @@ a new method is its module and nothing else), which is why it sits above the
 strategy modules and none of them imports it. The ServerApp and the ClientApp
 look methods up with :func:`get_method`, never with ``if`` chains over names,
 and parse the run config with :func:`resolve`: the common keys
-(:class:`~fedlr.config.RunConfig`, which knows no method), the method, and its
+(:class:`~fedlr.config.run.RunConfig`, which knows no method), the method, and its
 options, refusing a key no registered method declares.
 """
 
@@ -21,14 +21,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import fedlr.strategies as builtin
-from fedlr.config import RunConfig, load_extensions
-from fedlr.discovery import import_submodules
+from fedlr.client.features import ClientFeature
+from fedlr.client.method_features import client_features as recorded_features
+from fedlr.client.method_features import mark_builtin_loaded
+from fedlr.config.discovery import import_submodules
+from fedlr.config.options import METHOD_DEFAULT, Options
+from fedlr.config.run import RunConfig, load_extensions
 from fedlr.errors import ConfigError, UnknownMethodError
-from fedlr.features import ClientFeature
-from fedlr.method_features import client_features as recorded_features
-from fedlr.method_features import mark_builtin_loaded
-from fedlr.options import METHOD_DEFAULT, Options
-from fedlr.payload_kind import PayloadKind
 from fedlr.privacy import dp_sgd  # noqa: F401  (registers the common DP-SGD feature)
 from fedlr.privacy.refusals import check_privacy
 from fedlr.strategies.registration import (
@@ -38,6 +37,7 @@ from fedlr.strategies.registration import (
     register_method,
     registered,
 )
+from fedlr.wire.payload_kind import PayloadKind
 
 __all__ = [
     "MethodConfig",
@@ -87,8 +87,8 @@ def load_builtin_methods() -> None:
 
 def client_features() -> list[type[ClientFeature]]:
     """Every registered method's client features and the common ones
-    (:func:`fedlr.features.common_feature`), each once, in run order
-    (the built-in methods loaded first; :mod:`fedlr.method_features`)."""
+    (:func:`fedlr.client.features.common_feature`), each once, in run order
+    (the built-in methods loaded first; :mod:`fedlr.client.method_features`)."""
     load_builtin_methods()
     return recorded_features()
 
@@ -129,7 +129,7 @@ def all_option_keys() -> dict[str, dataclasses.Field[Any]]:
 def method_defaults() -> dict[str, dict[str, Any]]:
     """The keys whose default differs between methods: key -> {method: default}.
 
-    ``pyproject.toml`` holds :data:`fedlr.options.METHOD_DEFAULT` (``""``)
+    ``pyproject.toml`` holds :data:`fedlr.config.options.METHOD_DEFAULT` (``""``)
     for them, which :func:`resolve` reads as "not set": each method then uses
     its own default.
     """
@@ -189,7 +189,8 @@ def resolve(run_config: Mapping[str, Any]) -> MethodConfig:
 
 def option_defaults() -> dict[str, Any]:
     """Each method option's value in the pyproject table: its default, or
-    :data:`~fedlr.options.METHOD_DEFAULT` where methods declare different ones."""
+    :data:`~fedlr.config.options.METHOD_DEFAULT` where methods declare
+    different ones."""
     per_method = method_defaults()
     return {
         key: METHOD_DEFAULT if key in per_method else f.default

@@ -25,7 +25,7 @@ fedlr's clients train with AdamW, whose step is not ``eta g``; ``(x - y_i) /
 (K eta)`` is then the mean normalised step, not the mean gradient, and the
 correction acts as a drift estimate in that scale (as in SCAFFOLD ports to
 adaptive local solvers). ``K`` is the number of corrected steps the node
-actually took (the calls of :meth:`fedlr.client.ClientRound.after_backward`),
+actually took (the calls of :meth:`fedlr.client.round.ClientRound.after_backward`),
 ``eta`` the round's ``lr``.
 
 What travels: the instruction carries the extra ArrayRecord
@@ -48,18 +48,18 @@ from typing import Any, ClassVar, Self, cast
 import torch
 from flwr.app import ArrayRecord, Message, RecordDict
 
-from fedlr import protocol
 from fedlr.adapters.lora import LoraModel, parameters_by_key
+from fedlr.client.features import ClientFeature, Record, RoundJob
 from fedlr.errors import ProtocolError
-from fedlr.features import ClientFeature, Record, RoundJob
 from fedlr.flower.records import config_float, record_to_state
-from fedlr.payloads import LORA
 from fedlr.round.instructions import with_records
 from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
 from fedlr.strategies.lora import LoraReplies, saved_tensors
 from fedlr.strategies.registration import register_method
+from fedlr.wire import protocol
+from fedlr.wire.payloads import LORA
 
 __all__ = ["CONTROL", "CONTROL_DELTA", "ScaffoldCorrection", "ScaffoldLoRA"]
 
@@ -167,7 +167,7 @@ class ScaffoldCorrection(ClientFeature):
         if self.steps == 0:
             raise ProtocolError(
                 "scaffold-lora corrects every local step: call job.after_backward() "
-                "after each loss.backward() (fedlr.client.ClientRound)"
+                "after each loss.backward() (fedlr.client.round.ClientRound)"
             )
         lr = config_float(job.config, protocol.LR)
         if not lr > 0:

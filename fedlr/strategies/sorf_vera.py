@@ -43,15 +43,15 @@ from flwr.supercore import log
 from fedlr.adapters.roles import Role, RoleLayout
 from fedlr.adapters.sorf_vera import SorfVeraLayout, SorfVeraModule, layer_signs
 from fedlr.adapters.vera import VeraModel
-from fedlr.config import RunConfig
+from fedlr.config.options import Options
+from fedlr.config.run import RunConfig
 from fedlr.linalg import mean_lambda_d_rot, refit_layer, weighted_mean
 from fedlr.linalg.sorf_pair_signs import SIGN_RULES
-from fedlr.options import Options
-from fedlr.payloads import SORF_VERA
 from fedlr.round.describe import app_arguments
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.registration import register_method
 from fedlr.strategies.vera import ProjectionChecked
+from fedlr.wire.payloads import SORF_VERA
 
 __all__ = ["SorfVeRA"]
 
@@ -136,7 +136,7 @@ class SorfVeRA(ProjectionChecked):
     ) -> SorfVeRA:
         """Build from the run config and the server's model (the projections).
 
-        ``options`` (:class:`~fedlr.vera_tasks.SorfVeraOptions`) shaped the
+        ``options`` (:class:`~fedlr.tasks.vera.SorfVeraOptions`) shaped the
         model; the strategy keeps them (:attr:`method_options`) and reads
         nothing more from them.
         """

@@ -40,7 +40,6 @@ import torch
 from flwr.app import ArrayRecord, Message
 from flwr.supercore import log
 
-from fedlr import protocol
 from fedlr.adapters.plugin import (
     check_projection_model,
     load_from_initial,
@@ -48,14 +47,12 @@ from fedlr.adapters.plugin import (
 )
 from fedlr.adapters.roles import AdaptedModel, Role, RoleLayout
 from fedlr.adapters.vera import VeraLayout, VeraModel
-from fedlr.config import RunConfig
-from fedlr.downlink import vera_delta
+from fedlr.config.options import Options, option
+from fedlr.config.run import RunConfig
 from fedlr.errors import ReplyValidationError
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.linalg import weighted_mean
 from fedlr.linalg.vera import fold_vera_residual, vera_gap_norms
-from fedlr.options import Options, option
-from fedlr.payloads import VERA
 from fedlr.round.describe import app_arguments
 from fedlr.round.instructions import bind_model, check_bound_model
 from fedlr.round.replies import Replies
@@ -68,7 +65,10 @@ from fedlr.strategies.fedex_downlink import (
     downlink_option,
 )
 from fedlr.strategies.registration import register_method
-from fedlr.vera_tasks import VeraOptions
+from fedlr.tasks.vera import VeraOptions
+from fedlr.wire import protocol
+from fedlr.wire.downlink import vera_delta
+from fedlr.wire.payloads import VERA
 
 __all__ = [
     "FedAvgVeRA",
@@ -168,7 +168,7 @@ class ProjectionChecked(FedLRStrategy):
             projection_b=view.projection_b,
             **kwargs,
         )
-        bind_model(strategy, view)  # fingerprint, head warning (fedlr.fingerprint)
+        bind_model(strategy, view)  # fingerprint, head warning (fedlr.wire.fingerprint)
         return strategy
 
     def initial_arrays(self, model: torch.nn.Module | AdaptedModel) -> ArrayRecord:
@@ -381,7 +381,7 @@ class VeraFedEx(FactoredDownlink, VeraStrategy):
     (:class:`~fedlr.strategies.fedex_downlink.FactoredDownlink`): the
     residual is ``s (B o M) A`` with ``M = sum_i w_i b_i d_i^T - b_bar
     d_bar^T``, so only the factors of ``M`` (d_out x (k - 1) and r x (k - 1),
-    from a factored SVD of the sum) travel (:func:`fedlr.downlink.vera_delta`).
+    from a factored SVD of the sum) travel (:func:`fedlr.wire.downlink.vera_delta`).
 
     Parameters: see :class:`VeraStrategy`; its options
     (:class:`VeraFedExOptions`) add ``fedex_lr`` and ``fedex_downlink``

@@ -15,9 +15,9 @@ from __future__ import annotations
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from fedlr import protocol
 from fedlr.client_apps.app import app as honest_app
 from fedlr.flower.records import record_to_state
+from fedlr.wire import protocol
 
 try:  # in the repository
     from tests.adversarial.payloads import PAYLOADS, attack

@@ -31,8 +31,8 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, Error, Message, MetricRecord, RecordDict
 
-from fedlr import protocol
 from fedlr.flower.records import record_to_state, state_to_record
+from fedlr.wire import protocol
 
 __all__ = ["PAYLOADS", "Payload", "attack"]
 

@@ -49,14 +49,14 @@ from fedlr.privacy.client_dp import (
     privatize,
 )
 from fedlr.privacy.settings import ClientDpSettings, PrivacyConfig
-from fedlr.protocol import ARRAYS, METRICS, NUM_EXAMPLES
-from fedlr.results import COLUMNS, ResultsWriter, privacy_summary, read_results
-from fedlr.robust import DEFAULT_SCREEN_RATIO, screen_sizes
+from fedlr.robust.screen import DEFAULT_SCREEN_RATIO, screen_sizes
+from fedlr.runs.results import COLUMNS, ResultsWriter, privacy_summary, read_results
 from fedlr.server_apps.progress import RoundClock
 from fedlr.server_apps.runner import ServerRun
 from fedlr.strategies import FedAvgLoRA
 from fedlr.strategies.base import weighted_means
-from fedlr.updates import ClientUpdate
+from fedlr.wire.protocol import ARRAYS, METRICS, NUM_EXAMPLES
+from fedlr.wire.updates import ClientUpdate
 from tests.strategies.test_client_dp import (
     CLIP,
     LAYOUT,

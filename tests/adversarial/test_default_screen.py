@@ -35,9 +35,10 @@ import torch
 from flwr.app import Message
 
 from fedlr.flower.records import record_to_state
-from fedlr.robust import ParameterSpace, screen_sizes
+from fedlr.robust.screen import screen_sizes
+from fedlr.robust.spaces import ParameterSpace
 from fedlr.strategies.registry import available_methods
-from fedlr.updates import ClientUpdate
+from fedlr.wire.updates import ClientUpdate
 from tests.adversarial.payloads import _arrays_map, _scaled
 from tests.strategies.test_every_method import (  # noqa: F401 (fixture)
     CASES,

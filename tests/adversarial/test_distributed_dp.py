@@ -22,7 +22,6 @@ from flwr.common.secure_aggregation.secaggplus_constants import (
     Key,
 )
 
-from fedlr import protocol
 from fedlr.client_apps.secagg import secagg_mod
 from fedlr.errors import ConfigError, SecureAggregationError
 from fedlr.flower.grid import InProcessGrid
@@ -34,6 +33,7 @@ from fedlr.privacy.settings import ClientDpSettings
 from fedlr.server_apps.secagg import SecAggPlusExchange, secure_exchange
 from fedlr.strategies.fot import FedAvgContinual
 from fedlr.strategies.registry import resolve
+from fedlr.wire import protocol
 
 SHAPES = {"w": (100, 100), "b": (100,)}
 CLIP, Z, RANGE, SEED = 1.0, 2.0, 16.0, 5

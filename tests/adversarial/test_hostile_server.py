@@ -39,13 +39,15 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
-from fedlr import protocol
 from fedlr.client_apps import gpse, lora, qrmix, vera
 from fedlr.client_apps.app import app
 from fedlr.errors import ConfigError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
-from fedlr.instruction_checks import (
+from fedlr.server_apps.builtin_plans import build_plan
+from fedlr.strategies.registry import client_features, resolve
+from fedlr.wire import protocol
+from fedlr.wire.checks import (
     BOUNDS,
     MAX_BATCH_SIZE,
     MAX_LOCAL_STEPS,
@@ -53,8 +55,6 @@ from fedlr.instruction_checks import (
     bound_of,
     declared_keys,
 )
-from fedlr.server_apps.builtin_plans import build_plan
-from fedlr.strategies.registry import client_features, resolve
 from tests.conftest import ROOT, tiny_run_config
 
 ALLOC_BOUND = 16 * 2**20

@@ -19,6 +19,7 @@ import pytest
 import torch
 from flwr.app import RecordDict
 
+from fedlr.client.train import TrainSettings, train_steps
 from fedlr.errors import NoValidRepliesError
 from fedlr.privacy.accounting import epsilon, noise_multiplier_for
 from fedlr.privacy.budget import PrivacyLedger, data_key
@@ -26,7 +27,6 @@ from fedlr.privacy.dp_sgd import PrivateLoop
 from fedlr.privacy.node_policy import NODE_CONFIG_ENV, NodePolicy, node_policy
 from fedlr.privacy.settings import DpSgdSettings
 from fedlr.server_apps.local import run_in_process
-from fedlr.train import TrainSettings, train_steps
 from tests.conftest import tiny_run_config
 
 BUDGET = 3.0

@@ -65,7 +65,7 @@ import pytest
 import torch
 
 from fedlr.flower.records import record_to_state
-from fedlr.robust import RobustConfig
+from fedlr.robust.rules import RobustConfig
 from fedlr.strategies.hetero import HeteroRankLoRA
 from fedlr.strategies.registry import available_methods, get_method
 from tests.adversarial.payloads import PAYLOADS, attack

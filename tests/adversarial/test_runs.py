@@ -127,8 +127,8 @@ def test_trimmed_mean_removes_the_poisoner(tmp_path, references):
 def test_checkpoint_arrays_that_do_not_fit_the_layout_are_refused(tmp_path):
     """A checkpoint re-saved (valid hash) with an array of another shape is
     refused when resuming, naming the layout, before any round runs."""
-    from fedlr.checkpoint import load_checkpoint, save_checkpoint
     from fedlr.errors import CheckpointError
+    from fedlr.runs.checkpoint import load_checkpoint, save_checkpoint
 
     config = _config("fedex-lora", tmp_path, **{"num-server-rounds": 1})
     run_dir = run_in_process(config)

@@ -12,7 +12,7 @@ import re
 import pandas as pd
 import pytest
 
-from fedlr.config import RunConfig
+from fedlr.config.run import RunConfig
 from fedlr.errors import ConfigError
 from fedlr.models import VisionModel, build_vision_model, register_model, vision_models
 from tests.conftest import ROOT

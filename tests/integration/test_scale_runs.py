@@ -43,8 +43,8 @@ def _check_results(run_dir: Path) -> pd.DataFrame:
 
 
 def test_thousand_clients_in_process(tmp_path, assets):
-    from fedlr import protocol
     from fedlr.server_apps.local import run_in_process
+    from fedlr.wire import protocol
 
     config = scale_config(tmp_path, rounds=2, extra=SHORT)
     assert config["num-partitions"] == CLIENTS and config["fraction-train"] == 0.1

@@ -28,7 +28,7 @@ def test_ray_simulation_two_rounds_three_clients(tmp_path, assets):
     assert (frame["dropped"] == 0).all()
     assert (frame["frobenius-gap"] > 0).all()
     assert frame["accuracy"].between(0, 1).all()
-    # The in-process engine (fedlr.compare --engine inprocess) runs the same
+    # The in-process engine (fedlr.runs.compare --engine inprocess) runs the same
     # ServerApp and ClientApp: the same numbers as the Ray engine.
     from fedlr.server_apps.local import run_in_process
 

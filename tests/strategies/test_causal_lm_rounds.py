@@ -20,12 +20,12 @@ import pytest
 import torch
 from flwr.app import Message
 
-from fedlr import protocol
-from fedlr.checkpoint import load_checkpoint
 from fedlr.flower.records import record_to_state
+from fedlr.runs.checkpoint import load_checkpoint
 from fedlr.server_apps.local import run_in_process
 from fedlr.strategies.registry import get_method, registered_methods, resolve
-from fedlr.tasks import text_task
+from fedlr.tasks.text import text_task
+from fedlr.wire import protocol
 
 F64 = torch.float64
 
@@ -166,7 +166,7 @@ def test_bf16_and_gradient_checkpointing_train_the_adapters_only() -> None:
         k: v.detach().clone() for k, v in lm.model.named_parameters() if v.requires_grad
     }
     assert before and all(v.dtype == torch.float32 for v in before.values())
-    from fedlr.train import TrainSettings, train_steps
+    from fedlr.client.train import TrainSettings, train_steps
 
     data = task.partition(0, 2)
     loss = train_steps(

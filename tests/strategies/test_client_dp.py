@@ -55,12 +55,13 @@ from fedlr.privacy.client_dp import (
     privatize,
 )
 from fedlr.privacy.settings import ClientDpSettings, PrivacyConfig
-from fedlr.protocol import ARRAYS, CONFIG, METRICS, NUM_EXAMPLES, decode_roles
-from fedlr.robust import ParameterSpace, RobustConfig
+from fedlr.robust.rules import RobustConfig
+from fedlr.robust.spaces import ParameterSpace
 from fedlr.strategies import FedAvgLoRA, FedAvgMLoRA, FedSVD, FFALoRA
 from fedlr.strategies.base import weighted_means
 from fedlr.strategies.registry import resolve
-from fedlr.updates import ClientUpdate
+from fedlr.wire.protocol import ARRAYS, CONFIG, METRICS, NUM_EXAMPLES, decode_roles
+from fedlr.wire.updates import ClientUpdate
 
 F64 = torch.float64
 CLIP = 0.5

@@ -1,4 +1,4 @@
-"""Client features (fedlr.features): the registry's list, SCAFFOLD and FedAvgM.
+"""Client features (fedlr.client.features): the registry's list, SCAFFOLD and FedAvgM.
 
 The features run through the public client helpers (``apply_round``,
 ``ClientRound.after_backward``, ``ClientRound.reply``) on the plug-in app's
@@ -17,18 +17,18 @@ from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 
 from fedlr import apply_round
 from fedlr.adapters import Role, parameters_by_key
+from fedlr.client.features import ClientFeature, common_features
 from fedlr.errors import ProtocolError
-from fedlr.features import ClientFeature, common_features
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state
-from fedlr.robust import RobustConfig, robust_aggregate
+from fedlr.robust.rules import RobustConfig, robust_aggregate
 from fedlr.round.instructions import prepare_round
 from fedlr.round.pipeline import run_round
 from fedlr.strategies.fedavgm_lora import FedAvgMLoRA, ServerMomentumOptions
 from fedlr.strategies.feddyn_lora import FedDynLoRA
 from fedlr.strategies.registry import client_features, registered_methods
 from fedlr.strategies.scaffold_lora import CONTROL, CONTROL_DELTA, ScaffoldLoRA
-from fedlr.updates import ClientUpdate
+from fedlr.wire.updates import ClientUpdate
 from tests.plugin_app.client_app import app as plugin_client
 from tests.plugin_app.task import build_model, load_data
 from tests.strategies.conftest import reply

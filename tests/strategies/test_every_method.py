@@ -51,7 +51,6 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAdam
 
-from fedlr import protocol
 from fedlr.adapters import Role
 from fedlr.adapters.sorf_vera import layer_signs
 from fedlr.errors import ConfigError, FedLRError
@@ -63,6 +62,7 @@ from fedlr.server_apps.plans import ServerPlan
 from fedlr.strategies.base import FedLRStrategy
 from fedlr.strategies.lora_svd import PERSONAL_GRAM
 from fedlr.strategies.registry import available_methods, get_method, resolve
+from fedlr.wire import protocol
 from tests.conftest import tiny_run_config
 from tests.strategies.conftest import reply
 

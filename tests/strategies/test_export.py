@@ -19,8 +19,8 @@ import torch
 from peft import PeftModel
 from safetensors.torch import load_file
 
-from fedlr.config import RunConfig
-from fedlr.export import (
+from fedlr.config.run import RunConfig
+from fedlr.runs.export import (
     BASE_WEIGHTS,
     BASE_WEIGHTS_MARKER,
     EXPORT_DIR,
@@ -29,7 +29,7 @@ from fedlr.export import (
     load_adapter,
 )
 from fedlr.server_apps.local import run_in_process
-from fedlr.tasks import text_task
+from fedlr.tasks.text import text_task
 from tests.conftest import tiny_run_config
 
 pytestmark = pytest.mark.usefixtures("assets")
@@ -207,7 +207,7 @@ def test_causal_lm_run_exports_tracks_and_plots_its_own_metrics(
 def test_arrays_that_do_not_fit_are_reported_not_fatal(tmp_path: Path) -> None:
     """A final state whose shapes the rebuilt model refuses: the summary says
     the export failed and why; nothing is half-written."""
-    from fedlr.export import export_adapter
+    from fedlr.runs.export import export_adapter
     from fedlr.strategies.registry import resolve
 
     method = resolve(tiny_run_config(tmp_path, method="fedavg-lora"))

@@ -8,7 +8,6 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
-from fedlr import protocol
 from fedlr.client_apps.app import app as client_app
 from fedlr.errors import ConfigError
 from fedlr.flower import InProcessGrid
@@ -23,6 +22,7 @@ from fedlr.strategies.fedprox_lora import (
     ProximalTerm,
 )
 from fedlr.strategies.registry import get_method, resolve
+from fedlr.wire import protocol
 from tests.conftest import tiny_run_config
 from tests.strategies.conftest import reply
 from tests.strategies.test_lora_strategies import LAYOUT, _client, _global

@@ -27,10 +27,14 @@ from flwr.serverapp.strategy import FedAvg
 from peft import LoraConfig, get_peft_model
 
 from fedlr import LegacyStrategy, adapter_state, lora_layout
-from fedlr.config import RunConfig
+from fedlr.config.run import RunConfig
 from fedlr.errors import InitialArraysError
 from fedlr.flower import InProcessGrid
-from fedlr.protocol import (
+from fedlr.round.instructions import check_arrays, expected_arrays, prepare_round
+from fedlr.round.pipeline import run_round
+from fedlr.strategies import FedAvgLoRA, FedSALoRA, FedSVD
+from fedlr.strategies.qrmix import VisionFedAvg
+from fedlr.wire.protocol import (
     ARRAYS,
     CONFIG,
     METRICS,
@@ -40,10 +44,6 @@ from fedlr.protocol import (
     TRAIN_ROLES,
     decode_roles,
 )
-from fedlr.round.instructions import check_arrays, expected_arrays, prepare_round
-from fedlr.round.pipeline import run_round
-from fedlr.strategies import FedAvgLoRA, FedSALoRA, FedSVD
-from fedlr.strategies.qrmix import VisionFedAvg
 from tests.conftest import tiny_run_config
 from tests.strategies.conftest import reply
 

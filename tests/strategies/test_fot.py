@@ -17,10 +17,10 @@ from fedlr.client_apps.app import app as client_app
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.linalg.fot import expand_basis, residualise, sketch_residual
-from fedlr.protocol import GPSE_EXAMPLES, SKETCHES
-from fedlr.protocol import gpse_fraction_key as fraction_key
 from fedlr.server_apps.runner import run_server
 from fedlr.strategies import FOT, FedAvgContinual, get_method
+from fedlr.wire.protocol import GPSE_EXAMPLES, SKETCHES
+from fedlr.wire.protocol import gpse_fraction_key as fraction_key
 from tests.strategies.conftest import reply
 
 F64 = torch.float64

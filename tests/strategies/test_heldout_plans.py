@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from fedlr import protocol
-from fedlr.image_task import ImageTask
 from fedlr.server_apps.builtin_plans import build_plan
 from fedlr.server_apps.plans import base_train_config
 from fedlr.strategies.registry import resolve
-from fedlr.tasks import text_task
+from fedlr.tasks.image import ImageTask
+from fedlr.tasks.text import text_task
+from fedlr.wire import protocol
 from tests.conftest import tiny_run_config
 
 VISION = {"model": "cnn", "dataset": "digits", "num-partitions": 3, "seed": 3}

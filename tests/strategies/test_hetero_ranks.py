@@ -17,7 +17,7 @@ from flwr.clientapp import ClientApp
 
 from fedlr.adapters import AdapterLayout, LoraModule, Role
 from fedlr.adapters.ranks import fold_tail, leading_rank
-from fedlr.config import RunConfig
+from fedlr.config.run import RunConfig
 from fedlr.errors import ConfigError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
@@ -246,7 +246,7 @@ def test_hetero_fedspec_each_rank_receives_the_truncated_mean(threshold, grown):
         )
         global_sq += float(torch.linalg.matrix_norm(ideal - glob)) ** 2
         for r in SPEC_RANKS:
-            # What a node of rank r keeps (fedlr.client: leading_rank).
+            # What a node of rank r keeps (fedlr.client.round: leading_rank).
             cut = leading_rank(layout_at_rank(layout, r), new)
             received = (ALPHA / r) * cut[m.b_key] @ cut[m.a_key]
             err = float(torch.linalg.matrix_norm(received - _best(ideal, r)))
@@ -517,8 +517,9 @@ def test_apply_round_folds_the_tail_so_every_rank_holds_the_global_model(kind):
     (float32), with the Conv1D's ``W0`` transposed."""
     from flwr.app import Context, RecordDict
 
-    from fedlr import apply_round, lora_layout, protocol
+    from fedlr import apply_round, lora_layout
     from fedlr.adapters import adapter_state
+    from fedlr.wire import protocol
 
     server = _peft_pair(kind, 8)
     layout = lora_layout(server)

@@ -23,14 +23,15 @@ from fedlr.adapters.ranks import leading_rank
 from fedlr.errors import ReplyValidationError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state
-from fedlr.robust import RankedProductSpace, RobustConfig
+from fedlr.robust.rules import RobustConfig
+from fedlr.robust.spaces import RankedProductSpace
 from fedlr.strategies.fedex_lora import HeteroFedExLoRA
 from fedlr.strategies.fedspec import HeteroFedSpec, layout_at_rank
 from fedlr.strategies.flexlora import FlexLoRA
 from fedlr.strategies.flora import FLoRA
 from fedlr.strategies.hetero import HeteroRankLoRA
 from fedlr.strategies.hetlora import HetLoRA
-from fedlr.updates import ClientUpdate
+from fedlr.wire.updates import ClientUpdate
 from tests.strategies.conftest import reply
 from tests.strategies.test_hetero_ranks import ALPHA, _fedex_layout
 

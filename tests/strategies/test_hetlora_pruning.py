@@ -1,6 +1,7 @@
 """HetLoRA's rank self-pruning (``hetlora-prune-gamma``, ``hetlora-prune-lambda``).
 
-The client side (:func:`fedlr.client.apply_round`, :func:`fedlr.client.tail_norm`)
+The client side (:func:`fedlr.client.round.apply_round`,
+:func:`fedlr.client.pruning.tail_norm`)
 against dense float64 formulas on a small peft model; the decision rule; the
 server's acceptance of lower ranks (mocked replies); whole federations of the
 tiny BERT with ranks {2, 4, 8, 16}.
@@ -19,21 +20,21 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from peft import LoraConfig, get_peft_model
 
-from fedlr import protocol
 from fedlr.adapters import AdapterLayout, LoraModule, Role, parameters_by_key
 from fedlr.adapters.lora import adapter_state, lora_layout
 from fedlr.adapters.ranks import leading_rank, pruned_rank
-from fedlr.client import RankPruning, apply_round, tail_norm
+from fedlr.client.pruning import PRUNE_GAMMA, PRUNE_LAMBDA, RANK_STATE
+from fedlr.client.round import RankPruning, apply_round, tail_norm
 from fedlr.errors import ConfigError, ProtocolError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
-from fedlr.pruning import PRUNE_GAMMA, PRUNE_LAMBDA, RANK_STATE
 from fedlr.round.instructions import prepare_round
 from fedlr.server_apps.local import run_in_process
 from fedlr.strategies.fedprox_lora import PROXIMAL_MU
 from fedlr.strategies.hetero import layout_at_rank
 from fedlr.strategies.hetlora import HetLoRA
 from fedlr.strategies.registry import resolve
+from fedlr.wire import protocol
 from tests.conftest import tiny_run_config
 from tests.strategies.conftest import reply
 

@@ -11,16 +11,16 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 
 from fedlr.adapters import Role, adapter_state
-from fedlr.checkpoint import load_checkpoint
 from fedlr.client_apps.app import app as client_app
-from fedlr.config import RunConfig
+from fedlr.config.run import RunConfig
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state
-from fedlr.results import COLUMNS
+from fedlr.runs.checkpoint import load_checkpoint
+from fedlr.runs.results import COLUMNS
 from fedlr.server_apps.local import run_in_process
 from fedlr.server_apps.runner import run_server
 from fedlr.strategies import FedExLoRA
-from fedlr.tasks import TextTask
+from fedlr.tasks.text import TextTask
 from tests.conftest import tiny_run_config
 
 

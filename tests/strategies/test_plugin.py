@@ -34,7 +34,6 @@ from fedlr import (
     get_method,
     load_adapter_state,
     lora_layout,
-    protocol,
 )
 from fedlr.adapters import parameters_by_key
 from fedlr.adapters.plugin import lora_layers
@@ -50,6 +49,7 @@ from fedlr.flower.records import record_to_state
 from fedlr.round.instructions import prepare_round
 from fedlr.strategies import FedAvgLoRA, FedAvgVeRA, FedSALoRA, FedSpec, FedSVD
 from fedlr.strategies.lora_svd import PERSONAL_GRAM
+from fedlr.wire import protocol
 from tests.conftest import ROOT
 from tests.plugin_app.client_app import app as plugin_client
 from tests.plugin_app.client_app import train as plugin_train

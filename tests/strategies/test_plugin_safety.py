@@ -27,23 +27,23 @@ from fedlr import (
     apply_round,
     build_sorf_vera_model,
     get_method,
-    protocol,
 )
 from fedlr.adapters.plugin import adapted, unsaved_heads
 from fedlr.adapters.roles import Role
 from fedlr.errors import BaseMismatchError, NoValidRepliesError
-from fedlr.fingerprint import (
+from fedlr.flower import InProcessGrid
+from fedlr.flower.records import record_to_state
+from fedlr.robust.rules import RobustConfig
+from fedlr.round.instructions import instruction_config, prepare_round
+from fedlr.strategies import FedAvgLoRA
+from fedlr.wire import protocol
+from fedlr.wire.fingerprint import (
     PROBES,
     BaseFingerprint,
     check_model,
     fingerprint_roles,
     model_fingerprint,
 )
-from fedlr.flower import InProcessGrid
-from fedlr.flower.records import record_to_state
-from fedlr.robust import RobustConfig
-from fedlr.round.instructions import instruction_config, prepare_round
-from fedlr.strategies import FedAvgLoRA
 from tests.conftest import ROOT
 from tests.plugin_app.task import MLP, build_model, load_data, score
 from tests.strategies.conftest import reply

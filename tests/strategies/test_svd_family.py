@@ -13,15 +13,15 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedlr.adapters import AdapterLayout, LoraModule, Role, adapter_state
-from fedlr.client import apply_round
+from fedlr.client.round import apply_round
 from fedlr.client_apps import lora as lora_client
 from fedlr.client_apps.app import app as client_app
-from fedlr.config import RunConfig
+from fedlr.config.options import NoOptions
+from fedlr.config.run import RunConfig
 from fedlr.errors import ConfigError, RankMismatchError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
-from fedlr.options import NoOptions
-from fedlr.results import COLUMNS
+from fedlr.runs.results import COLUMNS
 from fedlr.server_apps.lora import lora_plan
 from fedlr.server_apps.runner import run_server
 from fedlr.strategies import (
@@ -35,7 +35,7 @@ from fedlr.strategies import (
 )
 from fedlr.strategies.base import ClientUpdate
 from fedlr.strategies.registry import resolve
-from fedlr.tasks import TextTask
+from fedlr.tasks.text import TextTask
 from tests.conftest import tiny_run_config
 from tests.strategies.conftest import reply
 

@@ -18,11 +18,11 @@ from fedlr.client_apps.app import app as client_app
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state
 from fedlr.linalg.sorf import build_lambda_d_rot
-from fedlr.results import COLUMNS
+from fedlr.runs.results import COLUMNS
 from fedlr.server_apps.runner import run_server
 from fedlr.strategies import FedAvgVeRA, SorfVeRA, VeraFedEx, get_method
 from fedlr.strategies.registry import resolve
-from fedlr.vera_tasks import build_vera_text_model
+from fedlr.tasks.vera import build_vera_text_model
 from tests.conftest import tiny_run_config
 from tests.strategies.conftest import reply
 

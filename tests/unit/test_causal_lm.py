@@ -19,15 +19,15 @@ from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
 from fedlr.adapters import LoraSettings, apply_lora, lora_layout
 from fedlr.adapters.orientation import resolve_targets
 from fedlr.adapters.sorf_vera import SorfVeraSettings, apply_sorf_vera
-from fedlr.config import RunConfig
+from fedlr.config.run import RunConfig
 from fedlr.data import dataset_info, load_dataset
 from fedlr.data.hub import alpaca_rows, gsm8k_rows
 from fedlr.data.instruct_text import exact_match, extract_answer
 from fedlr.errors import ConfigError
-from fedlr.lm import IGNORE, encode_instructions, evaluate_lm
 from fedlr.models.causal import build_causal_lm, load_causal_tokenizer
 from fedlr.strategies.registry import resolve
-from fedlr.tasks import CausalLMTask, TextTask, text_task
+from fedlr.tasks.lm import IGNORE, encode_instructions, evaluate_lm
+from fedlr.tasks.text import CausalLMTask, TextTask, text_task
 
 TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
 ROWS = [

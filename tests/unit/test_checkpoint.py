@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedlr.checkpoint import (
+from fedlr.errors import CheckpointError, ConfigError
+from fedlr.runs.checkpoint import (
     MANIFEST,
     check_resumable,
     checkpoint_name,
@@ -21,7 +22,6 @@ from fedlr.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from fedlr.errors import CheckpointError, ConfigError
 
 
 def _payload(round_=3):

@@ -11,7 +11,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from fedlr.compare import (
+from fedlr.errors import ConfigError
+from fedlr.runs.compare import (
     collect,
     main,
     parse_overrides,
@@ -19,8 +20,7 @@ from fedlr.compare import (
     summarise,
     to_markdown,
 )
-from fedlr.errors import ConfigError
-from fedlr.results import ResultsWriter
+from fedlr.runs.results import ResultsWriter
 
 
 def _run(root, method, seed, accs, gaps, seconds=2.0, extra=None, **config):
@@ -189,7 +189,7 @@ def test_inprocess_sweep_runs_every_cell_and_tabulates(tmp_path, assets):
     [({"engine": "ray"}, "--engine"), ({"client_gpus": -1.0}, "--client-gpus")],
 )
 def test_bad_sweep_options_are_refused_before_any_run(tmp_path, kwargs, key):
-    from fedlr.compare import run_sweep
+    from fedlr.runs.compare import run_sweep
 
     conf = tmp_path / "c.toml"
     conf.write_text('method = "fedex-lora"\n')
@@ -200,7 +200,7 @@ def test_bad_sweep_options_are_refused_before_any_run(tmp_path, kwargs, key):
 
 
 def test_comparison_figure_shows_loss_when_no_run_has_a_gap(tmp_path):
-    from fedlr.compare import comparison_figure
+    from fedlr.runs.compare import comparison_figure
 
     nan = float("nan")
     vision = [_run(tmp_path / "v", "fedavg", s, [0.5, 0.6], [nan, nan]) for s in (0, 1)]
@@ -217,7 +217,7 @@ def test_comparison_figure_shows_loss_when_no_run_has_a_gap(tmp_path):
 
 
 def test_comparison_figure_of_a_causal_lm_shows_exact_match_and_perplexity(tmp_path):
-    from fedlr.compare import comparison_figure
+    from fedlr.runs.compare import comparison_figure
 
     dirs = []
     for seed in (0, 1):
@@ -251,7 +251,7 @@ def test_comparison_figure_of_a_causal_lm_shows_exact_match_and_perplexity(tmp_p
 def test_comparison_figure_has_legends_everywhere_and_no_band_for_one_seed(tmp_path):
     from matplotlib.collections import PolyCollection
 
-    from fedlr.compare import comparison_figure
+    from fedlr.runs.compare import comparison_figure
 
     one = [_run(tmp_path / "l", "fedavg-lora", 0, [0.5, 0.6], [0.2, 0.1])]
     fig = comparison_figure(one)
@@ -273,8 +273,8 @@ def test_comparison_figure_has_legends_everywhere_and_no_band_for_one_seed(tmp_p
 
 def test_flwr_engine_passes_the_gpu_share_and_nodes_to_flwr_run(tmp_path, monkeypatch):
     """`--client-gpus 0.25` reaches `flwr run` as the clients' num-gpus."""
-    import fedlr.compare as compare
-    from fedlr.compare import run_sweep
+    import fedlr.runs.compare as compare
+    from fedlr.runs.compare import run_sweep
 
     calls = []
 
@@ -362,7 +362,7 @@ class _Lines(logging.Handler):
 
 def test_sweep_resumes_skipping_finished_cells(tmp_path, assets, monkeypatch, capfd):
     """Ctrl-C stops the sweep; a rerun skips finished cells, resumes the rest."""
-    import fedlr.compare as compare
+    import fedlr.runs.compare as compare
 
     conf, out = _tiny_conf(tmp_path), tmp_path / "sweep"
     argv = ["run", "--conf", str(conf), "--methods", "fedavg-lora", "--seeds", "0,1"]
@@ -442,7 +442,7 @@ def test_in_process_runs_print_flower_lines_once_and_drop_library_noise(recwarn)
     import logging
     import warnings
 
-    from fedlr.compare import quiet_in_process
+    from fedlr.runs.compare import quiet_in_process
 
     def noise() -> None:
         logging.getLogger("flwr").info("round 7: aggregated 4 replies")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from fedlr.config import RunConfig
+from fedlr.config.run import RunConfig
 from fedlr.errors import ConfigError, UnknownMethodError
 
 
@@ -64,7 +64,7 @@ def test_unknown_method_lists_known_ones():
 
 def test_task_rejects_image_and_unknown_datasets_at_start(assets):
     from fedlr.data import UnknownDatasetError
-    from fedlr.tasks import TextTask
+    from fedlr.tasks.text import TextTask
 
     with pytest.raises(
         ConfigError, match=r"'digits' is not a text data set \(kind: image\)"

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from fedlr import configdoc
-from fedlr.config import RunConfig
-from fedlr.options import option
+from fedlr.config.options import option
+from fedlr.config.run import RunConfig
 from fedlr.strategies.registry import option_defaults, registered_methods
 from tests.conftest import ROOT
 

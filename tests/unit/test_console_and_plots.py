@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from fedlr.compare import comparison_figure
-from fedlr.config import RunConfig
-from fedlr.plots import (
+from fedlr.config.run import RunConfig
+from fedlr.runs.compare import comparison_figure
+from fedlr.runs.plots import (
     EPSILON_PANELS,
     FOLDED_GAP_TITLE,
     epsilon_figure,
@@ -31,9 +31,9 @@ from fedlr.plots import (
     plot_runs,
     run_labels,
 )
-from fedlr.results import COLUMNS, ResultsWriter
+from fedlr.runs.results import COLUMNS, ResultsWriter
+from fedlr.runs.tracking import code_version
 from fedlr.server_apps.runner import REPRODUCIBLE, guarantee_lines
-from fedlr.tracking import code_version
 from tests.conftest import tiny_run_config
 
 ROUND_LINE = re.compile(r"fedlr \[round (\d+)/(\d+)\] (.*)")

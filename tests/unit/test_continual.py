@@ -10,10 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fedlr.continual import AccuracyMatrix, average_accuracy, forgetting
 from fedlr.data import PartitionConfig
 from fedlr.data.continual import STREAMS, ContinualStream, UnknownStreamError
-from fedlr.image_task import to_image_data
+from fedlr.tasks.continual import AccuracyMatrix, average_accuracy, forgetting
+from fedlr.tasks.image import to_image_data
 
 
 # -------------------------------------------------------------------- metrics

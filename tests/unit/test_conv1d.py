@@ -11,7 +11,7 @@ mixing both), one simulated round of three clients through the strategies'
 * each adapted layer's output under the new global arrays is the weighted mean
   of the client layers' outputs, and the whole model's logits are those of the
   model whose weights are the mean effective weights;
-* the factored downlink, applied by a node (:func:`fedlr.downlink.receive_base`
+* the factored downlink, applied by a node (:func:`fedlr.wire.downlink.receive_base`
   after encoding), reproduces the server's new ``W0`` bit for bit.
 """
 
@@ -29,7 +29,6 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import logging as hf_logging
 
-from fedlr import protocol
 from fedlr.adapters import (
     AdaptedModel,
     AdapterLayout,
@@ -45,7 +44,16 @@ from fedlr.adapters import (
 )
 from fedlr.adapters.plugin import adapted, check_layout
 from fedlr.adapters.vera import VeraModel
-from fedlr.downlink import (
+from fedlr.errors import ShapeMismatchError, UnsupportedModelError
+from fedlr.flower.records import record_to_state
+from fedlr.linalg import StreamedResidual, stacked_residual
+from fedlr.linalg.vera import fold_vera_residual
+from fedlr.round.ledger import BaseLedger
+from fedlr.strategies import FedExLoRA, FLoRA, VeraFedEx
+from fedlr.strategies.base import ClientUpdate, FedLRStrategy
+from fedlr.strategies.fedex_downlink import FactoredDownlink
+from fedlr.wire import protocol
+from fedlr.wire.downlink import (
     LOWRANK,
     VERA,
     BaseDelta,
@@ -54,14 +62,6 @@ from fedlr.downlink import (
     receive_base,
     vera_delta,
 )
-from fedlr.errors import ShapeMismatchError, UnsupportedModelError
-from fedlr.flower.records import record_to_state
-from fedlr.ledger import BaseLedger
-from fedlr.linalg import StreamedResidual, stacked_residual
-from fedlr.linalg.vera import fold_vera_residual
-from fedlr.strategies import FedExLoRA, FLoRA, VeraFedEx
-from fedlr.strategies.base import ClientUpdate, FedLRStrategy
-from fedlr.strategies.fedex_downlink import FactoredDownlink
 
 F64 = torch.float64
 KINDS = ("gpt2", "linear", "mixed")

@@ -6,7 +6,7 @@ import re
 import subprocess
 import sys
 
-from fedlr.results import COLUMNS
+from fedlr.runs.results import COLUMNS
 from tests.conftest import ROOT
 
 _PY = re.compile(r"```python\n(.*?)```", flags=re.DOTALL)

@@ -1,4 +1,4 @@
-"""The factored FedEx downlink (fedlr.downlink): kernels against float64
+"""The factored FedEx downlink (fedlr.wire.downlink): kernels against float64
 references, the record format, the client's receive path and the ledger."""
 
 from __future__ import annotations
@@ -7,8 +7,12 @@ import pytest
 import torch
 from flwr.app import ConfigRecord, RecordDict
 
-from fedlr import protocol
-from fedlr.downlink import (
+from fedlr.errors import BaseOutOfSyncError, ShapeMismatchError
+from fedlr.flower.records import state_to_record
+from fedlr.linalg import stacked_residual
+from fedlr.round.ledger import BaseLedger
+from fedlr.wire import protocol
+from fedlr.wire.downlink import (
     CHECK_TOLERANCE,
     LOWRANK,
     VERA,
@@ -20,10 +24,6 @@ from fedlr.downlink import (
     receive_base,
     vera_delta,
 )
-from fedlr.errors import BaseOutOfSyncError, ShapeMismatchError
-from fedlr.flower.records import state_to_record
-from fedlr.ledger import BaseLedger
-from fedlr.linalg import stacked_residual
 
 F64 = torch.float64
 
@@ -306,7 +306,7 @@ def test_ledger_skips_the_checksums_for_the_same_source_objects(monkeypatch):
     """configure_evaluate after configure_train hands the same Arrays: no
     second pass over the weights; new objects, a publish or a restored state
     always check again (a rejected round can bring old arrays back)."""
-    import fedlr.ledger as ledger_module
+    import fedlr.round.ledger as ledger_module
     from fedlr.flower.records import record_views
 
     calls: list[str] = []

@@ -34,6 +34,7 @@ from transformers import (
 from transformers.utils import logging as hf_logging
 
 from fedlr.adapters import LoraSettings, apply_lora
+from fedlr.client.train import TrainSettings, train_steps
 from fedlr.errors import (
     ConfigError,
     NoValidRepliesError,
@@ -46,7 +47,6 @@ from fedlr.privacy.node_policy import NodePolicy
 from fedlr.privacy.settings import DpSgdSettings, PrivacyConfig, default_delta
 from fedlr.server_apps.local import run_in_process
 from fedlr.strategies.registry import resolve
-from fedlr.train import TrainSettings, train_steps
 from tests.conftest import ROOT, tiny_run_config
 
 hf_logging.set_verbosity_error()

@@ -28,11 +28,12 @@ import torch.nn.functional as F
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from peft import LoraConfig, get_peft_model
 
-from fedlr import apply_round, protocol
+from fedlr import apply_round
 from fedlr.adapters.plugin import adapted
 from fedlr.adapters.roles import Role
+from fedlr.client.features import ClientFeature, RoundJob
+from fedlr.client.train import TrainSettings, train_steps
 from fedlr.errors import PrivacyUnsupportedError, ProtocolError
-from fedlr.features import ClientFeature, RoundJob
 from fedlr.flower.records import state_to_record
 from fedlr.privacy.accounting import epsilon
 from fedlr.privacy.dp_sgd import DP_EPSILON_RUN, DP_EPSILON_SPENT, sample_mean_loss
@@ -41,7 +42,7 @@ from fedlr.privacy.refusals import check_privacy
 from fedlr.privacy.settings import DpSgdSettings, PrivacyConfig, default_delta
 from fedlr.strategies.fedprox_lora import PROXIMAL_MU, ProximalTerm
 from fedlr.strategies.registry import get_method, resolve
-from fedlr.train import TrainSettings, train_steps
+from fedlr.wire import protocol
 
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 
@@ -280,7 +281,7 @@ def test_a_loss_term_that_reads_the_data_is_refused_at_configuration():
 
 
 def test_the_node_refuses_a_data_reading_term_beside_dp_sgd(tmp_path, monkeypatch):
-    import fedlr.client as client
+    import fedlr.client.round as client
 
     features = client.client_features()
     monkeypatch.setattr(client, "client_features", lambda: [*features, _ReadsData])

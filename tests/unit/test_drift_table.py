@@ -15,7 +15,7 @@ import torch
 from benchmarks import drift
 from fedlr.server_apps.local import run_in_process
 from fedlr.strategies.registry import resolve
-from fedlr.updates import ClientUpdate
+from fedlr.wire.updates import ClientUpdate
 
 
 def test_chosen_seeds_are_valid_on_both_data_sets_and_skipped_ones_are_not() -> None:

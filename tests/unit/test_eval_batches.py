@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedlr.image_task import ImageData, evaluate_images
-from fedlr.train import AUTO_EVAL_BATCH, in_batches
+from fedlr.client.train import AUTO_EVAL_BATCH, in_batches
+from fedlr.tasks.image import ImageData, evaluate_images
 
 
 def _oom_above(limit: int, seen: list[tuple[int, int]]):

@@ -2,7 +2,7 @@
 
 * A feature's wire keys and their bounds are declared on its class; the
   node's instruction check covers them with no edit of
-  ``fedlr/instruction_checks.py`` or ``fedlr/protocol.py`` (a feature defined
+  ``fedlr/wire/checks.py`` or ``fedlr/wire/protocol.py`` (a feature defined
   here, with a key of its own, is checked by the node);
 * the traits the features declare drive the configuration-time refusals:
   scaffold-lora's ``scaffold-delta`` and fot's ``sketches`` with client-level
@@ -10,7 +10,7 @@
   record and the reason;
 * a user's reply metrics may not reuse a name a feature declares;
 * the round's LoRA rank is decided by one function
-  (:func:`fedlr.pruning.round_rank`);
+  (:func:`fedlr.client.pruning.round_rank`);
 * the generated docs rows are current, and a stale one is found.
 """
 
@@ -25,13 +25,16 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from peft import LoraConfig, get_peft_model
 
-from fedlr import apply_round, featuredoc, protocol
+from fedlr import apply_round, featuredoc
 from fedlr.adapters.plugin import adapted
 from fedlr.adapters.roles import Role
+from fedlr.client.features import Bound, ClientFeature, Record, RoundJob
+from fedlr.client.pruning import PRUNE_GAMMA, RANK_STATE, RoundRank, round_rank
 from fedlr.errors import InstructionError, PrivacyUnsupportedError, ProtocolError
-from fedlr.features import Bound, ClientFeature, Record, RoundJob
 from fedlr.flower.records import state_to_record
-from fedlr.instruction_checks import (
+from fedlr.strategies.registry import client_features, get_method, resolve
+from fedlr.wire import protocol
+from fedlr.wire.checks import (
     BOUNDS,
     NodeLimits,
     bound_of,
@@ -39,8 +42,6 @@ from fedlr.instruction_checks import (
     declare_bounds,
     declared_keys,
 )
-from fedlr.pruning import PRUNE_GAMMA, RANK_STATE, RoundRank, round_rank
-from fedlr.strategies.registry import client_features, get_method, resolve
 from tests.conftest import ROOT
 
 LABEL_SMOOTHING = "test-label-smoothing"
@@ -119,7 +120,7 @@ def test_the_node_refuses_a_bad_value_of_the_new_key_before_changing_anything():
 def test_every_methods_feature_key_has_its_bound_with_the_feature():
     features = [f for f in client_features() if f.__module__.startswith("fedlr.strat")]
     owned = {k.key for f in features for k in f.keys if isinstance(k, Bound)}
-    # the keys that moved out of BOUNDS and fedlr.protocol into their features
+    # the keys that moved out of BOUNDS and fedlr.wire.protocol into their features
     assert owned >= {"proximal-mu", "prune-gamma", "prune-lambda", "fold-tail"}
     assert owned >= {"client-svd", "base-version", "base-check"}
     for name in ("PROXIMAL_MU", "PRUNE_GAMMA", "FOLD_TAIL", "CLIENT_SVD"):
@@ -193,7 +194,9 @@ def test_a_user_metric_may_not_reuse_a_name_a_feature_declares():
     declared = {m.name for f in client_features() for m in f.metrics}
     assert {"rank-pruned", "base-held", "personal-loaded"} <= declared
     for name in ("rank-pruned", "dp-epsilon-spent", protocol.NUM_EXAMPLES):
-        with pytest.raises(ProtocolError, match=f"'{name}'.*written by fedlr.client"):
+        with pytest.raises(
+            ProtocolError, match=f"'{name}'.*written by fedlr.client.round"
+        ):
             job.reply(num_examples=3, metrics={name: 1.0})
     assert job.reply(num_examples=3, metrics={"train-loss": 0.5}).content
 

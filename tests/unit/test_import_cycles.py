@@ -9,7 +9,7 @@ edge to ``fedlr.x``, and a discovery of a package's modules
 module of that package. The method registry's discovery of
 :mod:`fedlr.strategies` is such an edge; it is why the strategy modules
 register through :mod:`fedlr.strategies.registration` and never import
-:mod:`fedlr.strategies.registry`, and why :class:`fedlr.config.RunConfig`
+:mod:`fedlr.strategies.registry`, and why :class:`fedlr.config.run.RunConfig`
 knows no method (the registry hands it the methods' keys).
 
 The graph is built as the repository's ``import_cycles.py`` tool builds it
@@ -34,10 +34,10 @@ from pathlib import Path
 
 import pytest
 
-from fedlr.payloads import PAYLOADS
 from fedlr.server_apps import gpse, lora, qrmix, vera
 from fedlr.server_apps.builtin_plans import plan_builder
 from fedlr.server_apps.plans import register_plan
+from fedlr.wire.payloads import PAYLOADS
 from tests.conftest import ROOT
 
 Graph = dict[str, set[str]]
@@ -51,35 +51,29 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "foundation",
         (
             "fedlr.errors",
-            "fedlr.options",
-            "fedlr.discovery",
+            "fedlr.config.options",
+            "fedlr.config.discovery",
             "fedlr.linalg.",
-            "fedlr.train",
-            "fedlr.tracking",
-            "fedlr.checkpoint",
-            "fedlr.results",
-            "fedlr.plots",
+            "fedlr.client.train",
+            "fedlr.runs.tracking",
+            "fedlr.runs.checkpoint",
+            "fedlr.runs.results",
+            "fedlr.runs.plots",
             "fedlr.flower.records",
             "fedlr.flower.certs",
             "fedlr.flower.grid",
             "fedlr.adapters.roles",
-            "fedlr.protocol",
-            "fedlr.updates",
-            "fedlr.robust",
+            "fedlr.wire.protocol",
+            "fedlr.wire.updates",
+            "fedlr.robust.",
             "fedlr.privacy.",
         ),
     ),
-    ("config", ("fedlr.config",)),
+    ("config", ("fedlr.config.run",)),
     ("data, models, adapters", ("fedlr.data.", "fedlr.models.", "fedlr.adapters.")),
     (
         "tasks",
-        (
-            "fedlr.tasks",
-            "fedlr.vera_tasks",
-            "fedlr.image_task",
-            "fedlr.lm",
-            "fedlr.continual",
-        ),
+        ("fedlr.tasks.",),
     ),
     (
         # the client's round, its features and handlers, the payload kinds
@@ -88,25 +82,25 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
         # distributed DP)
         "client side",
         (
-            "fedlr.features",
-            "fedlr.method_features",
-            "fedlr.pruning",
-            "fedlr.instruction_checks",
-            "fedlr.fingerprint",
-            "fedlr.downlink",
-            "fedlr.client",
+            "fedlr.client.features",
+            "fedlr.client.method_features",
+            "fedlr.client.pruning",
+            "fedlr.wire.checks",
+            "fedlr.wire.fingerprint",
+            "fedlr.wire.downlink",
+            "fedlr.client.round",
             "fedlr.client_apps.",
             "fedlr.privacy.dp_sgd",
             "fedlr.privacy.client_dp",
             "fedlr.privacy.refusals",
             "fedlr.privacy.distributed_dp",
-            "fedlr.payload_kind",
-            "fedlr.payloads",
+            "fedlr.wire.payload_kind",
+            "fedlr.wire.payloads",
         ),
     ),
     (
         "strategies and registry",
-        ("fedlr.strategies.", "fedlr.round.", "fedlr.ledger"),
+        ("fedlr.strategies.", "fedlr.round."),
     ),
     (
         # what a process runs: the ServerApp and its plans, the dispatching
@@ -117,10 +111,10 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "fedlr.server_apps.",
             "fedlr.client_apps.app",
             "fedlr.flower.launch",
-            "fedlr.compare",
+            "fedlr.runs.compare",
             "fedlr.configdoc",
             "fedlr.featuredoc",
-            "fedlr.export",
+            "fedlr.runs.export",
         ),
     ),
 )
@@ -390,12 +384,12 @@ def test_the_run_config_and_the_client_import_no_strategy() -> None:
     discovered every strategy, and the client asked the registry."""
     edges = import_graph(ROOT / "fedlr")
     for low in (
-        "fedlr.config",
-        "fedlr.options",
-        "fedlr.robust",
-        "fedlr.payloads",
-        "fedlr.client",
-        "fedlr.method_features",
+        "fedlr.config.run",
+        "fedlr.config.options",
+        "fedlr.robust.rules",
+        "fedlr.wire.payloads",
+        "fedlr.client.round",
+        "fedlr.client.method_features",
     ):
         upward = sorted(
             m
@@ -411,8 +405,8 @@ def test_the_run_config_and_the_client_import_no_strategy() -> None:
 
 _FRESH_PROCESS = """
 import sys
-from fedlr.config import RunConfig
-from fedlr.method_features import MethodsNotLoadedError, client_features
+from fedlr.config.run import RunConfig
+from fedlr.client.method_features import MethodsNotLoadedError, client_features
 RunConfig.from_mapping({"method": "fedspec", "fedspec-threshold": 0.5})
 assert not [m for m in sys.modules if m.startswith("fedlr.strategies.")], "config"
 try:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fedlr.plots import figures, load_run, plot_runs
-from fedlr.results import ResultsWriter
+from fedlr.runs.plots import figures, load_run, plot_runs
+from fedlr.runs.results import ResultsWriter
 
 EXACT = [0.0, 0.125, 0.25]
 PERPLEXITY = [60.0, 5.5, 4.25]

@@ -25,7 +25,8 @@ import pandas as pd
 import pytest
 import torch
 
-from fedlr.checkpoint import (
+from fedlr.errors import CheckpointLayoutError, CheckpointWriteError, ConfigError
+from fedlr.runs.checkpoint import (
     MANIFEST,
     check_checkpoint_arrays,
     checkpoint_name,
@@ -33,8 +34,7 @@ from fedlr.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from fedlr.errors import CheckpointLayoutError, CheckpointWriteError, ConfigError
-from fedlr.results import ensure_output_dir
+from fedlr.runs.results import ensure_output_dir
 
 needs_proc_fd = pytest.mark.skipif(
     not sys.platform.startswith("linux"),
@@ -288,7 +288,7 @@ def test_final_arrays_on_a_full_disk_leave_no_partial_file(tmp_path, monkeypatch
 
     import torch
 
-    import fedlr.checkpoint as checkpoint
+    import fedlr.runs.checkpoint as checkpoint
     from fedlr.errors import CheckpointWriteError
 
     real = checkpoint.os.write

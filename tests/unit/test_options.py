@@ -18,8 +18,7 @@ from dataclasses import dataclass
 import pytest
 
 from fedlr import configdoc
-from fedlr.errors import ConfigError
-from fedlr.options import (
+from fedlr.config.options import (
     METHOD_DEFAULT,
     NoOptions,
     Range,
@@ -27,7 +26,7 @@ from fedlr.options import (
     option,
     redeclare,
 )
-from fedlr.payloads import LORA, VERA
+from fedlr.errors import ConfigError
 from fedlr.strategies import registration
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
 from fedlr.strategies.fedavgm_lora import ServerMomentumOptions
@@ -39,7 +38,8 @@ from fedlr.strategies.registry import (
     resolve,
 )
 from fedlr.strategies.vera import VeraStrategy
-from fedlr.vera_tasks import VeraOptions
+from fedlr.tasks.vera import VeraOptions
+from fedlr.wire.payloads import LORA, VERA
 
 STEP = ServerMomentumOptions.option_fields()["server-lr"].metadata["help"]
 

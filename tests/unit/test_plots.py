@@ -6,8 +6,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from fedlr.plots import continual_metrics, figures, load_run, main, plot_runs
-from fedlr.results import ResultsWriter
+from fedlr.runs.plots import continual_metrics, figures, load_run, main, plot_runs
+from fedlr.runs.results import ResultsWriter
 
 
 @pytest.fixture(autouse=True)

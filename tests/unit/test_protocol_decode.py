@@ -1,4 +1,4 @@
-"""``fedlr.protocol.decode_array``: legitimate encodings pass, checks come first."""
+"""``fedlr.wire.protocol.decode_array``: legitimate encodings pass, checks first."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from flwr.app import Array
 
 from fedlr.errors import ProtocolError
-from fedlr.protocol import MAX_HEADER_BYTES, decode_array
+from fedlr.wire.protocol import MAX_HEADER_BYTES, decode_array
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])

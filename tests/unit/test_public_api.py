@@ -23,7 +23,13 @@ def test_strategies_are_reexported_from_fedlr():
 
 @pytest.mark.parametrize(
     "module",
-    ["fedlr", "fedlr.linalg", "fedlr.adapters", "fedlr.config", "fedlr.results"],
+    [
+        "fedlr",
+        "fedlr.linalg",
+        "fedlr.adapters",
+        "fedlr.config.run",
+        "fedlr.runs.results",
+    ],
 )
 def test_library_modules_do_not_import_flwr(module):
     code = f"import sys, {module}; print('flwr' in sys.modules)"

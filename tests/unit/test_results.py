@@ -9,7 +9,7 @@ import pytest
 
 from fedlr.errors import CheckpointError
 from fedlr.flower.launch import format_run_config
-from fedlr.results import COLUMNS, ResultsWriter, read_results
+from fedlr.runs.results import COLUMNS, ResultsWriter, read_results
 
 
 def test_writer_appends_rows(tmp_path):
@@ -152,7 +152,7 @@ def test_counts_are_written_as_integers_and_measures_as_floats(tmp_path):
 
 
 def test_the_server_evaluated_columns_are_the_protocols_evaluation_metrics():
-    from fedlr import protocol
-    from fedlr.results import SERVER_EVALUATED
+    from fedlr.runs.results import SERVER_EVALUATED
+    from fedlr.wire import protocol
 
     assert {"accuracy", "loss", *protocol.TASK_EVAL_METRICS} == SERVER_EVALUATED

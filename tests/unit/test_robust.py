@@ -1,4 +1,4 @@
-"""Robust aggregation (fedlr.robust) against dense float64 references.
+"""Robust aggregation (fedlr.robust.rules) against dense float64 references.
 
 Every update space is checked against the update written out densely
 (``u_i = B_i A_i - B A`` as a d_out x d_in matrix, or the flattened change of
@@ -20,16 +20,16 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from scipy.optimize import brentq, minimize
 
-import fedlr.robust as robust
+import fedlr.robust.rules as robust
+import fedlr.robust.spaces as spaces
 from fedlr.errors import ConfigError
-from fedlr.robust import (
-    ParameterSpace,
-    ProductSpace,
+from fedlr.robust.rules import (
     RobustConfig,
     cap_shares,
     geometric_median_weights,
     robust_aggregate,
 )
+from fedlr.robust.spaces import ParameterSpace, ProductSpace
 from fedlr.strategies.base import ClientUpdate
 
 F64 = torch.float64
@@ -276,11 +276,11 @@ def test_chunked_product_gram_matches_dense(n, d_out, d_in, seed, rows):
     ranks = torch.randint(1, 5, (n,), generator=g).tolist()
     bs = [torch.randn(d_out, r, generator=g, dtype=F64) for r in ranks]
     as_ = [torch.randn(r, d_in, generator=g, dtype=F64) for r in ranks]
-    whole = robust._product_gram(bs, as_)
+    whole = spaces._product_gram(bs, as_)
     with pytest.MonkeyPatch.context() as mp:
         # A few rows of the (sum r) x (sum r) blocks per chunk, down to one pair.
-        mp.setattr(robust, "_GRAM_CHUNK_BYTES", rows * 16 * sum(ranks))
-        chunked = robust._product_gram(bs, as_)
+        mp.setattr(spaces, "_GRAM_CHUNK_BYTES", rows * 16 * sum(ranks))
+        chunked = spaces._product_gram(bs, as_)
     expected = _dense_gram(bs, as_)
     scale = (
         max(
@@ -302,7 +302,7 @@ def test_product_space_gram_is_the_same_in_tiny_chunks(case):
     space = ProductSpace(reference, pairs)
     whole = space.gram(updates)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(robust, "_GRAM_CHUNK_BYTES", 1)
+        mp.setattr(spaces, "_GRAM_CHUNK_BYTES", 1)
         chunked = space.gram(updates)
     scales = torch.tensor([_product_scale(c, reference, pairs) for c in clients])
     tol = 64 * EPS * 8 * torch.outer(scales, scales)

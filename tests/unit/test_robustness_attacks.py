@@ -3,7 +3,7 @@
 The attacks are what docs/results/robustness.md measures the rules against, so
 they are checked here against their definitions: ALIE's ``z``, and the
 update-space norms of the scaled attacks, recomputed from dense float64
-products ``B' A' - B A`` (not with the :class:`~fedlr.robust.ProductSpace` the
+products ``B' A' - B A`` (not with the :class:`~fedlr.robust.spaces.ProductSpace` the
 attack scales with).
 """
 
@@ -22,10 +22,11 @@ from benchmarks.robustness import (
     alie_z,
     plan,
 )
-from fedlr import protocol
 from fedlr.flower.records import record_to_state
-from fedlr.robust import DEFAULT_SCREEN_RATIO, ROBUST_RULES
+from fedlr.robust.rules import ROBUST_RULES
+from fedlr.robust.screen import DEFAULT_SCREEN_RATIO
 from fedlr.server_apps.local import run_in_process
+from fedlr.wire import protocol
 from tests.conftest import tiny_run_config
 
 

@@ -23,9 +23,8 @@ from flwr.common.secure_aggregation.secaggplus_constants import (
     Key,
 )
 
-from fedlr import protocol
 from fedlr.client_apps.secagg import secagg_mod
-from fedlr.config import RunConfig
+from fedlr.config.run import RunConfig
 from fedlr.errors import ConfigError, SecureAggregationError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
@@ -40,6 +39,7 @@ from fedlr.round.pipeline import run_round
 from fedlr.server_apps.secagg import SecAggPlusExchange
 from fedlr.strategies.fot import FedAvgContinual
 from fedlr.strategies.registry import available_methods, get_method
+from fedlr.wire import protocol
 
 SHAPES = {"layer.weight": (6, 5), "layer.bias": (6,), "head.weight": (3, 6)}
 EXAMPLES = (10, 25, 40, 60)

@@ -1,6 +1,6 @@
 """One split for every task, and a data layer that imports no task.
 
-The text tasks (:mod:`fedlr.tasks`), the image task (:mod:`fedlr.image_task`)
+The text tasks (:mod:`fedlr.tasks.text`), the image task (:mod:`fedlr.tasks.image`)
 and the continual streams once each built a run's
 :class:`~fedlr.data.PartitionConfig` and cached a split of their own; they now
 share :func:`fedlr.data.splits.dataset_split` and
@@ -18,12 +18,12 @@ import hashlib
 import numpy as np
 import pytest
 
-from fedlr.config import RunConfig
-from fedlr.continual import ContinualOptions, stream_from_config
+from fedlr.config.run import RunConfig
 from fedlr.data import FederatedSplit, PartitionConfig
 from fedlr.data.splits import dataset_split, partition_config
-from fedlr.image_task import ImageTask
-from fedlr.tasks import text_task
+from fedlr.tasks.continual import ContinualOptions, stream_from_config
+from fedlr.tasks.image import ImageTask
+from fedlr.tasks.text import text_task
 from tests.conftest import ROOT
 from tests.unit.test_import_cycles import import_graph
 
@@ -46,10 +46,10 @@ RECORDED_STREAM = {
 """Tasks of ``num-tasks=2``, ``task-examples=2000`` streams, old code."""
 
 TASK_MODULES = (
-    "fedlr.tasks",
-    "fedlr.image_task",
-    "fedlr.vera_tasks",
-    "fedlr.continual",
+    "fedlr.tasks.text",
+    "fedlr.tasks.image",
+    "fedlr.tasks.vera",
+    "fedlr.tasks.continual",
 )
 
 
@@ -153,4 +153,4 @@ def test_the_data_layer_imports_nothing_that_builds_on_it():
     assert upward == set(), f"the data layer imports modules built on it: {upward}"
     assert not {high for low in data for high in edges[low]} & set(TASK_MODULES)
     # and the property holds for what the tasks do import from it
-    assert edges["fedlr.image_task"] & data and edges["fedlr.continual"] & data
+    assert edges["fedlr.tasks.image"] & data and edges["fedlr.tasks.continual"] & data

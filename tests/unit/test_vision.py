@@ -7,10 +7,10 @@ import pytest
 import torch
 from torch import nn
 
-from fedlr.config import RunConfig
+from fedlr.config.run import RunConfig
 from fedlr.errors import ConfigError, ShapeMismatchError
-from fedlr.image_task import ImageData, ImageTask, evaluate_images, train_sgd
 from fedlr.models import VISION_MODELS, build_vision_model
+from fedlr.tasks.image import ImageData, ImageTask, evaluate_images, train_sgd
 
 SHAPES = {
     "cnn": (1, 28, 28),

@@ -1,0 +1,3 @@
+"""The run configuration: every run-config key, typed and validated (run.py),
+the option declarations (options.py), discovery of registering modules.
+"""

@@ -1,0 +1,465 @@
+"""Robust aggregation: norm clipping, geometric median, client trimming, weight caps.
+
+Every fedlr method combines its clients' replies as a weighted function of
+their updates. This module changes *which* updates go in and *with what
+weight*, in the method's own update space, before the method's kernel runs:
+
+``norm-clip``
+    A client whose update norm exceeds ``clip-norm`` (0: the round's median
+    update norm) is moved towards the current global state until its norm is
+    the bound (Sun et al., 2019, norm bounding). Defends against boosted
+    (scaled) updates; a bounded attacker still pulls the model.
+``median``
+    The weights become those of the (unweighted) geometric median of the
+    updates (Weiszfeld's algorithm on the updates' Gram matrix): the method
+    aggregates a convex combination of the clients that *is* the geometric
+    median of their updates, whatever example counts they claim. Breakdown
+    point 1/2.
+``trimmed-mean``
+    The ``trim-fraction`` of clients farthest from the geometric median (at
+    least one when ``k >= 3``, never half) are left out and the others keep
+    their weights: a client-level trimmed mean, which, unlike a
+    coordinate-wise one, is defined for factor pairs whose coordinates are
+    only meaningful together.
+
+and, with any rule, ``max-client-weight`` caps each client's share of the
+total weight (water-filling), so no claimed example count buys the model.
+
+Before any of these, and whatever the rule (``none`` included), the
+update-size screen (:func:`screen_sizes`, ``screen-ratio``, default
+:data:`DEFAULT_SCREEN_RATIO`) drops a reply whose update norm is more than
+``screen-ratio`` times the round's median update norm and larger than the
+current state's norm: a boosted or overflowing reply never reaches the kernel.
+
+The update space is the method's (:class:`UpdateSpace`): for the LoRA family
+the change of each adapted layer's product ``B_i A_i - B A`` (computed from
+the factors' r x r Gram blocks, never a dense d_out x d_in matrix,
+:class:`ProductSpace`), for every other family the change of the arrays the
+client sends (:class:`ParameterSpace`, optionally mapped, e.g. FOT's
+projection off the protected bases); for clients at their own LoRA ranks the
+scaled product change against the factors each was sent
+(:class:`RankedProductSpace`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from fedlr.errors import ConfigError
+from fedlr.robust.spaces import UpdateSpace
+
+if TYPE_CHECKING:
+    from fedlr.wire.updates import ClientUpdate
+
+__all__ = [
+    "ROBUST_RULES",
+    "RobustConfig",
+    "RobustOutcome",
+    "cap_shares",
+    "geometric_median_weights",
+    "robust_aggregate",
+]
+
+ROBUST_RULES = ("none", "norm-clip", "trimmed-mean", "median")
+"""Values of the ``robust`` run-config key."""
+
+_NEGLIGIBLE_SHARE = 1e-6
+"""``median``: a client whose geometric-median weight is below this share is
+left out rather than kept at a tiny weight (a method whose aggregate is not
+linear in the client's arrays, e.g. a product of two of them, would still feel
+a huge update through a tiny weight)."""
+
+
+@dataclass(frozen=True)
+class RobustConfig:
+    """The robust-aggregation options of a strategy.
+
+    Parameters
+    ----------
+    rule : {"none", "norm-clip", "trimmed-mean", "median"}
+    clip_norm : float, default 0.0
+        ``norm-clip``'s bound on a client's update norm; 0 uses the round's
+        median update norm.
+    trim_fraction : float, default 0.2
+        ``trimmed-mean``: share of the clients left out, in [0, 0.5).
+    max_client_weight : float, default 1.0
+        Cap on any client's share of the total weight, in (0, 1]; 1 is no cap.
+
+    Raises
+    ------
+    ConfigError
+        Naming the run-config key of a bad value.
+    """
+
+    rule: str = "none"
+    clip_norm: float = 0.0
+    trim_fraction: float = 0.2
+    max_client_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.rule not in ROBUST_RULES:
+            raise ConfigError(
+                "robust", f"must be one of {list(ROBUST_RULES)}, got {self.rule!r}"
+            )
+        if not (math.isfinite(self.clip_norm) and self.clip_norm >= 0):
+            raise ConfigError("clip-norm", f"must be >= 0, got {self.clip_norm}")
+        if not 0.0 <= self.trim_fraction < 0.5:
+            raise ConfigError(
+                "trim-fraction", f"must be in [0, 0.5), got {self.trim_fraction}"
+            )
+        if not 0.0 < self.max_client_weight <= 1.0:
+            raise ConfigError(
+                "max-client-weight",
+                f"must be in (0, 1], got {self.max_client_weight}",
+            )
+
+    @property
+    def active(self) -> bool:
+        """Whether aggregation differs from the method's plain weighted one."""
+        return self.rule != "none" or self.max_client_weight < 1.0
+
+
+@dataclass
+class RobustOutcome:
+    """What :func:`robust_aggregate` did to a round's updates.
+
+    Attributes
+    ----------
+    updates : list of ClientUpdate
+        The updates to aggregate (trimmed ones removed, clipped ones moved,
+        ``weight`` set).
+    reasons : list of str
+        One line per clipped, trimmed or capped client, naming its node.
+    metrics : dict of str to float
+        ``robust-clipped``, ``robust-trimmed``, ``robust-capped`` and
+        ``robust-max-share`` (the largest weight share after the rule).
+    """
+
+    updates: list[ClientUpdate]
+    reasons: list[str] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def geometric_median_weights(
+    gram: torch.Tensor,
+    weights: Sequence[float],
+    *,
+    iterations: int = 500,
+    tol: float = 1e-9,
+) -> torch.Tensor:
+    """Convex weights ``alpha`` with ``sum alpha_i u_i`` the geometric median.
+
+    Weiszfeld's algorithm for ``argmin_z sum_i w_i ||u_i - z||`` on the Gram
+    matrix of the updates: ``z = sum alpha_i u_i`` stays in their span, and
+    ``||u_j - z||^2 = G_jj - 2 (G alpha)_j + alpha^T G alpha``. A median
+    that is a client's own point (Kuhn's criterion, :func:`_vertex_median`)
+    is returned exactly; otherwise it starts at the weighted medoid and stops
+    when no weight changes by more than ``tol`` relative to itself. Close to
+    (not at) a client's point Weiszfeld converges slowly: ``iterations`` then
+    bounds the accuracy.
+
+    Parameters
+    ----------
+    gram : torch.Tensor
+        (k, k) Gram matrix of the updates.
+    weights : sequence of float
+        Positive client weights.
+
+    Returns
+    -------
+    torch.Tensor
+        (k,) float64, non-negative, summing to 1.
+    """
+    w = torch.as_tensor(list(weights), dtype=torch.float64)
+    w = w / w.sum()
+    g = gram.to(torch.float64)
+    diag = torch.diagonal(g)
+    # Start from the weighted medoid: distances between clients need only
+    # G_ii + G_jj - 2 G_ij, so an update far larger than the others cannot
+    # swamp the honest ones' distances by cancellation (starting from the
+    # mean would put every client at the attacker's scale).
+    pair = (diag[:, None] + diag[None, :] - 2 * g).clamp_min(0.0).sqrt()
+    medoid = int(torch.argmin(pair @ w))
+    # ... then the weighted mean of the closer half of the clients to it: not
+    # a data point (where Weiszfeld's step is undefined) and free of outliers.
+    near = torch.argsort(pair[medoid])[: max(2, (len(w) + 1) // 2)]
+    alpha = torch.zeros_like(w)
+    alpha[near] = w[near] / w[near].sum()
+    finite = diag[torch.isfinite(diag)]
+    scale = math.sqrt(max(float(finite.median()), 0.0)) if finite.numel() else 1.0
+    floor = 1e-12 * (scale or 1.0)
+    vertex = _vertex_median(g, pair, w, floor)
+    if vertex is not None:
+        return vertex
+    for _ in range(iterations):
+        dist = _distances(g, alpha).clamp_min(floor)
+        new = w / dist
+        new = new / new.sum()
+        change = float(((new - alpha).abs() / new.clamp_min(1e-300)).max())
+        alpha = new
+        if change < tol:
+            break
+    return alpha
+
+
+def _vertex_median(
+    gram: torch.Tensor, pair: torch.Tensor, w: torch.Tensor, floor: float
+) -> torch.Tensor | None:
+    """Weights at the data point that is the geometric median, if one is.
+
+    Kuhn's criterion: ``x_m`` is the median iff the others' pull on it,
+    ``||sum_{i: x_i != x_m} w_i (x_i - x_m) / ||x_i - x_m|| ||``, is at most
+    the weight at ``x_m``; Weiszfeld's iterates only approach such a point
+    sublinearly. A tie (two clients, or an even count on a line: a segment
+    of medians) is left to Weiszfeld, which stays inside the segment.
+    """
+    at = pair <= floor  # (k, k): clients at x_m, x_m itself included
+    c = torch.where(at, 0.0, w[None, :] / pair.clamp_min(floor))
+    beta = c - torch.diag(c.sum(dim=1))  # row m: the pull as sum beta_i x_i
+    pull = ((beta @ gram) * beta).sum(dim=1).clamp_min(0.0).sqrt()
+    own = (at * w[None, :]).sum(dim=1)
+    wins = pull < own * (1 - 1e-9)  # NaN (a non-finite Gram) never wins
+    if not bool(wins.any()):
+        return None
+    m = int(torch.argmax(torch.where(wins, own - pull, -math.inf)))
+    return torch.where(at[m], w, 0.0) / own[m]
+
+
+def _distances(gram: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """``||u_j - sum_i alpha_i u_i||`` for every j."""
+    g_alpha = gram @ alpha
+    sq = torch.diagonal(gram) - 2 * g_alpha + alpha @ g_alpha
+    return sq.clamp_min(0.0).sqrt()
+
+
+def cap_shares(weights: Sequence[float], cap: float) -> torch.Tensor:
+    """Shares of the total weight with none above ``cap`` (water-filling).
+
+    Capped clients get exactly ``cap``; the rest of the total is shared by
+    the others in proportion to their weights. When ``cap * k < 1`` no
+    feasible capping exists and the shares are equal.
+
+    Returns
+    -------
+    torch.Tensor
+        (k,) float64 shares summing to 1.
+    """
+    w = torch.as_tensor(list(weights), dtype=torch.float64)
+    k = len(w)
+    if cap * k < 1.0:
+        return torch.full((k,), 1.0 / k, dtype=torch.float64)
+    shares = w / w.sum()
+    capped = torch.zeros(k, dtype=torch.bool)
+    for _ in range(k):
+        over = (shares > cap + 1e-15) & ~capped
+        if not bool(over.any()):
+            break
+        capped |= over
+        free = ~capped
+        remaining = 1.0 - cap * int(capped.sum())
+        shares = torch.where(capped, torch.full_like(shares, cap), shares)
+        free_total = float(w[free].sum())
+        if free_total > 0:
+            shares[free] = remaining * w[free] / free_total
+    return shares
+
+
+def robust_aggregate(
+    updates: Sequence[ClientUpdate],
+    space: UpdateSpace,
+    config: RobustConfig,
+) -> RobustOutcome:
+    """Apply ``config``'s rule and weight cap to a round's validated updates.
+
+    Parameters
+    ----------
+    updates : sequence of ClientUpdate
+        Validated updates, ``weight`` = ``num_examples``.
+    space : UpdateSpace
+        The method's update space for this round.
+    config : RobustConfig
+
+    Returns
+    -------
+    RobustOutcome
+        The updates to aggregate, with ``weight`` scaled so that the total
+        stays ``sum num_examples`` of the kept clients.
+    """
+    kept = list(updates)
+    reasons: list[str] = []
+    metrics = {
+        "robust-clipped": 0.0,
+        "robust-trimmed": 0.0,
+        "robust-capped": 0.0,
+    }
+    if not kept:
+        return RobustOutcome(kept, reasons, metrics)
+    weights = torch.as_tensor([u.weight for u in kept], dtype=torch.float64)
+    if config.rule == "norm-clip":
+        kept, clip_reasons = _clip(kept, space, config.clip_norm)
+        reasons += clip_reasons
+        metrics["robust-clipped"] = float(len(clip_reasons))
+    elif config.rule in ("median", "trimmed-mean") and len(kept) > 1:
+        kept, weights, excluded = _finite_only(kept, weights, space)
+        reasons += excluded
+        metrics["robust-trimmed"] = float(len(excluded))
+        if len(kept) > 1:
+            gram = space.gram(kept)
+            # Unweighted: a client's claimed example count must not move the
+            # median (cap weights with max-client-weight).
+            alpha = geometric_median_weights(gram, [1.0] * len(kept))
+            if config.rule == "median":
+                kept, weights, median_reasons, left_out = _median(kept, weights, alpha)
+                reasons += median_reasons
+                metrics["robust-trimmed"] += float(left_out)
+            else:
+                trimmed_reasons, keep_idx = _trim(kept, gram, alpha, config)
+                reasons += trimmed_reasons
+                kept = [kept[i] for i in keep_idx]
+                weights = weights[keep_idx]
+                metrics["robust-trimmed"] += float(len(trimmed_reasons))
+    total = float(weights.sum())
+    shares = weights / total
+    if config.max_client_weight < 1.0:
+        shares, cap_reasons = _cap(kept, weights, config.max_client_weight)
+        reasons += cap_reasons
+        metrics["robust-capped"] += len(cap_reasons)
+    metrics["robust-max-share"] = float(shares.max())
+    new = [
+        replace(u, weight=float(s) * total) for u, s in zip(kept, shares, strict=True)
+    ]
+    return RobustOutcome(new, reasons, metrics)
+
+
+def _median(
+    kept: list[ClientUpdate], weights: torch.Tensor, alpha: torch.Tensor
+) -> tuple[list[ClientUpdate], torch.Tensor, list[str], int]:
+    """The geometric median's weights ``alpha`` applied: updates with a
+    negligible share left out, the rest weighted by ``alpha`` at the round's
+    total weight. Returns the kept updates, their weights, the reasons and
+    the number left out."""
+    plain = weights / weights.sum()
+    negligible = alpha < _NEGLIGIBLE_SHARE
+    reasons = []
+    for update, before, after, out in zip(kept, plain, alpha, negligible, strict=True):
+        if bool(out):
+            reasons.append(
+                f"node {update.node_id}: left out (weight share "
+                f"{float(after):.3g} at the geometric median)"
+            )
+        elif float(after) < 0.5 / len(kept):
+            reasons.append(
+                f"node {update.node_id}: weight share {float(before):.4g} "
+                f"-> {float(after):.4g} (far from the geometric median)"
+            )
+    total_before = weights.sum()
+    keep_idx = [i for i in range(len(kept)) if not bool(negligible[i])]
+    alpha = alpha[keep_idx]
+    weights = alpha / alpha.sum() * total_before
+    return [kept[i] for i in keep_idx], weights, reasons, int(negligible.sum())
+
+
+def _cap(
+    kept: list[ClientUpdate], weights: torch.Tensor, max_client_weight: float
+) -> tuple[torch.Tensor, list[str]]:
+    """The shares of ``weights`` capped at ``max_client_weight``; a reason per
+    capped node."""
+    shares = weights / float(weights.sum())
+    capped = cap_shares(weights.tolist(), max_client_weight)
+    reasons = [
+        f"node {update.node_id}: weight share {float(before):.4g} capped "
+        f"at {float(after):.4g} (max-client-weight)"
+        for update, before, after in zip(kept, shares, capped, strict=True)
+        if float(after) < float(before) - 1e-12
+    ]
+    return capped, reasons
+
+
+def _finite_only(
+    updates: list[ClientUpdate], weights: torch.Tensor, space: UpdateSpace
+) -> tuple[list[ClientUpdate], torch.Tensor, list[str]]:
+    """Leave out updates whose norm is not finite in float64 (nothing to rank)."""
+    norms = [space.norm(u) for u in updates]
+    keep = [i for i, n in enumerate(norms) if math.isfinite(n)]
+    reasons = [
+        f"node {updates[i].node_id}: left out (update norm {norms[i]} is not finite)"
+        for i in range(len(updates))
+        if i not in keep
+    ]
+    if not keep:  # nothing finite to rank: keep all, the round check decides
+        return updates, weights, []
+    return [updates[i] for i in keep], weights[keep], reasons
+
+
+def _trim(
+    updates: list[ClientUpdate],
+    gram: torch.Tensor,
+    alpha: torch.Tensor,
+    config: RobustConfig,
+) -> tuple[list[str], list[int]]:
+    """Reasons for, and the indices kept after, trimming the farthest clients."""
+    dist = _distances(gram, alpha)
+    k = len(updates)
+    n_trim = min(math.ceil(config.trim_fraction * k - 1e-9), (k - 1) // 2)
+    order = sorted(range(k), key=lambda i: (-float(dist[i]), i))
+    trimmed = set(order[:n_trim])
+    reasons = [
+        f"node {updates[i].node_id}: trimmed (distance {float(dist[i]):.4g} from "
+        f"the geometric median, among the {n_trim} farthest)"
+        for i in sorted(trimmed)
+    ]
+    return reasons, [i for i in range(k) if i not in trimmed]
+
+
+def _clip(
+    updates: list[ClientUpdate], space: UpdateSpace, bound: float
+) -> tuple[list[ClientUpdate], list[str]]:
+    norms = [space.norm(u) for u in updates]
+    if bound <= 0:
+        finite = [n for n in norms if math.isfinite(n)] or [0.0]
+        bound = float(torch.tensor(finite, dtype=torch.float64).median())
+    out: list[ClientUpdate] = []
+    reasons: list[str] = []
+    for update, norm in zip(updates, norms, strict=True):
+        if norm <= bound * (1 + 1e-9) or norm == 0:
+            out.append(update)
+            continue
+        if not math.isfinite(norm):
+            factor, moved = 0.0, space.shrink(update, 0.0)
+        elif space.linear:
+            factor = bound / norm
+            moved = space.shrink(update, factor)
+            if space.norm(moved) > bound * (1 + 1e-9):  # rounded in float32
+                factor, moved = _bisect(update, space, bound, norm)
+        else:
+            factor, moved = _bisect(update, space, bound, norm)
+        out.append(replace(moved, clip_factor=update.clip_factor * factor))
+        reasons.append(
+            f"node {update.node_id}: update norm {norm:.4g} clipped to "
+            f"{space.norm(moved):.4g} (clip-norm {bound:.4g}, factor {factor:.4g})"
+        )
+    return out, reasons
+
+
+def _bisect(
+    update: ClientUpdate, space: UpdateSpace, bound: float, norm: float
+) -> tuple[float, ClientUpdate]:
+    """The largest factor found whose moved update has norm <= ``bound``."""
+    lo, hi = 0.0, min(1.0, 2 * bound / norm)
+    best = space.shrink(update, lo)
+    hi_update = space.shrink(update, hi)
+    if space.norm(hi_update) <= bound:
+        return hi, hi_update
+    for _ in range(40):
+        mid = 0.5 * (lo + hi)
+        moved = space.shrink(update, mid)
+        if space.norm(moved) <= bound:
+            lo, best = mid, moved
+        else:
+            hi = mid
+    return lo, best

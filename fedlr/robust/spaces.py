@@ -1,0 +1,366 @@
+"""The update spaces robust rules measure and move client updates in.
+
+A method's space (:class:`UpdateSpace`): the change of the arrays a client
+sends (:class:`ParameterSpace`, optionally mapped, e.g. FOT's projection off
+its bases), of each adapted layer's product ``B_i A_i - B A`` from the
+factors' r x r Gram blocks, never a dense d_out x d_in matrix
+(:class:`ProductSpace`), or, for clients at their own LoRA ranks, the scaled
+product change against the factors each was sent
+(:class:`RankedProductSpace`).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from fedlr.wire.updates import ClientUpdate
+
+__all__ = ["ParameterSpace", "ProductSpace", "RankedProductSpace", "UpdateSpace"]
+
+
+_GRAM_CHUNK_BYTES = 64 * 2**20
+"""Memory a chunk of the factored Gram may take (float64)."""
+
+
+class UpdateSpace(ABC):
+    """The space in which a method's client updates are measured and moved.
+
+    A client's update ``u_i`` is its reply's change against the round's
+    reference (the global state sent). Subclasses give the Gram matrix of
+    the updates and a way to move one update towards the reference.
+    """
+
+    @abstractmethod
+    def gram(self, updates: Sequence[ClientUpdate]) -> torch.Tensor:
+        """``G[i, j] = <u_i, u_j>``, (k, k) float64."""
+
+    @abstractmethod
+    def norm(self, update: ClientUpdate) -> float:
+        """``||u||`` of one update."""
+
+    @abstractmethod
+    def shrink(self, update: ClientUpdate, factor: float) -> ClientUpdate:
+        """The update with its arrays moved to ``ref + factor * (x - ref)``."""
+
+    linear: bool = True
+    """Whether ``norm(shrink(u, g)) == g * norm(u)`` (else clipping bisects)."""
+
+
+def _arrays_towards(
+    arrays: Mapping[str, torch.Tensor],
+    reference: Mapping[str, torch.Tensor],
+    factor: float,
+) -> dict[str, torch.Tensor]:
+    """``ref + factor * (x - ref)`` per key; a key whose reference is absent or
+    of another shape (never broadcast) moves from zero."""
+    moved = {}
+    for key, x in arrays.items():
+        ref = reference.get(key)
+        base = (
+            ref.to(torch.float64)
+            if ref is not None and ref.shape == x.shape
+            else torch.zeros_like(x, dtype=torch.float64)
+        )
+        moved[key] = (base + factor * (x.to(torch.float64) - base)).to(x.dtype)
+    return moved
+
+
+class ParameterSpace(UpdateSpace):
+    """Updates as the change of the reply's arrays, ``x_i - x_ref``.
+
+    Parameters
+    ----------
+    reference : mapping of str to torch.Tensor
+        The round's global state; a reply key it lacks counts from zero.
+    keys : sequence of str, optional
+        The reply keys measured (default: every key of the reply).
+    transform : callable, optional
+        ``transform(key, delta) -> tensor``, a linear map applied to each
+        key's change before it is measured (FOT: the projection off the
+        protected bases).
+    """
+
+    def __init__(
+        self,
+        reference: Mapping[str, torch.Tensor],
+        keys: Sequence[str] | None = None,
+        transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        self.reference = reference
+        self.keys = None if keys is None else list(keys)
+        self.transform = transform
+
+    def vector(self, update: ClientUpdate) -> torch.Tensor:
+        """The update as one float64 vector."""
+        parts = []
+        keys = self.keys if self.keys is not None else sorted(update.arrays)
+        for key in keys:
+            x = update.arrays[key].to(torch.float64)
+            ref = self.reference.get(key)
+            if ref is not None and ref.shape == x.shape:
+                delta = x - ref.to(torch.float64)
+            else:
+                delta = x
+            if self.transform is not None:
+                delta = self.transform(key, delta)
+            parts.append(delta.reshape(-1))
+        if not parts:
+            return torch.zeros(0, dtype=torch.float64)
+        return torch.cat(parts)
+
+    def gram(self, updates: Sequence[ClientUpdate]) -> torch.Tensor:
+        vectors = torch.stack([self.vector(u) for u in updates])
+        return vectors @ vectors.T
+
+    def norm(self, update: ClientUpdate) -> float:
+        return float(torch.linalg.vector_norm(self.vector(update)))
+
+    def shrink(self, update: ClientUpdate, factor: float) -> ClientUpdate:
+        keys = self.keys if self.keys is not None else list(update.arrays)
+        moved = _arrays_towards(
+            {k: update.arrays[k] for k in keys}, self.reference, factor
+        )
+        return replace(update, arrays={**update.arrays, **moved})
+
+
+class ProductSpace(UpdateSpace):
+    """LoRA updates as the change of each layer's product, ``B_i A_i - B A``.
+
+    Inner products come from the factors alone: for two products,
+    ``<B_1 A_1, B_2 A_2>_F = sum((B_1^T B_2) * (A_1 A_2^T))``, an r x r
+    computation per pair (O(r^2 (d_in + d_out))), never a d_out x d_in matrix.
+    A factor the reply does not carry (FFA-LoRA's frozen A, FedSA's kept B) is
+    the reference's. Keys outside the pairs (the head) are measured as in
+    :class:`ParameterSpace`. Moving an update interpolates its factors, so
+    its product-space norm is not linear in the factor: clipping bisects.
+
+    Parameters
+    ----------
+    reference : mapping of str to torch.Tensor
+        The round's global state.
+    pairs : sequence of (str, str)
+        ``(a_key, b_key)`` of every adapted layer.
+    """
+
+    linear = False
+
+    def __init__(
+        self,
+        reference: Mapping[str, torch.Tensor],
+        pairs: Sequence[tuple[str, str]],
+    ) -> None:
+        self.reference = reference
+        self.pairs = list(pairs)
+
+    def _factor(self, update: ClientUpdate, key: str) -> torch.Tensor:
+        value = update.arrays.get(key)
+        if value is None:
+            value = self.reference[key]
+        return value.to(torch.float64)
+
+    def _reference_pair(
+        self, a_key: str, b_key: str
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(A, B)`` of the reference, or None when it lacks one (zero product)."""
+        if a_key not in self.reference or b_key not in self.reference:
+            return None
+        a = self.reference[a_key].to(torch.float64)
+        b = self.reference[b_key].to(torch.float64)
+        if a.shape[0] != b.shape[1]:
+            return None
+        return a, b
+
+    def _measurable(self, update: ClientUpdate) -> list[tuple[str, str]]:
+        """Pairs whose two factors are known (sent, or in the reference)."""
+        return [
+            pair
+            for pair in self.pairs
+            if all(k in update.arrays or k in self.reference for k in pair)
+        ]
+
+    def _rest(self, update: ClientUpdate) -> ParameterSpace:
+        """The reply's other arrays, and the sent factor of a pair whose other
+        factor the server never sees (FedSA's kept B), as parameters."""
+        paired = {k for pair in self._measurable(update) for k in pair}
+        keys = sorted(k for k in update.arrays if k not in paired)
+        return ParameterSpace(self.reference, keys)
+
+    def gram(self, updates: Sequence[ClientUpdate]) -> torch.Tensor:
+        k = len(updates)
+        total = torch.zeros(k, k, dtype=torch.float64)
+        for a_key, b_key in self._measurable(updates[0]) if updates else []:
+            bs = [self._factor(u, b_key) for u in updates]
+            as_ = [self._factor(u, a_key) for u in updates]
+            ref = self._reference_pair(a_key, b_key)
+            if ref is None:
+                total += _product_gram(bs, as_)
+                continue
+            bs.append(ref[1])
+            as_.append(ref[0])
+            p = _product_gram(bs, as_)
+            # <u_i, u_j> with u_i = P_i - P_ref.
+            total += p[:k, :k] - p[:k, k : k + 1] - p[k : k + 1, :k] + p[k, k]
+        if updates:
+            total += self._rest(updates[0]).gram(updates)
+        return total
+
+    def norm(self, update: ClientUpdate) -> float:
+        sq = 0.0
+        for a_key, b_key in self._measurable(update):
+            b, a = self._factor(update, b_key), self._factor(update, a_key)
+            sq += _inner(b, a, b, a)
+            ref = self._reference_pair(a_key, b_key)
+            if ref is not None:
+                a0, b0 = ref
+                sq += -2 * _inner(b, a, b0, a0) + _inner(b0, a0, b0, a0)
+        rest = self._rest(update).norm(update)
+        return math.sqrt(max(sq, 0.0) + rest * rest)
+
+    def shrink(self, update: ClientUpdate, factor: float) -> ClientUpdate:
+        moved = _arrays_towards(update.arrays, self.reference, factor)
+        return replace(update, arrays=moved)
+
+
+class RankedProductSpace(UpdateSpace):
+    """LoRA updates of clients at their own ranks: ``s_i (B_i A_i - B0_i A0_i)``.
+
+    Client ``i`` trains rank ``r_i`` with scaling ``s_i = alpha / r_i`` from the
+    factors ``B0_i``, ``A0_i`` it was sent (for the heterogeneous-rank methods,
+    the leading ``r_i`` components of the global factors, rescaled); its update
+    is the change of its layer's product, ``s_i (B_i A_i - B0_i A0_i)``. Each
+    update is the product of stacked factors ``[s_i B_i, -s_i B0_i]`` and
+    ``[A_i; A0_i]`` (rank at most ``2 r_i``), so inner products and norms come
+    from ``2 r_i x 2 r_j`` Gram blocks (:func:`_product_gram`), never a dense
+    d_out x d_in matrix, whatever the ranks. Other keys (the head) are
+    measured as parameters against the start. Moving an update interpolates
+    its factors towards the start: clipping bisects.
+
+    Parameters
+    ----------
+    pairs : sequence of (str, str)
+        ``(a_key, b_key)`` of every adapted layer.
+    start : callable
+        ``start(update) -> arrays``: the arrays the client started from, at
+        its rank, by key (every key of ``pairs`` and the others it sends).
+    scaling : callable
+        ``scaling(update) -> s_i``.
+    """
+
+    linear = False
+
+    def __init__(
+        self,
+        pairs: Sequence[tuple[str, str]],
+        start: Callable[[ClientUpdate], Mapping[str, torch.Tensor]],
+        scaling: Callable[[ClientUpdate], float],
+    ) -> None:
+        self.pairs = list(pairs)
+        self.start = start
+        self.scaling = scaling
+
+    def _stacked(
+        self, update: ClientUpdate, ref: Mapping[str, torch.Tensor]
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, ``([s B, -s B0], [A; A0])``, float64."""
+        s = float(self.scaling(update))
+        out = []
+        for a_key, b_key in self.pairs:
+            b = update.arrays[b_key].to(torch.float64)
+            a = update.arrays[a_key].to(torch.float64)
+            b0 = ref[b_key].to(torch.float64)
+            a0 = ref[a_key].to(torch.float64)
+            out.append((torch.cat([s * b, -s * b0], dim=1), torch.cat([a, a0], dim=0)))
+        return out
+
+    def _rest(
+        self, update: ClientUpdate, ref: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """The other keys' change against the start, as one float64 vector."""
+        paired = {k for pair in self.pairs for k in pair}
+        parts = []
+        for key in sorted(update.arrays):
+            if key in paired:
+                continue
+            x = update.arrays[key].to(torch.float64)
+            r = ref.get(key)
+            delta = (
+                x - r.to(torch.float64) if r is not None and r.shape == x.shape else x
+            )
+            parts.append(delta.reshape(-1))
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+    def gram(self, updates: Sequence[ClientUpdate]) -> torch.Tensor:
+        refs = [self.start(u) for u in updates]
+        stacks = [self._stacked(u, r) for u, r in zip(updates, refs, strict=True)]
+        k = len(updates)
+        total = torch.zeros(k, k, dtype=torch.float64)
+        for layer in range(len(self.pairs)):
+            total += _product_gram(
+                [s[layer][0] for s in stacks], [s[layer][1] for s in stacks]
+            )
+        rest = torch.stack(
+            [self._rest(u, r) for u, r in zip(updates, refs, strict=True)]
+        )
+        return total + rest @ rest.T
+
+    def norm(self, update: ClientUpdate) -> float:
+        ref = self.start(update)
+        sq = sum(_inner(b, a, b, a) for b, a in self._stacked(update, ref))
+        rest = float(torch.linalg.vector_norm(self._rest(update, ref)))
+        return math.sqrt(max(sq, 0.0) + rest * rest)
+
+    def shrink(self, update: ClientUpdate, factor: float) -> ClientUpdate:
+        moved = _arrays_towards(update.arrays, self.start(update), factor)
+        return replace(update, arrays=moved)
+
+
+def _inner(
+    b1: torch.Tensor, a1: torch.Tensor, b2: torch.Tensor, a2: torch.Tensor
+) -> float:
+    """``<B_1 A_1, B_2 A_2>_F`` from the factors."""
+    return float(((b1.T @ b2) * (a1 @ a2.T)).sum())
+
+
+def _product_gram(
+    bs: Sequence[torch.Tensor], as_: Sequence[torch.Tensor]
+) -> torch.Tensor:
+    """``G[i, j] = <B_i A_i, B_j A_j>_F`` for n factor pairs, (n, n) float64.
+
+    Rows are computed in chunks so that no intermediate exceeds
+    :data:`_GRAM_CHUNK_BYTES`; ranks may differ between pairs.
+    """
+    n = len(bs)
+    ranks = [int(b.shape[1]) for b in bs]
+    offsets = [0]
+    for r in ranks:
+        offsets.append(offsets[-1] + r)
+    big_b = torch.cat(list(bs), dim=1)  # (d_out, sum r)
+    big_a = torch.cat(list(as_), dim=0)  # (sum r, d_in)
+    width = offsets[-1]
+    out = torch.zeros(n, n, dtype=torch.float64)
+    rows_per_chunk = max(1, _GRAM_CHUNK_BYTES // (16 * max(width, 1)))
+    i = 0
+    while i < n:
+        j = i
+        while j < n and offsets[j + 1] - offsets[i] <= rows_per_chunk:
+            j += 1
+        j = max(j, i + 1)
+        lo, hi = offsets[i], offsets[j]
+        gb = big_b[:, lo:hi].T @ big_b  # (chunk r, width)
+        ga = big_a[lo:hi] @ big_a.T
+        prod = gb * ga
+        for row in range(i, j):
+            r0, r1 = offsets[row] - lo, offsets[row + 1] - lo
+            block = prod[r0:r1]
+            out[row] = torch.stack(
+                [block[:, offsets[c] : offsets[c + 1]].sum() for c in range(n)]
+            )
+        i = j
+    return out

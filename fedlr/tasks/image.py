@@ -1,0 +1,311 @@
+"""Image classification: data as tensors, a vision model, local SGD, evaluation.
+
+The image counterpart of :mod:`fedlr.tasks.text`: the server and every client build
+the same seeded model, the same held-out split and the same partitions
+(through :func:`fedlr.data.splits.dataset_split`, as the text tasks), cached
+per process. The training and evaluation functions take a plain tensor pair
+(:class:`~fedlr.data.images.ImageData`, re-exported here with
+:func:`~fedlr.data.images.to_image_data` and :data:`NORMALISATION`), so any
+source of ``(x, y)`` tensors (a continual task stream, a permuted copy) goes
+through the same loops.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from numpy.typing import NDArray
+
+from fedlr.client.train import in_batches
+from fedlr.config.options import Options, option, require
+from fedlr.config.run import RunConfig
+from fedlr.data import DATASETS, dataset_info, load_dataset
+from fedlr.data.images import NORMALISATION, ImageData, to_image_data
+from fedlr.data.partition import FederatedSplit
+from fedlr.data.splits import dataset_split
+from fedlr.errors import ConfigError
+from fedlr.models.vision import VisionModel, build_vision_model, vision_models
+
+__all__ = [
+    "NORMALISATION",
+    "EigenOptions",
+    "ImageData",
+    "ImageTask",
+    "VisionOptions",
+    "evaluate_images",
+    "image_pixels",
+    "to_image_data",
+    "train_sgd",
+]
+
+
+@dataclass(frozen=True)
+class VisionOptions(Options):
+    """Run-config keys of the vision clients' local SGD (``qrmix``, ``gpse`` kinds)."""
+
+    momentum: float = option(
+        0.9,
+        "SGD momentum of the vision clients, in [0, 1)",
+        bad=[(1.0, r"in \[0, 1\)")],
+    )
+
+    def check(self) -> None:
+        require(
+            0.0 <= self.momentum < 1.0,
+            "momentum",
+            f"must be in [0, 1), got {self.momentum}",
+        )
+
+
+@dataclass(frozen=True)
+class EigenOptions(VisionOptions):
+    """Keys of the ``qrmix`` payload kind: the clients' Hessian eigenpairs."""
+
+    qrmix_k: int = option(
+        10,
+        "Hessian eigenpairs per client (≥ 1; capped at the head's size)",
+        bad=[(0, "must be >= 1")],
+    )
+    qrmix_oversample: int = option(
+        10,
+        "oversampling s of the subspace iteration (≥ 0)",
+        bad=[(-1, "must be >= 0")],
+    )
+    qrmix_power_iters: int = option(
+        2, "power iterations q (≥ 0)", bad=[(-1, "must be >= 0")]
+    )
+
+    def check(self) -> None:
+        super().check()
+        require(self.qrmix_k >= 1, "qrmix-k", f"must be >= 1, got {self.qrmix_k}")
+        for key, value in (
+            ("qrmix-oversample", self.qrmix_oversample),
+            ("qrmix-power-iters", self.qrmix_power_iters),
+        ):
+            require(value >= 0, key, f"must be >= 0, got {value}")
+
+
+# ------------------------------------------------------------------ loading
+
+
+@functools.lru_cache(maxsize=4)
+def image_pixels(
+    dataset: str, seed: int
+) -> tuple[NDArray[np.uint8], NDArray[np.int64]]:
+    """All images and labels of ``load_dataset(dataset, seed=seed)``, as arrays.
+
+    Row ``i`` is the dataset's row ``i`` (so the indices of a
+    :class:`FederatedSplit` built on the same dataset apply). Cached.
+
+    Returns
+    -------
+    images : (N, H, W) or (N, H, W, 3) uint8 array
+    labels : (N,) int64 array
+    """
+    ds = load_dataset(dataset, seed=seed)
+    table = ds.with_format("arrow")
+    column = table["image"].combine_chunks()
+    shape = tuple(int(s) for s in ds.features["image"].shape)
+    storage = column.storage
+    while hasattr(storage, "flatten"):
+        storage = storage.flatten()
+    flat = np.asarray(storage.to_numpy(zero_copy_only=False), dtype=np.uint8)
+    images = flat.reshape((len(ds), *shape))
+    labels = np.asarray(table["label"].to_numpy(), dtype=np.int64)
+    return images, labels
+
+
+def _image_datasets() -> list[str]:
+    return sorted(name for name, spec in DATASETS.items() if spec.kind == "image")
+
+
+@dataclass(frozen=True)
+class ImageTask:
+    """Image classification with a vision model from :mod:`fedlr.models.vision`.
+
+    Parameters
+    ----------
+    config : RunConfig
+        Uses ``dataset`` (an image data set), ``model`` (a vision model),
+        the partitioning keys, ``seed``, ``eval-fraction`` and
+        ``max-eval-examples``.
+
+    Raises
+    ------
+    ConfigError
+        If ``dataset`` is not an image data set or ``model`` not a vision model.
+    """
+
+    config: RunConfig
+
+    def __post_init__(self) -> None:
+        spec = dataset_info(self.config.dataset)  # UnknownDatasetError lists names
+        if spec.kind != "image":
+            raise ConfigError(
+                "dataset",
+                f"'{spec.name}' is not an image data set (kind: {spec.kind}); "
+                f"vision models need one of ({', '.join(_image_datasets())})",
+            )
+        if self.config.model not in vision_models():
+            raise ConfigError(
+                "model",
+                f"'{self.config.model}' is not a vision model; image data sets "
+                f"need one of ({', '.join(vision_models())})",
+            )
+
+    @property
+    def num_classes(self) -> int:
+        """Number of classes of the data set."""
+        return int(dataset_info(self.config.dataset).num_classes)
+
+    @property
+    def in_shape(self) -> tuple[int, int, int]:
+        """Shape (C, H, W) of one image."""
+        images, _ = self._pixels()
+        if images.ndim == 3:
+            return 1, int(images.shape[1]), int(images.shape[2])
+        return int(images.shape[3]), int(images.shape[1]), int(images.shape[2])
+
+    def _pixels(self) -> tuple[NDArray[np.uint8], NDArray[np.int64]]:
+        return image_pixels(self.config.dataset, self.config.seed)
+
+    def split(self, num_partitions: int | None = None) -> FederatedSplit:
+        """Held-out split and client partitions (cached, :func:`dataset_split`)."""
+        return dataset_split(self.config, num_partitions)
+
+    def _rows(self, rows: NDArray[np.int64]) -> ImageData:
+        images, labels = self._pixels()
+        return to_image_data(images[rows], labels[rows], self.config.dataset)
+
+    def heldout(self) -> ImageData:
+        """The server's evaluation set (first ``max-eval-examples`` if set)."""
+        rows = self.split().heldout_indices
+        cap = self.config.max_eval_examples
+        if cap and len(rows) > cap:
+            rows = rows[:cap]
+        return self._rows(rows)
+
+    def partition(self, partition_id: int, num_partitions: int) -> ImageData:
+        """A client's training partition."""
+        return self._rows(self.split(num_partitions).partition_indices(partition_id))
+
+    def build_model(self) -> VisionModel:
+        """The seeded vision model named by ``model``."""
+        return build_vision_model(
+            self.config.model, self.in_shape, self.num_classes, self.config.seed
+        )
+
+
+# ------------------------------------------------------------ train / eval
+
+
+def _batches(
+    n: int, batch_size: int, generator: torch.Generator
+) -> Iterator[torch.Tensor]:
+    while True:
+        order = torch.randperm(n, generator=generator)
+        for start in range(0, n, batch_size):
+            yield order[start : start + batch_size]
+
+
+def train_sgd(
+    model: torch.nn.Module,
+    data: ImageData,
+    *,
+    steps: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    device: torch.device | None = None,
+) -> float:
+    """Run ``steps`` SGD steps of cross-entropy on the trainable parameters.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        Maps (B, C, H, W) to logits (B, K).
+    data : ImageData
+    steps : int
+        Optimiser steps (mini-batches drawn by a seeded permutation per epoch).
+    lr, momentum, weight_decay : float
+        ``torch.optim.SGD`` settings.
+    batch_size : int
+    seed : int
+        Seeds the batch order and dropout.
+    device : torch.device, optional
+        Defaults to CPU.
+
+    Returns
+    -------
+    float
+        Mean training loss over the steps.
+
+    Raises
+    ------
+    ValueError
+        On an empty ``data`` or ``steps < 1``.
+    """
+    if len(data) == 0:
+        raise ValueError("cannot train on an empty partition")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    device = device or torch.device("cpu")
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(
+        params, lr=lr, momentum=momentum, weight_decay=weight_decay
+    )
+    generator = torch.Generator().manual_seed(seed)
+    model.to(device).train()
+    total = 0.0
+    batches = _batches(len(data), batch_size, generator)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # dropout
+        for _ in range(steps):
+            idx = next(batches)
+            x, y = data.x[idx].to(device), data.y[idx].to(device)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            total += float(loss.detach())
+    return total / steps
+
+
+@torch.no_grad()
+def evaluate_images(
+    model: torch.nn.Module,
+    data: ImageData,
+    *,
+    batch_size: int,
+    device: torch.device | None = None,
+) -> tuple[float, float]:
+    """Accuracy and mean cross-entropy of ``model`` on ``data`` (eval mode).
+
+    Returns
+    -------
+    (accuracy, loss) : tuple of float
+        Both NaN when ``data`` is empty.
+    """
+    if len(data) == 0:
+        return math.nan, math.nan
+    device = device or torch.device("cpu")
+    model.to(device).eval()
+    totals = [0, 0.0]  # correct, loss sum
+
+    def step(start: int, stop: int) -> None:
+        x = data.x[start:stop].to(device)
+        y = data.y[start:stop].to(device)
+        logits = model(x)
+        loss = float(torch.nn.functional.cross_entropy(logits, y, reduction="sum"))
+        totals[0] += int((logits.argmax(-1) == y).sum())
+        totals[1] += loss
+
+    in_batches(len(data), batch_size, step)
+    return totals[0] / len(data), totals[1] / len(data)

@@ -1,0 +1,69 @@
+"""The payload kinds: what travels for each family of methods, both sides.
+
+A :class:`~fedlr.wire.payload_kind.PayloadKind` bundles the run-config keys
+both sides read and the ClientApp handlers (:mod:`fedlr.client_apps`) of one
+kind of payload. A method names its kind in its registration
+(``@register_method(..., payload=LORA)``); the ClientApp calls
+``spec.payload.train`` and the ServerApp builds the plan registered under the
+kind's name (:func:`fedlr.server_apps.plans.build_plan`), so neither keeps a
+table of its own. This module does not import the server plans: they import
+the strategies, whose modules import this one.
+"""
+
+from __future__ import annotations
+
+from fedlr.client_apps import gpse, lora, qrmix, sorf_vera, vera
+from fedlr.config.options import NoOptions
+from fedlr.tasks.continual import ContinualOptions
+from fedlr.tasks.image import EigenOptions
+from fedlr.tasks.vera import SorfVeraOptions, VeraOptions
+from fedlr.wire.payload_kind import PayloadKind
+
+__all__ = ["GPSE", "LORA", "PAYLOADS", "QRMIX", "SORF_VERA", "VERA"]
+
+
+LORA = PayloadKind(
+    name="lora",
+    options=NoOptions,
+    train=lora.train_message,
+    evaluate=lora.evaluate_message,
+    plugin=True,
+)
+"""LoRA factors (A, B), the head and, for FedEx-LoRA, updated base weights."""
+
+VERA = PayloadKind(
+    name="vera",
+    options=VeraOptions,
+    train=vera.train_message,
+    evaluate=vera.evaluate_message,
+    plugin=True,
+)
+"""VeRA scaling vectors over frozen projections shared by seed."""
+
+SORF_VERA = PayloadKind(
+    name="sorf-vera",
+    options=SorfVeraOptions,
+    train=sorf_vera.train_message,
+    evaluate=sorf_vera.evaluate_message,
+    plugin=True,
+)
+"""SORF-VeRA's rotation angles and scale (b is refit on the server)."""
+
+QRMIX = PayloadKind(
+    name="qrmix",
+    options=EigenOptions,
+    train=qrmix.train_message,
+    evaluate=qrmix.evaluate_message,
+)
+"""Every weight of a vision model; in QR-Mix's stage 2 also Hessian eigenpairs."""
+
+GPSE = PayloadKind(
+    name="gpse",
+    options=ContinualOptions,
+    train=gpse.train_message,
+    evaluate=gpse.evaluate_message,
+)
+"""Every weight of a vision model; at task boundaries activation sketches."""
+
+PAYLOADS = (LORA, VERA, SORF_VERA, QRMIX, GPSE)
+"""Every payload kind."""
