@@ -173,7 +173,7 @@ def train_instructions(
     messages = list(
         FedAvg.configure_train(strategy, server_round, arrays, round_config, grid)
     )
-    note_sent(strategy, arrays, len(messages))
+    strategy.instructed = len(messages)  # client-level DP's m, whatever replies
     messages = list(strategy.instructions(server_round, messages, arrays, train=True))
     strategy._bytes_down = sum(message_nbytes(m) for m in messages)
     strategy._sent = [int(m.metadata.dst_node_id) for m in messages]
