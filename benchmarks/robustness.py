@@ -56,7 +56,6 @@ import torch
 from flwr.app import Message, MessageType, MetricRecord, RecordDict
 
 from fedlr.flower.records import record_to_state, state_to_record
-from fedlr.robust.rules import ROBUST_RULES
 from fedlr.robust.screen import DEFAULT_SCREEN_RATIO
 from fedlr.robust.spaces import ProductSpace
 from fedlr.runs.compare import parse_overrides
@@ -65,12 +64,26 @@ from fedlr.server_apps.local import run_in_process
 from fedlr.strategies.registry import resolve
 from fedlr.wire import protocol
 
-ATTACKS = ("sign-flip", "alie", "under-the-clip", "under-the-cap")
+ATTACKS = ("sign-flip", "alie", "under-the-clip", "under-the-cap", "adaptive")
 NUM_CLIENTS = 5
 CLIP_MARGIN = 0.99
 SCREEN_MARGIN = 0.9
-SETTINGS = ("clean", *(f"{a} {m}/5" for a in ATTACKS for m in (1, 2)))
-"""The table's rows: no attacker, then every attack with 1 and 2 of 5."""
+ADAPTIVE_MARGIN = 0.999
+
+DEFENCES: dict[str, dict[str, Any]] = {
+    "none": {"robust": "none"},
+    "norm-clip": {"robust": "norm-clip"},
+    "median": {"robust": "median"},
+    "clip+cap": {"robust": "norm-clip", "max-weight-ratio": 1.0},
+    "clip2+cap": {"robust": "norm-clip", "clip-ratio": 2.0, "max-weight-ratio": 1.0},
+}
+"""The defences compared, by name: run-config values over the defaults (each
+sets ``robust``, so a study does not depend on which rule is the default)."""
+
+
+def settings(attackers: list[int]) -> list[str]:
+    """The table's rows: no attacker, then every attack with ``m`` of 5."""
+    return ["clean", *(f"{a} {m}/5" for a in ATTACKS for m in attackers)]
 
 
 def alie_z(n: int, m: int) -> float:
@@ -101,10 +114,19 @@ class Colluders:
         The server's ``max-num-examples`` (``under-the-cap`` claims it).
     screen_ratio : float
         The server's ``screen-ratio``.
+    clip_ratio : float or None
+        ``adaptive``: the defence's norm-clip bound over the round's median
+        update norm, or None when the defence does not clip (then the
+        attacker goes to the screen's limit).
     """
 
     def __init__(
-        self, attack: str, attackers: set[int], cap: int, screen_ratio: float
+        self,
+        attack: str,
+        attackers: set[int],
+        cap: int,
+        screen_ratio: float,
+        clip_ratio: float | None = None,
     ) -> None:
         if attack not in ATTACKS:
             raise ValueError(f"attack must be one of {ATTACKS}, got {attack!r}")
@@ -112,6 +134,7 @@ class Colluders:
         self.attackers = attackers
         self.cap = cap
         self.screen_ratio = screen_ratio
+        self.clip_ratio = clip_ratio
         self.norms: list[tuple[float, float]] = []  # (attacker, honest median)
 
     def __call__(
@@ -132,7 +155,8 @@ class Colluders:
         stacked = {k: torch.stack([d[k] for d in deltas]) for k in keys}
         mean = {k: v.mean(0) for k, v in stacked.items()}
         std = {k: v.std(0, unbiased=False) for k, v in stacked.items()}
-        honest_median = statistics.median(space.norm(_update(ref, d)) for d in deltas)
+        honest_norms = [space.norm(_update(ref, d)) for d in deltas]
+        honest_median = statistics.median(honest_norms)
         z = alie_z(len(train), len(train) - len(honest))
         trained = {id(rep) for _, _, rep in train}
         out = []
@@ -147,13 +171,21 @@ class Colluders:
             elif self.attack == "alie":
                 delta = {k: mean[k] - z * std[k] for k in keys}
             else:
-                target = honest_median * (
-                    CLIP_MARGIN
-                    if self.attack == "under-the-clip"
-                    else SCREEN_MARGIN * self.screen_ratio
-                )
+                if self.attack == "adaptive":
+                    target = ADAPTIVE_MARGIN * adaptive_limit(
+                        honest_norms,
+                        len(train) - len(honest),
+                        self.clip_ratio,
+                        self.screen_ratio,
+                    )
+                else:
+                    target = honest_median * (
+                        CLIP_MARGIN
+                        if self.attack == "under-the-clip"
+                        else SCREEN_MARGIN * self.screen_ratio
+                    )
                 delta = _scaled(space, ref, {k: -mean[k] for k in keys}, target)
-                if self.attack == "under-the-cap":
+                if self.attack in ("under-the-cap", "adaptive"):
                     claim = self.cap
             forged = {
                 k: (sent.get(k, torch.zeros_like(v)) + delta[k].to(v.dtype))
@@ -164,6 +196,26 @@ class Colluders:
             self.norms.append((space.norm(_update(ref, delta)), honest_median))
             out.append(_reply(ins, rep, forged, claim))
         return out
+
+
+def adaptive_limit(
+    honest_norms: list[float],
+    attackers: int,
+    clip_ratio: float | None,
+    screen_ratio: float,
+) -> float:
+    """The largest update norm the defence lets an attacker keep.
+
+    The attackers put their own norms above every honest one, so the
+    round's lower median (the ``ceil(k / 2)``-th smallest of all ``k``
+    norms, what the clip and the screen use) is the honest norms' element
+    ``(k - 1) // 2`` in ascending order, the highest the attackers can
+    push it. A clipping defence keeps ``clip_ratio`` times that; any other,
+    what the update-size screen lets through, ``screen_ratio`` times it.
+    """
+    k = len(honest_norms) + attackers
+    median = sorted(honest_norms)[min((k - 1) // 2, len(honest_norms) - 1)]
+    return median * (clip_ratio if clip_ratio is not None else screen_ratio)
 
 
 def _state(message: Message) -> dict[str, torch.Tensor]:
@@ -226,22 +278,28 @@ def _reply(
     return Message(RecordDict(records), reply_to=instruction)
 
 
-def plan(seeds: list[int]) -> dict[str, dict[str, Any]]:
+def plan(
+    seeds: list[int],
+    defences: list[str] | None = None,
+    attackers: tuple[int, ...] = (1, 2),
+    attacks: tuple[str, ...] = ATTACKS,
+) -> dict[str, dict[str, Any]]:
     """Every run of the study, by name."""
     runs: dict[str, dict[str, Any]] = {}
     for seed in seeds:
-        for rule in ROBUST_RULES:
-            runs[f"clean-{rule}-seed{seed}"] = {
-                "robust": rule,
-                "seed": seed,
+        for defence in defences or list(DEFENCES):
+            if defence not in DEFENCES:
+                raise ValueError(f"defence must be one of {list(DEFENCES)}")
+            base = {"defence": defence, "seed": seed}
+            runs[f"clean-{defence}-seed{seed}"] = {
+                **base,
                 "attack": "none",
                 "attackers": 0,
             }
-            for attack in ATTACKS:
-                for m in (1, 2):
-                    runs[f"{attack}-{m}of5-{rule}-seed{seed}"] = {
-                        "robust": rule,
-                        "seed": seed,
+            for attack in attacks:
+                for m in attackers:
+                    runs[f"{attack}-{m}of5-{defence}-seed{seed}"] = {
+                        **base,
                         "attack": attack,
                         "attackers": m,
                     }
@@ -251,7 +309,12 @@ def plan(seeds: list[int]) -> dict[str, dict[str, Any]]:
 def run(args: argparse.Namespace) -> None:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    runs = plan([int(s) for s in args.seeds.split(",")])
+    runs = plan(
+        [int(s) for s in args.seeds.split(",")],
+        args.defences.split(",") if args.defences else None,
+        tuple(int(m) for m in args.attackers.split(",")),
+        tuple(args.attacks.split(",")) if args.attacks else ATTACKS,
+    )
     index, count = (int(x) for x in args.shard.split("/"))
     finished = {row["run"] for row in _rows(out)}
     todo = [n for i, n in enumerate(runs) if i % count == index]
@@ -260,14 +323,15 @@ def run(args: argparse.Namespace) -> None:
     done = out / f"runs-{index}.jsonl"
     for number, name in enumerate(todo, 1):
         spec = runs[name]
+        defence = DEFENCES[spec["defence"]]
         config = {
             "num-partitions": NUM_CLIENTS,
             "num-server-rounds": args.rounds,
             "eval-every": args.rounds,
             "output-dir": str(out / "runs" / name),
-            "robust": spec["robust"],
             "seed": spec["seed"],
             **parse_overrides(args.set),
+            **defence,
         }
         hook = None
         if spec["attack"] != "none":
@@ -277,34 +341,45 @@ def run(args: argparse.Namespace) -> None:
                 largest(NUM_CLIENTS) if largest else 0
             )
             attackers = set(range(NUM_CLIENTS - spec["attackers"], NUM_CLIENTS))
+            clips = defence["robust"] == "norm-clip"
             hook = Colluders(
                 spec["attack"],
                 attackers,
                 cap,
                 float(config.get("screen-ratio", DEFAULT_SCREEN_RATIO)),
+                float(defence.get("clip-ratio", 1.0)) if clips else None,
             )
         start = time.perf_counter()
         run_dir = run_in_process(config, round_hook=hook)
         frame = pd.read_csv(run_dir / "results.csv")
+        accuracy = frame["accuracy"].dropna()
         row = {
             "run": name,
             **spec,
-            "final-accuracy": float(frame["accuracy"].dropna().iloc[-1]),
+            "robust": defence["robust"],
+            "final-accuracy": float(accuracy.iloc[-1]),
+            "accuracy-by-round": [round(float(a), 4) for a in accuracy],
             "final-loss": float(frame["loss"].dropna().iloc[-1]),
             "dropped": int(frame["dropped"].sum()),
             "rejected-rounds": int(frame["rejected-rounds"].iloc[-1]),
-            "clipped": int(frame["robust-clipped"].fillna(0).sum()),
-            "trimmed": int(frame["robust-trimmed"].fillna(0).sum()),
+            "clipped": int(_column(frame, "robust-clipped")),
+            "trimmed": int(_column(frame, "robust-trimmed")),
+            "capped": int(_column(frame, "robust-capped")),
             "attack-norm-ratio": (
                 round(statistics.mean(a / h for a, h in hook.norms), 3)
                 if hook is not None and hook.norms
                 else None
             ),
+            "device": str(frame["device"].iloc[-1]) if "device" in frame else "",
             "seconds": round(time.perf_counter() - start, 1),
         }
         with done.open("a") as handle:
             handle.write(json.dumps(row) + "\n")
         print(f"[{number}/{len(todo)}] {json.dumps(row)}", flush=True)
+
+
+def _column(frame: pd.DataFrame, name: str) -> float:
+    return float(frame[name].fillna(0).sum()) if name in frame else 0.0
 
 
 def _rows(out: Path) -> list[dict[str, Any]]:
@@ -314,17 +389,28 @@ def _rows(out: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _defences(rows: pd.DataFrame) -> list[str]:
+    present = set(rows["defence"])
+    return [d for d in DEFENCES if d in present] + sorted(present - set(DEFENCES))
+
+
+def _settings(rows: pd.DataFrame) -> list[str]:
+    attackers = sorted({int(m) for m in rows["attackers"] if int(m) > 0})
+    present = set(rows["setting"])
+    return [s for s in settings(attackers) if s in present]
+
+
 def _grid(rows: pd.DataFrame, cell: Callable[[pd.DataFrame], str]) -> list[str]:
-    """A markdown table: one row per setting, one column per rule, ``cell``
-    of the runs of that setting and rule."""
-    rules = list(ROBUST_RULES)
+    """A markdown table: one row per setting, one column per defence, ``cell``
+    of the runs of that setting and defence."""
+    defences = _defences(rows)
     lines = [
-        "| setting | " + " | ".join(f"`{r}`" for r in rules) + " |",
-        "|---|" + "---|" * len(rules),
+        "| setting | " + " | ".join(f"`{d}`" for d in defences) + " |",
+        "|---|" + "---|" * len(defences),
     ]
-    for setting in SETTINGS:
+    for setting in _settings(rows):
         at = rows[rows["setting"] == setting]
-        cells = [cell(at[at["robust"] == rule]) for rule in rules]
+        cells = [cell(at[at["defence"] == d]) for d in defences]
         lines.append(f"| {setting} | " + " | ".join(cells) + " |")
     return lines
 
@@ -340,36 +426,86 @@ def _activity(runs: pd.DataFrame) -> str:
     if not len(runs):
         return "—"
     return " / ".join(
-        f"{runs[c].mean():.1f}" for c in ("clipped", "trimmed", "dropped")
+        f"{runs[c].mean():.1f}" if c in runs else "—"
+        for c in ("clipped", "capped", "trimmed", "dropped")
     )
+
+
+def verdicts(rows: pd.DataFrame) -> pd.DataFrame:
+    """Per defence: its clean accuracy, its clean cost against ``none``
+    (paired over seeds), and each attacked setting's mean accuracy as a
+    fraction of the defence's own clean mean, with the worst of them."""
+    rows = _with_setting(rows)
+    clean = rows[rows["setting"] == "clean"].pivot_table(
+        index="seed", columns="defence", values="final-accuracy"
+    )
+    out = []
+    for defence in _defences(rows):
+        mine = rows[rows["defence"] == defence]
+        base = float(mine[mine["setting"] == "clean"]["final-accuracy"].mean())
+        entry: dict[str, Any] = {"defence": defence, "clean": base}
+        if "none" in clean and defence in clean:
+            diff = (clean[defence] - clean["none"]).dropna()
+            entry["clean-cost"] = float(-diff.mean()) if len(diff) else math.nan
+        fractions = {}
+        for setting in _settings(rows):
+            if setting == "clean":
+                continue
+            acc = mine[mine["setting"] == setting]["final-accuracy"]
+            if len(acc):
+                fractions[setting] = float(acc.mean()) / base
+        entry.update(fractions)
+        entry["worst"] = min(fractions.values()) if fractions else math.nan
+        out.append(entry)
+    return pd.DataFrame(out)
 
 
 def summarise(rows: pd.DataFrame) -> str:
-    """Mean ± std of the final accuracy per rule and setting, and clean costs."""
+    """Mean ± std of the final accuracy per defence and setting, the
+    fractions of clean accuracy kept, and clean costs."""
     rows = _with_setting(rows)
-    rules = list(ROBUST_RULES)
     lines = [
         *_grid(rows, _accuracy),
         "",
-        "Replies clipped / trimmed (left out) / dropped by the server over the "
-        "run, mean over seeds:",
+        "Replies clipped / weight-capped / left out by the rule / dropped by "
+        "the server over the run, mean over seeds:",
         "",
         *_grid(rows, _activity),
+        "",
+        "Attacked mean accuracy over the defence's own clean mean, and the "
+        "clean cost (`none`'s clean accuracy minus the defence's, paired "
+        "over seeds; positive is a loss):",
+        "",
     ]
-    clean = rows[rows["setting"] == "clean"].pivot_table(
-        index="seed", columns="robust", values="final-accuracy"
+    table = verdicts(rows)
+    attacked = [c for c in table.columns if "/5" in c]
+    lines.append(
+        "| defence | clean | clean cost | " + " | ".join(attacked) + " | worst |"
     )
-    lines += ["", "| rule | clean cost vs `none` (paired over seeds) |", "|---|---|"]
-    for rule in rules[1:]:
-        if rule in clean and "none" in clean:
-            diff = (clean[rule] - clean["none"]).dropna()
-            spread = f" ± {diff.std(ddof=1):.3f}" if len(diff) > 1 else ""
-            lines.append(f"| `{rule}` | {diff.mean():+.3f}{spread} ({len(diff)}) |")
+    lines.append("|---|---|---|" + "---|" * (len(attacked) + 1))
+    for _, r in table.iterrows():
+        cost = r.get("clean-cost", math.nan)
+        lines.append(
+            f"| `{r['defence']}` | {r['clean']:.3f} | "
+            + (
+                f"{cost:+.3f}"
+                if r["defence"] != "none"
+                and isinstance(cost, float)
+                and math.isfinite(cost)
+                else "—"
+            )
+            + " | "
+            + " | ".join(f"{r[c]:.0%}" if pd.notna(r[c]) else "—" for c in attacked)
+            + f" | {r['worst']:.0%} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def _with_setting(rows: pd.DataFrame) -> pd.DataFrame:
     rows = rows.copy()
+    if "defence" not in rows:
+        rows["defence"] = rows["robust"]
+    rows["defence"] = rows["defence"].fillna(rows["robust"])
     rows["setting"] = [
         "clean" if a == "none" else f"{a} {m}/5"
         for a, m in zip(rows["attack"], rows["attackers"], strict=True)
@@ -377,33 +513,39 @@ def _with_setting(rows: pd.DataFrame) -> pd.DataFrame:
     return rows
 
 
-def figure(rows: pd.DataFrame) -> plt.Figure:
-    """Final accuracy per setting, one bar per rule (mean ± std over seeds)."""
+def figure(rows: pd.DataFrame, title: str = "") -> plt.Figure:
+    """Final accuracy per setting, one bar per defence (mean ± std over seeds)."""
     rows = _with_setting(rows)
-    rules = list(ROBUST_RULES)
-    width = 0.8 / len(rules)
-    fig, ax = plt.subplots(figsize=(10, 4.2))
-    for i, rule in enumerate(rules):
+    defences = _defences(rows)
+    rows_settings = _settings(rows)
+    width = 0.8 / len(defences)
+    fig, ax = plt.subplots(figsize=(11, 4.6))
+    for i, defence in enumerate(defences):
         means, stds = [], []
-        for setting in SETTINGS:
-            acc = rows[(rows["setting"] == setting) & (rows["robust"] == rule)]
+        for setting in rows_settings:
+            acc = rows[(rows["setting"] == setting) & (rows["defence"] == defence)]
             means.append(acc["final-accuracy"].mean())
             stds.append(acc["final-accuracy"].std(ddof=1) if len(acc) > 1 else 0.0)
         ax.bar(
-            [x + (i - (len(rules) - 1) / 2) * width for x in range(len(SETTINGS))],
+            [
+                x + (i - (len(defences) - 1) / 2) * width
+                for x in range(len(rows_settings))
+            ],
             means,
             width,
             yerr=stds,
             capsize=2,
-            label=f"robust = {rule}",
+            label=defence,
         )
-    ax.axhline(0.5, color="grey", linestyle=":", linewidth=1, label="chance")
-    ax.set_xticks(range(len(SETTINGS)))
-    ax.set_xticklabels(SETTINGS, rotation=20, ha="right")
+    ax.axhline(0.5, color="grey", linestyle=":", linewidth=1, label="one class")
+    ax.set_xticks(range(len(rows_settings)))
+    ax.set_xticklabels(rows_settings, rotation=20, ha="right")
     ax.set_ylabel("final accuracy (mean ± std over seeds)")
     ax.set_ylim(0.4, max(0.8, float(rows["final-accuracy"].max()) + 0.05))
-    ax.legend(fontsize=8, ncol=5, loc="upper right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="defence")
     ax.grid(axis="y", alpha=0.3)
+    if title:
+        ax.set_title(title, fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -416,7 +558,9 @@ def table(args: argparse.Namespace) -> None:
     rows.to_csv(out / "robustness.csv", index=False)
     text = summarise(rows)
     (out / "summary.md").write_text(text)
-    figure(rows).savefig(out / "robustness.png", dpi=120)
+    figure(rows, args.title).savefig(
+        out / "robustness.png", dpi=120, bbox_inches="tight"
+    )
     print(text)
 
 
@@ -425,8 +569,13 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     go = sub.add_parser("run", help="run the grid (resumable)")
     go.add_argument("--out", type=Path, default=Path("outputs/robustness"))
-    go.add_argument("--rounds", type=int, default=5)
-    go.add_argument("--seeds", default="0,1,2")
+    go.add_argument("--rounds", type=int, default=3)
+    go.add_argument("--seeds", default="0,1,2,3,4")
+    go.add_argument(
+        "--defences", default="", help=f"comma-separated, of {list(DEFENCES)}"
+    )
+    go.add_argument("--attackers", default="1", help="colluders of 5, e.g. 1,2")
+    go.add_argument("--attacks", default="", help=f"comma-separated, of {ATTACKS}")
     go.add_argument("--shard", default="0/1", help="I/N: every N-th run from I")
     go.add_argument(
         "--set",
@@ -436,6 +585,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     show = sub.add_parser("table", help="tabulate the finished runs")
     show.add_argument("--out", type=Path, default=Path("outputs/robustness"))
+    show.add_argument("--title", default="", help="the figure's title")
     args = parser.parse_args(argv)
     (run if args.command == "run" else table)(args)
 

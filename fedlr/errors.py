@@ -65,6 +65,14 @@ class CheckpointLayoutError(CheckpointError):
     """
 
 
+class CheckpointStateError(CheckpointLayoutError):
+    """A checkpoint's strategy state holds a key the run's method does not keep.
+
+    Raised by ``resume-from`` before round 1 trains (before the strategy
+    loads the state), naming the key, the method and the checkpoint file.
+    """
+
+
 class CheckpointWriteError(FedLRError, OSError):
     """A checkpoint could not be written (no space left, no permission, I/O).
 

@@ -16,14 +16,26 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from fedlr.errors import ConfigError
+from fedlr.wire.protocol import LOCAL_OPTIMIZER, OPTIMIZERS
 
 _LOG = logging.getLogger("fedlr")
 
+
+def default_optimizer(choice: str, method_default: str = "adamw") -> str:
+    """The local solver a run-config value ``choice`` names: itself, or for
+    ``auto`` the method's own (``method_default``: AdamW unless the method's
+    server says otherwise in the instruction)."""
+    return method_default if choice == "auto" else choice
+
+
 __all__ = [
+    "LOCAL_OPTIMIZER",
+    "OPTIMIZERS",
     "EncodedText",
     "LoopControl",
     "TrainData",
     "TrainSettings",
+    "default_optimizer",
     "encode_text",
     "evaluate",
     "pad_rows",
@@ -143,11 +155,14 @@ class TrainSettings:
     local_steps : int
         Optimiser steps per round.
     lr : float
-        AdamW learning rate.
+        The local solver's learning rate.
     batch_size : int
     weight_decay : float
     max_grad_norm : float
         Gradient clipping threshold (0 disables).
+    optimizer : {"adamw", "sgd"}
+        The local solver (:data:`OPTIMIZERS`): AdamW, or plain SGD (no
+        momentum), each with ``lr`` and ``weight_decay``.
     """
 
     local_steps: int
@@ -155,6 +170,14 @@ class TrainSettings:
     batch_size: int
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
+    optimizer: str = "adamw"
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(
+                LOCAL_OPTIMIZER,
+                f"'{self.optimizer}' is not one of {', '.join(OPTIMIZERS)}",
+            )
 
 
 class LoopControl(Protocol):
@@ -231,7 +254,9 @@ def train_steps(
     | None = None,
     control: LoopControl | None = None,
 ) -> float:
-    """Run ``settings.local_steps`` AdamW steps on the trainable parameters.
+    """Run ``settings.local_steps`` optimiser steps on the trainable parameters.
+
+    The optimiser is ``settings.optimizer``: AdamW (the default) or plain SGD.
 
     Parameters
     ----------
@@ -250,7 +275,7 @@ def train_steps(
         step (:meth:`fedlr.client.round.ClientRound.after_backward`: gradient
         transforms such as SCAFFOLD's correction).
     wrap_optimizer : callable, optional
-        Given the AdamW optimizer, returns the one to step with
+        Given the optimizer, returns the one to step with
         (:meth:`fedlr.client.round.ClientRound.optimizer`).
     control : LoopControl, optional
         A feature that runs the loop's batches, loss and step itself
@@ -266,9 +291,15 @@ def train_steps(
     if len(data) == 0:
         raise ValueError("cannot train on an empty partition")
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer: torch.optim.Optimizer = torch.optim.AdamW(
-        params, lr=settings.lr, weight_decay=settings.weight_decay
-    )
+    optimizer: torch.optim.Optimizer
+    if settings.optimizer == "sgd":
+        optimizer = torch.optim.SGD(
+            params, lr=settings.lr, weight_decay=settings.weight_decay
+        )
+    else:
+        optimizer = torch.optim.AdamW(
+            params, lr=settings.lr, weight_decay=settings.weight_decay
+        )
     if wrap_optimizer is not None:
         optimizer = wrap_optimizer(optimizer)
     generator = torch.Generator().manual_seed(seed)

@@ -12,11 +12,17 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.app import MetricRecordValues as Values
 from torch import nn
 
-from fedlr.client.train import TrainSettings, pick_device
+from fedlr.client.train import (
+    LOCAL_OPTIMIZER,
+    OPTIMIZERS,
+    TrainSettings,
+    default_optimizer,
+    pick_device,
+)
 from fedlr.config.run import RunConfig
 from fedlr.data.images import ImageData
-from fedlr.errors import ConfigError
-from fedlr.flower.records import config_float, config_int
+from fedlr.errors import ConfigError, InstructionError, RecordTypeError
+from fedlr.flower.records import config_float, config_int, config_str
 from fedlr.tasks.image import evaluate_images
 from fedlr.wire import protocol
 from fedlr.wire.checks import NodeLimits, check_value
@@ -65,18 +71,33 @@ def train_settings(
     """Local training settings of a round: the ConfigRecord's, else the run config's.
 
     The values used, wherever they come from, are within the node's
-    ``limits`` (:data:`fedlr.wire.checks.BOUNDS`).
+    ``limits`` (:data:`fedlr.wire.checks.BOUNDS`). The local solver is the
+    ConfigRecord's ``local-optimizer``, else the run config's, else AdamW
+    (``auto`` in the run config: the method's own, which its server sends).
 
     Raises
     ------
     InstructionError
-        Naming ``local-steps``, ``lr`` or ``batch-size`` if one is out of range.
+        Naming ``local-steps``, ``lr`` or ``batch-size`` if one is out of range,
+        or ``local-optimizer`` if it is not one of ``adamw``, ``sgd``.
     """
+    try:
+        optimizer = config_str(
+            round_config, LOCAL_OPTIMIZER, default_optimizer(config.local_optimizer)
+        )
+    except RecordTypeError:
+        optimizer = repr(round_config[LOCAL_OPTIMIZER])
+    if optimizer not in OPTIMIZERS:
+        raise InstructionError(
+            LOCAL_OPTIMIZER,
+            f"is {optimizer!r}, expected one of {', '.join(OPTIMIZERS)}",
+        )
     settings = TrainSettings(
         local_steps=config_int(round_config, protocol.LOCAL_STEPS, config.local_steps),
         lr=config_float(round_config, protocol.LR, default_lr),
         batch_size=config_int(round_config, protocol.BATCH_SIZE, config.batch_size),
         weight_decay=config.weight_decay,
+        optimizer=optimizer,
     )
     check_value(protocol.LOCAL_STEPS, settings.local_steps, limits)
     check_value(protocol.LR, settings.lr, limits)

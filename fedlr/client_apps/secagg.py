@@ -13,6 +13,13 @@ which turns the fedlr reply into what that mod reads (Flower's legacy
   record's arrays times ``n_i / s`` (``s`` sent by the server as
   ``weight-scale``), extra records as they are, with ``num_examples = 1`` and
   ``max_weight = 1``, so Flower's weighting multiplies by exactly 1;
+* before that, the update of the main record (its arrays minus the ones
+  the instruction sent) scaled down to ``secagg-client-clip`` times the
+  received arrays' norm, the bound read from the node's own run config
+  (:func:`fedlr.privacy.secagg.clip_update`; a non-finite update is not
+  masked: the node's reply is an error and it counts as a dropout). It
+  stops a faulty client (a diverged step); a malicious client runs its own
+  code and skips it;
 * a last summand of the per-client scalars the server asks for
   (``scalar-keys``, :class:`fedlr.privacy.secagg.SecureScalars`):
   ``num-examples``, ``n_i`` times the loss, the entries the clipping range
@@ -55,7 +62,7 @@ from fedlr.config.run import RunConfig
 from fedlr.errors import ProtocolError
 from fedlr.privacy import distributed_dp as ddp
 from fedlr.privacy.node_policy import node_policy
-from fedlr.privacy.secagg import SecureScalars, flatten_summands
+from fedlr.privacy.secagg import SecureScalars, clip_update, flatten_summands
 from fedlr.wire import protocol
 
 __all__ = [
@@ -168,6 +175,13 @@ def _as_fit_reply(
             allow,
         )
     else:
+        received = content.array_records.get(weighted)
+        if weighted in records and received is not None:
+            records[weighted], _ = clip_update(
+                records[weighted],
+                {key: received[key].numpy() for key in received},
+                config.secagg.client_clip,
+            )
         _, values = flatten_summands(
             records, weighted=weighted, weight=examples / scale
         )

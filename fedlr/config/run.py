@@ -56,12 +56,13 @@ class RunConfig(Options):
     num_server_rounds: int = option(15, "federated rounds", range=">= 1")
     local_steps: int = option(
         5,
-        "optimiser (AdamW) steps per client per round",
+        "local optimiser steps per client per round",
         range=">= 1",
     )
     lr: float = option(
         3e-3,
-        "client AdamW learning rate in round 1",
+        "client learning rate in round 1 (of the `local-optimizer`; "
+        "scaffold-lora's SGD reads `scaffold-lr`)",
         range="> 0",
     )
     lr_decay: float = option(
@@ -71,6 +72,14 @@ class RunConfig(Options):
         range="(0, 1]",
     )
     weight_decay: float = option(0.0, "AdamW weight decay", range="[0, 1)")
+    local_optimizer: str = option(
+        "auto",
+        "the clients' local solver: `adamw` or `sgd` (plain SGD, no momentum); "
+        "`auto`: the method's own (`sgd` for `scaffold-lora`, "
+        "[methods/scaffold-lora.md](methods/scaffold-lora.md); `adamw` for "
+        "every other method)",
+        choices=("auto", "adamw", "sgd"),
+    )
     batch_size: int = option(16, "client batch size", range=">= 1")
     eval_batch_size: int = option(
         64,
@@ -312,6 +321,19 @@ class RunConfig(Options):
         "`robust` rule, in (0, 1]; `1.0` is no cap",
         bad=[(0.0, r"in \(0, 1\]")],
     )
+    clip_ratio: float = option(
+        1.0,
+        "`norm-clip` with `clip-norm = 0`: the bound is this multiple of the "
+        "round's median update norm, > 0",
+        range="> 0",
+    )
+    max_weight_ratio: float = option(
+        0.0,
+        "cap on any client's weight (its claimed `num-examples`) at this "
+        "multiple of the round's median weight, with any `robust` rule; `0` "
+        "is no cap",
+        range=">= 0",
+    )
     max_num_examples: int = option(
         0,
         "a reply claiming more `num-examples` is dropped; `0`: the largest "
@@ -364,6 +386,30 @@ class RunConfig(Options):
         "SecAgg+: quantisation levels T; the mean is exact up to 2c·k/(T·W) per "
         "entry and a round holds at most (2**32 - 1) // T clients; in [2, 2**32)",
         bad=[(1, r"in \[2, 2\*\*32\)")],
+    )
+    secagg_check_ratio: float = option(
+        4.0,
+        "SecAgg+'s aggregate check: reject a round whose global update norm "
+        "exceeds this times the median of the last 3 accepted rounds' "
+        "(the server cannot screen single replies); `0` turns it off, else "
+        "above 1 "
+        "([reliability.md](reliability.md#what-secure-aggregation-costs-in-robustness))",
+        range=">= 0",
+        bad=[(1.0, "0 .off. or above 1")],
+    )
+    secagg_check_first_ratio: float = option(
+        0.5,
+        "SecAgg+'s aggregate check before a round is accepted (round 1, a "
+        "resumed run): the update norm against this times the current global "
+        "norm; `0`: no check until then",
+        range=">= 0",
+    )
+    secagg_client_clip: float = option(
+        1.0,
+        "SecAgg+: each node scales its update down to this times the norm of "
+        "the arrays it received before masking (from the node's own run "
+        "config; stops a faulty client, not a malicious one); `0`: no clip",
+        range=">= 0",
     )
 
     dp_max_grad_norm: float = option(
@@ -509,6 +555,9 @@ class RunConfig(Options):
             reconstruction_threshold=self.secagg_reconstruction_threshold,
             clipping_range=self.secagg_clipping_range,
             quantization_range=self.secagg_quantization_range,
+            check_ratio=self.secagg_check_ratio,
+            check_first_ratio=self.secagg_check_first_ratio,
+            client_clip=self.secagg_client_clip,
         )
 
     @property
@@ -538,6 +587,8 @@ class RunConfig(Options):
             clip_norm=self.clip_norm,
             trim_fraction=self.trim_fraction,
             max_client_weight=self.max_client_weight,
+            clip_ratio=self.clip_ratio,
+            max_weight_ratio=self.max_weight_ratio,
         )
 
     @property

@@ -5,12 +5,17 @@ and the extra records its replies carry), before any node trains.
 :func:`check_privacy` refuses client-level DP for a method that is not
 sum-only or whose replies carry records the server sees, and DP-SGD beside a
 gradient transform or a loss term that reads the data; :func:`check_robust`
-refuses client-level DP beside a robust rule.
+refuses client-level DP beside a robust rule. Both paths to a strategy make
+the same refusal before any node trains: :func:`fedlr.strategies.registry.resolve`
+for a run config, and the strategy's constructor for a plug-in user
+(:class:`PrivacyTraits`, which each registration attaches to its strategy
+class).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fedlr.errors import ConfigError, PrivacyUnsupportedError
@@ -20,7 +25,63 @@ from fedlr.robust.rules import RobustConfig
 if TYPE_CHECKING:
     from fedlr.client.features import ClientFeature, Record
 
-__all__ = ["check_privacy", "check_robust", "dp_sgd_conflict", "reply_records"]
+__all__ = [
+    "PrivacyTraits",
+    "check_privacy",
+    "check_robust",
+    "dp_sgd_conflict",
+    "reply_records",
+]
+
+
+@dataclass(frozen=True)
+class PrivacyTraits:
+    """What :func:`check_privacy` reads of a method's registration.
+
+    :func:`fedlr.strategies.registration.register_method` attaches one to
+    the strategy class it registers (``privacy_traits``), so that the
+    strategy's constructor makes the run config's refusal too: a plug-in
+    user who builds ``ScaffoldLoRA(layout=..., privacy=...)`` with
+    client-level DP is refused there, before any instruction goes out, not
+    in the first round after the clients trained.
+
+    Attributes
+    ----------
+    method : str
+        The registered name.
+    sum_only : bool
+        The registration's ``sum_only``.
+    payload : str
+        The payload kind's name.
+    features : tuple of ClientFeature subclasses
+        The method's client features.
+    records : tuple of Record
+        Extra reply records no feature declares.
+    """
+
+    method: str
+    sum_only: bool
+    payload: str
+    features: tuple[type[ClientFeature], ...] = ()
+    records: tuple[Record, ...] = ()
+
+    def check(self, privacy: PrivacyConfig, options: Any = None) -> None:
+        """:func:`check_privacy` for this method under ``privacy``.
+
+        Raises
+        ------
+        PrivacyUnsupportedError
+            As :func:`check_privacy`.
+        """
+        check_privacy(
+            self.method,
+            self.sum_only,
+            self.payload,
+            privacy,
+            self.features,
+            options,
+            self.records,
+        )
 
 
 def check_privacy(

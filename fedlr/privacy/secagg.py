@@ -46,21 +46,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from numpy.typing import NDArray
 
-from fedlr.errors import ConfigError, SecureAggregationError
+from fedlr.errors import ConfigError, ProtocolError, SecureAggregationError
 
 __all__ = [
+    "CHECK_WINDOW",
     "FIXED_POINT",
     "MODULUS_RANGE",
     "SCALAR_BITS",
+    "AggregateCheck",
     "SecAggSettings",
     "SecureScalars",
     "Summand",
     "check_eligible",
+    "clip_update",
     "flatten_summands",
     "mean_error_bound",
     "unflatten_sums",
@@ -89,12 +92,27 @@ class SecAggSettings:
         ``c``: each summand entry is clipped to ``[-c, c]`` (> 0).
     quantization_range : int
         ``T``: levels of the quantiser (>= 2, below ``2**32``).
+    check_ratio : float
+        The aggregate check (:class:`AggregateCheck`): a round whose update
+        norm exceeds this times the median of the last accepted rounds'
+        update norms is rejected (``0``: no check).
+    check_first_ratio : float
+        The aggregate check with no accepted round yet: the update norm
+        against this times the current global arrays' norm (``0``: no
+        check until a round is accepted).
+    client_clip : float
+        The node's clip before masking: the update of the weighted record
+        (its arrays minus the ones received) is scaled down to at most this
+        times the received arrays' norm (``0``: no clip).
     """
 
     num_shares: float = 1.0
     reconstruction_threshold: float = 0.6
     clipping_range: float = 8.0
     quantization_range: int = 2**22
+    check_ratio: float = 4.0
+    check_first_ratio: float = 0.5
+    client_clip: float = 1.0
 
     def __post_init__(self) -> None:
         shares, threshold = self.num_shares, self.reconstruction_threshold
@@ -135,6 +153,19 @@ class SecAggSettings:
             raise ConfigError(
                 "secagg-quantization-range",
                 f"must be in [2, 2**32), got {self.quantization_range}",
+            )
+        for key, value in (
+            ("secagg-check-ratio", self.check_ratio),
+            ("secagg-check-first-ratio", self.check_first_ratio),
+            ("secagg-client-clip", self.client_clip),
+        ):
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(key, f"must be finite and >= 0, got {value}")
+        if 0 < self.check_ratio <= 1:
+            raise ConfigError(
+                "secagg-check-ratio",
+                f"must be 0 (off) or above 1, got {self.check_ratio}: at or "
+                "below 1 it rejects every round larger than the median",
             )
 
     @property
@@ -200,6 +231,148 @@ class SecAggSettings:
         return 2.0 * self.clipping_range / self.quantization_range
 
 
+CHECK_WINDOW = 3
+"""Accepted rounds whose update norms the aggregate check takes the median of."""
+
+
+@dataclass
+class AggregateCheck:
+    """The server's check of a secure round's aggregate update.
+
+    Under SecAgg+ the server sees only the sum, so no reply can be screened
+    and no robust rule can act; what it can check is the round's result.
+    The update norm ``d = ||new - current||_F`` (over every array of the
+    global state, in float64) is compared with
+
+    * ``ratio x`` the median of the last :data:`CHECK_WINDOW` accepted
+      rounds' update norms, once a round was accepted;
+    * ``first_ratio x ||current||_F`` before (round 1, or the first round
+      after a resume: the history is not checkpointed).
+
+    A round above the bound is rejected (the caller keeps the previous
+    global arrays); an accepted round's norm joins the history. With
+    ``||current|| = 0`` and no history there is nothing to compare with:
+    the round is accepted.
+
+    Attributes
+    ----------
+    ratio : float
+        ``secagg-check-ratio`` (``0``: no check).
+    first_ratio : float
+        ``secagg-check-first-ratio`` (``0``: none before a round is accepted).
+    history : list of float
+        The accepted rounds' update norms, oldest first.
+    last_ratio : float
+        The last checked round's ``d`` over its reference (the median, or
+        ``||current||``); NaN when nothing was compared.
+    """
+
+    ratio: float = 4.0
+    first_ratio: float = 0.5
+    history: list[float] = field(default_factory=list)
+    last_ratio: float = math.nan
+
+    def check(
+        self,
+        new: Mapping[str, NDArray[np.floating] | object],
+        current: Mapping[str, NDArray[np.floating] | object],
+    ) -> str | None:
+        """The rejection of the round whose result is ``new``, or ``None``.
+
+        ``new`` and ``current`` map names to arrays or tensors (anything
+        ``np.asarray`` reads). On ``None`` the round's norm is recorded.
+        """
+        change = math.sqrt(
+            sum(
+                float(np.sum((_f64(new[k]) - _f64(current[k])) ** 2))
+                for k in new
+                if k in current
+            )
+        )
+        self.last_ratio = math.nan
+        if self.history:
+            reference = float(np.median(self.history[-CHECK_WINDOW:]))
+            limit, what = (
+                self.ratio,
+                (
+                    f"the median {reference:.4g} of the last "
+                    f"{min(len(self.history), CHECK_WINDOW)} accepted rounds' "
+                    "update norms"
+                ),
+            )
+            option = "secagg-check-ratio"
+        else:
+            reference = math.sqrt(
+                sum(float(np.sum(_f64(a) ** 2)) for a in current.values())
+            )
+            limit, what = self.first_ratio, f"the current global norm {reference:.4g}"
+            option = "secagg-check-first-ratio"
+        if limit > 0 and reference > 0:
+            self.last_ratio = change / reference
+            if not change <= limit * reference:  # NaN fails too
+                return (
+                    f"secure-aggregation check: the aggregate update norm "
+                    f"{change:.4g} exceeds {option} {limit:g} x {what} (the "
+                    "server cannot see which client; see reliability.md, What "
+                    "secure aggregation costs in robustness)"
+                )
+        self.history.append(change)
+        del self.history[:-CHECK_WINDOW]
+        return None
+
+
+def _f64(value: object) -> NDArray[np.float64]:
+    """An array or a CPU tensor as float64 NumPy."""
+    detach = getattr(value, "detach", None)
+    if detach is not None:
+        value = detach().cpu().double().numpy()
+    return np.asarray(value, dtype=np.float64)
+
+
+def clip_update(
+    arrays: Mapping[str, NDArray[np.floating]],
+    received: Mapping[str, NDArray[np.floating]],
+    ratio: float,
+) -> tuple[dict[str, NDArray[np.floating]], float]:
+    """The node's clip before masking (``secagg-client-clip``).
+
+    The update ``u = arrays - received`` (keys of both, in float64) is
+    scaled to at most ``ratio x ||received||_F``; keys without a received
+    array are left as they are.
+
+    Returns
+    -------
+    arrays : dict
+        ``received + g u`` (each in its own dtype) with ``g = min(1, bound /
+        ||u||)``; the input itself when nothing was cut (``g = 1``, no
+        rounding), ``ratio = 0`` or ``||received|| = 0``.
+    factor : float
+        ``g``.
+
+    Raises
+    ------
+    ProtocolError
+        If the update is not finite: the node does not mask it.
+    """
+    shared = [k for k in sorted(arrays) if k in received]
+    base = math.sqrt(sum(float(np.sum(_f64(received[k]) ** 2)) for k in shared))
+    update = {k: _f64(arrays[k]) - _f64(received[k]) for k in shared}
+    norm = math.sqrt(sum(float(np.sum(u**2)) for u in update.values()))
+    if not math.isfinite(norm):
+        raise ProtocolError(
+            "the update is not finite: the node does not mask it (a faulty "
+            "client's reply is left out of the round)"
+        )
+    if ratio <= 0 or base <= 0 or norm <= ratio * base:
+        return dict(arrays), 1.0
+    factor = ratio * base / norm
+    out = dict(arrays)
+    for k in shared:
+        clipped = _f64(received[k]) + factor * update[k]
+        out[k] = clipped.astype(np.asarray(arrays[k]).dtype)
+    return out, factor
+
+
 def mean_error_bound(settings: SecAggSettings, weights: Sequence[float]) -> float:
     """Bound on ``|secure weighted mean - exact weighted mean|`` per entry.
 
@@ -228,6 +401,7 @@ def check_eligible(
     *,
     robust: str = "none",
     max_client_weight: float = 1.0,
+    max_weight_ratio: float = 0.0,
 ) -> None:
     """Refuse secure aggregation for a method or setting that needs single replies.
 
@@ -243,11 +417,12 @@ def check_eligible(
             f"{method} needs each client's arrays: secure-aggregation is for "
             f"sum-only methods: {names}"
         )
-    if robust != "none" or max_client_weight < 1.0:
+    if robust != "none" or max_client_weight < 1.0 or max_weight_ratio > 0:
         raise SecureAggregationError(
             f"robust aggregation (robust={robust}, max-client-weight="
-            f"{max_client_weight}) reads each client's update, which "
-            "secure-aggregation hides: set robust=none and max-client-weight=1.0"
+            f"{max_client_weight}, max-weight-ratio={max_weight_ratio:g}) reads "
+            "each client's update, which secure-aggregation hides: set "
+            "robust=none, max-client-weight=1.0 and max-weight-ratio=0"
         )
 
 

@@ -89,6 +89,13 @@ class RobustConfig:
         ``trimmed-mean``: share of the clients left out, in [0, 0.5).
     max_client_weight : float, default 1.0
         Cap on any client's share of the total weight, in (0, 1]; 1 is no cap.
+    clip_ratio : float, default 1.0
+        ``norm-clip`` with ``clip_norm`` 0: the bound is this multiple of the
+        round's median update norm, > 0.
+    max_weight_ratio : float, default 0.0
+        Cap on any client's weight at this multiple of the round's median
+        weight (its claimed example count), >= 0; 0 is no cap. Unlike
+        ``max_client_weight`` it does not depend on how many clients reply.
 
     Raises
     ------
@@ -100,6 +107,8 @@ class RobustConfig:
     clip_norm: float = 0.0
     trim_fraction: float = 0.2
     max_client_weight: float = 1.0
+    clip_ratio: float = 1.0
+    max_weight_ratio: float = 0.0
 
     def __post_init__(self) -> None:
         if self.rule not in ROBUST_RULES:
@@ -112,6 +121,12 @@ class RobustConfig:
             raise ConfigError(
                 "trim-fraction", f"must be in [0, 0.5), got {self.trim_fraction}"
             )
+        if not (math.isfinite(self.clip_ratio) and self.clip_ratio > 0):
+            raise ConfigError("clip-ratio", f"must be > 0, got {self.clip_ratio}")
+        if not (math.isfinite(self.max_weight_ratio) and self.max_weight_ratio >= 0):
+            raise ConfigError(
+                "max-weight-ratio", f"must be >= 0, got {self.max_weight_ratio}"
+            )
         if not 0.0 < self.max_client_weight <= 1.0:
             raise ConfigError(
                 "max-client-weight",
@@ -121,7 +136,11 @@ class RobustConfig:
     @property
     def active(self) -> bool:
         """Whether aggregation differs from the method's plain weighted one."""
-        return self.rule != "none" or self.max_client_weight < 1.0
+        return (
+            self.rule != "none"
+            or self.max_client_weight < 1.0
+            or self.max_weight_ratio > 0
+        )
 
 
 @dataclass
@@ -300,8 +319,12 @@ def robust_aggregate(
     if not kept:
         return RobustOutcome(kept, reasons, metrics)
     weights = torch.as_tensor([u.weight for u in kept], dtype=torch.float64)
+    if config.max_weight_ratio > 0 and len(kept) > 1:
+        weights, ratio_reasons = _cap_at_median(kept, weights, config.max_weight_ratio)
+        reasons += ratio_reasons
+        metrics["robust-capped"] += len(ratio_reasons)
     if config.rule == "norm-clip":
-        kept, clip_reasons = _clip(kept, space, config.clip_norm)
+        kept, clip_reasons = _clip(kept, space, config.clip_norm, config.clip_ratio)
         reasons += clip_reasons
         metrics["robust-clipped"] = float(len(clip_reasons))
     elif config.rule in ("median", "trimmed-mean") and len(kept) > 1:
@@ -364,6 +387,28 @@ def _median(
     return [kept[i] for i in keep_idx], weights, reasons, int(negligible.sum())
 
 
+def _cap_at_median(
+    kept: list[ClientUpdate], weights: torch.Tensor, ratio: float
+) -> tuple[torch.Tensor, list[str]]:
+    """Each weight capped at ``ratio`` times the round's lower median weight,
+    the total then restored (shares change, the sum of weights does not).
+
+    The lower median (the ``ceil(k / 2)``-th smallest) of the claimed
+    weights: a client that claims more cannot raise it, so one claimant of
+    ``k >= 3`` weighs at most ``ratio`` honest median clients.
+    """
+    ordered = sorted(float(w) for w in weights)
+    bound = ratio * ordered[(len(ordered) - 1) // 2]
+    capped = weights.clamp(max=bound)
+    reasons = [
+        f"node {update.node_id}: weight {float(w):.6g} capped at {bound:.6g} "
+        f"(max-weight-ratio {ratio:g} x the round's median weight)"
+        for update, w in zip(kept, weights, strict=True)
+        if float(w) > bound * (1 + 1e-12)
+    ]
+    return capped * (float(weights.sum()) / float(capped.sum())), reasons
+
+
 def _cap(
     kept: list[ClientUpdate], weights: torch.Tensor, max_client_weight: float
 ) -> tuple[torch.Tensor, list[str]]:
@@ -417,12 +462,12 @@ def _trim(
 
 
 def _clip(
-    updates: list[ClientUpdate], space: UpdateSpace, bound: float
+    updates: list[ClientUpdate], space: UpdateSpace, bound: float, ratio: float = 1.0
 ) -> tuple[list[ClientUpdate], list[str]]:
     norms = [space.norm(u) for u in updates]
     if bound <= 0:
         finite = [n for n in norms if math.isfinite(n)] or [0.0]
-        bound = float(torch.tensor(finite, dtype=torch.float64).median())
+        bound = ratio * float(torch.tensor(finite, dtype=torch.float64).median())
     out: list[ClientUpdate] = []
     reasons: list[str] = []
     for update, norm in zip(updates, norms, strict=True):

@@ -4,7 +4,10 @@ Whatever the robust rule (``none`` included), :func:`screen_sizes`
 (``screen-ratio``, default :data:`DEFAULT_SCREEN_RATIO`) drops a reply whose
 update norm is more than ``screen-ratio`` times the round's median update
 norm and larger than the current state's norm: a boosted or overflowing reply
-never reaches the kernel.
+never reaches the kernel. :func:`screen_record_sizes` does the same for each
+extra record a method's replies carry (SCAFFOLD-LoRA's control delta, FedSA's
+personal gram, QR-Mix's eigenpairs, FOT's sketches), against the round's
+median of that record.
 """
 
 from __future__ import annotations
@@ -21,7 +24,13 @@ from fedlr.robust.spaces import UpdateSpace
 if TYPE_CHECKING:
     from fedlr.wire.updates import ClientUpdate
 
-__all__ = ["DEFAULT_SCREEN_RATIO", "ScreenOutcome", "screen_sizes"]
+__all__ = [
+    "DEFAULT_SCREEN_RATIO",
+    "ScreenOutcome",
+    "record_norm",
+    "screen_record_sizes",
+    "screen_sizes",
+]
 
 
 DEFAULT_SCREEN_RATIO = 20.0
@@ -117,6 +126,59 @@ def screen_sizes(
             reason = (
                 f"update norm {norm:.4g} is {r:.3g} x {what} ({scale:.4g}), above "
                 f"screen-ratio {ratio:g} (and the current state's norm {state:.4g})"
+            )
+        reasons.append((update.node_id, reason))
+    return ScreenOutcome(out, reasons, ratios, bound)
+
+
+def record_norm(record: dict[str, torch.Tensor]) -> float:
+    """The Frobenius norm of an extra record (all its arrays), in float64."""
+    total = 0.0
+    for value in record.values():
+        total += float(value.double().square().sum())
+    return math.sqrt(total)
+
+
+def screen_record_sizes(
+    updates: Sequence[ClientUpdate], name: str, ratio: float, floor: float
+) -> ScreenOutcome:
+    """Drop updates whose extra record ``name`` is far larger than the round's.
+
+    The record's own size screen, as :func:`screen_sizes` is the arrays': a
+    reply whose record norm ``n_i`` (:func:`record_norm`) exceeds
+
+        ``max(ratio * m, floor)``   (``m``: the lower median of the round's
+        norms of that record; with one reply, ``floor`` alone)
+
+    or is not finite is dropped. ``floor`` is what the method holds for the
+    record (SCAFFOLD-LoRA: the norm of its control variate), so a round in
+    which most clients barely moved it cannot drop an ordinary reply;
+    ``ratio`` <= 0 turns the screen off, and a zero bound keeps every finite
+    record.
+    """
+    kept = list(updates)
+    if ratio <= 0 or not kept:
+        return ScreenOutcome(kept)
+    norms = [record_norm(u.extras[name]) for u in kept]
+    ordered = sorted(n if math.isfinite(n) else math.inf for n in norms)
+    scale = ordered[(len(ordered) - 1) // 2] if len(kept) > 1 else 0.0
+    if not math.isfinite(scale):
+        scale = 0.0
+    bound = max(ratio * scale, floor)
+    ratios = [n / scale if scale > 0 else math.inf for n in norms]
+    out: list[ClientUpdate] = []
+    reasons: list[tuple[int, str]] = []
+    for update, norm, r in zip(kept, norms, ratios, strict=True):
+        if math.isfinite(norm) and (bound <= 0 or norm <= bound):
+            out.append(update)
+            continue
+        if not math.isfinite(norm):
+            reason = f"record '{name}' norm {norm} is not finite"
+        else:
+            reason = (
+                f"record '{name}' norm {norm:.4g} is {r:.3g} x the round's median "
+                f"of that record ({scale:.4g}), above screen-ratio {ratio:g} (and "
+                f"the method's floor {floor:.4g})"
             )
         reasons.append((update.node_id, reason))
     return ScreenOutcome(out, reasons, ratios, bound)

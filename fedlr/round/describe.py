@@ -25,11 +25,15 @@ def settings(strategy: Any) -> dict[str, Any]:
         "robust": robust.rule,
     }
     if robust.rule == "norm-clip":
-        out["clip_norm"] = robust.clip_norm or "median"
+        out["clip_norm"] = robust.clip_norm or (
+            "median" if robust.clip_ratio == 1.0 else f"{robust.clip_ratio:g} x median"
+        )
     if robust.rule == "trimmed-mean":
         out["trim_fraction"] = robust.trim_fraction
     if robust.max_client_weight < 1.0:
         out["max_client_weight"] = robust.max_client_weight
+    if robust.max_weight_ratio > 0:
+        out["max_weight_ratio"] = robust.max_weight_ratio
     if strategy.max_num_examples is not None:
         out["max_num_examples"] = strategy.max_num_examples
     if strategy.max_update_ratio > 0:

@@ -155,7 +155,10 @@ def aggregate_round(
     were sent one but did not answer. A result the publish check refuses
     (:func:`~fedlr.round.publish.check_new_state`), or a kernel's numeric
     fault, rejects the round: the method's state is restored
-    (:func:`restore_method_state`) and ``None`` arrays are returned.
+    (:func:`restore_method_state`) and ``None`` arrays are returned. Under
+    secure aggregation the exchange sets ``strategy.aggregate_check``
+    (:class:`~fedlr.privacy.secagg.AggregateCheck`), which rejects a round
+    whose aggregate update is far above the recent rounds' the same way.
 
     Returns
     -------
@@ -194,6 +197,9 @@ def aggregate_round(
         )
     else:
         rejection = check_new_state(state, current, strategy.max_update_ratio)
+        check = getattr(strategy, "aggregate_check", None)  # SecAgg+'s
+        if rejection is None and check is not None:
+            rejection = check.check(state, current)
     # 4. publish
     metrics = round_metrics(
         updates,

@@ -12,7 +12,7 @@ and its metrics; :func:`protection_steps` composes them for a strategy.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from logging import WARNING
 from typing import Any, Protocol
 
@@ -21,6 +21,7 @@ from flwr.supercore import log
 
 from fedlr.privacy.client_dp import protect
 from fedlr.robust.rules import RobustConfig, robust_aggregate
+from fedlr.robust.screen import record_norm
 from fedlr.round.replies import Replies
 from fedlr.wire.updates import ClientUpdate
 
@@ -29,6 +30,7 @@ __all__ = [
     "Protected",
     "ProtectionStep",
     "RobustStep",
+    "clip_record",
     "protection_steps",
 ]
 
@@ -91,12 +93,61 @@ class RobustStep:
             )
         kept_nodes = {u.node_id for u in outcome.updates}
         left_out = [u for u in updates if u.node_id not in kept_nodes]
+        kept = [self.replies.clip_extras(u) for u in outcome.updates]
+        if self.config.rule == "norm-clip":
+            for name in self.replies.records():
+                if self.replies.clips_record(name):
+                    kept, more = clip_record(kept, name, self.config.clip_ratio)
+                    for reason in more:
+                        log(
+                            WARNING,
+                            "round %d: robust (norm-clip): %s",
+                            server_round,
+                            reason,
+                        )
+                    outcome.reasons.extend(more)
         self.strategy.last_robust = outcome.reasons
         return Protected(
-            [self.replies.clip_extras(u) for u in outcome.updates],
+            kept,
             done.left_out + left_out,
             {**done.metrics, **outcome.metrics},
         )
+
+
+def clip_record(
+    updates: list[ClientUpdate], name: str, ratio: float
+) -> tuple[list[ClientUpdate], list[str]]:
+    """Each update's record ``name`` clipped at ``ratio`` times the round's
+    median norm of that record (the norm-clip rule applied to a record that
+    is an update, :meth:`~fedlr.round.replies.Replies.clips_record`); the factor
+    applied is kept in :attr:`ClientUpdate.record_factors`.
+    """
+    norms = [record_norm(u.extras[name]) for u in updates]
+    if not norms:
+        return updates, []
+    bound = ratio * float(torch.tensor(norms, dtype=torch.float64).median())
+    out: list[ClientUpdate] = []
+    reasons: list[str] = []
+    for update, norm in zip(updates, norms, strict=True):
+        if norm <= bound * (1 + 1e-9) or norm == 0:
+            out.append(update)
+            continue
+        g = bound / norm
+        record = {
+            k: (v.double() * g).to(v.dtype) for k, v in update.extras[name].items()
+        }
+        out.append(
+            replace(
+                update,
+                extras={**update.extras, name: record},
+                record_factors={**update.record_factors, name: g},
+            )
+        )
+        reasons.append(
+            f"node {update.node_id}: record '{name}' norm {norm:.4g} clipped to "
+            f"{bound:.4g} ({ratio:g} x the round's median of that record)"
+        )
+    return out, reasons
 
 
 @dataclass

@@ -33,7 +33,7 @@ from flwr.supercore import log
 
 from fedlr.errors import NoValidRepliesError, ProtocolError, ReplyValidationError
 from fedlr.flower.records import record_nbytes
-from fedlr.robust.screen import ScreenOutcome, screen_sizes
+from fedlr.robust.screen import ScreenOutcome, screen_record_sizes, screen_sizes
 from fedlr.robust.spaces import ParameterSpace, UpdateSpace
 from fedlr.wire.protocol import (
     PARTITION_ID,
@@ -82,29 +82,56 @@ def conform_dtypes(
     A float16 or float64 reply of a float32 model is aggregated as float32
     (one client never changes the global dtype, nor doubles the downlink);
     finiteness is checked after the cast, so a float64 ``1e300`` that would
-    become Inf is refused here, not published.
+    become Inf is refused here, not published. The extra records follow: an
+    array keyed as a global array takes its dtype (SCAFFOLD-LoRA's control
+    delta, which moves a control variate kept in that dtype); any other
+    stays as the method's client sent it (FOT's float64 sketches).
 
     Raises
     ------
     ReplyValidationError
         If an array overflows the global dtype.
     """
+    cast = _cast(update.node_id, update.arrays, dtypes, "")
+    extras = {}
+    for name, record in update.extras.items():
+        # A record keyed as the arrays (SCAFFOLD's control delta) takes their
+        # dtype; any other stays as sent (FOT's float64 sketches feed a
+        # float64 basis), finite already (validate_arrays).
+        moved = _cast(update.node_id, record, dtypes, f"record '{name}': ")
+        if moved:
+            extras[name] = {**record, **moved}
+    if not cast and not extras:
+        return update
+    return dataclasses.replace(
+        update,
+        arrays={**update.arrays, **cast},
+        extras={**update.extras, **extras},
+    )
+
+
+def _cast(
+    node: int,
+    arrays: Mapping[str, torch.Tensor],
+    dtypes: Mapping[str, torch.dtype],
+    where: str,
+) -> dict[str, torch.Tensor]:
+    """The arrays whose dtype differs from ``dtypes``', cast and checked finite."""
     cast: dict[str, torch.Tensor] = {}
-    for key, tensor in update.arrays.items():
+    for key, tensor in arrays.items():
         target = dtypes.get(key)
         if target is None or tensor.dtype == target:
             continue
         value = tensor.to(target)
         if not bool(torch.isfinite(value).all()):
             raise ReplyValidationError(
-                update.node_id,
-                f"'{key}' ({str(tensor.dtype).removeprefix('torch.')}) overflows "
-                f"{str(target).removeprefix('torch.')}, the global arrays' dtype",
+                node,
+                f"{where}'{key}' ({str(tensor.dtype).removeprefix('torch.')}) "
+                f"overflows {str(target).removeprefix('torch.')}, the dtype the "
+                "server keeps it in",
             )
         cast[key] = value
-    if not cast:
-        return update
-    return dataclasses.replace(update, arrays={**update.arrays, **cast})
+    return cast
 
 
 class Replies:
@@ -247,8 +274,24 @@ class Replies:
                 max((o.bound for o in each), default=math.inf),
             )
         self.method.last_screen = outcome
-        return outcome.updates, [
-            str(ReplyValidationError(node, reason)) for node, reason in outcome.reasons
+        kept, reasons = outcome.updates, list(outcome.reasons)
+        for name in self.records():
+            floor = self.record_floor(name, current)
+            if self.method.privacy.client_dp is None:
+                screened = screen_record_sizes(
+                    kept, name, self.method.screen_ratio, floor
+                )
+                kept, more = screened.updates, screened.reasons
+            else:
+                each = [
+                    screen_record_sizes([u], name, self.method.screen_ratio, floor)
+                    for u in kept
+                ]
+                kept = [u for o in each for u in o.updates]
+                more = [r for o in each for r in o.reasons]
+            reasons += more
+        return kept, [
+            str(ReplyValidationError(node, reason)) for node, reason in reasons
         ]
 
     def reply_weight(self, node: int, content: RecordDict) -> tuple[MetricRecord, int]:
@@ -383,11 +426,35 @@ class Replies:
     def records(self) -> dict[str, dict[str, tuple[int, ...]]]:
         """Extra ArrayRecords every valid reply carries: name -> keys and shapes.
 
-        Each is checked like ``arrays`` (:meth:`extra_arrays`), decoded once
-        into :attr:`ClientUpdate.extras` and counted in the reply's bytes; a
-        reply without one is dropped. Default: none.
+        Each is checked like ``arrays`` (:meth:`extra_arrays`: keys, shapes,
+        finite), cast like them (:func:`conform_dtypes`), screened for size
+        against the round's median of that record
+        (:func:`~fedlr.robust.screen.screen_record_sizes`, :meth:`record_floor`),
+        clipped by a clipping robust rule where :meth:`clips_record` says so,
+        decoded once into :attr:`ClientUpdate.extras` and counted in the
+        reply's bytes; a reply without one is dropped. Declaring a record here
+        is all a method does for all of that. Default: none.
         """
         return {}
+
+    def record_floor(self, name: str, current: Mapping[str, torch.Tensor]) -> float:
+        """The floor of record ``name``'s size screen: a record no larger than
+        this is never dropped for its size, whatever the round's median (see
+        :func:`fedlr.robust.screen.screen_record_sizes`). Default 0: the
+        round's median alone sets the bound."""
+        return 0.0
+
+    def clips_record(self, name: str) -> bool:
+        """Whether a clipping robust rule clips record ``name`` by its own norm.
+
+        A record that is an update (SCAFFOLD-LoRA's control delta) is clipped
+        like the arrays, at the rule's bound relative to the round's median
+        norm of that record (the factor is kept in
+        :attr:`ClientUpdate.record_factors`); a record that describes the
+        client (a gram, eigenpairs, sketches) is screened, never rescaled.
+        Default: False.
+        """
+        return False
 
     def space(self, current: Mapping[str, torch.Tensor]) -> UpdateSpace:
         """The space in which the screen and the robust rules measure and move

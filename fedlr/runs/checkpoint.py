@@ -44,7 +44,9 @@ Safety, because a run directory may be shared or tampered with:
   :class:`~fedlr.errors.CheckpointWriteError` saying how much space was needed
   and which round is intact;
 * a resumed run checks the checkpoint's arrays against its own layout (keys,
-  shapes, dtypes) before round 1 (:func:`check_checkpoint_arrays`).
+  shapes, dtypes) before round 1 (:func:`check_checkpoint_arrays`), and its
+  strategy state's keys against those the method keeps, before the strategy
+  loads it (:func:`check_checkpoint_state`).
 
 The manifest's ``round`` is the newest checkpoint's round (for people and
 tools).
@@ -59,7 +61,7 @@ import json
 import os
 import random
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from logging import WARNING, getLogger
 from pathlib import Path
 from typing import Any
@@ -70,6 +72,7 @@ import torch
 from fedlr.errors import (
     CheckpointError,
     CheckpointLayoutError,
+    CheckpointStateError,
     CheckpointWriteError,
     ConfigError,
 )
@@ -78,6 +81,7 @@ __all__ = [
     "IGNORED_ON_RESUME",
     "MANIFEST",
     "check_checkpoint_arrays",
+    "check_checkpoint_state",
     "check_resumable",
     "checkpoint_name",
     "get_rng_state",
@@ -480,6 +484,56 @@ def check_checkpoint_arrays(
                 f"{prefix}: '{key}' has shape {got[0]} {got[1]} in the "
                 f"checkpoint, this run's layout {want[0]} {want[1]}; {todo}"
             )
+
+
+def check_checkpoint_state(
+    state: Any,
+    kept: Iterable[str],
+    *,
+    method: str,
+    source: str | Path,
+) -> None:
+    """Refuse a checkpoint's strategy state with a key the method does not keep.
+
+    A strategy's loader would otherwise fail on it with a bare ``ValueError``
+    (or, for a key no loader checks, ignore it). Checked before the strategy
+    loads the state, so before round 1 trains.
+
+    Parameters
+    ----------
+    state : object
+        The checkpoint's ``strategy`` entry (a mapping of str keys).
+    kept : iterable of str
+        The keys the run's strategy keeps: those of its ``state_dict()``
+        as built (every strategy writes the same keys in every round).
+    method : str
+        The run's method, named in the message.
+    source : str or Path
+        The checkpoint file, named in the message.
+
+    Raises
+    ------
+    CheckpointStateError
+        One line naming the first unknown key (in sorted order), how many
+        there are, the method, the keys it keeps and the file.
+    """
+    known = sorted(kept)
+    todo = (
+        "resume with the fedlr version and settings that wrote it, or start a "
+        "new run without resume-from"
+    )
+    if not isinstance(state, Mapping):
+        raise CheckpointStateError(
+            f"{source}: the strategy state is a {type(state).__name__}, not a "
+            f"mapping of the keys method '{method}' keeps ({known}); {todo}"
+        )
+    unknown = sorted(str(key) for key in state if key not in known)
+    if unknown:
+        more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+        raise CheckpointStateError(
+            f"{source}: strategy-state key {unknown[0]!r}{more} is not one that "
+            f"method '{method}' keeps ({known or 'none'}); {todo}"
+        )
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -64,6 +64,7 @@ COLUMNS = (
     "rejected-rounds",
     "robust-clipped",
     "robust-trimmed",
+    "robust-capped",
     "dp-epsilon",
     "client-dp-epsilon",
 )
@@ -89,6 +90,7 @@ COUNT_COLUMNS = frozenset(
         "rejected-rounds",
         "robust-clipped",
         "robust-trimmed",
+        "robust-capped",
         NOISE_REPRODUCIBLE,
     }
 )

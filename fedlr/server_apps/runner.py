@@ -45,7 +45,9 @@ from fedlr.round.instructions import expected_arrays
 from fedlr.round.pipeline import run_round
 from fedlr.runs.checkpoint import (
     check_checkpoint_arrays,
+    check_checkpoint_state,
     check_resumable,
+    checkpoint_name,
     get_rng_state,
     load_checkpoint,
     save_arrays,
@@ -197,13 +199,16 @@ def guarantee_lines(
             "quantisation levels"
         )
     robust = config.robust_config
-    if robust.rule != "none" or robust.max_client_weight < 1.0:
+    if robust.active:
+        median = "the round's median update norm"
         detail = {
             "norm-clip": "norm-clip at "
             + (
                 _g(robust.clip_norm)
                 if robust.clip_norm
-                else "the round's median update norm"
+                else median
+                if robust.clip_ratio == 1.0
+                else f"{_g(robust.clip_ratio)} x {median}"
             ),
             "trimmed-mean": f"trimmed-mean leaving out {_g(robust.trim_fraction)} "
             "of the clients",
@@ -213,6 +218,11 @@ def guarantee_lines(
         cap = (
             f", max client weight {_g(robust.max_client_weight)}"
             if robust.max_client_weight < 1.0
+            else ""
+        ) + (
+            f", weights capped at {_g(robust.max_weight_ratio)} x the round's "
+            "median weight"
+            if robust.max_weight_ratio > 0
             else ""
         )
         lines.append(f"robust aggregation: {detail}{cap}")
@@ -377,6 +387,12 @@ class ServerRun:
             self.evaluate_round(0, arrays)
             self.checkpoint(0, arrays)
             return arrays, 1
+        check_checkpoint_state(
+            resume["strategy"],
+            strategy.state_dict(),
+            method=self.method.spec.name,
+            source=Path(config.resume_from) / checkpoint_name(int(resume["round"])),
+        )
         strategy.load_state_dict(resume["strategy"])
         check_checkpoint_arrays(
             resume["arrays"], self.expected_arrays(), source=config.resume_from

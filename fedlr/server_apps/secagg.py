@@ -71,6 +71,7 @@ from fedlr.privacy import distributed_dp as ddp
 from fedlr.privacy.client_dp import CLIENT_DP_EPSILON
 from fedlr.privacy.secagg import (
     MODULUS_RANGE,
+    AggregateCheck,
     SecAggSettings,
     SecureScalars,
     Summand,
@@ -98,9 +99,11 @@ __all__ = [
     "secure_exchange",
 ]
 
-SECAGG_COLUMNS = ("secagg-bound", "secagg-clipped")
+SECAGG_COLUMNS = ("secagg-bound", "secagg-clipped", "secagg-check")
 """``results.csv`` columns of a secure run: the round's error bound per entry
-of the weighted mean, and the summand entries the clipping range cut."""
+of the weighted mean, the summand entries the clipping range cut, and the
+aggregate check's ratio (the round's update norm over its reference: the
+recent rounds' median, or the global norm; NaN without the check)."""
 
 
 def secure_exchange(
@@ -165,6 +168,13 @@ class SecAggPlusExchange(UnmaskStage):
         self.strategy = strategy
         self.seed = seed
         self.dp = dp
+        self.check: AggregateCheck | None = None
+        """The aggregate check the strategy's round runs (``None``: off)."""
+        if settings.check_ratio > 0 or settings.check_first_ratio > 0:
+            self.check = AggregateCheck(
+                settings.check_ratio, settings.check_first_ratio
+            )
+        setattr(strategy, "aggregate_check", self.check)  # noqa: B010
         self._base: dict[str, np.ndarray[Any, Any]] = {}
         self.last_stats: dict[str, float] = {}
         """The last round's ``bytes-up``, ``bytes-down``, ``seconds``,
@@ -176,6 +186,7 @@ class SecAggPlusExchange(UnmaskStage):
         keys = ["bytes-up", "bytes-down", *SECAGG_COLUMNS]
         keys += [CLIENT_DP_EPSILON] if self.dp is not None else []
         row = {key: self.last_stats.get(key, math.nan) for key in keys}
+        row["secagg-check"] = math.nan if self.check is None else self.check.last_ratio
         return {**row, "frobenius-gap": math.nan, "relative-gap": math.nan}
 
     # ------------------------------------------------------------ the round

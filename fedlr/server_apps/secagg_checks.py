@@ -30,6 +30,7 @@ def check_secure_method(method: MethodConfig) -> None:
         eligible,
         robust=config.robust,
         max_client_weight=config.max_client_weight,
+        max_weight_ratio=config.max_weight_ratio,
     )
 
 

@@ -28,7 +28,7 @@ from fedlr.adapters.roles import Role
 from fedlr.config.options import NoOptions, Options, coerce, kebab
 from fedlr.linalg import weighted_mean
 from fedlr.privacy.client_dp import ClientDpLedger, keep_ledger
-from fedlr.privacy.refusals import check_robust
+from fedlr.privacy.refusals import PrivacyTraits, check_robust
 from fedlr.privacy.settings import PrivacyConfig
 from fedlr.robust.rules import RobustConfig
 from fedlr.robust.screen import DEFAULT_SCREEN_RATIO, ScreenOutcome
@@ -113,7 +113,8 @@ class FedLRStrategy(FedAvg):
     privacy : PrivacyConfig, optional
         Differential privacy (:mod:`fedlr.privacy`): DP-SGD settings sent to
         the clients, client-level DP applied here after validation. Default:
-        none.
+        none. A mechanism the method cannot have is refused here
+        (``PrivacyUnsupportedError``, as for a run config: :attr:`privacy_traits`).
     options : Options, optional
         The method's options, an instance of :attr:`options_type` (default:
         its defaults); kept as :attr:`method_options`.
@@ -143,6 +144,11 @@ class FedLRStrategy(FedAvg):
     """Attributes (besides :meth:`state_dict`) that :meth:`aggregate_updates`
     changes: copied before the method runs and put back if the round is
     rejected (each class of the MRO adds its own)."""
+    privacy_traits: ClassVar[PrivacyTraits | None] = None
+    """What the configuration-time privacy refusals read of the method's
+    registration (set by :func:`~fedlr.strategies.registration.register_method`;
+    a subclass inherits its method's): the constructor refuses a ``privacy``
+    the method cannot have (:func:`fedlr.privacy.refusals.check_privacy`)."""
     options_type: ClassVar[type[Options]] = NoOptions
     """The method's options class: the ``options`` it is registered with
     (:func:`~fedlr.strategies.registry.register_method` sets it), or declared
@@ -190,6 +196,9 @@ class FedLRStrategy(FedAvg):
         self.max_update_ratio = max_update_ratio
         self.privacy = privacy if privacy is not None else PrivacyConfig()
         check_robust(self.privacy, self.robust)
+        traits = type(self).privacy_traits
+        if traits is not None:  # the refusal resolve() makes of a run config
+            traits.check(self.privacy, self.method_options)
         self.screen_ratio = screen_ratio
         self.last_screen: ScreenOutcome | None = None
         self.rejected_rounds = 0

@@ -12,6 +12,15 @@ heavy-ball momentum [1]_:
 direction across rounds when only some clients take part or their data
 differ. Server-only: the clients run the plain LoRA round.
 
+``Delta_t`` is formed from the updates that passed validation, the
+update-size screen and the robust rule, nothing else: a dropped reply never
+reaches ``v``. What passes stays in ``v``: one hostile round's step is
+applied again, decaying by ``beta``, every later round, ``eta (1 -
+beta^(T+1)) / (1 - beta)`` times in all after ``T`` rounds (10x in the limit
+at the defaults); the screen and the robust rule bound the step it
+multiplies (docs/methods/fedavgm-lora.md, "One hostile round under
+momentum").
+
 References
 ----------
 .. [1] Hsu, Qi, Brown, "Measuring the Effects of Non-Identical Data

@@ -43,7 +43,7 @@ References
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Self, cast
 
 import torch
@@ -52,7 +52,7 @@ from fedlr.adapters.lora import LoraModel
 from fedlr.adapters.ranks import fold_tail
 from fedlr.adapters.roles import Role
 from fedlr.client.features import Bound, ClientFeature, RoundJob
-from fedlr.config.options import option
+from fedlr.config.options import Options, option
 from fedlr.errors import ConfigError
 from fedlr.linalg import (
     StackedResidual,
@@ -249,17 +249,32 @@ class HeteroFedExLoRA(HeteroFoldLoRA):
     ``fedex_downlink`` (:class:`~fedlr.strategies.fedex_downlink.FactoredDownlink`).
     """
 
+    method_options: FedExOptions
+    options_type: ClassVar[type[Options]] = FedExOptions
+    """FedEx-LoRA's options (the registry builds this class for fedex-lora with
+    ``client-ranks``), so ``fedex_fold_scale=`` is taken by name, as by
+    :class:`FedExLoRA`; only its default, 1, is allowed here. The family's
+    :class:`~fedlr.strategies.fedex_downlink.DownlinkOptions` are taken too
+    (as FedEx-LoRA's with that default)."""
+
     trims_downlink: ClassVar[bool] = False  # a node needs the tail it folds
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        scale = getattr(self.method_options, "fedex_fold_scale", 1.0)
+    def __init__(self, *, options: Options | None = None, **kwargs: Any) -> None:
+        if isinstance(options, DownlinkOptions) and not isinstance(
+            options, FedExOptions
+        ):  # the family's options: FedEx-LoRA's with the default fold scale
+            options = FedExOptions(
+                **{f.name: getattr(options, f.name) for f in fields(options)}
+            )
+        super().__init__(options=options, **kwargs)
+        scale = self.method_options.fedex_fold_scale
         if scale != 1.0:
             raise ConfigError(
                 "fedex-fold-scale",
-                f"is for FedEx-LoRA at one rank; with client-ranks every client's "
-                f"model must be the exact mean of the client models (got {scale}); "
-                "leave it at 1.0",
+                f"HeteroFedExLoRA (fedex-lora with client-ranks) folds the whole "
+                f"residual: every client's model must be the exact mean of the "
+                f"client models, got {scale}; leave it at 1.0 or use FedExLoRA "
+                "at one rank",
             )
 
     send_roles: ClassVar[tuple[Role, ...]] = FedExLoRA.send_roles

@@ -42,6 +42,7 @@ from fedlr.client.features import ClientFeature, Record
 from fedlr.client.method_features import record_method_features
 from fedlr.config.options import Options, declaration
 from fedlr.config.run import RunConfig
+from fedlr.privacy.refusals import PrivacyTraits
 from fedlr.strategies.base import FedLRStrategy
 from fedlr.wire.payload_kind import PayloadKind
 
@@ -243,6 +244,9 @@ def register_method(
                 f"{spec.options.__qualname__}"
             )
         spec.strategy.options_type = spec.options
+        spec.strategy.privacy_traits = PrivacyTraits(  # its constructor refuses too
+            name, spec.sum_only, payload.name, spec.client, spec.records
+        )
         _REGISTRY[name] = spec
         record_method_features(name, spec.client)
         return cls

@@ -335,6 +335,7 @@ def _shown_limit(high: float | str, what: str = "") -> str:
 BOUNDS: tuple[Bound, ...] = (
     Bound(protocol.SERVER_ROUND, "int", 0, _INT32),
     Bound(protocol.LR, "float", 0.0, None, low_open=True),
+    Bound(protocol.LOCAL_OPTIMIZER, "str", note="`adamw` or `sgd`"),
     Bound(protocol.LOCAL_STEPS, "int", 1, "max_local_steps"),
     Bound(protocol.BATCH_SIZE, "int", 1, "max_batch_size"),
     Bound(

@@ -143,6 +143,12 @@ their version (a ConfigRecord) in ``context.state``."""
 SERVER_ROUND = "server-round"
 LR = "lr"
 LOCAL_STEPS = "local-steps"
+LOCAL_OPTIMIZER = "local-optimizer"
+"""The local solver, one of :data:`OPTIMIZERS` (sent by scaffold-lora)."""
+OPTIMIZERS = ("adamw", "sgd")
+"""The local solvers :func:`fedlr.client.train.train_steps` builds:
+``torch.optim.AdamW`` (every method's default) and plain ``torch.optim.SGD``
+(no momentum; SCAFFOLD's setting, scaffold-lora's default)."""
 BATCH_SIZE = "batch-size"
 TRAIN_ROLES = "train-roles"
 """Comma-separated :class:`~fedlr.adapters.Role` values the client trains and

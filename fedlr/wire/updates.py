@@ -46,7 +46,12 @@ class ClientUpdate:
     clip_factor : float
         The factor robust norm clipping moved the arrays by (``ref + f (x -
         ref)``); 1 when unclipped. The strategy moves the extras to match
-        (:meth:`~fedlr.strategies.base.FedLRStrategy.clip_extras`).
+        (:meth:`~fedlr.round.replies.Replies.clip_extras`).
+    record_factors : dict of str to float
+        For an extra record that a clipping robust rule clipped by its own
+        norm (:meth:`~fedlr.round.replies.Replies.clips_record`), the factor
+        ``g`` it was scaled by, after :meth:`clip_extras`; a record not named
+        here was not rescaled (``g = 1``).
     """
 
     node_id: int
@@ -58,6 +63,7 @@ class ClientUpdate:
     weight: float = -1.0
     extras: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     clip_factor: float = 1.0
+    record_factors: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.weight < 0:

@@ -27,7 +27,12 @@ from fedlr.round.pipeline import run_round
 from fedlr.strategies.fedavgm_lora import FedAvgMLoRA, ServerMomentumOptions
 from fedlr.strategies.feddyn_lora import FedDynLoRA
 from fedlr.strategies.registry import client_features, registered_methods
-from fedlr.strategies.scaffold_lora import CONTROL, CONTROL_DELTA, ScaffoldLoRA
+from fedlr.strategies.scaffold_lora import (
+    CONTROL,
+    CONTROL_DELTA,
+    ScaffoldLoRA,
+    ScaffoldOptions,
+)
 from fedlr.wire.updates import ClientUpdate
 from tests.plugin_app.client_app import app as plugin_client
 from tests.plugin_app.task import build_model, load_data
@@ -84,7 +89,7 @@ def _loss_and_grads(job, x, y):
 
 def test_scaffold_corrects_gradients_and_updates_the_control_variate():
     model = build_model("scaffold-lora")
-    strategy = ScaffoldLoRA.for_model(model)
+    strategy = ScaffoldLoRA.for_model(model, options=ScaffoldOptions(scaffold_lr=0.1))
     context = _context()
     message = _scaffold_instruction(strategy, model)
     job = apply_round(model, message, context)
@@ -112,11 +117,15 @@ def test_scaffold_corrects_gradients_and_updates_the_control_variate():
         c = strategy.control[k].double()
         new_ci = -c + (start[k] - params[k].detach().double()) / (steps * lr)
         torch.testing.assert_close(delta[k].double(), new_ci, rtol=1e-5, atol=1e-6)
-    kept = record_to_state(context.state["fedlr-scaffold"])
+    stored = record_to_state(context.state["fedlr-scaffold"])
+    kept = {k: stored[f"pending:{k}"] for k in keys}  # pending until applied
     for k in keys:
         torch.testing.assert_close(kept[k], delta[k])  # c_i was 0
+        assert not stored[f"c_i:{k}"].any()
 
-    # Round 2 on the same node: the correction is c - c_i.
+    # Round 2 on the same node, the server having applied round 1's delta:
+    # the correction is c - c_i.
+    strategy.applied[1000] = (1, 1.0, 1.0)
     job = apply_round(model, _scaffold_instruction(strategy, model, 4), context)
     raw = _loss_and_grads(job, x, y)
     job.after_backward()
@@ -323,10 +332,17 @@ def test_a_clipped_scaffold_reply_moves_its_control_delta_with_its_step():
     assert factors[:2] == [1.0, 1.0] and 0.0 < factors[2] < 0.5
     _, metrics = strategy.aggregate_train(1, replies)
     assert metrics["clients"] == 3
+    # the record itself is then clipped at the round's median of that record
+    # (the norm-clip rule's bound, factor g <= 1); the server remembers both
+    applied = [strategy.applied[1000 + node] for node in range(3)]
+    assert [a[:2] for a in applied] == [(1, f) for f in factors]
+    scales = [a[2] for a in applied]
+    assert all(0.0 < g <= 1.0 for g in scales)
     for k in keys:
         c = control[k].double()
         moved = [d[k].double() for d in deltas[:2]]
         moved.append(factors[2] * (deltas[2][k].double() + c) - c)
+        moved = [g * m for g, m in zip(scales, moved, strict=True)]
         want = c + torch.stack(moved).mean(0)
         torch.testing.assert_close(
             strategy.control[k].double(), want, rtol=1e-5, atol=1e-6

@@ -49,7 +49,8 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.clientapp import ClientApp
-from flwr.serverapp.strategy import FedAdam
+from flwr.serverapp.strategy import FedAdagrad, FedAdam, FedYogi
+from flwr.serverapp.strategy.fedopt import FedOpt
 
 from fedlr.adapters import Role
 from fedlr.adapters.sorf_vera import layer_signs
@@ -239,18 +240,13 @@ def fot_sketches(
 
 
 # ------------------------------------------------- reference implementations
-def flower_fedadam(strategy: Any) -> Step:
-    """Flower's own ``FedAdam`` with the strategy's options, driven through its
-    Message API: ``configure_train`` (which keeps the current arrays) on a grid
-    of the round's nodes, then ``aggregate_train`` on the same replies. It
-    keeps its ``m`` and ``v`` from round to round."""
-    opts = strategy.method_options
-    flower = FedAdam(
-        eta=opts.server_lr,
-        beta_1=opts.server_beta1,
-        beta_2=opts.server_beta2,
-        tau=opts.server_tau,
-    )
+def flower_steps(flower: FedOpt) -> Step:
+    """Flower's own adaptive strategy ``flower`` (``FedAdam``, ``FedYogi``,
+    ``FedAdagrad``), driven through its Message API: ``configure_train``
+    (which keeps the current arrays) on a grid of the round's nodes, then
+    ``aggregate_train`` on the same replies. It keeps its ``m`` and ``v``
+    from round to round."""
+    name = type(flower).__name__
 
     def step(server_round: int, current: State, replies: list[Message]) -> State:
         grid = InProcessGrid(ClientApp(), num_nodes=len(replies), run_config={})
@@ -258,10 +254,42 @@ def flower_fedadam(strategy: Any) -> Step:
             server_round, ArrayRecord(dict(current)), ConfigRecord({}), grid
         )
         arrays, _ = flower.aggregate_train(server_round, replies)
-        assert arrays is not None, "Flower's FedAdam aggregated nothing"
+        assert arrays is not None, f"Flower's {name} aggregated nothing"
         return record_to_state(arrays)
 
     return step
+
+
+def flower_fedadam(strategy: Any) -> Step:
+    """Flower's own ``FedAdam`` with the strategy's options."""
+    opts = strategy.method_options
+    return flower_steps(
+        FedAdam(
+            eta=opts.server_lr,
+            beta_1=opts.server_beta1,
+            beta_2=opts.server_beta2,
+            tau=opts.server_tau,
+        )
+    )
+
+
+def flower_fedyogi(strategy: Any) -> Step:
+    """Flower's own ``FedYogi`` with the strategy's options."""
+    opts = strategy.method_options
+    return flower_steps(
+        FedYogi(
+            eta=opts.server_lr,
+            beta_1=opts.server_beta1,
+            beta_2=opts.server_beta2,
+            tau=opts.server_tau,
+        )
+    )
+
+
+def flower_fedadagrad(strategy: Any) -> Step:
+    """Flower's own ``FedAdagrad`` (``beta_1 = 0``) with the strategy's options."""
+    opts = strategy.method_options
+    return flower_steps(FedAdagrad(eta=opts.server_lr, tau=opts.server_tau))
 
 
 def feddyn_server(strategy: Any) -> Step:
@@ -289,6 +317,115 @@ def feddyn_server(strategy: Any) -> Step:
             mean = torch.tensordot(w, stacked, dims=1)
             h[key] = h.get(key, torch.zeros_like(x)) - alpha * share * (mean - x)
             new[key] = mean - h[key] / alpha
+        return new
+
+    return step
+
+
+def weighted_mean_server(strategy: Any) -> Step:
+    """``sum_i w_i x_i`` of every trained tensor in float64, ``w_i`` the
+    ``num-examples`` shares: the server of FedRot-LoRA (Zhang et al., ICML
+    2026; the clients reply already rotated ``R_i^T A_i``, ``B_i R_i``:
+    tests/strategies/test_fedrot_lora.py) and of FedDPA's global adapter (Yang
+    et al., NeurIPS 2024; the local adapter: tests/strategies/test_feddpa.py)."""
+
+    def step(server_round: int, current: State, replies: list[Message]) -> State:
+        arrays = [record_to_state(r.content.array_records["arrays"]) for r in replies]
+        examples = [
+            r.content.metric_records["metrics"]["num-examples"] for r in replies
+        ]
+        w = torch.tensor(examples, dtype=F64)
+        w = w / w.sum()
+        new = dict(current)
+        for key in arrays[0]:
+            stacked = torch.stack([a[key].double() for a in arrays])
+            new[key] = torch.tensordot(w, stacked, dims=1)
+        return new
+
+    return step
+
+
+def rolora_server(strategy: Any) -> Step:
+    """RoLoRA's server (Chen et al., NeurIPS 2025) in float64: odd rounds
+    ``B <- sum_i w_i B_i`` with ``A`` kept, even rounds ``A <- sum_i w_i A_i``
+    with ``B`` kept, the head averaged every round, ``w_i`` the
+    ``num-examples`` shares; each round's published ``B A`` is checked to be
+    ``sum_i w_i B_i A_i`` (the frozen factor the global one)."""
+
+    def step(server_round: int, current: State, replies: list[Message]) -> State:
+        arrays = [record_to_state(r.content.array_records["arrays"]) for r in replies]
+        examples = [
+            r.content.metric_records["metrics"]["num-examples"] for r in replies
+        ]
+        w = torch.tensor(examples, dtype=F64)
+        w = w / w.sum()
+        factor = Role.LORA_B if server_round % 2 == 1 else Role.LORA_A
+        keys = strategy.layout.keys(factor, Role.HEAD)
+        assert all(set(a) == set(keys) for a in arrays), "one factor a round"
+        new = {k: v.double() for k, v in current.items()}
+        for key in keys:
+            stacked = torch.stack([a[key].double() for a in arrays])
+            new[key] = torch.tensordot(w, stacked, dims=1)
+        for m in strategy.layout.modules:
+            products = [
+                {**new, **a}[m.b_key].double() @ {**new, **a}[m.a_key].double()
+                for a in arrays
+            ]
+            mean = torch.tensordot(w, torch.stack(products), dims=1)
+            exact = new[m.b_key] @ new[m.a_key]
+            assert float((exact - mean).abs().max()) <= 1e-12 * max(
+                float(mean.abs().max()), 1.0
+            ), m.name
+        return new
+
+    return step
+
+
+def slora_server(strategy: Any) -> Step:
+    """SLoRA's server (Babakniya et al., 2023) in float64: while ``t <= T1``
+    ``W <- W + M (sum_i w_i W_i - W)`` per adapted weight (``M`` its seeded
+    mask) and the head's mean; after round ``T1``, with ``Delta = W - W0``,
+    ``W <- W0``, ``B = U_r sqrt(S_r / s)``, ``A = sqrt(S_r / s) V_r^T`` (each
+    column of ``U_r`` with a positive largest entry); then FedAvg of ``A``,
+    ``B`` and the head. ``W0`` is round 1's ``current``."""
+    from fedlr.strategies.slora import warmup_mask
+
+    opts = strategy.method_options
+    warmup = opts.slora_warmup_rounds
+    modules = strategy.layout.modules
+    masks = {
+        m.base_key: warmup_mask(
+            (m.d_out, m.d_in), opts.slora_density, strategy.seed, m.base_key
+        )
+        for m in modules
+    }
+    w0: State = {}
+
+    def step(server_round: int, current: State, replies: list[Message]) -> State:
+        arrays = [record_to_state(r.content.array_records["arrays"]) for r in replies]
+        examples = [
+            r.content.metric_records["metrics"]["num-examples"] for r in replies
+        ]
+        w = torch.tensor(examples, dtype=F64)
+        w = w / w.sum()
+        new = {k: v.double() for k, v in current.items()}
+        if server_round == 1:
+            w0.update({k: current[k].double() for k in masks})
+        for key in arrays[0]:
+            mean = torch.tensordot(
+                w, torch.stack([a[key].double() for a in arrays]), dims=1
+            )
+            new[key] = torch.where(masks[key], mean, new[key]) if key in masks else mean
+        if server_round == warmup:
+            for m in modules:
+                u, s, vh = torch.linalg.svd(new[m.base_key] - w0[m.base_key])
+                u, s, vh = u[:, : m.rank], s[: m.rank], vh[: m.rank]
+                for j in range(m.rank):
+                    if u[int(u[:, j].abs().argmax()), j] < 0:
+                        u[:, j], vh[j] = -u[:, j], -vh[j]
+                root = torch.sqrt(s / m.scaling)
+                new[m.b_key], new[m.a_key] = u * root, root[:, None] * vh
+                new[m.base_key] = w0[m.base_key]
         return new
 
     return step
@@ -364,10 +501,22 @@ ADAM_STEP = (
     "Adam's step is normalised: agreeing clients' update Delta moves each entry "
     "by about eta_t sign(Delta), not by Delta (see its reference test instead)"
 )
+ADAPTIVE_STEP = (
+    "the adaptive step is normalised: in round 1 m_1 / sqrt(v_1) = c sign(Delta), "
+    "so agreeing clients' update Delta moves each entry by about eta c sign(Delta) "
+    "(c = 1 for FedAdagrad, (1 - beta1) / sqrt(1 - beta2) = 1 for FedYogi's "
+    "defaults), not by Delta (see its reference test instead)"
+)
 FEDDYN_SHIFT = (
     "FedDyn's server state h moves the model beyond the clients' mean by design: "
     "agreeing clients' update Delta moves round 1's model by (1 + |P| / m) Delta "
     "(2 Delta when every node replies), not by Delta (see its reference test)"
+)
+
+SLORA_MASK = (
+    "SLoRA's warm-up publishes only the masked entries of the adapted weights: "
+    "agreeing clients' dense update moves the model by its masked part (see its "
+    "reference test and tests/strategies/test_slora.py)"
 )
 
 CASES: dict[str, Case] = {
@@ -375,6 +524,7 @@ CASES: dict[str, Case] = {
     for c in [
         Case("fedavg-lora", TEXT, lora_products),
         Case("fedprox-lora", TEXT, lora_products),
+        Case("fedrot-lora", TEXT, lora_products, reference=weighted_mean_server),
         # server momentum / control variates: state the next round depends on
         Case("fedavgm-lora", TEXT, lora_products, state_matters=True),
         Case("scaffold-lora", TEXT, lora_products, state_matters=True),
@@ -385,6 +535,22 @@ CASES: dict[str, Case] = {
             state_matters=True,
             skip={"fedavg": ADAM_STEP},
             reference=flower_fedadam,
+        ),
+        Case(
+            "fedyogi-lora",
+            TEXT,
+            lora_products,
+            state_matters=True,
+            skip={"fedavg": ADAPTIVE_STEP},
+            reference=flower_fedyogi,
+        ),
+        Case(
+            "fedadagrad-lora",
+            TEXT,
+            lora_products,
+            state_matters=True,
+            skip={"fedavg": ADAPTIVE_STEP},
+            reference=flower_fedadagrad,
         ),
         Case(
             "feddyn-lora",
@@ -399,6 +565,19 @@ CASES: dict[str, Case] = {
         Case("fedspec", TEXT, lora_products, state_matters=True),
         Case("fedsvd", TEXT, lora_products),
         Case("ffa-lora", TEXT, lora_products),
+        # odd rounds train B, even rounds A: the row's rounds 1-3 cover both
+        Case("rolora", TEXT, lora_products, reference=rolora_server),
+        # two warm-up rounds: round 1 is stage 1, round 2 switches, 3 is LoRA
+        Case(
+            "slora",
+            TEXT,
+            lora_products,
+            {"slora-warmup-rounds": 2, "slora-density": 0.05},
+            skip={"fedavg": SLORA_MASK},
+            reference=slora_server,
+        ),
+        # the global adapter is shared; the local one never leaves the node
+        Case("feddpa", TEXT, lora_products, reference=weighted_mean_server),
         Case("fedsa-lora", TEXT, raw, extras=personal_gram),
         Case("local-svd", TEXT, raw, extras=personal_gram),
         # the server holds each node's lora_B until it delivers it

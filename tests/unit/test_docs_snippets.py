@@ -3,9 +3,12 @@
 Shell blocks: each ``flwr run`` command streams (``--stream``) and names an
 absolute output (``output-dir``; the plug-in app's own ``result-file``), and
 its page says how to stop the SuperLink it leaves running. Python blocks:
-every block not marked ``<!-- pseudo-code -->`` compiles; the cheap ones of
-the pages listed in ``RUN_PAGES`` (no ``run_in_process``, no CLI, not a copy
-of an app file) run, each in a fresh namespace of one subprocess.
+every block not marked ``<!-- pseudo-code -->`` compiles and runs: the cheap
+ones (no ``run_in_process``, no CLI) each in a fresh namespace of one
+subprocess, each one that runs a federation (``run_in_process``) in a
+subprocess of its own; a block marked ``<!-- file: PATH -->`` or ``<!--
+excerpt: PATH -->`` is that file, or a verbatim part of it, and is checked
+against it instead.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ expected failures until they are rewritten; remove a page when it is."""
 NOT_COMPILING: dict[tuple[str, int], str] = {}
 """Python blocks (page, fence line) of pages owned elsewhere that are outlines
 and not yet marked ``<!-- pseudo-code -->``."""
-RUN_PAGES = ("docs/plugin.md", "docs/data.md", "docs/tracking.md", "docs/llm.md")
 _EXPENSIVE = re.compile(r"run_in_process|subprocess|flwr run|^from \.", re.M)
+_SOURCE = re.compile(r"<!-- (file|excerpt): (\S+) -->")
 
 
 def _blocks(page: str) -> list[tuple[int, str, str, str]]:
@@ -151,15 +154,58 @@ def test_every_python_block_not_marked_pseudo_code_compiles(page, line):
 
 
 def cheap_blocks() -> list[tuple[str, int, str]]:
-    """The python blocks of ``RUN_PAGES`` that run in seconds: no run of a
+    """The python blocks of every page that run in seconds: no run of a
     federation, no CLI, not an app file shown for reading (``<!-- file: -->``,
-    ``<!-- excerpt: -->``: tests/strategies/test_plugin.py compares those)."""
+    ``<!-- excerpt: -->``: :func:`test_file_and_excerpt_blocks_are_their_source`)."""
     return [
         (page, line, body)
-        for page in RUN_PAGES
+        for page in PAGES
         for line, marker, lang, body in _blocks(page)
         if lang == "python" and not marker and not _EXPENSIVE.search(body)
     ]
+
+
+def federation_blocks() -> list[tuple[str, int, str]]:
+    """The python blocks that run a federation in process (unmarked, with
+    ``run_in_process`` and no CLI or subprocess of their own)."""
+    return [
+        (page, line, body)
+        for page in PAGES
+        for line, marker, lang, body in _blocks(page)
+        if lang == "python"
+        and not marker
+        and "run_in_process" in body
+        and not re.search(r"subprocess|flwr run|^from \.", body, re.M)
+    ]
+
+
+def test_file_and_excerpt_blocks_are_their_source():
+    found = 0
+    for page in PAGES:
+        for _, marker, _, body in _blocks(page):
+            source = _SOURCE.fullmatch(marker)
+            if source is None:
+                continue
+            kind, path = source.groups()
+            text = (ROOT / path).read_text(encoding="utf-8")
+            assert (body == text) if kind == "file" else (body in text), (page, path)
+            found += 1
+    assert found >= 4
+
+
+def test_every_block_is_compiled_run_or_compared():
+    """No python block falls between the runners: each unmarked one is cheap
+    or runs a federation, each marked one is pseudo-code or a source copy."""
+    for page in PAGES:
+        for line, marker, lang, body in _blocks(page):
+            if lang != "python":
+                continue
+            if marker:
+                assert marker == PSEUDO or _SOURCE.fullmatch(marker), (page, line)
+            else:
+                cheap = not _EXPENSIVE.search(body)
+                federation = (page, line, body) in federation_blocks()
+                assert cheap or federation, (page, line)
 
 
 _RUNNER = """
@@ -176,18 +222,40 @@ print("FAILED", failed)
 """
 
 
+_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PATH": "/usr/bin"}
+
+
 @pytest.mark.slow  # a subprocess or a whole run: the integration stage
 def test_cheap_python_blocks_run(assets):
     blocks = [(f"{page}:{line}", body) for page, line, body in cheap_blocks()]
     pages = {name.split(":")[0] for name, _ in blocks}
-    assert {"docs/plugin.md", "docs/data.md"} <= pages and len(blocks) >= 6, blocks
+    assert {"docs/plugin.md", "docs/data.md", "docs/architecture.md"} <= pages
+    assert len(blocks) >= 20, blocks
     result = subprocess.run(
         [sys.executable, "-c", _RUNNER.format(blocks=blocks)],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=600,
-        env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PATH": "/usr/bin"},
+        timeout=900,
+        env=_ENV,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "FAILED []", result.stderr[-3000:]
+
+
+@pytest.mark.slow  # a whole federation per block
+@pytest.mark.parametrize(
+    ("page", "line"), [(page, line) for page, line, _ in federation_blocks()]
+)
+def test_federation_blocks_run(assets, page, line):
+    (body,) = [b for p, n, b in federation_blocks() if (p, n) == (page, line)]
+    result = subprocess.run(
+        [sys.executable, "-c", _RUNNER.format(blocks=[(f"{page}:{line}", body)])],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=_ENV,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "FAILED []", result.stderr[-3000:]

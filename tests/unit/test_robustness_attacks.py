@@ -16,14 +16,17 @@ import pytest
 import torch
 
 from benchmarks.robustness import (
+    ADAPTIVE_MARGIN,
+    ATTACKS,
     CLIP_MARGIN,
+    DEFENCES,
     SCREEN_MARGIN,
     Colluders,
+    adaptive_limit,
     alie_z,
     plan,
 )
 from fedlr.flower.records import record_to_state
-from fedlr.robust.rules import ROBUST_RULES
 from fedlr.robust.screen import DEFAULT_SCREEN_RATIO
 from fedlr.server_apps.local import run_in_process
 from fedlr.wire import protocol
@@ -36,16 +39,40 @@ def test_alie_z_is_the_papers_bound():
     assert alie_z(5, 2) == pytest.approx(0.8416212, abs=1e-6)  # Phi^-1(0.8)
 
 
-def test_the_plan_covers_every_rule_attack_count_and_seed():
+def test_the_plan_covers_every_defence_attack_count_and_seed():
     runs = plan([0, 1, 2])
-    assert len(runs) == 3 * len(ROBUST_RULES) * (1 + 4 * 2)
+    assert len(runs) == 3 * len(DEFENCES) * (1 + len(ATTACKS) * 2)
     assert {r["attack"] for r in runs.values()} == {
         "none",
         "sign-flip",
         "alie",
         "under-the-clip",
         "under-the-cap",
+        "adaptive",
     }
+    one = plan([0], ["none", "clip+cap"], (1,), ("adaptive",))
+    assert sorted(one) == [
+        "adaptive-1of5-clip+cap-seed0",
+        "adaptive-1of5-none-seed0",
+        "clean-clip+cap-seed0",
+        "clean-none-seed0",
+    ]
+    with pytest.raises(ValueError, match="defence must be one of"):
+        plan([0], ["krum"])
+
+
+def test_the_adaptive_limit_is_the_highest_median_the_attackers_can_push():
+    honest = [4.0, 1.0, 3.0, 2.0]
+    # One attacker of five, above every honest norm: sorted norms
+    # 1, 2, 3, 4, a -> the lower median (third smallest) is 3.
+    assert adaptive_limit(honest, 1, 1.0, 20.0) == 3.0
+    assert adaptive_limit(honest, 1, 2.0, 20.0) == 6.0
+    # A defence that does not clip: what the screen lets through.
+    assert adaptive_limit(honest, 1, None, 20.0) == 60.0
+    # Two of six (four honest): sorted 1, 2, 3, 4, a, a -> third smallest, 3.
+    assert adaptive_limit(honest, 2, 1.0, 20.0) == 3.0
+    # Two of five with three honest: 1, 2, 3, a, a -> the third smallest, 3.
+    assert adaptive_limit([1.0, 2.0, 3.0], 2, 1.0, 20.0) == 3.0
 
 
 def _dense_norm(sent, arrays):
@@ -90,21 +117,25 @@ class Recorder(Colluders):
     [
         ("under-the-clip", CLIP_MARGIN, False),
         ("under-the-cap", SCREEN_MARGIN * DEFAULT_SCREEN_RATIO, True),
+        ("adaptive", None, True),
     ],
 )
 def test_scaled_attacks_sit_where_they_say_and_pass_the_default_server(
     tmp_path, assets, attack, ratio, claims_cap
 ):
-    hook = Recorder(attack, {3}, 999, DEFAULT_SCREEN_RATIO)
+    hook = Recorder(attack, {3}, 999, DEFAULT_SCREEN_RATIO, 1.0)
     config = tiny_run_config(tmp_path, **{"num-partitions": 4})
     frame = pd.read_csv(run_in_process(config, round_hook=hook) / "results.csv")
     assert len(hook.rounds) == 2
     for round_ in hook.rounds:
         honest = [_dense_norm(s, a) for p, s, a, _ in round_ if p != 3]
         ((_, sent, forged, claimed),) = [r for r in round_ if r[0] == 3]
-        assert _dense_norm(sent, forged) == pytest.approx(
-            ratio * statistics.median(honest), rel=1e-4
+        target = (
+            ADAPTIVE_MARGIN * sorted(honest)[(4 - 1) // 2]  # clip ratio 1
+            if ratio is None
+            else ratio * statistics.median(honest)
         )
+        assert _dense_norm(sent, forged) == pytest.approx(target, rel=1e-4)
         assert (claimed == 999) is claims_cap
     # Under the default bounds: accepted, never dropped or screened out.
     assert frame["dropped"].tolist() == [0, 0]
