@@ -13,7 +13,7 @@ median of that record.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -107,27 +107,45 @@ def screen_sizes(
     state = space.norm(zero)
     if not math.isfinite(state):
         state = 0.0
-    ordered = sorted(n if math.isfinite(n) else math.inf for n in norms)
-    scale = ordered[(len(ordered) - 1) // 2] if len(kept) > 1 else state
+    scale = _lower_median(norms) if len(kept) > 1 else state
     what = "the round's median update" if len(kept) > 1 else "the current state"
-    if not math.isfinite(scale):  # most updates not finite: none to compare with
-        scale = 0.0
-    bound = max(ratio * scale, state)
+
+    def reason(norm: float, r: float) -> str:
+        if not math.isfinite(norm):
+            return f"update norm {norm} is not finite (screen-ratio {ratio:g})"
+        return (
+            f"update norm {norm:.4g} is {r:.3g} x {what} ({scale:.4g}), above "
+            f"screen-ratio {ratio:g} (and the current state's norm {state:.4g})"
+        )
+
+    return _keep_within(kept, norms, scale, max(ratio * scale, state), reason)
+
+
+def _lower_median(norms: Sequence[float]) -> float:
+    """The ``ceil(k / 2)``-th smallest norm (non-finite ones count as largest);
+    0 when that one is not finite (most not finite: none to compare with)."""
+    ordered = sorted(n if math.isfinite(n) else math.inf for n in norms)
+    scale = ordered[(len(ordered) - 1) // 2]
+    return scale if math.isfinite(scale) else 0.0
+
+
+def _keep_within(
+    updates: list[ClientUpdate],
+    norms: Sequence[float],
+    scale: float,
+    bound: float,
+    reason: Callable[[float, float], str],
+) -> ScreenOutcome:
+    """Keep each update whose norm is finite and at most ``bound`` (a zero
+    bound keeps every finite one); ``reason(norm, ratio)`` names a drop."""
     ratios = [n / scale if scale > 0 else math.inf for n in norms]
     out: list[ClientUpdate] = []
     reasons: list[tuple[int, str]] = []
-    for update, norm, r in zip(kept, norms, ratios, strict=True):
+    for update, norm, r in zip(updates, norms, ratios, strict=True):
         if math.isfinite(norm) and (bound <= 0 or norm <= bound):
             out.append(update)
-            continue
-        if not math.isfinite(norm):
-            reason = f"update norm {norm} is not finite (screen-ratio {ratio:g})"
         else:
-            reason = (
-                f"update norm {norm:.4g} is {r:.3g} x {what} ({scale:.4g}), above "
-                f"screen-ratio {ratio:g} (and the current state's norm {state:.4g})"
-            )
-        reasons.append((update.node_id, reason))
+            reasons.append((update.node_id, reason(norm, r)))
     return ScreenOutcome(out, reasons, ratios, bound)
 
 
@@ -160,25 +178,15 @@ def screen_record_sizes(
     if ratio <= 0 or not kept:
         return ScreenOutcome(kept)
     norms = [record_norm(u.extras[name]) for u in kept]
-    ordered = sorted(n if math.isfinite(n) else math.inf for n in norms)
-    scale = ordered[(len(ordered) - 1) // 2] if len(kept) > 1 else 0.0
-    if not math.isfinite(scale):
-        scale = 0.0
-    bound = max(ratio * scale, floor)
-    ratios = [n / scale if scale > 0 else math.inf for n in norms]
-    out: list[ClientUpdate] = []
-    reasons: list[tuple[int, str]] = []
-    for update, norm, r in zip(kept, norms, ratios, strict=True):
-        if math.isfinite(norm) and (bound <= 0 or norm <= bound):
-            out.append(update)
-            continue
+    scale = _lower_median(norms) if len(kept) > 1 else 0.0
+
+    def reason(norm: float, r: float) -> str:
         if not math.isfinite(norm):
-            reason = f"record '{name}' norm {norm} is not finite"
-        else:
-            reason = (
-                f"record '{name}' norm {norm:.4g} is {r:.3g} x the round's median "
-                f"of that record ({scale:.4g}), above screen-ratio {ratio:g} (and "
-                f"the method's floor {floor:.4g})"
-            )
-        reasons.append((update.node_id, reason))
-    return ScreenOutcome(out, reasons, ratios, bound)
+            return f"record '{name}' norm {norm} is not finite"
+        return (
+            f"record '{name}' norm {norm:.4g} is {r:.3g} x the round's median "
+            f"of that record ({scale:.4g}), above screen-ratio {ratio:g} (and "
+            f"the method's floor {floor:.4g})"
+        )
+
+    return _keep_within(kept, norms, scale, max(ratio * scale, floor), reason)
