@@ -20,7 +20,8 @@ import textwrap
 
 import pytest
 
-from tests.conftest import ROOT
+from fedlr.server_apps.local import run_in_process
+from tests.conftest import ROOT, tiny_run_config
 
 PSEUDO = "<!-- pseudo-code -->"
 """The marker of a block that is an outline, not code to run (the line before
@@ -226,18 +227,22 @@ _ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PATH": "/usr/bin"}
 
 
 @pytest.mark.slow  # a subprocess or a whole run: the integration stage
-def test_cheap_python_blocks_run(assets):
+def test_cheap_python_blocks_run(assets, tmp_path):
+    """The blocks run where a reader runs them: a directory whose ``outputs/``
+    holds a finished run (the quickstart reads the newest one), as a checkout
+    has after ``make run``; here a real tiny run, not a copy of a results file."""
     blocks = [(f"{page}:{line}", body) for page, line, body in cheap_blocks()]
     pages = {name.split(":")[0] for name, _ in blocks}
     assert {"docs/plugin.md", "docs/data.md", "docs/architecture.md"} <= pages
     assert len(blocks) >= 20, blocks
+    run_in_process(tiny_run_config(tmp_path / "outputs", **{"num-server-rounds": 1}))
     result = subprocess.run(
         [sys.executable, "-c", _RUNNER.format(blocks=blocks)],
-        cwd=ROOT,
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=900,
-        env=_ENV,
+        env={**_ENV, "PYTHONPATH": str(ROOT)},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "FAILED []", result.stderr[-3000:]
