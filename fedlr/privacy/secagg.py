@@ -54,6 +54,7 @@ from numpy.typing import NDArray
 from fedlr.errors import ConfigError, ProtocolError, SecureAggregationError
 
 __all__ = [
+    "CHECK_HISTORY",
     "CHECK_WINDOW",
     "FIXED_POINT",
     "MODULUS_RANGE",
@@ -233,6 +234,8 @@ class SecAggSettings:
 
 CHECK_WINDOW = 3
 """Accepted rounds whose update norms the aggregate check takes the median of."""
+CHECK_HISTORY = "secagg-check-history"
+"""The checkpoint entry (under ``extra``) that keeps :attr:`AggregateCheck.history`."""
 
 
 @dataclass
@@ -245,9 +248,9 @@ class AggregateCheck:
     global state, in float64) is compared with
 
     * ``ratio x`` the median of the last :data:`CHECK_WINDOW` accepted
-      rounds' update norms, once a round was accepted;
-    * ``first_ratio x ||current||_F`` before (round 1, or the first round
-      after a resume: the history is not checkpointed).
+      rounds' update norms, once a round was accepted (the history is
+      checkpointed: a resumed run goes on with it);
+    * ``first_ratio x ||current||_F`` before (round 1).
 
     A round above the bound is rejected (the caller keeps the previous
     global arrays); an accepted round's norm joins the history. With

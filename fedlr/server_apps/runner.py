@@ -40,6 +40,7 @@ from fedlr.errors import ConfigError
 from fedlr.flower.grid import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.privacy.client_dp import CLIENT_DP_EPSILON, DP_EPSILON
+from fedlr.privacy.secagg import CHECK_HISTORY
 from fedlr.privacy.settings import PrivacyConfig, default_delta
 from fedlr.round.instructions import expected_arrays
 from fedlr.round.pipeline import run_round
@@ -404,6 +405,9 @@ class ServerRun:
             int(resume["round"]), resume.get("results"), resume.get("layers")
         )
         self.initial_metrics.update(resume.get("extra", {}).get("initial", {}))
+        check = None if self.exchange is None else self.exchange.check
+        if check is not None:  # the median a resumed secure round is held to
+            check.history = [float(v) for v in resume["extra"].get(CHECK_HISTORY, [])]
         set_rng_state(resume["rng"])
         self.first_round = int(resume["round"]) + 1
         log(
@@ -555,12 +559,18 @@ class ServerRun:
                 "strategy": strategy.state_dict(),
                 "plan": plan.save_state() if plan.save_state else {},
                 "rng": get_rng_state(),
-                "extra": {"initial": dict(self.initial_metrics)},
+                "extra": {"initial": dict(self.initial_metrics), **self._check_state()},
                 "config": self.method.to_mapping(),
             },
             keep=self.config.keep_checkpoints,
         )
         self.started = time.perf_counter()  # a round's seconds exclude this
+
+    def _check_state(self) -> dict[str, list[float]]:
+        """The secure aggregate check's accepted norms, for the checkpoint
+        (a resumed run's first round is held to the same median)."""
+        check = None if self.exchange is None else self.exchange.check
+        return {} if check is None else {CHECK_HISTORY: list(check.history)}
 
     def finish(self, arrays: ArrayRecord) -> Path:
         """Write the final arrays, the adapter

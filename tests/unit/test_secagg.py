@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -365,3 +366,31 @@ def test_run_in_process_refuses_a_method_that_is_not_sum_only(tmp_path):
     registered = sorted(m for m in available_methods() if get_method(m).traits.sum_only)
     assert "fedex-lora" not in registered
     assert listed_sum_only(str(info.value)) == registered
+
+
+@pytest.mark.slow  # three secure runs of the tiny model
+def test_a_resumed_secure_run_keeps_the_aggregate_checks_history(tmp_path, assets):
+    """The check's median travels in the checkpoint: round 3 of a resumed run
+    is held to the same reference as round 3 of the uninterrupted one (with
+    no history it would be compared with the global norm instead)."""
+    from fedlr.privacy.secagg import CHECK_HISTORY
+    from fedlr.runs.checkpoint import load_checkpoint
+    from fedlr.server_apps.local import run_in_process
+    from tests.conftest import tiny_run_config
+
+    def config(out: str, rounds: int, **extra: object) -> dict[str, object]:
+        return tiny_run_config(
+            tmp_path / out,
+            method="fedavg-lora",
+            **{"secure-aggregation": True, "num-server-rounds": rounds, **extra},
+        )
+
+    straight = run_in_process(config("a", 3))
+    first = run_in_process(config("b", 2))
+    history = load_checkpoint(first)["extra"][CHECK_HISTORY]
+    assert len(history) == 2 and all(v > 0 for v in history)
+    resumed = run_in_process(config("b", 3, **{"resume-from": str(first)}))
+    a = pd.read_csv(straight / "results.csv")["secagg-check"].tolist()
+    b = pd.read_csv(resumed / "results.csv")["secagg-check"].tolist()
+    assert b == pytest.approx(a, rel=1e-6) and len(b) == 3
+    assert 0 < b[2] < 4  # to the median of rounds 1-2: accepted
