@@ -201,6 +201,7 @@ def _clients(config: dict[str, object]) -> list[int] | str:
     return [int(c) for c in pd.read_csv(run_dir / "results.csv")["clients"]]
 
 
+@pytest.mark.slow  # whole in-process runs: the integration stage
 def test_the_budget_holds_across_runs_and_a_resume(
     tmp_path, assets, strict_nodes, node_state_dir
 ):

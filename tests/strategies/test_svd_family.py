@@ -387,6 +387,7 @@ def _run(tmp_path, grid_out=None, **overrides):
     return run_dir
 
 
+@pytest.mark.slow  # whole in-process runs: the integration stage
 @pytest.mark.parametrize("method", SVD_METHODS)
 def test_in_process_rounds_for_every_svd_method(tmp_path, assets, method):
     run_dir = _run(tmp_path, method=method)
@@ -413,6 +414,7 @@ def test_in_process_rounds_for_every_svd_method(tmp_path, assets, method):
     assert summary["status"] == "finished"
 
 
+@pytest.mark.slow  # whole in-process runs: the integration stage
 def test_fedspec_rank_changes_mid_run_and_clients_follow(tmp_path, assets):
     grids: list[InProcessGrid] = []
     run_dir = _run(
@@ -444,6 +446,7 @@ def test_fedspec_rank_changes_mid_run_and_clients_follow(tmp_path, assets):
     assert all(final[k].shape[0] == ranks[-1] for k in a_keys)
 
 
+@pytest.mark.slow  # whole in-process runs: the integration stage
 def test_ffa_lora_a_is_identical_on_every_client(tmp_path, assets):
     config = tiny_run_config(tmp_path, method="ffa-lora")
     cfg = RunConfig.from_mapping(config)
@@ -475,6 +478,7 @@ def test_ffa_lora_a_is_identical_on_every_client(tmp_path, assets):
         assert all(torch.equal(client_a[k], server_a[k]) for k in server_a)
 
 
+@pytest.mark.slow  # whole in-process runs: the integration stage
 def test_fedsa_clients_share_a_and_keep_their_own_b(tmp_path, assets):
     grids: list[InProcessGrid] = []
     run_dir = _run(tmp_path, grids, method="fedsa-lora")

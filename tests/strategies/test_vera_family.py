@@ -305,6 +305,7 @@ def _run(tmp_path, **overrides):
     return run_server(grid, context), grid
 
 
+@pytest.mark.slow  # whole in-process runs: the integration stage
 @pytest.mark.parametrize("method", ["fedavg-vera", "vera-fedex", "sorf-vera"])
 def test_in_process_rounds(tmp_path, assets, method):
     run_dir, _ = _run(tmp_path, method=method)

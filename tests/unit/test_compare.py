@@ -144,6 +144,7 @@ def test_bad_override_names_the_problem(item, key):
     assert info.value.key == key
 
 
+@pytest.mark.slow  # whole in-process runs: the integration stage
 def test_inprocess_sweep_runs_every_cell_and_tabulates(tmp_path, assets):
     """`run --engine inprocess`: two seeds of a 1-round tiny run, one table row."""
     from tests.conftest import tiny_run_config
