@@ -256,6 +256,13 @@ class ClientFeature:
         """
         return None
 
+    def train_also(self, job: RoundJob) -> list[torch.nn.Parameter]:
+        """Parameters this training round also trains beyond ``train-roles``,
+        made trainable after the roles are set (so the round's optimizer gets
+        them) and never sent back (RAVAN's ``B``, whose steps its feature maps
+        to the cores it sends). Default: none."""
+        return []
+
     def after_backward(self, job: RoundJob) -> None:
         """Transform the trained parameters' ``.grad`` after each ``backward``."""
 

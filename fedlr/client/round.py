@@ -508,6 +508,9 @@ def apply_round(
         param.requires_grad_(False)
     if job.is_train:
         view.train_only(roles + keep)
+        for feature in job.features:
+            for param in feature.train_also(job):
+                param.requires_grad_(True)
         terms = [(feature, feature.loss(job)) for feature in job.features]
         job._loss_features = tuple(f for f, t in terms if t is not None)
         job._penalty = _sum_of([t for _, t in terms if t is not None])

@@ -43,6 +43,7 @@ from fedlr.wire.protocol import NUM_EXAMPLES, TRAIN_LOSS_ALIASES
 __all__ = [
     "NUMERIC_FAULTS",
     "Exchange",
+    "aggregate_accepted",
     "aggregate_round",
     "merged_metrics",
     "method_state",
@@ -179,6 +180,23 @@ def aggregate_round(
         server_round, replies, current, strategy.min_replies
     )
     strategy.last_dropped = dropped
+    return aggregate_accepted(strategy, server_round, updates, dropped, current)
+
+
+def aggregate_accepted(
+    strategy: Any,
+    server_round: int,
+    updates: list[Any],
+    dropped: list[str],
+    current: dict[str, torch.Tensor],
+) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    """Steps 2-4 of :func:`aggregate_round` on updates already accepted by
+    ``strategy.replies`` (``dropped``: the reasons of the others): protection,
+    the method (its state restored if the result is refused), publish.
+
+    The asynchronous engine (:mod:`fedlr.server_apps.asynchronous`) accepts
+    each reply as it arrives and calls this on a buffer of them.
+    """
     valid = len(updates)
     # 2. protection: the robust rule | client-level DP
     strategy.last_robust = []

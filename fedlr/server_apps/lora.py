@@ -28,7 +28,7 @@ from fedlr.server_apps.plans import (
     register_plan,
 )
 from fedlr.strategies.lora import LoraStrategy
-from fedlr.strategies.registry import MethodConfig
+from fedlr.strategies.registry import MethodConfig, available_methods, get_method
 from fedlr.tasks.text import text_task
 
 __all__ = ["lora_plan"]
@@ -52,11 +52,15 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
     )
     if config.rank_list:
         if not traits.heterogeneous_ranks:
+            ranked = [
+                name
+                for name in available_methods()
+                if get_method(name).traits.heterogeneous_ranks
+            ]
             raise ConfigError(
                 "client-ranks",
                 f"method '{spec.name}' trains one rank on every client; "
-                "heterogeneous ranks need flexlora, hetlora, flora, fedspec or "
-                "fedex-lora",
+                f"heterogeneous ranks need one of {', '.join(ranked)}",
             )
         # The server's adapters have the largest client rank.
         config = config.replace(lora_rank=config.global_rank)
@@ -64,7 +68,9 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
     models: dict[int, LoraModel] = {config.lora_rank: task.build_lora_model()}
     lm = models[config.lora_rank]
     strategy = strategy_cls.from_run_config(config, lm.layout, method.options)
-    initial = adapter_state(lm.model, lm.layout, strategy.send_roles)
+    initial = strategy.initial_global_state(
+        adapter_state(lm.model, lm.layout, strategy.send_roles)
+    )
     strategy.bind_initial(
         adapter_state(lm.model, lm.layout, (Role.LORA_A, Role.LORA_B, Role.HEAD))
     )

@@ -59,6 +59,7 @@ from fedlr.runs.export import export_adapter
 from fedlr.runs.plots import write_run_plots
 from fedlr.runs.results import ResultsWriter, ensure_output_dir, privacy_summary
 from fedlr.runs.tracking import code_version, open_tracker
+from fedlr.server_apps.asynchronous import is_asynchronous, run_async
 from fedlr.server_apps.builtin_plans import build_plan
 from fedlr.server_apps.plans import ServerPlan
 from fedlr.server_apps.progress import RoundClock, gap_text, round_progress
@@ -253,6 +254,8 @@ def run_server(grid: Grid, context: Context) -> Path:
     ``num-server-rounds``.
     """
     run = ServerRun.prepare(grid, context)
+    if is_asynchronous(run.strategy):  # FedAsync-LoRA, FedBuff-LoRA
+        return run_async(run, grid)
     arrays, first = run.start()
     config, strategy = run.config, run.strategy
     train_config = ConfigRecord(run.plan.train_config)

@@ -138,6 +138,17 @@ class LoraStrategy(FedLRStrategy):
         clients never send A). Default: nothing to keep.
         """
 
+    def initial_global_state(
+        self, state: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """The first round's global arrays from the seeded model's ``send_roles``
+        tensors (fedlr's server plan and :meth:`initial_arrays`).
+
+        Default: as they are. ILoRA re-initialises ``A``, ``B`` from the base
+        weights (QR) and moves the base weights by the same product.
+        """
+        return dict(state)
+
     def summary(self) -> None:
         """Log the settings, then FedAvg's."""
         log(
@@ -266,7 +277,9 @@ class LoraStrategy(FedLRStrategy):
         view = _lora_view(model)
         check_layout(self.layout, view.layout, self.send_roles, what="the model")
         check_bound_model(self, view, what="the model given to initial_arrays")
-        return state_to_record(view.state(self.send_roles), self.send_keys())
+        return state_to_record(
+            self.initial_global_state(view.state(self.send_roles)), self.send_keys()
+        )
 
     def load_into(
         self,

@@ -431,6 +431,296 @@ def slora_server(strategy: Any) -> Step:
     return step
 
 
+def _signed_qr(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reduced QR in float64 with ``diag(R) >= 0`` (the unique one)."""
+    q, r = torch.linalg.qr(matrix.double(), mode="reduced")
+    signs = torch.where(torch.diagonal(r) < 0, -1.0, 1.0).double()
+    return q * signs, signs[:, None] * r
+
+
+def ilora_server(strategy: Any) -> Step:
+    """ILoRA's server (Zhou, Liu, Shang, 2025) in float64 on the dense matrices:
+    ``M = sum_i w_i s B_i A_i``, ``M = Q Rm`` (``diag(Rm) >= 0``), ``B = Q[:, :R]``,
+    ``A = Rm[:R] / s``, the head's mean, ``W`` kept; round 1 also checks the QR
+    initialisation: ``B_1 = Q_R``, ``s A_1 = Rm_R`` of ``W0 = W_1 + s B_1 A_1``."""
+
+    def step(server_round: int, current: State, replies: list[Message]) -> State:
+        arrays = [record_to_state(r.content.array_records["arrays"]) for r in replies]
+        examples = [
+            r.content.metric_records["metrics"]["num-examples"] for r in replies
+        ]
+        w = torch.tensor(examples, dtype=F64)
+        w = w / w.sum()
+        new = {k: v.double() for k, v in current.items()}
+        for key in strategy.layout.keys(Role.HEAD):
+            stacked = torch.stack([a[key].double() for a in arrays])
+            new[key] = torch.tensordot(w, stacked, dims=1)
+        for m in strategy.layout.modules:
+            s, r = m.scaling, m.rank
+            if server_round == 1:
+                b0, a0 = new[m.b_key], new[m.a_key]
+                q, rm = _signed_qr(new[m.base_key] + s * b0 @ a0)
+                eps = torch.finfo(current[m.b_key].dtype).eps
+                assert float((b0 - q[:, :r]).abs().max()) <= K * eps * max(b0.shape)
+                assert float((s * a0 - rm[:r]).abs().max()) <= K * eps * max(
+                    a0.shape
+                ) * float(rm.abs().max())
+            products = [s * a[m.b_key].double() @ a[m.a_key].double() for a in arrays]
+            q, rm = _signed_qr(torch.tensordot(w, torch.stack(products), dims=1))
+            new[m.b_key], new[m.a_key] = q[:, :r], rm[:r] / s
+        return new
+
+    return step
+
+
+def ravan_server(strategy: Any) -> Step:
+    """RAVAN's server (Raje et al., NeurIPS 2025) in float64: per adapted
+    layer and head ``h``, ``H_h <- sum_i w_i C_i,h`` (``C_i,h = s_i,h H_i,h``
+    from the ``ravan-cores`` record) with ``s_h <- 1``, published as
+    ``B[:, h] = B_h H_h`` over the seeded orthonormal bases; the head's
+    weighted mean; ``w_i`` the ``num-examples`` shares. Each published
+    ``B A`` is checked to be ``sum_i w_i sum_h B_h C_i,h A_h``."""
+    from fedlr.strategies.ravan import RAVAN_CORES, head_bases
+
+    heads = strategy.method_options.ravan_heads
+
+    def step(server_round: int, current: State, replies: list[Message]) -> State:
+        arrays = [record_to_state(r.content.array_records["arrays"]) for r in replies]
+        cores = [record_to_state(r.content.array_records[RAVAN_CORES]) for r in replies]
+        examples = [
+            r.content.metric_records["metrics"]["num-examples"] for r in replies
+        ]
+        w = torch.tensor(examples, dtype=F64)
+        w = w / w.sum()
+        new = {k: v.double() for k, v in current.items()}
+        for key in arrays[0]:
+            stacked = torch.stack([a[key].double() for a in arrays])
+            new[key] = torch.tensordot(w, stacked, dims=1)
+        for m in strategy.layout.modules:
+            r = m.rank // heads
+            bases = head_bases(strategy.seed, m.name, m.d_out, m.rank)
+            a0 = strategy.initial_state[m.a_key].double()
+            blocks, clients = [], torch.zeros(m.d_out, m.d_in, dtype=F64)
+            for h in range(heads):
+                b_h, a_h = bases[:, h * r : (h + 1) * r], a0[h * r : (h + 1) * r]
+                pairs = zip(w, cores, strict=True)
+                mean = sum(wi * c[m.name][h].double() for wi, c in pairs)
+                blocks.append(b_h @ mean)
+                for wi, c in zip(w, cores, strict=True):
+                    clients += wi * (b_h @ c[m.name][h].double() @ a_h)
+            new[m.b_key] = torch.cat(blocks, dim=1)
+            exact = new[m.b_key] @ a0
+            assert float((exact - clients).abs().max()) <= 1e-12 * max(
+                float(clients.abs().max()), 1.0
+            ), m.name
+        return new
+
+    return step
+
+
+def fedbuff_server(strategy: Any) -> Step:
+    """FedBuff's server step (Nguyen et al., AISTATS 2022, Algorithm 1) in
+    float64 on fresh replies (a synchronous call: staleness 0, ``s = 1``):
+    ``x <- x + eta_g sum_k w_k (y_k - x)``, ``w_k`` the ``num-examples``
+    shares; stale buffers are checked in tests/strategies/test_async.py."""
+    eta = strategy.method_options.server_lr
+
+    def step(server_round: int, current: State, replies: list[Message]) -> State:
+        arrays = [record_to_state(r.content.array_records["arrays"]) for r in replies]
+        examples = [
+            r.content.metric_records["metrics"]["num-examples"] for r in replies
+        ]
+        w = torch.tensor(examples, dtype=F64)
+        w = w / w.sum()
+        new = {k: v.double() for k, v in current.items()}
+        for key in arrays[0]:
+            deltas = torch.stack([a[key].double() - new[key] for a in arrays])
+            new[key] = new[key] + eta * torch.tensordot(w, deltas, dims=1)
+        return new
+
+    return step
+
+
+def fedasync_server(strategy: Any) -> Step:
+    """FedAsync's server (Xie et al., 2019, Algorithm 1) in float64 on fresh
+    replies, mixed in turn in node order: ``x <- (1 - alpha) x + alpha y_k``
+    (``s(0) = 1``); stale replies are checked in tests/strategies/test_async.py."""
+    alpha = strategy.method_options.async_alpha
+
+    def step(server_round: int, current: State, replies: list[Message]) -> State:
+        new = {k: v.double() for k, v in current.items()}
+        ordered = sorted(replies, key=lambda r: int(r.metadata.src_node_id))
+        for r in ordered:
+            arrays = record_to_state(r.content.array_records["arrays"])
+            for key, value in arrays.items():
+                new[key] = (1.0 - alpha) * new[key] + alpha * value.double()
+        return new
+
+    return step
+
+
+def hilora_server(strategy: Any) -> Step:
+    """HiLoRA's server (Peng et al., CVPR 2026) in float64, the published
+    arrays: root rounds ``B = U_r``, ``A = S_r V_r^T`` from the dense SVD of
+    ``sum_i w_i B_i A_i`` (each column of ``U_r`` with a positive peak); from
+    the cluster stage the root stays as it is (the cluster adapters and the
+    leaf ones are checked in tests/strategies/test_hilora.py); the head's
+    weighted mean every round; ``w_i`` the ``num-examples`` shares."""
+
+    def step(server_round: int, current: State, replies: list[Message]) -> State:
+        arrays = [record_to_state(r.content.array_records["arrays"]) for r in replies]
+        examples = [
+            r.content.metric_records["metrics"]["num-examples"] for r in replies
+        ]
+        w = torch.tensor(examples, dtype=F64)
+        w = w / w.sum()
+        new = {k: v.double() for k, v in current.items()}
+        for key in strategy.layout.keys(Role.HEAD):
+            stacked = torch.stack([a[key].double() for a in arrays])
+            new[key] = torch.tensordot(w, stacked, dims=1)
+        if server_round <= strategy.method_options.hilora_root_rounds:
+            for m in strategy.layout.modules:
+                mean = sum(
+                    wi * a[m.b_key].double() @ a[m.a_key].double()
+                    for wi, a in zip(w, arrays, strict=True)
+                )
+                u, s, vh = torch.linalg.svd(mean, full_matrices=False)
+                u, s, vh = u[:, : m.rank], s[: m.rank], vh[: m.rank]
+                for j in range(m.rank):
+                    if u[int(u[:, j].abs().argmax()), j] < 0:
+                        u[:, j], vh[j] = -u[:, j], -vh[j]
+                new[m.b_key], new[m.a_key] = u, s[:, None] * vh
+        return new
+
+    return step
+
+
+def fedlease_server(strategy: Any) -> Step:
+    """FedLEASE's server (Wang et al., NeurIPS 2025) in float64. Published:
+    warm-up rounds the weighted means of ``A``, ``B`` and the head (FedAvg-LoRA);
+    later rounds the head's mean only. Kept, checked at the next round: after
+    the last warm-up round the clustering of the clients by
+    ``d(i, j) = mean_l (1 - cos(B_i^l - B^l, B_j^l - B^l))`` (scipy's average
+    linkage cut at ``k`` clusters, scikit-learn's silhouette, the best ``k`` in
+    ``2 .. min(M_max, n - 1)``, one cluster unless it is positive), each
+    expert the weighted mean of its cluster's ``A``, ``B``; later rounds each
+    expert and each cluster's router the weighted means of its members'
+    replies; ``w_i`` the ``num-examples`` shares within the group."""
+    from scipy.cluster.hierarchy import fcluster, linkage
+    from scipy.spatial.distance import squareform
+    from sklearn.metrics import silhouette_score
+
+    from fedlr.strategies.fedlease import FEDLEASE_ROUTER, initial_router
+
+    opts = strategy.method_options
+    a_keys = strategy.layout.keys(Role.LORA_A)
+    b_keys = strategy.layout.keys(Role.LORA_B)
+    kept: dict[str, Any] = {}
+
+    def mean(tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+        w = torch.tensor(weights, dtype=F64)
+        return torch.tensordot(w / w.sum(), torch.stack(tensors).double(), dims=1)
+
+    def check_kept() -> None:
+        if not kept:
+            assert not strategy.experts
+            return
+        assert strategy.assignment == kept["assignment"]
+        for got, want in zip(strategy.experts, kept["experts"], strict=True):
+            assert_close(got, want, 1e-6, "expert")
+        for got, want in zip(strategy.routers, kept["routers"], strict=True):
+            assert_close(got, want, 1e-6, "router")
+
+    def cluster(deltas: list[State]) -> list[int]:
+        n = len(deltas)
+        d = torch.zeros(n, n, dtype=F64)
+        for i in range(n):
+            for j in range(n):
+                cos = [
+                    torch.dot(deltas[i][k].reshape(-1), deltas[j][k].reshape(-1))
+                    / (deltas[i][k].norm() * deltas[j][k].norm())
+                    for k in b_keys
+                ]
+                d[i, j] = sum(1.0 - c for c in cos) / len(cos)
+        d.fill_diagonal_(0.0)
+        d = 0.5 * (d + d.T)
+        best: tuple[float, list[int]] | None = None
+        for k in range(2, min(opts.fedlease_max_experts, n - 1) + 1):
+            tree = linkage(squareform(d.numpy(), checks=False), method="average")
+            labels = [int(x) for x in fcluster(tree, k, criterion="maxclust")]
+            score = float(silhouette_score(d.numpy(), labels, metric="precomputed"))
+            if best is None or score > best[0]:
+                best = (score, labels)
+        if best is None or best[0] <= 0.0:
+            return [0] * n
+        order: dict[int, int] = {}
+        return [order.setdefault(x, len(order)) for x in best[1]]
+
+    def step(server_round: int, current: State, replies: list[Message]) -> State:
+        check_kept()
+        replies = sorted(replies, key=lambda r: int(r.metadata.src_node_id))
+        nodes = [int(r.metadata.src_node_id) for r in replies]
+        arrays = [record_to_state(r.content.array_records["arrays"]) for r in replies]
+        w = [
+            float(r.content.metric_records["metrics"]["num-examples"]) for r in replies
+        ]
+        new = {k: v.double() for k, v in current.items()}
+        heads = strategy.layout.keys(Role.HEAD)
+        if not kept:  # warm-up: FedAvg-LoRA
+            for key in arrays[0]:
+                new[key] = mean([a[key] for a in arrays], w)
+            if server_round >= opts.fedlease_warmup_rounds:
+                deltas = [
+                    {k: a[k].double() - current[k].double() for k in b_keys}
+                    for a in arrays
+                ]
+                labels = cluster(deltas)
+                count = max(labels) + 1
+                kept["assignment"] = dict(zip(nodes, labels, strict=True))
+                kept["experts"] = [
+                    {
+                        k: mean(
+                            [
+                                a[k]
+                                for a, c in zip(arrays, labels, strict=True)
+                                if c == e
+                            ],
+                            [x for x, c in zip(w, labels, strict=True) if c == e],
+                        )
+                        for k in (*a_keys, *b_keys)
+                    }
+                    for e in range(count)
+                ]
+                # the routers start from a seeded draw (no math to re-derive)
+                kept["routers"] = [
+                    {
+                        m.name: initial_router(
+                            strategy.seed, e, m.name, 2 * count - 1, m.d_in
+                        ).double()
+                        for m in strategy.layout.modules
+                    }
+                    for e in range(count)
+                ]
+            return new
+        for key in heads:
+            new[key] = mean([a[key] for a in arrays], w)
+        routers = [
+            record_to_state(r.content.array_records[FEDLEASE_ROUTER]) for r in replies
+        ]
+        for e in range(len(kept["experts"])):
+            members = [i for i, n in enumerate(nodes) if strategy.expert_of(n) == e]
+            if not members:
+                continue
+            ws = [w[i] for i in members]
+            for k in (*a_keys, *b_keys):
+                kept["experts"][e][k] = mean([arrays[i][k] for i in members], ws)
+            for name in kept["routers"][e]:
+                kept["routers"][e][name] = mean([routers[i][name] for i in members], ws)
+        return new
+
+    return step
+
+
 # -------------------------------------------------------------------- table
 TEXT, VISION, CONTINUAL = "text", "vision", "continual"
 ASSETS = {TEXT: ["polarity", "minilm"], VISION: [], CONTINUAL: ["mnist"]}
@@ -519,6 +809,18 @@ SLORA_MASK = (
     "reference test and tests/strategies/test_slora.py)"
 )
 
+RAVAN_CORES_UP = (
+    "RAVAN's clients send their update as the ravan-cores record (s_h H_h), "
+    "which the shared effective model of the arrays cannot see; agreeing "
+    "clients are checked in tests/strategies/test_ravan.py and its reference here"
+)
+
+FEDASYNC_MIX = (
+    "FedAsync mixes each reply in with weight alpha < 1 by design: agreeing "
+    "clients' update Delta moves the model by (1 - (1 - alpha)^k) Delta after "
+    "k replies, not by Delta (see its reference and tests/strategies/test_async.py)"
+)
+
 CASES: dict[str, Case] = {
     c.method: c
     for c in [
@@ -565,6 +867,14 @@ CASES: dict[str, Case] = {
         Case("fedspec", TEXT, lora_products, state_matters=True),
         Case("fedsvd", TEXT, lora_products),
         Case("ffa-lora", TEXT, lora_products),
+        # the update travels as cores in the ravan-cores record (see its reference)
+        Case(
+            "ravan",
+            TEXT,
+            lora_products,
+            skip={"fedavg": RAVAN_CORES_UP},
+            reference=ravan_server,
+        ),
         # odd rounds train B, even rounds A: the row's rounds 1-3 cover both
         Case("rolora", TEXT, lora_products, reference=rolora_server),
         # two warm-up rounds: round 1 is stage 1, round 2 switches, 3 is LoRA
@@ -578,6 +888,23 @@ CASES: dict[str, Case] = {
         ),
         # the global adapter is shared; the local one never leaves the node
         Case("feddpa", TEXT, lora_products, reference=weighted_mean_server),
+        # round 1 warms up and allocates the experts; rounds 2, 3 mix them
+        Case(
+            "fedlease",
+            TEXT,
+            lora_products,
+            state_matters=True,
+            reference=fedlease_server,
+        ),
+        # one round per stage: 1 root (then the clustering), 2 cluster, 3 leaf
+        Case(
+            "hilora",
+            TEXT,
+            lora_products,
+            {"hilora-root-rounds": 1, "hilora-cluster-rounds": 1},
+            state_matters=True,
+            reference=hilora_server,
+        ),
         Case("fedsa-lora", TEXT, raw, extras=personal_gram),
         Case("local-svd", TEXT, raw, extras=personal_gram),
         # the server holds each node's lora_B until it delivers it
@@ -586,6 +913,22 @@ CASES: dict[str, Case] = {
         Case("flexlora", TEXT, lora_products),
         Case("hetlora", TEXT, lora_products),
         Case("flora", TEXT, fresh_adapter_products),
+        # asynchronous: a synchronous call's replies are fresh (staleness 0)
+        Case("fedbuff-lora", TEXT, lora_products, reference=fedbuff_server),
+        Case(
+            "fedasync-lora",
+            TEXT,
+            lora_products,
+            skip={"fedavg": FEDASYNC_MIX},
+            reference=fedasync_server,
+        ),
+        Case(
+            "ilora",
+            TEXT,
+            lora_products,
+            fixed_roles=(Role.BASE,),
+            reference=ilora_server,
+        ),
         Case("fedavg-vera", TEXT, raw, VERA_RANKS, projection_echo),
         Case(
             "vera-fedex",

@@ -25,7 +25,7 @@ from fedlr.server_apps.local import run_in_process
 from fedlr.strategies.fedex_downlink import DownlinkOptions
 from fedlr.strategies.fedex_lora import FedExLoRA, HeteroFedExLoRA
 from fedlr.strategies.fedspec import FedSpec, HeteroFedSpec, layout_at_rank
-from fedlr.strategies.registry import get_method
+from fedlr.strategies.registry import available_methods, get_method
 from tests.conftest import tiny_run_config
 from tests.strategies.conftest import instruction, reply
 
@@ -109,8 +109,13 @@ def test_a_reply_at_another_rank_is_dropped(tmp_path, caplog, method):
 
 @pytest.mark.usefixtures("assets")
 def test_a_one_rank_method_refuses_client_ranks(tmp_path):
-    with pytest.raises(ConfigError, match="client-ranks"):
+    with pytest.raises(ConfigError, match="client-ranks") as info:
         _run(tmp_path, "fedavg-lora")
+    listed = str(info.value).split("need one of ")[1].split(", ")
+    ranked = [
+        m for m in available_methods() if get_method(m).traits.heterogeneous_ranks
+    ]
+    assert listed == ranked and {"flexlora", "fedspec", "fedex-lora"} <= set(listed)
 
 
 @pytest.mark.usefixtures("assets")

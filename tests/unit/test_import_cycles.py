@@ -62,6 +62,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "fedlr.flower.records",
             "fedlr.flower.certs",
             "fedlr.flower.grid",
+            "fedlr.flower.virtual_clock",
             "fedlr.adapters.roles",
             "fedlr.wire.protocol",
             "fedlr.wire.updates",
