@@ -36,7 +36,7 @@ import torch
 
 from fedlr.config.options import NoOptions, redeclare
 from fedlr.strategies.fedadam_lora import AdaptiveServerLoRA, FedAdamOptions, ServerStep
-from fedlr.strategies.registration import register_method
+from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.wire.payloads import LORA
 
 __all__ = ["FedAdagradLoRA", "FedAdagradOptions"]
@@ -56,6 +56,10 @@ class FedAdagradOptions(NoOptions):
     options=FedAdagradOptions,
     summary="FedAvg of A and B as Adagrad's pseudo-gradient on the server",
     sum_only=True,
+    client_contract=ClientContract(
+        carries="as FedAvg",
+        helpers="nothing: Adagrad on the server only",
+    ),
 )
 class FedAdagradLoRA(AdaptiveServerLoRA):
     """FedAvg-LoRA's mean with an Adagrad step on the server.

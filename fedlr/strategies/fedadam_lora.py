@@ -47,7 +47,7 @@ from fedlr.linalg import weighted_mean
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.fedavgm_lora import ServerMomentumOptions
 from fedlr.strategies.lora import LoraStrategy, saved_tensors
-from fedlr.strategies.registration import register_method
+from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.wire.payloads import LORA
 
 __all__ = [
@@ -224,6 +224,10 @@ class AdaptiveServerLoRA(LoraStrategy):
     options=FedAdamOptions,
     summary="FedAvg of A and B as Adam's pseudo-gradient on the server",
     sum_only=True,
+    client_contract=ClientContract(
+        carries="as FedAvg",
+        helpers="nothing: Adam on the server only",
+    ),
 )
 class FedAdamLoRA(AdaptiveServerLoRA):
     """FedAvg-LoRA's mean with an Adam step on the server.

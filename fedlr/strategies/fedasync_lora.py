@@ -38,7 +38,7 @@ from fedlr.strategies.async_lora import (
     staleness_weight,
 )
 from fedlr.strategies.base import ClientUpdate, RoundReport
-from fedlr.strategies.registration import register_method
+from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.wire.payloads import LORA
 
 __all__ = ["FedAsyncLoRA", "FedAsyncOptions", "mixing_weight"]
@@ -67,6 +67,11 @@ def mixing_weight(staleness: int, options: FedAsyncOptions) -> float:
     options=FedAsyncOptions,
     summary="FedAsync: asynchronous; each reply's A and B mixed in at once, "
     "weighted by its staleness",
+    client_contract=ClientContract(
+        carries="as FedAvg",
+        helpers="nothing: the asynchronous staleness-weighted mixing is on the server "
+        "only",
+    ),
 )
 class FedAsyncLoRA(AsyncLoraStrategy):
     """Asynchronous mixing of A, B and the head (module docstring).

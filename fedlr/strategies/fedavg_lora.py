@@ -16,7 +16,7 @@ import torch
 
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.lora import LoraStrategy
-from fedlr.strategies.registration import register_method
+from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.wire.payloads import LORA
 
 __all__ = ["FedAvgLoRA"]
@@ -27,6 +27,10 @@ __all__ = ["FedAvgLoRA"]
     payload=LORA,
     summary="FedIT: weighted means of A and B",
     sum_only=True,
+    client_contract=ClientContract(
+        carries="`A`, `B`, head",
+        helpers="load; train all three",
+    ),
 )
 class FedAvgLoRA(LoraStrategy):
     """Weighted means of every trained tensor (A, B, head).

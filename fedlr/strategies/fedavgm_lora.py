@@ -40,7 +40,7 @@ from fedlr.config.options import NoOptions, option
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
 from fedlr.strategies.lora import saved_tensors
-from fedlr.strategies.registration import register_method
+from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.wire.payloads import LORA
 
 __all__ = ["FedAvgMLoRA", "ServerMomentumOptions"]
@@ -68,6 +68,10 @@ class ServerMomentumOptions(NoOptions):
     options=ServerMomentumOptions,
     summary="FedAvg of A and B as a pseudo-gradient, with server momentum",
     sum_only=True,
+    client_contract=ClientContract(
+        carries="as FedAvg",
+        helpers="nothing: server momentum only",
+    ),
 )
 class FedAvgMLoRA(FedAvgLoRA):
     """FedAvg-LoRA with a momentum step on the server.

@@ -51,7 +51,7 @@ from fedlr.strategies.async_lora import (
 )
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.fedavgm_lora import ServerMomentumOptions
-from fedlr.strategies.registration import register_method
+from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.wire.payloads import LORA
 
 __all__ = ["FedBuffLoRA", "FedBuffOptions", "fedbuff_coefficients"]
@@ -118,6 +118,10 @@ def fedbuff_coefficients(
     options=FedBuffOptions,
     summary="FedBuff: asynchronous; every K replies, the staleness-weighted "
     "mean change of A and B",
+    client_contract=ClientContract(
+        carries="as FedAvg",
+        helpers="nothing: the asynchronous buffered aggregation is on the server only",
+    ),
 )
 class FedBuffLoRA(AsyncLoraStrategy):
     """Buffered asynchronous FedAvg of A, B and the head (module docstring).

@@ -61,7 +61,7 @@ from fedlr.errors import ProtocolError
 from fedlr.flower.records import config_float, config_int, record_to_state
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.lora_svd import PersonalLoraStrategy
-from fedlr.strategies.registration import register_method
+from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.wire.payloads import LORA
 
 __all__ = [
@@ -455,6 +455,16 @@ class FedDPAOptions(NoOptions):
     "weighted per instance at inference (personalised)",
     client=(DualAdapter,),
     sum_only=True,
+    client_contract=ClientContract(
+        carries="`A`, `B`, head; `keep-roles` empty, `personal-split`, "
+        "`feddpa-weight`, `feddpa-anchors`; from round 2 `feddpa-mix`",
+        helpers="call your model with its labels (so it returns `.loss`), add "
+        "`job.penalty()` (the local adapter's loss in the mix W0 + (1 − a)G + "
+        "aL) and step with `job.optimizer(...)`; `job.reply()` keeps the "
+        "local adapter and K representations in `context.state`; at "
+        "evaluation `job.model` is the per-instance weighted W0 + (1 − α(x))G "
+        "+ α(x)L",
+    ),
 )
 class FedDPA(PersonalLoraStrategy):
     """FedAvg of the global adapter; the clients keep and weigh a local one.

@@ -54,7 +54,7 @@ from fedlr.flower.records import config_float, record_to_state
 from fedlr.linalg import weighted_mean
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.lora import LoraStrategy, saved_tensors
-from fedlr.strategies.registration import register_method
+from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.wire.payloads import LORA
 
 __all__ = ["FEDDYN_ALPHA", "DynamicRegulariser", "FedDynLoRA", "FedDynOptions"]
@@ -231,6 +231,12 @@ class FedDynOptions(NoOptions):
     summary="FedDyn: clients' dynamic regulariser; the mean of A and B minus h/α",
     client=(DynamicRegulariser,),
     sum_only=True,
+    client_contract=ClientContract(
+        carries="as FedAvg, plus `feddyn-alpha`",
+        helpers="`job.penalty()` is FedDyn's regulariser `−⟨g, θ − θ_global⟩ + "
+        "(α/2)‖θ − θ_global‖²`; add it to your loss; `job.reply()` updates "
+        "`g` and keeps it in `context.state`",
+    ),
 )
 class FedDynLoRA(LoraStrategy):
     """FedAvg-LoRA's mean corrected by FedDyn's server state ``h``.

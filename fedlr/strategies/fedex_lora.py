@@ -68,7 +68,11 @@ from fedlr.strategies.fedex_downlink import (
     FactoredDownlink,
 )
 from fedlr.strategies.hetero import HeteroFoldLoRA, LayerResult, LayerUpdates
-from fedlr.strategies.registration import register_method
+from fedlr.strategies.registration import (
+    ClientContract,
+    ContractVariant,
+    register_method,
+)
 from fedlr.wire import protocol
 from fedlr.wire.downlink import lowrank_delta
 from fedlr.wire.payloads import LORA
@@ -133,6 +137,27 @@ class FoldTail(ClientFeature):
     options=FedExOptions,
     summary="FedAvg of A, B plus the exact residual folded into W0",
     client=(BaseWeights, FoldTail),
+    client_contract=ClientContract(
+        carries="as FedAvg, plus the base weights with the folded residual: dense, or "
+        "(to a node that replied `base-held`) the changes it missed as "
+        "low-rank factors in `base-delta`",
+        helpers="load the base weights too; keep them in `context.state`, apply the "
+        "changes, check `base-check`, reply `base-held` (a ClientApp that "
+        "never replies `base-held` is always sent dense weights)",
+        variants=(
+            ContractVariant(
+                when="with `client-ranks`",
+                carries="`A`, `B` at the largest client rank R (always all R "
+                "components), head, base weights (dense or as changes); "
+                "`leading-rank`, `fold-tail`",
+                helpers="keep your rank's leading components and fold the rest into "
+                "the base weights you train from (`apply_round` does both), "
+                "so your model is the global one exactly; keep the base "
+                "weights as received for the next changes; reply `A`, `B` at "
+                "your rank, head",
+            ),
+        ),
+    ),
 )
 class FedExLoRA(FactoredDownlink, FedAvgLoRA):
     """FedAvg-LoRA whose residual is folded into the base weights.

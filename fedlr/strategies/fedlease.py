@@ -72,7 +72,7 @@ from fedlr.round.instructions import with_records
 from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.lora_svd import PersonalLoraStrategy, PersonalReplies
-from fedlr.strategies.registration import register_method
+from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.wire import protocol
 from fedlr.wire.payloads import LORA
 
@@ -504,6 +504,17 @@ class FedLeaseOptions(NoOptions):
     "each client mixes them by an adaptive top-M router (personalised)",
     client=(ExpertMixture,),
     sum_only=False,
+    client_contract=ClientContract(
+        carries="`A`, `B`, head; `keep-roles` empty, `personal-split`; after the "
+        "allocation (round `fedlease-warmup-rounds`) the ArrayRecord "
+        "`fedlease-mixture` and `fedlease-expert`, `fedlease-experts`",
+        helpers="nothing before the allocation (FedAvg-LoRA); then `apply_round` "
+        "loads your own expert into the LoRA layers and mixes every expert "
+        "through your cluster's router in the forward pass (training and "
+        "evaluation); step with `job.optimizer(...)` (it steps the router "
+        "too); `job.reply()` sends your expert's `A`, `B`, the head and "
+        "`fedlease-router`",
+    ),
 )
 class FedLease(PersonalLoraStrategy):
     """FedAvg-LoRA warm-up, then clustered experts mixed by routers.

@@ -27,7 +27,7 @@ from fedlr.config.options import NoOptions, option
 from fedlr.errors import ProtocolError
 from fedlr.flower.records import config_float
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
-from fedlr.strategies.registration import register_method
+from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.wire.payloads import LORA
 
 __all__ = ["PROXIMAL_MU", "FedProxLoRA", "ProximalOptions", "ProximalTerm"]
@@ -105,6 +105,10 @@ class ProximalOptions(NoOptions):
     summary="FedAvg of A and B; clients add FedProx's proximal term",
     client=(ProximalTerm,),
     sum_only=True,
+    client_contract=ClientContract(
+        carries="as FedAvg, plus `proximal-mu`",
+        helpers="`job.penalty()` is `(mu / 2) ‖θ − θ_global‖²`; add it to your loss",
+    ),
 )
 class FedProxLoRA(FedAvgLoRA):
     """FedAvg-LoRA whose clients train with a proximal term.

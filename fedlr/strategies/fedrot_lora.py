@@ -50,7 +50,7 @@ from fedlr.config.options import NoOptions, option
 from fedlr.errors import ProtocolError
 from fedlr.flower.records import config_float
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
-from fedlr.strategies.registration import register_method
+from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.wire.payloads import LORA
 
 __all__ = [
@@ -277,6 +277,13 @@ class FedRotOptions(NoOptions):
     "global ones (orthogonal Procrustes)",
     client=(RotationAlignment,),
     sum_only=True,
+    client_contract=ClientContract(
+        carries="as FedAvg; from round 2 `fedrot-align` (`lora_A` or `lora_B`) and "
+        "`fedrot-strength` λ",
+        helpers="nothing to call: `job.reply()` rotates your trained `A`, `B` onto "
+        "the received factor of that role (orthogonal Procrustes, `Rᵀ A`, `B "
+        "R`; `B A` unchanged)",
+    ),
 )
 class FedRotLoRA(FedAvgLoRA):
     """FedAvg-LoRA whose clients align their factors before replying.

@@ -25,7 +25,7 @@ import torch
 from fedlr.adapters.roles import Role
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.lora_svd import PersonalArrays, PersonalLoraStrategy
-from fedlr.strategies.registration import register_method
+from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.wire.payloads import LORA
 
 __all__ = ["FedSALoRA"]
@@ -36,6 +36,11 @@ __all__ = ["FedSALoRA"]
     payload=LORA,
     summary="A averaged; each client keeps its own B (personalised)",
     client=(PersonalArrays,),
+    client_contract=ClientContract(
+        carries="`A`, head; `keep-roles` `lora_B`",
+        helpers="load the node's own `B` from `context.state`; reply `A`, head and "
+        "`personal-gram`; keep the new `B`",
+    ),
 )
 class FedSALoRA(PersonalLoraStrategy):
     """Average ``A`` and the head; ``B`` stays on each client.

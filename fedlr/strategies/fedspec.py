@@ -91,7 +91,7 @@ from fedlr.linalg import (
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.hetero import HeteroRankLoRA, layout_at_rank
 from fedlr.strategies.lora_svd import SeededLoraStrategy
-from fedlr.strategies.registration import register_method
+from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.strategies.svd_solver import SvdSolverChoice, SvdSolverOptions
 from fedlr.wire import protocol
 from fedlr.wire.payloads import LORA
@@ -147,6 +147,10 @@ class FedSpecOptions(SvdSolverOptions):
     options=FedSpecOptions,
     summary="truncated SVD of the mean of products, B=U sqrt(S), A=sqrt(S) V^T; "
     "rank grows by 2 while the tail energy exceeds a threshold",
+    client_contract=ClientContract(
+        carries="`A`, `B`, head; `lora-rank`, `lora-alpha`",
+        helpers="rebuild the adapter at `lora-rank` with scaling `lora-alpha / r`",
+    ),
 )
 class FedSpec(SvdSolverChoice, SeededLoraStrategy):
     """Spectrally optimal aggregation with a monotone adaptive rank.

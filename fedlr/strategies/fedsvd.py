@@ -32,7 +32,7 @@ from fedlr.adapters.roles import Role
 from fedlr.linalg import factored_svd, pad_factors
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.lora_svd import SeededLoraStrategy
-from fedlr.strategies.registration import register_method
+from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.wire.payloads import LORA
 
 __all__ = ["FedSVD"]
@@ -43,6 +43,10 @@ __all__ = ["FedSVD"]
     payload=LORA,
     summary="clients train B with A fixed; server SVD of B_bar A -> A=V^T, B=US",
     sum_only=True,
+    client_contract=ClientContract(
+        carries="`A`, `B`, head; `train-roles` `lora_B,head`",
+        helpers="freeze `A`; reply `B` and head only",
+    ),
 )
 class FedSVD(SeededLoraStrategy):
     """Average ``B``; re-factorise ``B_bar A`` as ``(U S, V^T)``.

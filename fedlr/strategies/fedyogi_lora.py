@@ -40,7 +40,7 @@ import torch
 
 from fedlr.config.options import NoOptions, redeclare
 from fedlr.strategies.fedadam_lora import AdaptiveServerLoRA, FedAdamOptions, ServerStep
-from fedlr.strategies.registration import register_method
+from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.wire.payloads import LORA
 
 __all__ = ["FedYogiLoRA", "FedYogiOptions"]
@@ -62,6 +62,10 @@ class FedYogiOptions(NoOptions):
     options=FedYogiOptions,
     summary="FedAvg of A and B as Yogi's pseudo-gradient on the server",
     sum_only=True,
+    client_contract=ClientContract(
+        carries="as FedAvg",
+        helpers="nothing: Yogi on the server only",
+    ),
 )
 class FedYogiLoRA(AdaptiveServerLoRA):
     """FedAvg-LoRA's mean with a Yogi step on the server.

@@ -25,7 +25,7 @@ import torch
 from fedlr.adapters.roles import Role
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.lora_svd import SeededLoraStrategy
-from fedlr.strategies.registration import register_method
+from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.wire.payloads import LORA
 
 __all__ = ["FFALoRA"]
@@ -36,6 +36,11 @@ __all__ = ["FFALoRA"]
     payload=LORA,
     summary="A frozen at its seeded init and never sent; B averaged",
     sum_only=True,
+    client_contract=ClientContract(
+        carries="`B`, head (`A` never travels)",
+        helpers="`A` stays your model's seeded initial one, frozen: build the model "
+        "from a fixed seed",
+    ),
 )
 class FFALoRA(SeededLoraStrategy):
     """Average ``B`` and the head; ``A`` stays at the seeded initialisation.

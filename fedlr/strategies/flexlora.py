@@ -21,7 +21,7 @@ from fedlr.strategies.hetero import (
     LayerResult,
     LayerUpdates,
 )
-from fedlr.strategies.registration import register_method
+from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.wire.payloads import LORA
 
 __all__ = ["FlexLoRA"]
@@ -32,6 +32,12 @@ __all__ = ["FlexLoRA"]
     payload=LORA,
     summary="heterogeneous ranks: truncated SVD of the mean of products; each "
     "client gets its best approximation at its own rank",
+    client_contract=ClientContract(
+        carries="`A`, `B` (the largest client rank, or your rank once the server "
+        "knows it), head; `leading-rank`",
+        helpers="keep your model's own rank: cut the leading components and rescale; "
+        "reply at your rank (one of the server's `client_ranks`)",
+    ),
 )
 class FlexLoRA(HeteroRankLoRA):
     """FlexLoRA: each client receives the best rank-``r_i`` approximation of ``M``.

@@ -26,7 +26,7 @@ from fedlr.strategies.hetero import (
     LayerResult,
     LayerUpdates,
 )
-from fedlr.strategies.registration import register_method
+from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.wire.downlink import lowrank_delta
 from fedlr.wire.payloads import LORA
 
@@ -39,6 +39,12 @@ __all__ = ["FLoRA"]
     options=DownlinkOptions,
     summary="heterogeneous ranks: the exact sum of products (stacked factors) "
     "folded into W0; fresh adapters at each client's rank every round",
+    client_contract=ClientContract(
+        carries="head and base weights (dense or as changes, as `fedex-lora`); `A`, "
+        "`B` never sent",
+        helpers="start a fresh adapter (your model's initial `A`, `B = 0`) at your "
+        "rank each round; reply `A`, `B`, head",
+    ),
 )
 class FLoRA(HeteroFoldLoRA):
     """FLoRA: stack the clients' factors, fold the exact sum into ``W0``.

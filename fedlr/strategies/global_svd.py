@@ -52,7 +52,7 @@ from fedlr.linalg import (
 )
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.lora_svd import PersonalArrays, PersonalLoraStrategy
-from fedlr.strategies.registration import register_method
+from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.strategies.svd_solver import SvdSolverChoice, SvdSolverOptions
 from fedlr.wire.payloads import LORA
 
@@ -101,6 +101,11 @@ class ClientSvd(ClientFeature):
     "client-specific lora_B",
     options=SvdSolverOptions,
     client=(PersonalArrays,),
+    client_contract=ClientContract(
+        carries="`A`, head; from round 2 an ArrayRecord `personal`",
+        helpers="load the node's `B` block and keep it in `context.state`; reply `A`, "
+        "`B`, head",
+    ),
 )
 class GlobalSVD(SvdSolverChoice, PersonalLoraStrategy):
     """Server-side SVD of the stacked client updates.
@@ -179,6 +184,11 @@ class GlobalSVD(SvdSolverChoice, PersonalLoraStrategy):
     payload=LORA,
     summary="each client SVDs its own update; server averages the shared lora_A",
     client=(PersonalArrays, ClientSvd),
+    client_contract=ClientContract(
+        carries="`A`, head; `keep-roles` `lora_B`; `client-svd`",
+        helpers="re-factor `(B, A)` by the SVD of `B A`; reply `A`, head and "
+        "`personal-gram`; keep `B`",
+    ),
 )
 class LocalSVD(PersonalLoraStrategy):
     """Client-side SVD; the server averages the input-side factor.

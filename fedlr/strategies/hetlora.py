@@ -41,7 +41,11 @@ from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.hetero import HeteroRankLoRA, LayerResult, LayerUpdates
 from fedlr.strategies.hetero_replies import HeteroReplies
-from fedlr.strategies.registration import register_method
+from fedlr.strategies.registration import (
+    ClientContract,
+    ContractVariant,
+    register_method,
+)
 from fedlr.wire import protocol
 from fedlr.wire.payloads import LORA
 
@@ -252,6 +256,28 @@ class HetLoRAReplies(HeteroReplies):
     summary="heterogeneous ranks: mean of the zero-padded factors; each client "
     "keeps the leading components at its own rank (optionally pruning it)",
     client=(RankSelfPruning,),
+    client_contract=ClientContract(
+        carries="`A`, `B` (the largest client rank, or your rank once the server "
+        "knows it), head; `leading-rank`",
+        helpers="keep your model's own rank: cut the leading components and rescale; "
+        "reply at your rank (one of the server's `client_ranks`)",
+        variants=(
+            ContractVariant(
+                when="with pruning",
+                carries="as above, plus `prune-gamma` γ < 1 and `prune-lambda` λ",
+                helpers="add `job.penalty()` (λ·Σ_layers ‖(α/r) B[:, r′:] A[r′:]‖_F, "
+                "r′ = max(1, ⌊γr⌋)) to your loss; `job.reply()` prunes to "
+                "rank r′ when that tail norm went down during training "
+                "(leading r′ components times `sqrt(r′ / r)`), replies "
+                "`rank-pruned`, and keeps r′ in `context.state`; the next "
+                "`apply_round` rebuilds your model at r′. A model you cache "
+                "for several nodes: pass `apply_round(model, message, "
+                "context, rank=<the node's configured rank>)` so that each "
+                "node gets its own rank back. The server accepts any rank up "
+                "to the node's previous one and drops a reply whose rank grew",
+            ),
+        ),
+    ),
 )
 class HetLoRA(HeteroRankLoRA):
     """HetLoRA: zero-padding aggregation, truncation to each client's rank.

@@ -69,7 +69,7 @@ from fedlr.round.instructions import with_records
 from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.lora_svd import PersonalLoraStrategy, PersonalReplies
-from fedlr.strategies.registration import register_method
+from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.wire import protocol
 from fedlr.wire.payloads import LORA
 
@@ -424,6 +424,18 @@ class HiLoRAOptions(NoOptions):
     "the clients' LoRA subspaces (personalised)",
     client=(HierarchicalTiers,),
     sum_only=False,
+    client_contract=ClientContract(
+        carries="`A`, `B` (the root adapter), head; `hilora-stage`, "
+        "`hilora-gamma-root`, `hilora-gamma-cluster`, `personal-split`; from "
+        "the cluster stage the ArrayRecord `hilora-tiers`; in the leaf stage "
+        "`train-roles` `head`",
+        helpers="`apply_round` folds the frozen tiers (the root from `arrays`, the "
+        "cluster's from `hilora-tiers`) into your base weights and loads the "
+        "adapter to train (cluster stage: the cluster's; leaf stage: your "
+        "kept leaf, or B = 0); add `job.penalty()` (γ Σ‖B_frozenᵀB‖²) to your "
+        "loss; in the leaf stage `job.parameters()` includes A and B (not "
+        "sent) and `job.reply()` keeps them in `context.state`",
+    ),
 )
 class HiLoRA(PersonalLoraStrategy):
     """Root, cluster and leaf LoRA tiers, trained in that order.

@@ -66,7 +66,7 @@ from fedlr.linalg import factored_frobenius_norm, stacked_update
 from fedlr.strategies.base import RoundReport
 from fedlr.strategies.fedex_downlink import DownlinkOptions
 from fedlr.strategies.hetero import HeteroFoldLoRA, LayerResult, LayerUpdates
-from fedlr.strategies.registration import register_method
+from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.wire.payloads import LORA
 
 __all__ = ["ILoRA", "concatenated_qr", "qr_init", "signed_qr"]
@@ -179,6 +179,16 @@ def _oriented(module: LoraModule, base: torch.Tensor) -> torch.Tensor:
     options=DownlinkOptions,
     summary="heterogeneous ranks: QR-initialised adapters (W0 moved by the same "
     "product) and the QR of the concatenated clients' factors",
+    client_contract=ClientContract(
+        carries="`A`, `B` (the largest client rank, or your rank once the server "
+        "knows it), head, base weights (dense or as changes, as `fedex-lora`; "
+        "they change only once, by the QR initialisation, before round 1); "
+        "`leading-rank`",
+        helpers="load the base weights too and keep them (reply `base-held`); keep "
+        "your rank's leading components as for `flexlora`; reply `A`, `B` at "
+        "your rank, head. `ILoRA.for_model(model).initial_arrays(model)` "
+        "gives the QR-initialised first arrays",
+    ),
 )
 class ILoRA(HeteroFoldLoRA):
     """ILoRA: QR initialisation from ``W0``, QR of the stacked client factors.

@@ -63,7 +63,7 @@ from fedlr.linalg import normalise_weights
 from fedlr.robust.spaces import UpdateSpace
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.lora_svd import SeededLoraStrategy, SeededReplies
-from fedlr.strategies.registration import register_method
+from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.wire.payloads import LORA
 
 __all__ = [
@@ -447,6 +447,15 @@ class RavanOptions(NoOptions):
     "scalars per head; the server averages s_h H_h",
     client=(RavanHeads,),
     sum_only=True,
+    client_contract=ClientContract(
+        carries="`B`, head (`A` never travels); `train-roles` `head`, `ravan-heads`, "
+        "`ravan-seed`",
+        helpers="build the model from a fixed seed (`A` is the seeded one, frozen); "
+        "step with `job.optimizer(...)`: `apply_round` makes `B` trainable "
+        "too and every step trains the heads' cores `H_h` and scalars `s_h` "
+        "through `B`'s gradient and rebuilds `B`; `job.reply()` sends the "
+        "head and `ravan-cores` (`s_h H_h` per layer)",
+    ),
 )
 class Ravan(SeededLoraStrategy):
     """Average the heads' cores ``s_h H_h`` and the head; ``A`` frozen, unsent.

@@ -41,7 +41,7 @@ from fedlr.adapters.roles import Role
 from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.lora_svd import SeededLoraStrategy, SeededReplies
-from fedlr.strategies.registration import register_method
+from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.wire import protocol
 from fedlr.wire.payloads import LORA
 
@@ -71,6 +71,12 @@ class RoLoRAReplies(SeededReplies):
     summary="alternating factors: odd rounds train and average B (A fixed), "
     "even rounds A (B fixed); the mean of products is exact",
     sum_only=True,
+    client_contract=ClientContract(
+        carries="`A`, `B`, head; `train-roles` `lora_B,head` in odd rounds, "
+        "`lora_A,head` in even rounds",
+        helpers="train exactly the `train-roles` (the other factor frozen); reply "
+        "them only",
+    ),
 )
 class RoLoRA(SeededLoraStrategy):
     """Average only this round's trained factor (and the head).

@@ -82,7 +82,7 @@ from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
 from fedlr.strategies.lora import LoraReplies, saved_tensors
-from fedlr.strategies.registration import register_method
+from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.wire import protocol
 from fedlr.wire.payloads import LORA
 
@@ -503,6 +503,12 @@ class ScaffoldReplies(LoraReplies):
     summary="FedAvg of A and B with SCAFFOLD control variates against drift",
     client=(ScaffoldCorrection,),
     sum_only=True,
+    client_contract=ClientContract(
+        carries="as FedAvg, plus the ArrayRecord `scaffold-control`",
+        helpers="call `job.after_backward()` after every `backward()` (it adds "
+        "SCAFFOLD's correction c − cᵢ to the gradients); `job.reply()` adds "
+        "`scaffold-delta` and keeps cᵢ in `context.state`",
+    ),
 )
 class ScaffoldLoRA(FedAvgLoRA):
     """FedAvg-LoRA whose clients follow SCAFFOLD's corrected gradients.

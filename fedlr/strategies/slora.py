@@ -62,7 +62,7 @@ from fedlr.linalg import weighted_mean
 from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.lora_svd import SeededLoraStrategy, SeededReplies
-from fedlr.strategies.registration import register_method
+from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.wire import protocol
 from fedlr.wire.payloads import LORA
 
@@ -267,6 +267,15 @@ class SLoRAReplies(SeededReplies):
     "initialised from the SVD of the warm-up's update",
     sum_only=True,
     client=(SparseWarmup,),
+    client_contract=ClientContract(
+        carries="`A`, `B`, head and the adapted layers' base weights; in the warm-up "
+        "rounds `train-roles` `base,head` with `slora-density` and "
+        "`slora-mask-seed`, then `lora_A,lora_B,head`",
+        helpers="warm-up: call `job.after_backward()` after every `backward()` (it "
+        "masks the base weights' gradients); `job.reply()` sends the base "
+        "weights with the entries outside the mask as received. Then the "
+        "plain LoRA round",
+    ),
 )
 class SLoRA(SeededLoraStrategy):
     """Stage 1: masked means of the adapted weights; then FedAvg-LoRA.

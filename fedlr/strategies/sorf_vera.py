@@ -49,7 +49,7 @@ from fedlr.linalg import mean_lambda_d_rot, refit_layer, weighted_mean
 from fedlr.linalg.sorf_pair_signs import SIGN_RULES
 from fedlr.round.describe import app_arguments
 from fedlr.strategies.base import ClientUpdate, RoundReport
-from fedlr.strategies.registration import register_method
+from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.strategies.vera import ProjectionChecked
 from fedlr.wire.payloads import SORF_VERA
 
@@ -60,6 +60,10 @@ __all__ = ["SorfVeRA"]
     "sorf-vera",
     payload=SORF_VERA,
     summary="average Lambda_d rotations, truncated SVD, refit b (SORF, LS) and d",
+    client_contract=ClientContract(
+        carries="`b_real`, `b_imag`, `d_scale`, `d_angles`, head",
+        helpers="`b` frozen (the server refits it); train `d_scale`, `d_angles`, head",
+    ),
 )
 class SorfVeRA(ProjectionChecked):
     """SORF-VeRA aggregation with server-side refit of ``b`` and ``d``.

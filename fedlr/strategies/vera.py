@@ -64,7 +64,7 @@ from fedlr.strategies.fedex_downlink import (
     check_downlink,
     downlink_option,
 )
-from fedlr.strategies.registration import register_method
+from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.tasks.vera import VeraOptions
 from fedlr.wire import protocol
 from fedlr.wire.downlink import vera_delta
@@ -342,6 +342,13 @@ class VeraStrategy(ProjectionChecked):
     payload=VERA,
     summary="weighted means of VeRA's lambda_b, lambda_d and the head",
     sum_only=True,
+    client_contract=ClientContract(
+        carries="`vera_lambda_b`, `vera_lambda_d`, head (VeRA-FedEx: base weights, "
+        "dense or as changes like `fedex-lora`); `projection-seed`, "
+        "`projection-rank`",
+        helpers="check the projections (else `ProjectionMismatchError`); echo them in "
+        "the metrics; VeRA-FedEx: the base weights as for `fedex-lora`",
+    ),
 )
 class FedAvgVeRA(VeraStrategy):
     """Weighted means of ``b``, ``d`` and the head.
@@ -373,6 +380,13 @@ class VeraFedExOptions(VeraOptions, DownlinkOptions):
     options=VeraFedExOptions,
     summary="FedAvg of VeRA's lambdas plus the exact residual folded into W0",
     client=(BaseWeights,),
+    client_contract=ClientContract(
+        carries="`vera_lambda_b`, `vera_lambda_d`, head (VeRA-FedEx: base weights, "
+        "dense or as changes like `fedex-lora`); `projection-seed`, "
+        "`projection-rank`",
+        helpers="check the projections (else `ProjectionMismatchError`); echo them in "
+        "the metrics; VeRA-FedEx: the base weights as for `fedex-lora`",
+    ),
 )
 class VeraFedEx(FactoredDownlink, VeraStrategy):
     """FedAvg-VeRA whose residual (times ``fedex_lr``) is folded into ``W0``.

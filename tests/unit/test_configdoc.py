@@ -36,6 +36,7 @@ def copy(tmp_path: Path) -> Path:
         "README.md",
         "docs/reliability.md",  # the client features' rows (fedlr.featuredoc)
         "docs/privacy.md",
+        "docs/plugin.md",  # what each method needs from the client
     ):
         shutil.copy(ROOT / name, tmp_path / name)
     return tmp_path
@@ -101,3 +102,44 @@ def test_the_readme_lists_every_registered_method_and_each_has_its_page():
     pages = [s.name for s in registered_methods()]
     absent = [n for n in pages if not (ROOT / "docs" / "methods" / f"{n}.md").is_file()]
     assert not absent, f"methods without a docs/methods/<name>.md page: {absent}"
+
+
+def test_every_plugin_method_declares_what_it_needs_from_the_client() -> None:
+    """A method of a plug-in payload kind (the LoRA and VeRA families) has its
+    row in docs/plugin.md's table; the vision and continual kinds have none."""
+    specs = registered_methods()
+    lacking = [s.name for s in specs if s.payload.plugin and s.client_contract is None]
+    assert not lacking, (
+        f"methods without client_contract=ClientContract(...): {lacking}"
+    )
+    stray = [s.name for s in specs if not s.payload.plugin and s.client_contract]
+    assert not stray, f"methods of non-plug-in kinds with a client contract: {stray}"
+    assert {s.payload.name for s in specs if s.payload.plugin} >= {"lora", "vera"}
+    doc = (ROOT / "docs" / "plugin.md").read_text()
+    table = doc.split(configdoc.PLUGIN_BEGIN)[1].split(configdoc.END)[0]
+    named = re.findall(r"^\| `([a-z0-9-]+)`", table, flags=re.MULTILINE)
+    expected = [
+        s.name
+        for s in specs
+        if s.client_contract is not None
+        for _ in range(1 + len(s.client_contract.variants))
+    ]
+    assert named == expected
+    assert "| `hetlora` with pruning | as above, plus `prune-gamma`" in table
+
+
+def test_a_stale_plugin_table_fails_the_check(
+    copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plugin = copy / "docs" / "plugin.md"
+    plugin.write_text(
+        plugin.read_text().replace(
+            "| `fedavg-lora` | `A`, `B`, head | load; train all three |\n", ""
+        )
+    )
+    assert configdoc.main(["check", "--root", str(copy)]) == 1
+    out = capsys.readouterr().out
+    assert "+| `fedavg-lora` | `A`, `B`, head | load; train all three |" in out
+    assert "docs/plugin.md (generated)" in out
+    assert configdoc.main(["write", "--root", str(copy)]) == 0
+    assert plugin.read_text() == (ROOT / "docs" / "plugin.md").read_text()
