@@ -69,8 +69,9 @@ def mixing_weight(staleness: int, options: FedAsyncOptions) -> float:
     "weighted by its staleness",
     client_contract=ClientContract(
         carries="as FedAvg",
-        helpers="nothing: the asynchronous staleness-weighted mixing is on the server "
-        "only",
+        helpers="nothing on the client. The asynchrony is fedlr's ServerApp loop: "
+        "under your own ServerApp's synchronous `strategy.start()` every reply is "
+        "fresh and mixed in turn",
     ),
 )
 class FedAsyncLoRA(AsyncLoraStrategy):

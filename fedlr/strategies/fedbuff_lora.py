@@ -120,7 +120,9 @@ def fedbuff_coefficients(
     "mean change of A and B",
     client_contract=ClientContract(
         carries="as FedAvg",
-        helpers="nothing: the asynchronous buffered aggregation is on the server only",
+        helpers="nothing on the client. The asynchrony is fedlr's ServerApp loop: "
+        "under your own ServerApp's synchronous `strategy.start()` every reply is "
+        "fresh (staleness 0)",
     ),
 )
 class FedBuffLoRA(AsyncLoraStrategy):
