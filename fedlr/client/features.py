@@ -99,6 +99,7 @@ __all__ = [
     "ClientFeature",
     "Record",
     "RoundJob",
+    "StepTogether",
     "common_feature",
     "common_features",
     "ordered",
@@ -120,6 +121,30 @@ class Record:
 
     name: str
     holds: str
+
+
+class StepTogether(torch.optim.Optimizer):
+    """The round's optimizer and a feature's own one, stepped together.
+
+    For :meth:`ClientFeature.wrap_optimizer`: the round's optimizer keeps its
+    parameter groups, defaults and state (what DP-SGD and the learning-rate
+    schedule see); ``extra`` steps the parameters the feature trains on its
+    own (FedDPA's local adapter, FedLEASE's router).
+    """
+
+    def __init__(self, main: torch.optim.Optimizer, extra: torch.optim.Optimizer):
+        self.main, self.extra = main, extra
+        self.param_groups = main.param_groups
+        self.defaults = main.defaults
+        self.state = main.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.main.zero_grad(set_to_none=set_to_none)
+        self.extra.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        self.main.step()
+        self.extra.step()
 
 
 class RoundJob(Protocol):

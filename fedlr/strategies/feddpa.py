@@ -55,7 +55,13 @@ from flwr.app import ArrayRecord, MetricRecordValues, RecordDict
 from fedlr.adapters.lora import LoraModel
 from fedlr.adapters.plugin import lora_layers
 from fedlr.adapters.roles import Role
-from fedlr.client.features import Bound, ClientFeature, Record, RoundJob
+from fedlr.client.features import (
+    Bound,
+    ClientFeature,
+    Record,
+    RoundJob,
+    StepTogether,
+)
 from fedlr.config.options import NoOptions, option
 from fedlr.errors import ProtocolError
 from fedlr.flower.records import config_float, config_int, record_to_state
@@ -154,24 +160,6 @@ def _first(value: Any, count: int) -> Any:
 
 
 # ------------------------------------------------------------------ client
-class _Optimizers(torch.optim.Optimizer):
-    """Steps the round's optimizer and the local adapter's AdamW together."""
-
-    def __init__(self, main: torch.optim.Optimizer, local: torch.optim.Optimizer):
-        self.main, self.local = main, local
-        self.param_groups = main.param_groups
-        self.defaults = main.defaults
-        self.state = main.state
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.main.zero_grad(set_to_none=set_to_none)
-        self.local.zero_grad(set_to_none=set_to_none)
-
-    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
-        self.main.step()
-        self.local.step()
-
-
 class DualAdapter(ClientFeature):
     """The client side: the local adapter, its training and the weighted model.
 
@@ -387,7 +375,7 @@ class DualAdapter(ClientFeature):
             lr=float(group["lr"]),
             weight_decay=float(group.get("weight_decay", 0.0)),
         )
-        return _Optimizers(optimizer, local)
+        return StepTogether(optimizer, local)
 
     def reply_records(
         self,

@@ -63,7 +63,13 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecordValues, Rec
 from fedlr.adapters.lora import LoraModel
 from fedlr.adapters.plugin import lora_layers
 from fedlr.adapters.roles import AdapterLayout, Role
-from fedlr.client.features import Bound, ClientFeature, Record, RoundJob
+from fedlr.client.features import (
+    Bound,
+    ClientFeature,
+    Record,
+    RoundJob,
+    StepTogether,
+)
 from fedlr.config.options import NoOptions, option
 from fedlr.errors import ProtocolError
 from fedlr.flower.records import config_int, record_to_state
@@ -266,24 +272,6 @@ def initial_router(
 
 
 # ------------------------------------------------------------------ client
-class _WithRouter(torch.optim.Optimizer):
-    """Steps the round's optimizer and the routers' AdamW together."""
-
-    def __init__(self, main: torch.optim.Optimizer, router: torch.optim.Optimizer):
-        self.main, self.router = main, router
-        self.param_groups = main.param_groups
-        self.defaults = main.defaults
-        self.state = main.state
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.main.zero_grad(set_to_none=set_to_none)
-        self.router.zero_grad(set_to_none=set_to_none)
-
-    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
-        self.main.step()
-        self.router.step()
-
-
 class ExpertMixture(ClientFeature):
     """The client side: the experts, the router and the mixed forward pass.
 
@@ -438,7 +426,7 @@ class ExpertMixture(ClientFeature):
             lr=float(group["lr"]),
             weight_decay=float(group.get("weight_decay", 0.0)),
         )
-        return _WithRouter(optimizer, router)
+        return StepTogether(optimizer, router)
 
     def reply_records(
         self,
