@@ -21,13 +21,54 @@ from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
-__all__ = ["InProcessGrid", "ReplyHook", "RoundHook"]
+__all__ = ["GridWrapper", "InProcessGrid", "ReplyHook", "RoundHook"]
 
 _LOG = getLogger("fedlr")
 _SERVER_NODE_ID = 1
 
 ReplyHook = Callable[[int, Message, Message], Message | None]
 RoundHook = Callable[[list[tuple[int, Message, Message]]], list[Message | None]]
+
+
+class GridWrapper(Grid):
+    """A ``Grid`` that hands everything to ``inner``; a subclass overrides
+    what it changes (the progress lines of a round, the virtual clock)."""
+
+    def __init__(self, inner: Grid) -> None:
+        self.inner = inner
+
+    def set_run(self, run: Run) -> None:
+        self.inner.set_run(run)
+
+    @property
+    def run(self) -> Run:
+        return self.inner.run
+
+    def create_message(
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
+    ) -> Message:
+        return self.inner.create_message(
+            content, message_type, dst_node_id, group_id, ttl
+        )
+
+    def get_node_ids(self) -> Iterable[int]:
+        return self.inner.get_node_ids()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        return self.inner.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return self.inner.pull_messages(message_ids)
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        return self.inner.send_and_receive(messages, timeout=timeout)
 
 
 class InProcessGrid(Grid):

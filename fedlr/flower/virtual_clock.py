@@ -27,9 +27,9 @@ from pathlib import Path
 
 from flwr.app import Error, Message, RecordDict
 from flwr.serverapp import Grid
-from flwr.supercore.run import Run
 
 from fedlr.errors import ConfigError
+from fedlr.flower.grid import GridWrapper
 from fedlr.flower.records import record_nbytes
 
 __all__ = [
@@ -179,7 +179,7 @@ def _nbytes(content: RecordDict) -> int:
     return sum(record_nbytes(r) for r in content.array_records.values())
 
 
-class VirtualClockGrid(Grid):
+class VirtualClockGrid(GridWrapper):
     """Release an in-process grid's replies in virtual-time order.
 
     Parameters
@@ -201,36 +201,14 @@ class VirtualClockGrid(Grid):
         missing = sorted(set(inner.get_node_ids()) - set(speeds))
         if missing:
             raise ValueError(f"no speed for nodes {missing[:5]}")
-        self.inner = inner
+        super().__init__(inner)
         self.speeds = dict(speeds)
         self.now = 0.0
         self._queue: list[tuple[float, int, str]] = []
         self._replies: dict[str, Message] = {}
         self._seq = itertools.count()
 
-    # -- Grid interface ----------------------------------------------------
-    def set_run(self, run: Run) -> None:
-        self.inner.set_run(run)
-
-    @property
-    def run(self) -> Run:
-        return self.inner.run
-
-    def create_message(
-        self,
-        content: RecordDict,
-        message_type: str,
-        dst_node_id: int,
-        group_id: str,
-        ttl: float | None = None,
-    ) -> Message:
-        return self.inner.create_message(
-            content, message_type, dst_node_id, group_id, ttl
-        )
-
-    def get_node_ids(self) -> Iterable[int]:
-        return self.inner.get_node_ids()
-
+    # -- Grid interface (what the clock changes) ---------------------------
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         """Compute each reply now; schedule its release (time of the job)."""
         ids: list[str] = []

@@ -20,12 +20,11 @@ from dataclasses import dataclass, field
 from logging import INFO
 from typing import Any
 
-from flwr.app import Message, RecordDict
+from flwr.app import Message
 from flwr.serverapp import Grid
 from flwr.supercore import log
-from flwr.supercore.run import Run
 
-from fedlr.flower.grid import InProcessGrid
+from fedlr.flower.grid import GridWrapper, InProcessGrid
 
 __all__ = ["ProgressGrid", "RoundClock", "duration", "gap_text", "round_progress"]
 
@@ -83,10 +82,10 @@ def gap_text(metrics: Mapping[str, Any]) -> str:
     return f"gap {gap:.3e}{rel_part} "
 
 
-class ProgressGrid(Grid):
+class ProgressGrid(GridWrapper):
     """A ``Grid`` that logs how many replies of a round have arrived.
 
-    Everything is delegated to ``grid``; :meth:`send_and_receive` pushes the
+    Everything else is delegated to ``grid``; :meth:`send_and_receive` pushes the
     messages and pulls the replies as Flower's own grid does (every
     ``poll`` seconds until all replied or ``timeout``), logging
     ``fedlr [round t/T] k/n clients replied, 1m30s into the round`` at most
@@ -101,50 +100,22 @@ class ProgressGrid(Grid):
         every: float = PROGRESS_EVERY,
         poll: float = POLL_SECONDS,
     ) -> None:
-        self.grid = grid
+        super().__init__(grid)
         self.label = label
         self.every = every
         self.poll = poll
         self.started = time.monotonic()
 
-    def set_run(self, run: Run) -> None:
-        self.grid.set_run(run)
-
-    @property
-    def run(self) -> Run:
-        return self.grid.run
-
-    def create_message(
-        self,
-        content: RecordDict,
-        message_type: str,
-        dst_node_id: int,
-        group_id: str,
-        ttl: float | None = None,
-    ) -> Message:
-        return self.grid.create_message(
-            content, message_type, dst_node_id, group_id, ttl
-        )
-
-    def get_node_ids(self) -> Iterable[int]:
-        return self.grid.get_node_ids()
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        return self.grid.push_messages(messages)
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        return self.grid.pull_messages(message_ids)
-
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:
-        waiting = set(self.grid.push_messages(messages))
+        waiting = set(self.inner.push_messages(messages))
         sent = len(waiting)
         start = time.monotonic()
         last_line = start
         replies: list[Message] = []
         while timeout is None or time.monotonic() - start < timeout:
-            arrived = list(self.grid.pull_messages(waiting))
+            arrived = list(self.inner.pull_messages(waiting))
             replies.extend(arrived)
             waiting.difference_update(m.metadata.reply_to_message_id for m in arrived)
             if not waiting:
