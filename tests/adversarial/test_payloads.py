@@ -113,8 +113,13 @@ RULES = ("none", "norm-clip", "trimmed-mean", "median")
 
 # ------------------------------------------------------------ covering design
 def refuses_robust(method: str) -> bool:
-    """Whether the method's strategy refuses robust aggregation."""
-    return issubclass(get_method(method).strategy, HeteroRankLoRA)
+    """Whether the method's strategy refuses robust aggregation (the
+    asynchronous ones refuse it at construction; a case here sets the rule
+    after construction, so it must not pick them)."""
+    strategy = get_method(method).strategy
+    return issubclass(strategy, HeteroRankLoRA) or getattr(
+        strategy, "asynchronous", False
+    )
 
 
 def families() -> dict[str, tuple[str, ...]]:
