@@ -248,7 +248,10 @@ class AsyncLoraStrategy(LoraStrategy):
     def async_options(self) -> AsyncOptions:
         """The method's options, typed as the engine reads them."""
         opts = self.method_options
-        assert isinstance(opts, AsyncOptions)
+        if not isinstance(opts, AsyncOptions):
+            raise TypeError(
+                f"{type(self).__name__} needs AsyncOptions, got {type(opts).__name__}"
+            )
         return opts
 
     @property

@@ -167,14 +167,12 @@ def average_linkage(distances: torch.Tensor, k: int) -> list[int]:
     d = distances.double()
     groups: list[list[int]] = [[i] for i in range(n)]
     while len(groups) > k:
-        best: tuple[float, int, int] | None = None
-        for a in range(len(groups)):
-            for b in range(a + 1, len(groups)):
-                link = float(d[groups[a]][:, groups[b]].mean())
-                if best is None or link < best[0]:
-                    best = (link, a, b)
-        assert best is not None
-        _, a, b = best
+        # the smallest average linkage; ties: the first pair (a, b) in order
+        _, a, b = min(
+            (float(d[groups[a]][:, groups[b]].mean()), a, b)
+            for a in range(len(groups))
+            for b in range(a + 1, len(groups))
+        )
         groups[a] = sorted(groups[a] + groups[b])
         del groups[b]
     labels = [0] * n
