@@ -6,7 +6,10 @@
 # docs/results/NAME/. `privacy` runs the lora-family task under DP-SGD at
 # epsilon 1, 3 and 6 (its no-DP runs are lora-dirichlet's) and writes the
 # privacy table, claims and plot (benchmarks/privacy.py); it is not in the
-# default list (about 1 h more on 2 cores).
+# default list (about 1 h more on 2 cores). `frontier` runs the newer LoRA
+# methods (server optimisers, RoLoRA, SLoRA, FedRot-LoRA, ILoRA, RAVAN, FedDPA,
+# FedLEASE, HiLoRA, FedAsync, FedBuff) on the same task, 3 seeds, and tables
+# them beside lora-dirichlet's FedIT runs (about 50 min more; not default).
 #
 #   bash benchmarks/results.sh [NAME ...]     # default: every sweep
 #   ENGINE=flwr bash benchmarks/results.sh    # through `flwr run` instead
@@ -39,6 +42,8 @@ publish() {  # NAME: copy the sweep's table and plots into docs/results/NAME/
 
 LORA=fedavg-lora,fedex-lora,ffa-lora,fedsvd,fedspec,fedsa-lora
 PRIVATE=fedavg-lora,ffa-lora,fedsvd,fedex-lora,fedspec
+FRONTIER=fedadam-lora,fedyogi-lora,fedadagrad-lora,rolora,slora,fedrot-lora,ilora
+FRONTIER+=,ravan,feddpa,fedlease
 run_one() {
     case $1 in
     lora-dirichlet) sweep lora-dirichlet benchmarks/conf/lora-family.toml $LORA 0,1,2 ;;
@@ -60,6 +65,23 @@ run_one() {
         done
         "$PY" -m fedlr.runs.compare table "$OUT"/svd-rank*/runs/*/*/ \
             --by lora-rank --out "$OUT/svd" >/dev/null ;;
+    frontier)  # the methods of issue 36 on lora-dirichlet's task, beside FedIT
+        # HiLoRA's default stages (15 root, 20 cluster rounds) would leave a
+        # 6-round run root-only: 2 rounds per stage here
+        sweep frontier benchmarks/conf/lora-family.toml $FRONTIER 0,1,2
+        sweep frontier-hilora benchmarks/conf/lora-family.toml hilora 0,1,2 \
+            'hilora-root-rounds=2 hilora-cluster-rounds=2'
+        # asynchronous, all 4 nodes busy on the generated 10x-spread trace, the
+        # same 24 client trainings as 6 synchronous rounds: FedBuff K = 4 over
+        # 6 versions; FedAsync 24 versions, lr-decay 0.85 per 4 of them
+        sweep frontier-fedbuff benchmarks/conf/lora-family.toml fedbuff-lora 0,1,2 \
+            'buffer-size=4'
+        sweep frontier-fedasync benchmarks/conf/lora-family.toml fedasync-lora 0,1,2 \
+            'num-server-rounds=24 lr-decay=0.9602'
+        [[ -d $OUT/lora-dirichlet/runs ]] || run_one lora-dirichlet
+        "$PY" -m fedlr.runs.compare table "$OUT"/lora-dirichlet/runs/fedavg-lora-seed*/*/ \
+            "$OUT"/frontier*/runs/*/*/ \
+            --out "$OUT/frontier" >/dev/null ;;
     privacy)  # DP-SGD at each epsilon; the no-DP runs are lora-dirichlet's
         # (publish copies table.md, table.csv and privacy.png; claims.md too)
         [[ -d $OUT/lora-dirichlet/runs ]] || run_one lora-dirichlet
@@ -71,7 +93,7 @@ run_one() {
         for m in ${PRIVATE//,/ }; do plain+=("$OUT"/lora-dirichlet/runs/$m-seed*/*/); done
         "$PY" -m benchmarks.privacy --out "$OUT/privacy" \
             "$OUT"/privacy-eps*/runs/*/*/ "${plain[@]}" ;;
-    *) echo "unknown sweep '$1' (lora-dirichlet lora-iid vera llm qrmix fot svd privacy)" >&2; exit 2 ;;
+    *) echo "unknown sweep '$1' (lora-dirichlet lora-iid vera llm qrmix fot svd privacy frontier)" >&2; exit 2 ;;
     esac
 }
 

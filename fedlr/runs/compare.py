@@ -675,7 +675,10 @@ def _flower_lines_once(verbose: bool = False) -> Iterator[None]:
 
     In-process runs log through the ``flwr`` logger; when the root logger has
     a handler too, every line would be printed twice. Unless ``verbose``,
-    Flower's hints (:func:`fedlr.flower.launch.is_noise`) are left out.
+    Flower's hints and its per-round INFO lines
+    (:func:`fedlr.flower.launch.is_noise`, the same filter as under ``flwr
+    run``) are left out, and Flower's level colours are written only to a
+    terminal (a log file gets no ANSI codes).
     """
     flower = logging.getLogger("flwr")
     saved = flower.propagate
@@ -683,16 +686,35 @@ def _flower_lines_once(verbose: bool = False) -> Iterator[None]:
     quiet = _NoiseFilter()
     if not verbose:
         flower.addFilter(quiet)
+    coloured = {
+        handler: handler.colored  # Flower's ConsoleHandler
+        for handler in flower.handlers
+        if isinstance(handler, logging.StreamHandler) and hasattr(handler, "colored")
+    }
+    for handler in coloured:
+        handler.colored = _is_terminal(handler.stream)
     try:
         yield
     finally:
         flower.propagate = saved
         flower.removeFilter(quiet)
+        for handler, colour in coloured.items():
+            handler.colored = colour
+
+
+def _is_terminal(stream: object) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty()) if callable(isatty) else False
+    except ValueError:  # a closed stream
+        return False
 
 
 class _NoiseFilter(logging.Filter):
+    """Flower's noise, as :func:`~fedlr.flower.launch.is_noise` sees a CLI line."""
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not is_noise(record.getMessage())
+        return not is_noise(f"{record.levelname} : {record.getMessage()}")
 
 
 def main(argv: list[str] | None = None) -> int:

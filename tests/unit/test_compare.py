@@ -479,3 +479,40 @@ def test_in_process_runs_print_flower_lines_once_and_drop_library_noise(recwarn)
     assert logging.getLogger("flwr").handlers
     deprecations = [w for w in recwarn if issubclass(w.category, FutureWarning)]
     assert len(deprecations) == 2  # the bare call's and the verbose call's
+
+
+def test_in_process_runs_keep_fedlr_lines_and_drop_flowers_round_lines_without_colour():
+    """What `compare run --engine inprocess > log` writes: fedlr's lines, no ANSI."""
+    import io
+    import logging
+
+    from fedlr.runs.compare import quiet_in_process
+
+    flower = logging.getLogger("flwr")
+    console = next(h for h in flower.handlers if hasattr(h, "colored"))
+    out = io.StringIO()  # not a terminal
+    saved_stream, saved_colour = console.stream, console.colored
+    console.stream = out
+    try:
+        with quiet_in_process():
+            flower.info("")
+            flower.info("[ROUND 1/6]")
+            flower.info("configure_train: Sampled 4 nodes (out of 4)")
+            flower.info("aggregate_train: Received 4 results and 0 failures")
+            flower.info("fedlr [round 1/6] accuracy 0.7525")
+            flower.warning("a client failed")
+        inside = out.getvalue()
+        out.seek(0), out.truncate()
+        with quiet_in_process(verbose=True):
+            flower.info("configure_train: Sampled 4 nodes (out of 4)")
+        verbose = out.getvalue()
+    finally:
+        console.stream, console.colored = saved_stream, saved_colour
+    lines = inside.splitlines()
+    assert [line.split(":", 1)[1].strip() for line in lines] == [
+        "fedlr [round 1/6] accuracy 0.7525",
+        "a client failed",
+    ]
+    assert "\x1b[" not in inside and lines[0].startswith("INFO")
+    assert "configure_train: Sampled 4 nodes" in verbose and "\x1b[" not in verbose
+    assert console.colored == saved_colour  # restored
