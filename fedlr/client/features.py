@@ -138,6 +138,20 @@ class StepTogether(torch.optim.Optimizer):
         self.defaults = main.defaults
         self.state = main.state
 
+    @classmethod
+    def beside(
+        cls, main: torch.optim.Optimizer, params: Iterable[torch.Tensor]
+    ) -> StepTogether:
+        """``main`` stepped with an AdamW over ``params`` at ``main``'s first
+        group's learning rate and weight decay."""
+        group = main.param_groups[0]
+        extra = torch.optim.AdamW(
+            list(params),
+            lr=float(group["lr"]),
+            weight_decay=float(group.get("weight_decay", 0.0)),
+        )
+        return cls(main, extra)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.main.zero_grad(set_to_none=set_to_none)
         self.extra.zero_grad(set_to_none=set_to_none)

@@ -369,13 +369,7 @@ class DualAdapter(ClientFeature):
     ) -> torch.optim.Optimizer:
         if self.mix is None:
             return optimizer
-        group = optimizer.param_groups[0]
-        local = torch.optim.AdamW(
-            list(self.local.values()),
-            lr=float(group["lr"]),
-            weight_decay=float(group.get("weight_decay", 0.0)),
-        )
-        return StepTogether(optimizer, local)
+        return StepTogether.beside(optimizer, self.local.values())
 
     def reply_records(
         self,

@@ -418,13 +418,7 @@ class ExpertMixture(ClientFeature):
     ) -> torch.optim.Optimizer:
         if not self.train:
             return optimizer
-        group = optimizer.param_groups[0]
-        router = torch.optim.AdamW(
-            list(self.routers.values()),
-            lr=float(group["lr"]),
-            weight_decay=float(group.get("weight_decay", 0.0)),
-        )
-        return StepTogether(optimizer, router)
+        return StepTogether.beside(optimizer, self.routers.values())
 
     def reply_records(
         self,
