@@ -17,10 +17,18 @@ def test_every_heterogeneous_rank_method_runs_under_flwr_run(
     assets,
     flwr_home,
 ):
-    """Four SuperNodes, one rank each, 2 rounds per method; one SuperLink."""
+    """Four SuperNodes, one rank each, 2 rounds per method; one SuperLink.
+
+    What Flower's engine adds is method-independent (each SuperNode's rank
+    from its partition, the per-rank downlink, node state across rounds), so
+    two methods run here: FlexLoRA (each rank sent its truncation) and
+    FedEx-LoRA (every rank holds the exact mean). Every heterogeneous-rank
+    method's numbers are checked in process
+    (tests/strategies/test_hetero_ranks.py::test_every_rank_trains_and_reports).
+    """
     from fedlr.flower.launch import flwr_run
 
-    for method in ("flexlora", "hetlora", "flora", "fedspec", "fedex-lora"):
+    for method in ("flexlora", "fedex-lora"):
         output = tmp_path / method
         config = tiny_run_config(
             output,
@@ -49,9 +57,7 @@ def test_every_heterogeneous_rank_method_runs_under_flwr_run(
         # every rank took part: its clients sent bytes up each round
         for rank in RANKS:
             assert (frame[f"bytes-up-rank-{rank}"] > 0).all(), (method, rank)
-        if method == "flora":
-            assert (frame["frobenius-gap"] == 0).all()
-        elif method == "fedex-lora":  # every node holds the exact mean
+        if method == "fedex-lora":  # every node holds the exact mean
             assert (frame[[f"gap-rank-{r}" for r in RANKS]] == 0).all().all()
         else:
             assert (frame["gap-rank-2"] >= frame["gap-rank-16"]).all()
