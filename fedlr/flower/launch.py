@@ -294,7 +294,11 @@ def check_before_start(
     registry (and the task's kind of data set), the tracker's package, secure
     aggregation's eligibility and share count (with client-level DP: the
     quantiser's room for the noise), ``min-replies`` against the nodes a round
-    samples, and CUDA for ``quantization`` or ``client_gpus``. The run-config
+    samples, CUDA for ``quantization`` or ``client_gpus``, and in a local
+    simulation ``resume-from``: a run directory with a good checkpoint whose
+    settings this run repeats (the ServerApp's own checks at start, made
+    here; the checkpoint's strategy state is checked by the ServerApp, which
+    builds the strategy). The run-config
     checks of :func:`check_run_config` (the method, keys, types, privacy) come
     first.
 
@@ -335,6 +339,17 @@ def check_before_start(
         _check_secure(method, sampled)
     if num_supernodes is not None:
         _check_cuda(run.quantization, client_gpus)
+        if run.resume_from:  # a deployment's checkpoint is on its server
+            _check_resume(method)
+
+
+def _check_resume(method: MethodConfig) -> None:
+    """``resume-from`` names a run directory with a good checkpoint of a run
+    with these settings (:func:`fedlr.runs.checkpoint.check_resumable`)."""
+    from fedlr.runs.checkpoint import check_resumable, load_checkpoint
+
+    saved = load_checkpoint(method.run.resume_from)
+    check_resumable(saved["config"], method.to_mapping())
 
 
 def _check_dataset(method: MethodConfig) -> None:

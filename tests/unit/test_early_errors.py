@@ -103,6 +103,11 @@ CASES = [
         id="instruction-set-with-an-encoder",
     ),
     pytest.param(["--run-config", "min-replies=5"], "min-replies", id="min-replies"),
+    pytest.param(
+        ["--run-config", 'resume-from="/nonexistent/fedlr-run"'],
+        "resume-from",
+        id="resume-from-not-a-run",
+    ),
 ]
 
 
@@ -131,6 +136,34 @@ def test_a_valid_value_of_the_same_keys_passes_the_checks():
     secure = check_run_config(ROOT, 'method="fedavg-lora" secure-aggregation=true')
     check_before_start(secure, num_supernodes=4)
     assert secure.run.secure_aggregation is True
+
+
+def test_resume_from_is_checked_before_the_superlink_starts(tmp_path):
+    """A directory without checkpoints, and a checkpoint of other settings,
+    are refused by name before anything starts; a matching one passes."""
+    from fedlr.errors import ConfigError
+    from fedlr.flower.launch import check_before_start, check_run_config
+    from fedlr.runs.checkpoint import save_checkpoint
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    method = check_run_config(ROOT, f'resume-from="{empty}"')
+    with pytest.raises(ConfigError) as caught:
+        check_before_start(method, num_supernodes=4)
+    assert caught.value.key == "resume-from" and "checkpoint" in str(caught.value)
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    saved = check_run_config(ROOT, "lr=0.01").to_mapping()
+    entries = {"arrays": {}, "strategy": {}, "rng": {}, "config": saved}
+    save_checkpoint(run_dir, {"round": 3, **entries})
+    other = check_run_config(ROOT, f'lr=0.02 resume-from="{run_dir}"')
+    with pytest.raises(ConfigError) as caught:
+        check_before_start(other, num_supernodes=4)
+    assert caught.value.key == "lr" and "0.01" in str(caught.value)
+    same = check_run_config(ROOT, f'lr=0.01 resume-from="{run_dir}"')
+    check_before_start(same, num_supernodes=4)  # no error
+    check_before_start(other, num_supernodes=None)  # a deployment: its server's
 
 
 def test_a_deployment_skips_the_node_count_and_gpu_checks():
