@@ -76,9 +76,13 @@ DEFENCES: dict[str, dict[str, Any]] = {
     "median": {"robust": "median"},
     "clip+cap": {"robust": "norm-clip", "max-weight-ratio": 1.0},
     "clip2+cap": {"robust": "norm-clip", "clip-ratio": 2.0, "max-weight-ratio": 1.0},
+    "heldout-check": {"robust": "none", "heldout-check": True},
 }
 """The defences compared, by name: run-config values over the defaults (each
-sets ``robust``, so a study does not depend on which rule is the default)."""
+sets ``robust``, so a study does not depend on which rule is the default).
+``heldout-check`` keeps the held-out split's last 128 examples for itself:
+compare it with ``--set max-eval-examples=672`` so that every defence is
+evaluated on the same 672 examples (polarity's held-out split has 800)."""
 
 
 def settings(attackers: list[int]) -> list[str]:

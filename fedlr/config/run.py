@@ -334,6 +334,27 @@ class RunConfig(Options):
         "is no cap",
         range=">= 0",
     )
+    heldout_check: bool = option(
+        False,
+        "leave out a reply whose update raises the server's validation loss by "
+        "more than `heldout-check-margin` (each reply tried out of the round "
+        "through the method's own aggregation); needs the server's held-out "
+        "split and every single reply: `lora` methods with one global model, "
+        "not under SecAgg+ ([reliability.md](reliability.md#the-held-out-check))",
+        bad=[("yes", "expected true/false")],
+    )
+    heldout_check_examples: int = option(
+        128,
+        "the held-out check's validation examples: the last this many of the "
+        "server's held-out split, left out of the reported evaluation",
+        range=">= 1",
+    )
+    heldout_check_margin: float = option(
+        0.01,
+        "the held-out check leaves a reply out when the validation loss "
+        "(mean per example) without it is lower by more than this",
+        range=">= 0",
+    )
     max_num_examples: int = option(
         0,
         "a reply claiming more `num-examples` is dropped; `0`: the largest "

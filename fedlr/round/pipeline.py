@@ -17,7 +17,6 @@ strategy's settings every round; the method contributes its reply step
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable, Iterable, Mapping
 from logging import INFO, WARNING
@@ -38,6 +37,7 @@ from fedlr.round.publish import (
     round_metrics,
 )
 from fedlr.round.replies import short
+from fedlr.round.state import NUMERIC_FAULTS, method_state, restore_method_state
 from fedlr.wire.protocol import NUM_EXAMPLES, TRAIN_LOSS_ALIASES
 
 __all__ = [
@@ -53,46 +53,6 @@ __all__ = [
 
 Exchange = Callable[[Grid, Iterable[Message], float | None], Iterable[Message]]
 """Sends a round's train instructions and returns the replies (``run_round``)."""
-
-NUMERIC_FAULTS: tuple[type[BaseException], ...] = (
-    torch.linalg.LinAlgError,  # type: ignore[attr-defined]
-    ArithmeticError,
-)
-"""Errors of an aggregation kernel that reject the round, not the run (a
-failed SVD, an overflow)."""
-
-
-# ------------------------------------------------------------ method state
-def state_attributes(cls: type) -> tuple[str, ...]:
-    """Every attribute name the classes of ``cls``'s MRO declare in
-    ``round_state`` (what their ``aggregate_updates`` may change)."""
-    names: list[str] = []
-    for klass in reversed(cls.__mro__):
-        for name in vars(klass).get("round_state", ()):
-            if name not in names:
-                names.append(name)
-    return tuple(names)
-
-
-def method_state(strategy: Any) -> dict[str, Any]:
-    """A copy of the method's explicit state: its checkpointed
-    ``state_dict()`` and every attribute its classes declare in
-    ``round_state``."""
-    return {
-        "state_dict": copy.deepcopy(strategy.state_dict()),
-        "attributes": {
-            name: copy.deepcopy(getattr(strategy, name))
-            for name in state_attributes(type(strategy))
-            if hasattr(strategy, name)
-        },
-    }
-
-
-def restore_method_state(strategy: Any, snapshot: Mapping[str, Any]) -> None:
-    """Put back what :func:`method_state` copied (a rejected round)."""
-    strategy.load_state_dict(snapshot["state_dict"])
-    for name, value in snapshot["attributes"].items():
-        setattr(strategy, name, value)
 
 
 # ------------------------------------------------------------------ metrics

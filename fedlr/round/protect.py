@@ -1,16 +1,19 @@
 """The round's protection steps, between the screen and the method.
 
-One of them acts on a round's validated updates, composed from the run
-config: the robust rule (:class:`RobustStep`: norm clipping, trimming, the
-geometric median, weight caps, in the method's update space) or client-level
-DP (:class:`ClientDpStep`: each update clipped, the mean noised; refused
-beside a robust rule at construction, :func:`fedlr.privacy.refusals.check_robust`).
+They act on a round's validated updates, composed from the run config: the
+robust rule (:class:`RobustStep`: norm clipping, trimming, the geometric
+median, weight caps, in the method's update space), the held-out check
+(:class:`HeldOutStep`: leave out a reply that raises the server's
+validation loss, :mod:`fedlr.robust.heldout`) and client-level DP
+(:class:`ClientDpStep`: each update clipped, the mean noised; refused beside
+a robust rule at construction, :func:`fedlr.privacy.refusals.check_robust`).
 Each step returns the updates the method aggregates, the updates it left out
 and its metrics; :func:`protection_steps` composes them for a strategy.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from logging import WARNING
@@ -20,13 +23,16 @@ import torch
 from flwr.supercore import log
 
 from fedlr.privacy.client_dp import protect
+from fedlr.robust.heldout import HeldOutCheck, leave_one_out
 from fedlr.robust.rules import RobustConfig, robust_aggregate
 from fedlr.robust.screen import record_norm
 from fedlr.round.replies import Replies
+from fedlr.round.state import NUMERIC_FAULTS, method_state, restore_method_state
 from fedlr.wire.updates import ClientUpdate
 
 __all__ = [
     "ClientDpStep",
+    "HeldOutStep",
     "Protected",
     "ProtectionStep",
     "RobustStep",
@@ -151,6 +157,79 @@ def clip_record(
 
 
 @dataclass
+class HeldOutStep:
+    """The held-out check (:mod:`fedlr.robust.heldout`), after the robust rule.
+
+    Each try is the method's own ``aggregate_updates`` on the round's
+    updates with one left out, its state restored after it
+    (:func:`~fedlr.round.state.method_state`); a try that fails numerically
+    counts as an infinite loss. With fewer than 3 updates nothing is tried.
+    Metrics: ``heldout-loss`` (the validation loss of what is aggregated,
+    before client-level DP's noise), ``heldout-left-out``.
+    """
+
+    check: HeldOutCheck
+    strategy: Any
+
+    def __call__(
+        self, server_round: int, done: Protected, current: Mapping[str, torch.Tensor]
+    ) -> Protected:
+        kept = list(done.updates)
+        left: list[ClientUpdate] = []
+        most = (len(kept) - 1) // 2  # never half of the round's replies
+        if len(kept) < 3:  # nothing would be left out: no tries
+            return Protected(
+                kept, done.left_out, {**done.metrics, "heldout-left-out": 0.0}
+            )
+        snapshot = method_state(self.strategy)
+        try:
+            loss = self._loss(server_round, kept, current, snapshot)
+            while len(kept) >= 3 and len(left) < most:
+                without = [
+                    self._loss(
+                        server_round, kept[:i] + kept[i + 1 :], current, snapshot
+                    )
+                    for i in range(len(kept))
+                ]
+                i = leave_one_out(loss, without, self.check.margin)
+                if i is None:
+                    break
+                log(
+                    WARNING,
+                    "round %d: held-out check: node %d left out (validation loss "
+                    "%.4f with its update, %.4f without; margin %g)",
+                    server_round,
+                    kept[i].node_id,
+                    loss,
+                    without[i],
+                    self.check.margin,
+                )
+                left.append(kept.pop(i))
+                loss = without[i]
+        finally:
+            restore_method_state(self.strategy, snapshot)
+        metrics = {"heldout-loss": loss, "heldout-left-out": float(len(left))}
+        return Protected(kept, done.left_out + left, {**done.metrics, **metrics})
+
+    def _loss(
+        self,
+        server_round: int,
+        updates: list[ClientUpdate],
+        current: Mapping[str, torch.Tensor],
+        snapshot: Mapping[str, Any],
+    ) -> float:
+        try:
+            state, _ = self.strategy.aggregate_updates(
+                server_round, updates, dict(current)
+            )
+        except NUMERIC_FAULTS:
+            return math.inf
+        finally:
+            restore_method_state(self.strategy, snapshot)
+        return float(self.check.loss(state))
+
+
+@dataclass
 class ClientDpStep:
     """Client-level DP (when on) and DP-SGD's largest client epsilon.
 
@@ -171,11 +250,14 @@ class ClientDpStep:
 def protection_steps(strategy: Any) -> list[ProtectionStep]:
     """The protection steps of ``strategy``'s round, from its settings.
 
-    The robust rule when one is active, then client-level DP (which also
-    reports DP-SGD's largest client epsilon, so it always runs).
+    The robust rule when one is active, the held-out check when the server
+    plan set one, then client-level DP (which also reports DP-SGD's largest
+    client epsilon, so it always runs).
     """
     steps: list[ProtectionStep] = []
     if strategy.robust.active:
         steps.append(RobustStep(strategy.robust, strategy.replies, strategy))
+    if strategy.heldout_check is not None:  # set by the server plan
+        steps.append(HeldOutStep(strategy.heldout_check, strategy))
     steps.append(ClientDpStep(strategy))
     return steps

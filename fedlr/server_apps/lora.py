@@ -21,6 +21,7 @@ from fedlr.adapters import Role, adapter_state
 from fedlr.adapters.lora import LoraModel
 from fedlr.client.train import pick_device
 from fedlr.errors import ConfigError
+from fedlr.robust.heldout import HELDOUT_COLUMNS, HeldOutCheck
 from fedlr.server_apps.plans import (
     ServerPlan,
     check_strategy,
@@ -100,6 +101,32 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
         model.model.to("cpu")
         return result
 
+    note = (
+        "; personalised: each client evaluates on its own held-out part"
+        if traits.personalised
+        else ""
+    )
+    if config.heldout_check:  # personalised methods are refused at configuration
+        checked = task.check_examples()
+
+        def validation_loss(state: Mapping[str, torch.Tensor]) -> float:
+            rank = (
+                int(state[first_a].shape[0]) if first_a in state else config.lora_rank
+            )
+            model = model_at(rank)
+            model.load(state)
+            result = task.evaluate(model.model, checked, device)
+            model.model.to("cpu")
+            return float(result["loss"])
+
+        strategy.heldout_check = HeldOutCheck(
+            validation_loss, config.heldout_check_margin, len(checked)
+        )
+        note += (
+            f"; held-out check on {len(checked)} other examples "
+            f"(margin {config.heldout_check_margin:g})"
+        )
+
     return heldout_plan(
         config,
         strategy=strategy,
@@ -107,10 +134,10 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
         evaluate=evaluate_global,
         heldout_examples=len(heldout),
         device=device,
-        columns=(*task.metric_columns, *strategy.extra_columns),
-        note=(
-            "; personalised: each client evaluates on its own held-out part"
-            if traits.personalised
-            else ""
+        columns=(
+            *task.metric_columns,
+            *strategy.extra_columns,
+            *(HELDOUT_COLUMNS if config.heldout_check else ()),
         ),
+        note=note,
     )

@@ -30,6 +30,7 @@ from fedlr.linalg import weighted_mean
 from fedlr.privacy.client_dp import ClientDpLedger, keep_ledger
 from fedlr.privacy.refusals import PrivacyTraits, check_robust
 from fedlr.privacy.settings import PrivacyConfig
+from fedlr.robust.heldout import HeldOutCheck
 from fedlr.robust.rules import RobustConfig
 from fedlr.robust.screen import DEFAULT_SCREEN_RATIO, ScreenOutcome
 from fedlr.round.describe import log_summary
@@ -204,6 +205,9 @@ class FedLRStrategy(FedAvg):
         self.rejected_rounds = 0
         self.last_rejection: str | None = None
         self.last_robust: list[str] = []
+        self.heldout_check: HeldOutCheck | None = None
+        """The held-out check (:mod:`fedlr.robust.heldout`), set by the server
+        plan with ``heldout-check = true``; a plug-in user may set one."""
         self.last_timing: dict[str, float] = {}
         self._current: ArrayRecord | None = None
         self._bytes_down = 0

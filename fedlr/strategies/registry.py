@@ -30,6 +30,7 @@ from fedlr.config.run import RunConfig, load_extensions
 from fedlr.errors import ConfigError, UnknownMethodError
 from fedlr.privacy import dp_sgd  # noqa: F401  (registers the common DP-SGD feature)
 from fedlr.privacy.refusals import check_privacy
+from fedlr.robust.heldout import check_heldout_method
 from fedlr.strategies.registration import (
     MethodSpec,
     OptionClashError,
@@ -174,6 +175,14 @@ def resolve(run_config: Mapping[str, Any]) -> MethodConfig:
             '(rounding would undo the fold); use quantization="none" or a '
             "method that keeps the base frozen (fedavg-lora, fedsvd, fedspec, "
             "ffa-lora, fedsa-lora, ...)",
+        )
+    if run.heldout_check:
+        check_heldout_method(
+            spec.name,
+            spec.payload.name,
+            spec.traits.personalised,
+            secure_aggregation=run.secure_aggregation,
+            client_dp=run.privacy.client_dp is not None,
         )
     check_privacy(
         spec.name,

@@ -75,12 +75,37 @@ class _Common:
         raise NotImplementedError
 
     def heldout(self) -> Any:
-        """The server's evaluation set (first ``max-eval-examples`` if set)."""
+        """The server's evaluation set (first ``max-eval-examples`` if set),
+        without the held-out check's examples (:meth:`check_examples`)."""
         data = self.split().heldout
+        reserved = self._reserved(len(data))
+        data = data.select(range(len(data) - reserved))
         cap = self.config.max_eval_examples
         if cap and len(data) > cap:
             data = data.select(range(cap))
         return self.encode(data)
+
+    def check_examples(self) -> Any:
+        """The held-out check's validation set: the last
+        ``heldout-check-examples`` of the held-out split (never evaluated in
+        the reported metrics); ``None`` when the check is off."""
+        data = self.split().heldout
+        reserved = self._reserved(len(data))
+        if not reserved:
+            return None
+        return self.encode(data.select(range(len(data) - reserved, len(data))))
+
+    def _reserved(self, size: int) -> int:
+        if not self.config.heldout_check:
+            return 0
+        k = self.config.heldout_check_examples
+        if k >= size:
+            raise ConfigError(
+                "heldout-check-examples",
+                f"{k} of the {size} held-out examples of '{self.config.dataset}' "
+                "would leave none to evaluate on; use fewer",
+            )
+        return k
 
     def partition(self, partition_id: int, num_partitions: int) -> Any:
         """A client's training partition."""
