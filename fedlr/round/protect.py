@@ -181,33 +181,28 @@ class HeldOutStep:
             return Protected(
                 kept, done.left_out, {**done.metrics, "heldout-left-out": 0.0}
             )
-        snapshot = method_state(self.strategy)
-        try:
-            loss = self._loss(server_round, kept, current, snapshot)
-            while len(kept) >= 3 and len(left) < most:
-                without = [
-                    self._loss(
-                        server_round, kept[:i] + kept[i + 1 :], current, snapshot
-                    )
-                    for i in range(len(kept))
-                ]
-                i = leave_one_out(loss, without, self.check.margin)
-                if i is None:
-                    break
-                log(
-                    WARNING,
-                    "round %d: held-out check: node %d left out (validation loss "
-                    "%.4f with its update, %.4f without; margin %g)",
-                    server_round,
-                    kept[i].node_id,
-                    loss,
-                    without[i],
-                    self.check.margin,
-                )
-                left.append(kept.pop(i))
-                loss = without[i]
-        finally:
-            restore_method_state(self.strategy, snapshot)
+        snapshot = method_state(self.strategy)  # each try restores it
+        loss = self._loss(server_round, kept, current, snapshot)
+        while len(kept) >= 3 and len(left) < most:
+            without = [
+                self._loss(server_round, kept[:i] + kept[i + 1 :], current, snapshot)
+                for i in range(len(kept))
+            ]
+            i = leave_one_out(loss, without, self.check.margin)
+            if i is None:
+                break
+            log(
+                WARNING,
+                "round %d: held-out check: node %d left out (validation loss "
+                "%.4f with its update, %.4f without; margin %g)",
+                server_round,
+                kept[i].node_id,
+                loss,
+                without[i],
+                self.check.margin,
+            )
+            left.append(kept.pop(i))
+            loss = without[i]
         metrics = {"heldout-loss": loss, "heldout-left-out": float(len(left))}
         return Protected(kept, done.left_out + left, {**done.metrics, **metrics})
 

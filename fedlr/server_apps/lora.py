@@ -13,7 +13,7 @@ rebuilt at the rank of the arrays it receives.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -85,6 +85,15 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
             models[rank] = text_task(config.replace(lora_rank=rank)).build_lora_model()
         return models[rank]
 
+    def evaluate_on(state: Mapping[str, torch.Tensor], data: Any) -> dict[str, float]:
+        """The model of the published arrays ``state`` evaluated on ``data``."""
+        rank = int(state[first_a].shape[0]) if first_a in state else config.lora_rank
+        model = model_at(rank)
+        model.load(state)
+        result = task.evaluate(model.model, data, device)
+        model.model.to("cpu")
+        return result
+
     def evaluate_global(
         server_round: int, state: Mapping[str, torch.Tensor]
     ) -> dict[str, float]:
@@ -94,12 +103,7 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
                 nan = float("nan")
                 return {"accuracy": nan, "loss": nan}
             return {k: v for k, v in result.items() if k != "evaluated-clients"}
-        rank = int(state[first_a].shape[0]) if first_a in state else config.lora_rank
-        model = model_at(rank)
-        model.load(state)
-        result = task.evaluate(model.model, heldout, device)
-        model.model.to("cpu")
-        return result
+        return evaluate_on(state, heldout)
 
     note = (
         "; personalised: each client evaluates on its own held-out part"
@@ -110,14 +114,7 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
         checked = task.check_examples()
 
         def validation_loss(state: Mapping[str, torch.Tensor]) -> float:
-            rank = (
-                int(state[first_a].shape[0]) if first_a in state else config.lora_rank
-            )
-            model = model_at(rank)
-            model.load(state)
-            result = task.evaluate(model.model, checked, device)
-            model.model.to("cpu")
-            return float(result["loss"])
+            return float(evaluate_on(state, checked)["loss"])
 
         strategy.heldout_check = HeldOutCheck(
             validation_loss, config.heldout_check_margin, len(checked)
