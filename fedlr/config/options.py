@@ -436,6 +436,11 @@ class Options:
         """Run-config form (kebab-case keys) of every option."""
         return {kebab(f.name): getattr(self, f.name) for f in fields(self)}
 
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """Run-config key (kebab-case) -> this group's declared default."""
+        return {kebab(f.name): f.default for f in fields(cls)}
+
     def replace(self, **changes: Any) -> Self:
         """A copy with ``changes`` (snake_case names), validated again."""
         return dataclasses.replace(self, **changes)

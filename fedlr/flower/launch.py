@@ -349,7 +349,7 @@ def _check_resume(method: MethodConfig) -> None:
     from fedlr.runs.checkpoint import check_resumable, load_checkpoint
 
     saved = load_checkpoint(method.run.resume_from)
-    check_resumable(saved["config"], method.to_mapping())
+    check_resumable(saved["config"], method.to_mapping(), method.defaults())
 
 
 def _check_dataset(method: MethodConfig) -> None:

@@ -540,18 +540,54 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def check_resumable(saved: Mapping[str, Any], current: Mapping[str, Any]) -> None:
+def check_resumable(
+    saved: Mapping[str, Any],
+    current: Mapping[str, Any],
+    defaults: Mapping[str, Any] | None = None,
+) -> None:
     """Refuse to resume when the run configs differ beyond the allowed keys.
+
+    A key the checkpoint's config lacks (one added to fedlr after the
+    checkpoint was written) passes when this run leaves it at its default,
+    which is what the version that wrote the checkpoint did.
+
+    Parameters
+    ----------
+    saved : mapping
+        The run config stored with the checkpoint.
+    current : mapping
+        This run's full run config (every key).
+    defaults : mapping, optional
+        Every key's declared default (:meth:`MethodConfig.defaults
+        <fedlr.strategies.registry.MethodConfig.defaults>`); without it a
+        key missing from ``saved`` is a difference.
 
     Raises
     ------
     ConfigError
         Naming the first differing key and both values.
     """
+    defaults = defaults or {}
     for key in sorted(set(saved) | set(current)):
         if key in IGNORED_ON_RESUME:
             continue
-        a, b = saved.get(key), current.get(key)
+        if key not in current:
+            raise ConfigError(
+                key,
+                f"the checkpoint was made with {saved[key]!r} for a key this "
+                "fedlr version does not have; resume with the version that "
+                "wrote it",
+            )
+        if key not in saved:
+            if key in defaults and current[key] == defaults[key]:
+                continue  # newer than the checkpoint, left at its default
+            raise ConfigError(
+                key,
+                f"the checkpoint predates this key, so it ran with the key's "
+                f"default {defaults.get(key, '(unknown)')!r}; this run has "
+                f"{current[key]!r}: a resumed run must use the same settings",
+            )
+        a, b = saved[key], current[key]
         if a != b:
             raise ConfigError(
                 key,

@@ -328,7 +328,7 @@ class ServerRun:
         config, spec = method.run, method.spec
         resume = load_checkpoint(config.resume_from) if config.resume_from else None
         if resume is not None:
-            check_resumable(resume["config"], method.to_mapping())
+            check_resumable(resume["config"], method.to_mapping(), method.defaults())
         else:
             ensure_output_dir(config.output_path)  # before the model is built
         random.seed(config.seed)  # Flower samples nodes with `random`

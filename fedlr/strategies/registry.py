@@ -79,6 +79,10 @@ class MethodConfig:
         """The flat run config (every common key and every option)."""
         return {**self.run.to_mapping(), **self.options.to_mapping()}
 
+    def defaults(self) -> dict[str, Any]:
+        """Every key of :meth:`to_mapping` with its declared default."""
+        return {**self.run.defaults(), **self.options.defaults()}
+
 
 def load_builtin_methods() -> None:
     """Import every module of :mod:`fedlr.strategies` once (they register)."""

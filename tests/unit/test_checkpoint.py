@@ -22,6 +22,7 @@ from fedlr.runs.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from fedlr.strategies.registry import resolve
 
 
 def _payload(round_=3):
@@ -134,3 +135,24 @@ def test_resuming_a_different_run_is_refused():
     check_resumable(saved, {**saved, "keep-checkpoints": 5})
     with pytest.raises(ConfigError, match=r"'seed'.*made with 1, this run has 2"):
         check_resumable(saved, {**saved, "seed": 2})
+
+
+def test_a_key_newer_than_the_checkpoint_passes_only_at_its_default():
+    saved = {"method": "fedspec", "seed": 1}
+    defaults = {"method": "fedex-lora", "seed": 0, "heldout-check": False}
+    check_resumable(saved, {**saved, "heldout-check": False}, defaults)
+    newer = r"'heldout-check'.*predates.*default False.*has True"
+    with pytest.raises(ConfigError, match=newer):
+        check_resumable(saved, {**saved, "heldout-check": True}, defaults)
+    with pytest.raises(ConfigError, match=r"'heldout-check'.*predates"):
+        check_resumable(saved, {**saved, "heldout-check": False})  # no defaults known
+    with pytest.raises(ConfigError, match=r"'old-key'.*does not have"):
+        check_resumable({**saved, "old-key": 3}, saved, defaults)
+
+
+def test_every_key_of_a_resolved_method_has_its_declared_default():
+    method = resolve({"method": "fedspec"})
+    assert method.defaults().keys() == method.to_mapping().keys()
+    assert method.defaults() == {**method.to_mapping(), "method": "fedex-lora"}
+    changed = resolve({"method": "fedspec", "seed": 7})
+    assert changed.defaults()["seed"] == method.to_mapping()["seed"] != 7

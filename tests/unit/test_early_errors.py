@@ -166,6 +166,27 @@ def test_resume_from_is_checked_before_the_superlink_starts(tmp_path):
     check_before_start(other, num_supernodes=None)  # a deployment: its server's
 
 
+def test_a_checkpoint_older_than_a_key_resumes_while_the_key_is_at_its_default(
+    tmp_path,
+):
+    """A checkpoint written before ``heldout-check`` existed (its config lacks
+    the key) resumes with the key at its default and is refused with it on."""
+    from fedlr.errors import ConfigError
+    from fedlr.flower.launch import check_before_start, check_run_config
+    from fedlr.runs.checkpoint import save_checkpoint
+
+    saved = check_run_config(ROOT, "").to_mapping()
+    del saved["heldout-check"]
+    entries = {"arrays": {}, "strategy": {}, "rng": {}, "config": saved}
+    save_checkpoint(tmp_path, {"round": 2, **entries})
+    same = check_run_config(ROOT, f'resume-from="{tmp_path}"')
+    check_before_start(same, num_supernodes=4)  # no error
+    on = check_run_config(ROOT, f'heldout-check=true resume-from="{tmp_path}"')
+    with pytest.raises(ConfigError) as caught:
+        check_before_start(on, num_supernodes=4)
+    assert caught.value.key == "heldout-check" and "predates" in str(caught.value)
+
+
 def test_a_deployment_skips_the_node_count_and_gpu_checks():
     from fedlr.flower.launch import check_before_start, check_run_config
 
