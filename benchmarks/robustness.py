@@ -29,7 +29,15 @@ The default task (fedex-lora, MiniLM with LoRA r = 8 on polarity, Dirichlet
       the negated honest mean, scaled to 0.9 of what the default update-size
       screen lets through (``screen-ratio`` times the honest median norm),
       claiming ``max-num-examples`` examples (the server's cap, the largest
-      partition): the most the default bounds let one reply weigh.
+      partition): the most the default bounds let one reply weigh;
+  ``adaptive``
+      the attack that knows the defence: the negated honest mean at 0.999 of
+      the largest norm the defence keeps (:func:`adaptive_limit`), claiming
+      the cap. Against the held-out check it also reads the server's own
+      strategy and validation examples (:class:`CheckProbe`) and sends the
+      largest scale whose leave-one-out gain ``L(S) - L(S - attackers)``
+      stays under 0.999 of ``heldout-check-margin``, so the check never
+      leaves it out for its own effect.
 
 Every run is one line of ``DIR/runs*.jsonl`` (resumable: a finished run is not
 run again; ``--shard I/N`` runs every N-th run starting at I, so that two
@@ -58,6 +66,8 @@ from flwr.app import Message, MessageType, MetricRecord, RecordDict
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.robust.screen import DEFAULT_SCREEN_RATIO
 from fedlr.robust.spaces import ProductSpace
+from fedlr.round.protect import HeldOutStep
+from fedlr.round.state import method_state
 from fedlr.runs.compare import parse_overrides
 from fedlr.server_apps.builtin_plans import build_plan
 from fedlr.server_apps.local import run_in_process
@@ -69,6 +79,9 @@ NUM_CLIENTS = 5
 CLIP_MARGIN = 0.99
 SCREEN_MARGIN = 0.9
 ADAPTIVE_MARGIN = 0.999
+CHECK_STEPS = 8
+"""Bisection steps of the check-aware scale (the kept scale is within
+``2**-8`` of the largest one the check lets through)."""
 
 DEFENCES: dict[str, dict[str, Any]] = {
     "none": {"robust": "none"},
@@ -122,6 +135,9 @@ class Colluders:
         ``adaptive``: the defence's norm-clip bound over the round's median
         update norm, or None when the defence does not clip (then the
         attacker goes to the screen's limit).
+    probe : CheckProbe, optional
+        ``adaptive`` against the held-out check: the server's check, which
+        the attackers keep their joint leave-one-out gain under.
     """
 
     def __init__(
@@ -131,6 +147,7 @@ class Colluders:
         cap: int,
         screen_ratio: float,
         clip_ratio: float | None = None,
+        probe: CheckProbe | None = None,
     ) -> None:
         if attack not in ATTACKS:
             raise ValueError(f"attack must be one of {ATTACKS}, got {attack!r}")
@@ -139,6 +156,7 @@ class Colluders:
         self.cap = cap
         self.screen_ratio = screen_ratio
         self.clip_ratio = clip_ratio
+        self.probe = probe
         self.norms: list[tuple[float, float]] = []  # (attacker, honest median)
 
     def __call__(
@@ -163,11 +181,13 @@ class Colluders:
         honest_median = statistics.median(honest_norms)
         z = alie_z(len(train), len(train) - len(honest))
         trained = {id(rep) for _, _, rep in train}
-        out = []
-        for p, ins, rep in round_:
-            if id(rep) not in trained or p not in self.attackers:
-                out.append(rep)
-                continue
+        attacking = [
+            (p, ins, rep)
+            for p, ins, rep in round_
+            if id(rep) in trained and p in self.attackers
+        ]
+        forged: dict[int, Message] = {}
+        for _, ins, rep in attacking:
             sent, own = _state(ins), _state(rep)
             claim = None
             if self.attack == "sign-flip":
@@ -191,15 +211,115 @@ class Colluders:
                 delta = _scaled(space, ref, {k: -mean[k] for k in keys}, target)
                 if self.attack in ("under-the-cap", "adaptive"):
                     claim = self.cap
-            forged = {
-                k: (sent.get(k, torch.zeros_like(v)) + delta[k].to(v.dtype))
-                if k in delta
-                else v
-                for k, v in own.items()
-            }
+            forged[id(rep)] = _forge(ins, rep, delta, claim)
+        if self.attack == "adaptive" and self.probe is not None and attacking:
+            forged = self.probe.under_the_check(train, forged)
+        for _, ins, rep in attacking:
+            delta = _delta(_state(forged[id(rep)]), _state(ins))
             self.norms.append((space.norm(_update(ref, delta)), honest_median))
-            out.append(_reply(ins, rep, forged, claim))
-        return out
+        return [forged.get(id(rep), rep) for _, _, rep in round_]
+
+
+def _forge(
+    instruction: Message,
+    reply: Message,
+    delta: Mapping[str, torch.Tensor],
+    claim: int | None,
+) -> Message:
+    """``reply`` with its arrays moved to ``sent + delta`` (and ``claim``)."""
+    sent, own = _state(instruction), _state(reply)
+    arrays = {
+        k: (sent.get(k, torch.zeros_like(v)) + delta[k].to(v.dtype))
+        if k in delta
+        else v
+        for k, v in own.items()
+    }
+    return _reply(instruction, reply, arrays, claim)
+
+
+class CheckProbe:
+    """The held-out check as an omniscient attacker sees it.
+
+    :meth:`attach` it with ``run_in_process(observe=probe.attach)``: it then
+    holds the server's own strategy (its reply checks, its method and the
+    validation examples of its check), so the loss it computes is the one
+    the check computes (:meth:`fedlr.round.protect.HeldOutStep.loss`, the
+    method's state restored after each try). Models ``robust = "none"``.
+
+    Attributes
+    ----------
+    gains : list of (float, float)
+        Per round: the attackers' leave-one-out gain at the scale sent, and
+        the check's margin.
+    """
+
+    def __init__(self) -> None:
+        self.strategy: Any = None
+        self.gains: list[tuple[float, float]] = []
+
+    def attach(self, strategy: Any) -> None:
+        """Read the server's strategy (``run_in_process``'s ``observe``)."""
+        if strategy.heldout_check is None:
+            raise ValueError("the check-aware attack needs heldout-check = true")
+        if strategy.robust.active:
+            raise ValueError("the check-aware attack models robust = 'none' only")
+        self.strategy = strategy
+
+    def loss(self, server_round: int, replies: list[Message]) -> float:
+        """The validation loss of what the server would publish from
+        ``replies`` (checked and screened as the server does)."""
+        s = self.strategy
+        if s is None:
+            raise RuntimeError("CheckProbe.attach was not called (observe=)")
+        current = record_to_state(s._current)
+        updates, _ = s.replies.validate_replies(replies)
+        updates, _ = s.replies.screen_update_sizes(updates, current)
+        step = HeldOutStep(s.heldout_check, s)
+        return step.loss(server_round, updates, current, method_state(s))
+
+    def under_the_check(
+        self,
+        train: list[tuple[int, Message, Message]],
+        forged: dict[int, Message],
+    ) -> dict[int, Message]:
+        """The attackers' forged replies scaled down (one factor for all)
+        until their joint leave-one-out gain is under 0.999 of the margin."""
+        config = train[0][1].content.config_records[protocol.CONFIG]
+        server_round = int(config[protocol.SERVER_ROUND])
+        margin = ADAPTIVE_MARGIN * self.strategy.heldout_check.margin
+        honest = [rep for _, _, rep in train if id(rep) not in forged]
+        without = self.loss(server_round, honest)
+        by_id = {id(rep): (ins, rep) for _, ins, rep in train}
+
+        def at(t: float) -> dict[int, Message]:
+            out = {}
+            for key, message in forged.items():
+                ins, rep = by_id[key]
+                full = _delta(_state(message), _state(ins))
+                scaled = {k: t * d for k, d in full.items()}
+                claim = message.content.metric_records[protocol.METRICS][
+                    protocol.NUM_EXAMPLES
+                ]
+                out[key] = _forge(ins, rep, scaled, int(claim))
+            return out
+
+        def gain(t: float) -> float:
+            candidate = at(t)
+            round_ = [candidate.get(id(rep), rep) for _, _, rep in train]
+            return self.loss(server_round, round_) - without
+
+        best, best_gain = 1.0, gain(1.0)
+        if not best_gain <= margin:
+            lo, hi, best, best_gain = 0.0, 1.0, 0.0, gain(0.0)
+            for _ in range(CHECK_STEPS):
+                mid = (lo + hi) / 2
+                g = gain(mid)
+                if g <= margin:
+                    lo, best, best_gain = mid, mid, g
+                else:
+                    hi = mid
+        self.gains.append((best_gain, margin / ADAPTIVE_MARGIN))
+        return at(best)
 
 
 def adaptive_limit(
@@ -337,7 +457,7 @@ def run(args: argparse.Namespace) -> None:
             **parse_overrides(args.set),
             **defence,
         }
-        hook = None
+        hook, probe = None, None
         if spec["attack"] != "none":
             method = resolve(config)
             largest = build_plan(method).largest_partition
@@ -346,15 +466,19 @@ def run(args: argparse.Namespace) -> None:
             )
             attackers = set(range(NUM_CLIENTS - spec["attackers"], NUM_CLIENTS))
             clips = defence["robust"] == "norm-clip"
+            if spec["attack"] == "adaptive" and method.run.heldout_check:
+                probe = CheckProbe()
             hook = Colluders(
                 spec["attack"],
                 attackers,
                 cap,
                 float(config.get("screen-ratio", DEFAULT_SCREEN_RATIO)),
                 float(defence.get("clip-ratio", 1.0)) if clips else None,
+                probe,
             )
         start = time.perf_counter()
-        run_dir = run_in_process(config, round_hook=hook)
+        observe = probe.attach if probe is not None else None
+        run_dir = run_in_process(config, round_hook=hook, observe=observe)
         frame = pd.read_csv(run_dir / "results.csv")
         accuracy = frame["accuracy"].dropna()
         row = {
@@ -372,6 +496,12 @@ def run(args: argparse.Namespace) -> None:
             "attack-norm-ratio": (
                 round(statistics.mean(a / h for a, h in hook.norms), 3)
                 if hook is not None and hook.norms
+                else None
+            ),
+            "left-out": int(_column(frame, "heldout-left-out")),
+            "check-gain": (
+                round(statistics.mean(g for g, _ in probe.gains), 5)
+                if probe is not None and probe.gains
                 else None
             ),
             "device": str(frame["device"].iloc[-1]) if "device" in frame else "",
@@ -429,6 +559,8 @@ def _accuracy(runs: pd.DataFrame) -> str:
 def _activity(runs: pd.DataFrame) -> str:
     if not len(runs):
         return "—"
+    if "left-out" in runs:  # the held-out check's, beside a rule's trims
+        runs = runs.assign(trimmed=runs["trimmed"] + runs["left-out"].fillna(0))
     return " / ".join(
         f"{runs[c].mean():.1f}" if c in runs else "—"
         for c in ("clipped", "capped", "trimmed", "dropped")
@@ -471,8 +603,8 @@ def summarise(rows: pd.DataFrame) -> str:
     lines = [
         *_grid(rows, _accuracy),
         "",
-        "Replies clipped / weight-capped / left out by the rule / dropped by "
-        "the server over the run, mean over seeds:",
+        "Replies clipped / weight-capped / left out by the rule or the "
+        "held-out check / dropped by the server over the run, mean over seeds:",
         "",
         *_grid(rows, _activity),
         "",

@@ -182,10 +182,10 @@ class HeldOutStep:
                 kept, done.left_out, {**done.metrics, "heldout-left-out": 0.0}
             )
         snapshot = method_state(self.strategy)  # each try restores it
-        loss = self._loss(server_round, kept, current, snapshot)
+        loss = self.loss(server_round, kept, current, snapshot)
         while len(kept) >= 3 and len(left) < most:
             without = [
-                self._loss(server_round, kept[:i] + kept[i + 1 :], current, snapshot)
+                self.loss(server_round, kept[:i] + kept[i + 1 :], current, snapshot)
                 for i in range(len(kept))
             ]
             i = leave_one_out(loss, without, self.check.margin)
@@ -206,13 +206,16 @@ class HeldOutStep:
         metrics = {"heldout-loss": loss, "heldout-left-out": float(len(left))}
         return Protected(kept, done.left_out + left, {**done.metrics, **metrics})
 
-    def _loss(
+    def loss(
         self,
         server_round: int,
         updates: list[ClientUpdate],
         current: Mapping[str, torch.Tensor],
         snapshot: Mapping[str, Any],
     ) -> float:
+        """The validation loss of what the method would publish from
+        ``updates`` (``inf`` if it fails numerically); the method's state is
+        ``snapshot`` again afterwards."""
         try:
             state, _ = self.strategy.aggregate_updates(
                 server_round, updates, dict(current)

@@ -14,7 +14,7 @@ small machine, and by the kill-and-resume tests.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from flwr.clientapp import ClientApp
 from fedlr.client_apps.app import app as fedlr_app
 from fedlr.flower.grid import InProcessGrid, ReplyHook, RoundHook
 from fedlr.server_apps.runner import run_server
+from fedlr.strategies.base import FedLRStrategy
 from fedlr.strategies.registry import resolve
 
 __all__ = ["run_in_process"]
@@ -38,6 +39,7 @@ def run_in_process(
     round_hook: RoundHook | None = None,
     client_app: ClientApp | None = None,
     node_config: Mapping[str, Any] | None = None,
+    observe: Callable[[FedLRStrategy], None] | None = None,
 ) -> Path:
     """Run a whole federation in this process; return its results directory.
 
@@ -67,6 +69,10 @@ def run_in_process(
         federation in process owns its nodes too, so ``reproducible-noise =
         true`` in the run config also sets the nodes'
         ``dp-allow-reproducible-noise`` unless ``node_config`` says otherwise.
+    observe : callable, optional
+        ``observe(strategy)`` once the server's strategy is built
+        (:func:`~fedlr.server_apps.runner.run_server`;
+        ``benchmarks/robustness.py``'s check-aware attacker).
 
     Raises
     ------
@@ -97,4 +103,4 @@ def run_in_process(
         state=RecordDict(),
         run_config=config,
     )
-    return run_server(grid, context)
+    return run_server(grid, context, observe=observe)

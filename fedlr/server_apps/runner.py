@@ -24,7 +24,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
 from pathlib import Path
@@ -246,14 +246,23 @@ def guarantee_lines(
     return lines
 
 
-def run_server(grid: Grid, context: Context) -> Path:
+def run_server(
+    grid: Grid,
+    context: Context,
+    *,
+    observe: Callable[[FedLRStrategy], None] | None = None,
+) -> Path:
     """Run a whole federated training; return the run's results directory.
 
     With ``resume-from`` set, continue the run saved in that directory from
     its last checkpoint (same directory, same CSVs), up to
-    ``num-server-rounds``.
+    ``num-server-rounds``. ``observe(strategy)``, when given, is called once
+    the strategy is built, before round 1 (in-process studies: an
+    omniscient attacker reads the server's state through it).
     """
     run = ServerRun.prepare(grid, context)
+    if observe is not None:
+        observe(run.strategy)
     if is_asynchronous(run.strategy):  # FedAsync-LoRA, FedBuff-LoRA
         return run_async(run, grid)
     arrays, first = run.start()

@@ -9,6 +9,8 @@ attack scales with).
 
 from __future__ import annotations
 
+import logging
+import re
 import statistics
 
 import pandas as pd
@@ -21,6 +23,7 @@ from benchmarks.robustness import (
     CLIP_MARGIN,
     DEFENCES,
     SCREEN_MARGIN,
+    CheckProbe,
     Colluders,
     adaptive_limit,
     alie_z,
@@ -156,4 +159,68 @@ def test_sign_flip_sends_the_attackers_own_update_negated(tmp_path, assets):
             -(trained[key].double() - sent[key].double()),
             rtol=1e-5,
             atol=1e-7,
+        )
+
+
+class Nodes(Colluders):
+    """Also keeps each partition's node id."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.node_of = {}
+
+    def __call__(self, round_):
+        for p, ins, _ in round_:
+            self.node_of[p] = int(ins.metadata.dst_node_id)
+        return super().__call__(round_)
+
+
+def _left_out(text):
+    return [int(n) for n in re.findall(r"held-out check: node (\d+) left out", text)]
+
+
+@pytest.mark.slow  # two federations with the check's validation passes
+def test_the_check_aware_attack_keeps_its_gain_under_the_margin(
+    tmp_path, assets, caplog
+):
+    """``adaptive`` against the held-out check (five clients, partition 4
+    attacks): with the probe its leave-one-out gain, computed by the
+    server's own check code on the server's validation examples, stays under
+    the margin and the check never leaves it out; the same attack without
+    the probe (at the screen's limit) is left out in every round."""
+    config = tiny_run_config(
+        tmp_path / "aware",
+        **{"num-partitions": 5, "heldout-check": True},
+    )
+    probe = CheckProbe()
+    aware = Nodes("adaptive", {4}, 999, DEFAULT_SCREEN_RATIO, None, probe)
+    with caplog.at_level(logging.WARNING):
+        run_in_process(config, round_hook=aware, observe=probe.attach)
+    assert len(probe.gains) == 2
+    for gain, margin in probe.gains:
+        assert gain <= ADAPTIVE_MARGIN * margin
+    assert aware.node_of[4] not in _left_out(caplog.text)
+    assert all(norm > 0 for norm, _ in aware.norms)  # it still attacks
+    caplog.clear()
+
+    blind = Nodes("adaptive", {4}, 999, DEFAULT_SCREEN_RATIO)
+    with caplog.at_level(logging.WARNING):
+        run_in_process(
+            {**config, "output-dir": str(tmp_path / "blind")}, round_hook=blind
+        )
+    assert _left_out(caplog.text).count(blind.node_of[4]) == 2
+    # the probe scaled the same attack down
+    assert max(n for n, _ in aware.norms) < min(n for n, _ in blind.norms)
+
+
+def test_the_probe_needs_the_check_and_no_robust_rule(tmp_path, assets):
+    probe = CheckProbe()
+    with pytest.raises(ValueError, match="heldout-check = true"):
+        run_in_process(tiny_run_config(tmp_path / "a"), observe=probe.attach)
+    with pytest.raises(ValueError, match="robust = 'none'"):
+        run_in_process(
+            tiny_run_config(
+                tmp_path / "b", **{"heldout-check": True, "robust": "norm-clip"}
+            ),
+            observe=probe.attach,
         )
