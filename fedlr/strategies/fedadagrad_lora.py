@@ -12,9 +12,10 @@ elementwise, in float64:
     x_{t+1} = x_t + eta Delta_t / (sqrt(v_t) + tau),
 
 without momentum (``m_t = Delta_t``) or bias correction, as Flower 1.41's
-``flwr.serverapp.strategy.FedAdagrad``, whose defaults these are (``eta =
-0.1``, ``tau = 1e-3``); the two agree on the same arrays to float32 rounding
-(its row in ``tests/strategies/test_every_method.py``). The round, its state
+``flwr.serverapp.strategy.FedAdagrad`` (its ``tau = 1e-3``; ``eta`` is 0.01,
+not its 0.1, which leaves LoRA factors at chance); the two agree on the same
+arrays and options to float32 rounding (its row in
+``tests/strategies/test_every_method.py``). The round, its state
 (``m``, ``v``) and its report are
 :class:`~fedlr.strategies.fedadam_lora.AdaptiveServerLoRA`'s. Server-only:
 the clients run the plain LoRA round; the aggregation reads only the
@@ -44,9 +45,11 @@ __all__ = ["FedAdagradLoRA", "FedAdagradOptions"]
 
 @dataclass(frozen=True)
 class FedAdagradOptions(NoOptions):
-    """FedAdagrad-LoRA's run-config keys (Flower's ``FedAdagrad`` defaults)."""
+    """FedAdagrad-LoRA's run-config keys: Flower's ``FedAdagrad`` defaults
+    but ``server-lr``, 0.01 (Flower's 0.1 leaves LoRA factors at chance;
+    docs/methods/fedadagrad-lora.md)."""
 
-    server_lr: float = redeclare(FedAdamOptions, "server-lr", 0.1)
+    server_lr: float = redeclare(FedAdamOptions, "server-lr", 0.01)
     server_tau: float = redeclare(FedAdamOptions, "server-tau", 1e-3)
 
 

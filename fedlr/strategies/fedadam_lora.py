@@ -20,8 +20,9 @@ a method says only its ``v_t`` and its step size ``eta_t`` (the hooks
 
 The bias correction ``eta_t`` and its exponent ``t + 1`` (``t`` the server
 round, from 1) are Flower 1.41's ``flwr.serverapp.strategy.FedAdam``, as are
-the defaults (``eta = 0.1``, ``beta1 = 0.9``, ``beta2 = 0.99``, ``tau =
-1e-3``): the two agree on the same arrays to float32 rounding (its row in
+the defaults ``beta1 = 0.9``, ``beta2 = 0.99``, ``tau = 1e-3`` (``eta`` is
+0.01, not Flower's 0.1, which leaves LoRA factors at chance): the two agree
+on the same arrays and options to float32 rounding (its row in
 ``tests/strategies/test_every_method.py``). FedYogi-LoRA and FedAdagrad-LoRA
 (:mod:`fedlr.strategies.fedyogi_lora`, :mod:`fedlr.strategies.fedadagrad_lora`)
 are the two other subclasses. Server-only: the clients run the plain LoRA
@@ -64,9 +65,11 @@ FIRST_MOMENT, SECOND_MOMENT = "first-moment", "second-moment"
 
 @dataclass(frozen=True)
 class FedAdamOptions(NoOptions):
-    """FedAdam-LoRA's run-config keys (Flower's ``FedAdam`` defaults)."""
+    """FedAdam-LoRA's run-config keys: Flower's ``FedAdam`` defaults but
+    ``server-lr``, 0.01 (Flower's 0.1 leaves LoRA factors at chance;
+    docs/methods/fedadam-lora.md)."""
 
-    server_lr: float = redeclare(ServerMomentumOptions, "server-lr", 0.1)
+    server_lr: float = redeclare(ServerMomentumOptions, "server-lr", 0.01)
     server_beta1: float = option(
         0.9,
         "first-moment decay β₁ of the adaptive server step "
