@@ -13,6 +13,8 @@ RUN_CONFIG ?=
 # NODE_CONFIG=nodes.toml: the simulated nodes' own privacy limits (docs/privacy.md)
 NODE_CONFIG ?=
 PYTEST_ARGS ?=
+# the fast tests' pytest-xdist workers (one per core; 0: in this process)
+TEST_WORKERS ?= auto
 CONF ?= benchmarks/conf/lora-family.toml
 METHODS ?= fedavg-lora,fedex-lora
 SEEDS ?= 0,1,2
@@ -70,7 +72,8 @@ config-docs: $(STAMP)/deps
 	$(PY) -m fedlr.configdoc write
 
 unit: setup-llm
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -m "not slow" \
+		-n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 integration: setup-llm
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -m slow $(PYTEST_ARGS)

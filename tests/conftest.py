@@ -15,6 +15,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (``make unit``'s ``-n``), each worker's torch uses
+    its share of the cores: two workers with every core each would
+    oversubscribe the CPU and run slower than one."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+
+
 def tiny_run_config(output_dir: Path, **overrides: Any) -> dict[str, Any]:
     """Run config of the tiny BERT on polarity: seconds per round on 2 cores."""
     config: dict[str, Any] = {
