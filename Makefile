@@ -13,7 +13,7 @@ RUN_CONFIG ?=
 # NODE_CONFIG=nodes.toml: the simulated nodes' own privacy limits (docs/privacy.md)
 NODE_CONFIG ?=
 PYTEST_ARGS ?=
-# the fast tests' pytest-xdist workers (one per core; 0: in this process)
+# pytest-xdist workers of make unit and make integration (one per core; 0: in this process)
 TEST_WORKERS ?= auto
 CONF ?= benchmarks/conf/lora-family.toml
 METHODS ?= fedavg-lora,fedex-lora
@@ -76,7 +76,8 @@ unit: setup-llm
 		-n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 integration: setup-llm
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -m slow $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -m slow \
+		-n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test: lint typecheck unit integration
 
