@@ -13,8 +13,10 @@ RUN_CONFIG ?=
 # NODE_CONFIG=nodes.toml: the simulated nodes' own privacy limits (docs/privacy.md)
 NODE_CONFIG ?=
 PYTEST_ARGS ?=
-# pytest-xdist workers of make unit and make integration (one per core; 0: in this process)
-TEST_WORKERS ?= auto
+# pytest-xdist workers of make unit and make integration: one per core, at most
+# 2 (each holds its own models and runs; 2 is what was measured on a 2-core,
+# 24 GiB machine); 0: in this process
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 2 ? n : 2 )))
 CONF ?= benchmarks/conf/lora-family.toml
 METHODS ?= fedavg-lora,fedex-lora
 SEEDS ?= 0,1,2

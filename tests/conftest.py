@@ -23,7 +23,8 @@ def pytest_configure(config: pytest.Config) -> None:
     if workers:
         import torch
 
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        torch.set_num_threads(max(1, cores // int(workers)))
 
 
 def tiny_run_config(output_dir: Path, **overrides: Any) -> dict[str, Any]:
