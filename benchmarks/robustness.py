@@ -186,7 +186,7 @@ class Colluders:
             for p, ins, rep in round_
             if id(rep) in trained and p in self.attackers
         ]
-        forged: dict[int, Message] = {}
+        plans: dict[int, tuple[Message, Message, dict, int | None]] = {}
         for _, ins, rep in attacking:
             sent, own = _state(ins), _state(rep)
             claim = None
@@ -211,12 +211,22 @@ class Colluders:
                 delta = _scaled(space, ref, {k: -mean[k] for k in keys}, target)
                 if self.attack in ("under-the-cap", "adaptive"):
                     claim = self.cap
-            forged[id(rep)] = _forge(ins, rep, delta, claim)
-        if self.attack == "adaptive" and self.probe is not None and attacking:
-            forged = self.probe.under_the_check(train, forged)
-        for _, ins, rep in attacking:
-            delta = _delta(_state(forged[id(rep)]), _state(ins))
-            self.norms.append((space.norm(_update(ref, delta)), honest_median))
+            plans[id(rep)] = (ins, rep, delta, claim)
+
+        def forge_at(t: float) -> dict[int, Message]:
+            """Every attacker's reply with its delta scaled by ``t``."""
+            return {
+                key: _forge(ins, rep, {k: t * d for k, d in delta.items()}, claim)
+                for key, (ins, rep, delta, claim) in plans.items()
+            }
+
+        scale = 1.0
+        if self.attack == "adaptive" and self.probe is not None and plans:
+            scale = self.probe.largest_scale(train, set(plans), forge_at)
+        for _, _, delta, _ in plans.values():
+            sent_delta = {k: scale * d for k, d in delta.items()}
+            self.norms.append((space.norm(_update(ref, sent_delta)), honest_median))
+        forged = forge_at(scale)
         return [forged.get(id(rep), rep) for _, _, rep in round_]
 
 
@@ -272,45 +282,38 @@ class CheckProbe:
         if s is None:
             raise RuntimeError("CheckProbe.attach was not called (observe=)")
         current = record_to_state(s._current)
+        # Replies.accept's checks but screen_replies, which would use up the
+        # round's record of instructed nodes before the server's own round
         updates, _ = s.replies.validate_replies(replies)
         updates, _ = s.replies.screen_update_sizes(updates, current)
         step = HeldOutStep(s.heldout_check, s)
         return step.loss(server_round, updates, current, method_state(s))
 
-    def under_the_check(
+    def largest_scale(
         self,
         train: list[tuple[int, Message, Message]],
-        forged: dict[int, Message],
-    ) -> dict[int, Message]:
-        """The attackers' forged replies scaled down (one factor for all)
-        until their joint leave-one-out gain is under 0.999 of the margin."""
+        attackers: set[int],
+        forge_at: Callable[[float], dict[int, Message]],
+    ) -> float:
+        """The largest scale ``t`` in [0, 1] (bisection, :data:`CHECK_STEPS`)
+        of the attackers' forged updates, ``forge_at(t)`` keyed by the
+        ``id`` of the replies they replace (``attackers``), whose joint
+        leave-one-out gain is under 0.999 of the margin (0 when none is)."""
         config = train[0][1].content.config_records[protocol.CONFIG]
         server_round = int(config[protocol.SERVER_ROUND])
         margin = ADAPTIVE_MARGIN * self.strategy.heldout_check.margin
-        honest = [rep for _, _, rep in train if id(rep) not in forged]
-        without = self.loss(server_round, honest)
-        by_id = {id(rep): (ins, rep) for _, ins, rep in train}
-
-        def at(t: float) -> dict[int, Message]:
-            out = {}
-            for key, message in forged.items():
-                ins, rep = by_id[key]
-                full = _delta(_state(message), _state(ins))
-                scaled = {k: t * d for k, d in full.items()}
-                claim = message.content.metric_records[protocol.METRICS][
-                    protocol.NUM_EXAMPLES
-                ]
-                out[key] = _forge(ins, rep, scaled, int(claim))
-            return out
+        without = self.loss(
+            server_round, [rep for _, _, rep in train if id(rep) not in attackers]
+        )
 
         def gain(t: float) -> float:
-            candidate = at(t)
-            round_ = [candidate.get(id(rep), rep) for _, _, rep in train]
+            forged = forge_at(t)
+            round_ = [forged.get(id(rep), rep) for _, _, rep in train]
             return self.loss(server_round, round_) - without
 
         best, best_gain = 1.0, gain(1.0)
         if not best_gain <= margin:
-            lo, hi, best, best_gain = 0.0, 1.0, 0.0, gain(0.0)
+            lo, hi, best, best_gain = 0.0, 1.0, 0.0, math.nan
             for _ in range(CHECK_STEPS):
                 mid = (lo + hi) / 2
                 g = gain(mid)
@@ -318,8 +321,10 @@ class CheckProbe:
                     lo, best, best_gain = mid, mid, g
                 else:
                     hi = mid
+            if best == 0.0:
+                best_gain = gain(0.0)
         self.gains.append((best_gain, margin / ADAPTIVE_MARGIN))
-        return at(best)
+        return best
 
 
 def adaptive_limit(
