@@ -61,14 +61,10 @@ from matplotlib.figure import Figure
 from transformers.utils import logging as hf_logging
 
 from fedlr.errors import ConfigError, FedLRError
-from fedlr.flower.launch import (
-    FlwrRunError,
-    RunInterrupted,
-    check_run_config,
-    cli_logging,
-    flwr_run,
-    is_noise,
-)
+from fedlr.flower.launch import RunInterrupted, cli_logging, flwr_run
+from fedlr.flower.output import is_noise
+from fedlr.flower.run_config import check_run_config
+from fedlr.flower.superlink import FlwrRunError
 from fedlr.privacy.node_policy import STATE_DIR_ENV
 from fedlr.runs.plots import (
     FOLDED_GAP_TITLE,
@@ -676,7 +672,7 @@ def _flower_lines_once(verbose: bool = False) -> Iterator[None]:
     In-process runs log through the ``flwr`` logger; when the root logger has
     a handler too, every line would be printed twice. Unless ``verbose``,
     Flower's hints and its per-round INFO lines
-    (:func:`fedlr.flower.launch.is_noise`, the same filter as under ``flwr
+    (:func:`fedlr.flower.output.is_noise`, the same filter as under ``flwr
     run``) are left out, and Flower's level colours are written only to a
     terminal (a log file gets no ANSI codes).
     """
@@ -711,7 +707,7 @@ def _is_terminal(stream: object) -> bool:
 
 
 class _NoiseFilter(logging.Filter):
-    """Flower's noise, as :func:`~fedlr.flower.launch.is_noise` sees a CLI line."""
+    """Flower's noise, as :func:`~fedlr.flower.output.is_noise` sees a CLI line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not is_noise(f"{record.levelname} : {record.getMessage()}")
@@ -784,7 +780,7 @@ def _quiet_libraries(verbose: bool) -> Iterator[None]:
     """transformers' warnings and progress bars off in this process (not ``verbose``).
 
     The in-process engine builds models here; the ``flwr`` engine's processes
-    get the same through their environment (:func:`fedlr.flower.launch.flwr_env`).
+    get the same through their environment (:func:`fedlr.flower.superlink.flwr_env`).
     """
     if verbose:
         yield

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from fedlr.flower.launch import _Stream, is_noise, strip_ansi
+from fedlr.flower.output import OutputStream, is_noise, strip_ansi
 from tests.conftest import ROOT
 from tests.integration.conftest import local_superlink_home, superlink_pids
 
@@ -129,7 +129,7 @@ def test_mistake_is_one_line_before_anything_starts(tmp_path, limit, args, key):
 
 
 def test_a_valid_value_of_the_same_keys_passes_the_checks():
-    from fedlr.flower.launch import check_before_start, check_run_config
+    from fedlr.flower.run_config import check_before_start, check_run_config
 
     method = check_run_config(ROOT, 'dataset="sst2" method="fedavg-lora"')
     check_before_start(method, num_supernodes=4, client_gpus=0.0)  # no error
@@ -142,7 +142,7 @@ def test_resume_from_is_checked_before_the_superlink_starts(tmp_path):
     """A directory without checkpoints, and a checkpoint of other settings,
     are refused by name before anything starts; a matching one passes."""
     from fedlr.errors import ConfigError
-    from fedlr.flower.launch import check_before_start, check_run_config
+    from fedlr.flower.run_config import check_before_start, check_run_config
     from fedlr.runs.checkpoint import save_checkpoint
 
     empty = tmp_path / "empty"
@@ -172,7 +172,7 @@ def test_a_checkpoint_older_than_a_key_resumes_while_the_key_is_at_its_default(
     """A checkpoint written before ``heldout-check`` existed (its config lacks
     the key) resumes with the key at its default and is refused with it on."""
     from fedlr.errors import ConfigError
-    from fedlr.flower.launch import check_before_start, check_run_config
+    from fedlr.flower.run_config import check_before_start, check_run_config
     from fedlr.runs.checkpoint import save_checkpoint
 
     saved = check_run_config(ROOT, "").to_mapping()
@@ -188,7 +188,7 @@ def test_a_checkpoint_older_than_a_key_resumes_while_the_key_is_at_its_default(
 
 
 def test_a_deployment_skips_the_node_count_and_gpu_checks():
-    from fedlr.flower.launch import check_before_start, check_run_config
+    from fedlr.flower.run_config import check_before_start, check_run_config
 
     method = check_run_config(ROOT, "min-replies=5")
     check_before_start(method, num_supernodes=None, client_gpus=0.25)
@@ -222,8 +222,8 @@ def test_flower_round_lines_are_noise_and_fedlr_warnings_errors_are_not():
     assert [is_noise(line) for line in _KEPT] == [False] * len(_KEPT)
 
 
-def _echo(verbose: bool, colour: bool | None, capsys) -> tuple[_Stream, str]:
-    stream = _Stream(echo=True, verbose=verbose, colour=colour)
+def _echo(verbose: bool, colour: bool | None, capsys) -> tuple[OutputStream, str]:
+    stream = OutputStream(echo=True, verbose=verbose, colour=colour)
     stream.read(io.StringIO("".join(_FLOWER_ROUND + _KEPT)))
     return stream, capsys.readouterr().out
 

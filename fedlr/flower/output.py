@@ -1,0 +1,113 @@
+"""The ``flwr`` CLI's output as a launch shows it: noise out, fedlr's lines kept.
+
+Flower's, Ray's and transformers' noise (the SuperNode-count hint, Ray's
+accelerator FutureWarning, weight-loading progress bars, Flower's per-round
+INFO lines) is kept out of the echo unless ``verbose``
+(:func:`is_noise`); fedlr's lines, warnings and errors stay, without ANSI
+colour codes when stdout is not a terminal (:class:`OutputStream`). Used by
+:func:`fedlr.flower.launch.flwr_run` and the comparison runner.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import IO
+
+__all__ = ["OutputStream", "is_noise", "strip_ansi"]
+
+#: Lines of Flower, Ray and transformers that say nothing about the run:
+#: dropped from the output unless ``verbose`` (they stay in the SuperLink log).
+_NOISE = re.compile(
+    r"default simulated SuperNodes changed from"
+    r"|Flower configuration not found\. Created default configuration"
+    r"|To change federation size, use the following command"
+    r"|flwr federation simulation-config"
+    r"|fraction_evaluate is set to 0\.0"
+    r"|FutureWarning"
+    r"|RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"
+    r"|^\s*warnings\.warn\("
+    r"|\d+%\|"  # tqdm progress bars (model loading)
+    r"|Loading weights"
+)
+
+
+#: Flower's INFO (and DEBUG) lines of each round, noise unless ``verbose``:
+#: fedlr's own round line says what they say. Warnings and errors never match.
+_FLOWER_ROUND = re.compile(
+    r"\s*DEBUG\s*:"
+    r"|\s*INFO\s*:\s*("
+    r"$"  # Flower's empty spacer lines
+    r"|\[ROUND \d+/\d+\]"
+    r"|(configure|aggregate)_(train|evaluate): (Sampled|Received)"
+    r"|\S*\s*└──> (Aggregated )?MetricRecord"
+    r"|Starting \w+ strategy:"
+    r"|Global evaluation\s*$"
+    r")"
+)
+
+
+#: ANSI escape sequences (Flower's coloured log levels).
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+_RUN_ID = re.compile(r"Successfully started run (\d+)")
+
+
+def strip_ansi(line: str) -> str:
+    """``line`` without ANSI escape sequences (colours, cursor moves)."""
+    return _ANSI.sub("", line)
+
+
+def is_noise(line: str) -> bool:
+    """Whether a CLI output line is Flower/Ray/transformers noise (see ``_NOISE``).
+
+    Flower's per-round INFO lines (``[ROUND n/N]``, ``configure_train:
+    Sampled``, ``aggregate_train: Received``, empty INFO lines) are noise;
+    a fedlr line, a warning and an error never are.
+    """
+    plain = strip_ansi(line)
+    if _FLOWER_ROUND.match(plain) is not None and "fedlr" not in plain:
+        return True
+    return _NOISE.search(plain) is not None
+
+
+@dataclass
+class OutputStream:
+    """The CLI's output as it arrives: kept whole, echoed without noise."""
+
+    echo: bool
+    verbose: bool
+    lines: list[str] = field(default_factory=list)
+    run_id: str | None = None
+    colour: bool | None = None
+    """Keep ANSI colour codes in the echo; ``None``: only if stdout is a TTY."""
+
+    def read(self, stream: IO[str]) -> None:
+        colour = self.colour
+        if colour is None:
+            colour = _isatty(sys.stdout)
+        try:
+            for line in stream:
+                self.lines.append(line)
+                if self.run_id is None:
+                    match = _RUN_ID.search(line)
+                    if match:
+                        self.run_id = match.group(1)
+                if self.echo and (self.verbose or not is_noise(line)):
+                    sys.stdout.write(line if colour else strip_ansi(line))
+                    sys.stdout.flush()
+        except (ValueError, OSError):  # the pipe was closed: the CLI is gone
+            return
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+
+def _isatty(stream: IO[str]) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
