@@ -10,6 +10,10 @@ The default task (fedex-lora, MiniLM with LoRA r = 8 on polarity, Dirichlet
 :data:`fedlr.robust.rules.ROBUST_RULES`. Each run is one of:
 
 * ``clean``: five honest clients (the accuracy a rule costs without attack);
+* ``absent-<m>of5``: the last ``m`` partitions never reply (their replies
+  are taken out of every round): what a defence that left out exactly the
+  attackers would keep, the ceiling of any rule, since the attackers' data
+  are lost with them (a non-IID partition may hold most of a class);
 * ``<attack>-<m>of5``: the last ``m`` partitions (1 or 2) collude. They train
   honestly, see every honest reply of the round (the omniscient adversary of
   the ALIE paper, :class:`Colluders`, through the in-process grid's
@@ -74,7 +78,17 @@ from fedlr.server_apps.local import run_in_process
 from fedlr.strategies.registry import resolve
 from fedlr.wire import protocol
 
-ATTACKS = ("sign-flip", "alie", "under-the-clip", "under-the-cap", "adaptive")
+ATTACKS = (
+    "absent",
+    "sign-flip",
+    "alie",
+    "under-the-clip",
+    "under-the-cap",
+    "adaptive",
+)
+CEILING = "absent"
+"""Not an attack: the attackers' replies are taken out (the best any rule
+does is to leave out exactly them); not counted in a defence's worst case."""
 NUM_CLIENTS = 5
 CLIP_MARGIN = 0.99
 SCREEN_MARGIN = 0.9
@@ -170,6 +184,9 @@ class Colluders:
         honest = [t for t in train if t[0] not in self.attackers]
         if not honest or len(honest) == len(train):
             return [rep for _, _, rep in round_]
+        if self.attack == CEILING:  # the grid drops a None: no reply at all
+            gone = {id(rep) for p, _, rep in train if p in self.attackers}
+            return [None if id(rep) in gone else rep for _, _, rep in round_]
         ref = _state(honest[0][1])
         space = ProductSpace(ref, _pairs(ref))
         deltas = [_delta(_state(rep), _state(ins)) for _, ins, rep in honest]
@@ -575,7 +592,8 @@ def _activity(runs: pd.DataFrame) -> str:
 def verdicts(rows: pd.DataFrame) -> pd.DataFrame:
     """Per defence: its clean accuracy, its clean cost against ``none``
     (paired over seeds), and each attacked setting's mean accuracy as a
-    fraction of the defence's own clean mean, with the worst of them."""
+    fraction of the defence's own clean mean, with the worst attack (the
+    ``absent`` ceiling is not an attack and does not count)."""
     rows = _with_setting(rows)
     clean = rows[rows["setting"] == "clean"].pivot_table(
         index="seed", columns="defence", values="final-accuracy"
@@ -596,7 +614,8 @@ def verdicts(rows: pd.DataFrame) -> pd.DataFrame:
             if len(acc):
                 fractions[setting] = float(acc.mean()) / base
         entry.update(fractions)
-        entry["worst"] = min(fractions.values()) if fractions else math.nan
+        attacks = [v for k, v in fractions.items() if not k.startswith(CEILING)]
+        entry["worst"] = min(attacks) if attacks else math.nan
         out.append(entry)
     return pd.DataFrame(out)
 
@@ -615,7 +634,8 @@ def summarise(rows: pd.DataFrame) -> str:
         "",
         "Attacked mean accuracy over the defence's own clean mean, and the "
         "clean cost (`none`'s clean accuracy minus the defence's, paired "
-        "over seeds; positive is a loss):",
+        "over seeds; positive is a loss); `absent` (the attackers never "
+        "reply) is the ceiling of any rule and not in the worst case:",
         "",
     ]
     table = verdicts(rows)

@@ -47,6 +47,7 @@ def test_the_plan_covers_every_defence_attack_count_and_seed():
     assert len(runs) == 3 * len(DEFENCES) * (1 + len(ATTACKS) * 2)
     assert {r["attack"] for r in runs.values()} == {
         "none",
+        "absent",
         "sign-flip",
         "alie",
         "under-the-clip",
@@ -160,6 +161,31 @@ def test_sign_flip_sends_the_attackers_own_update_negated(tmp_path, assets):
             rtol=1e-5,
             atol=1e-7,
         )
+
+
+def test_absent_attackers_never_reply_and_the_round_goes_on(tmp_path, assets):
+    config = tiny_run_config(tmp_path / "a")
+    n = int(config["num-partitions"])
+    absent = Colluders("absent", {n - 1}, 999, DEFAULT_SCREEN_RATIO)
+    seen = []
+
+    def hook(round_):
+        replies = absent(round_)
+        seen.append(
+            [(p, r is None) for (p, _, _), r in zip(round_, replies, strict=True)]
+        )
+        return replies
+
+    run_dir = run_in_process(config, round_hook=hook)
+    frame = pd.read_csv(run_dir / "results.csv")
+    train_rounds = [r for r in seen if len(r) == n]
+    assert train_rounds, "no train round went through the hook"
+    for r in train_rounds:  # the attacker's reply, and only it, is gone
+        assert [gone for _, gone in sorted(r)] == [False] * (n - 1) + [True]
+    # the server aggregates the others, and counts the missing one as lost
+    assert frame["clients"].tolist() == [n - 1] * len(frame)
+    assert frame["dropped"].tolist() == [1] * len(frame)
+    assert absent.norms == []
 
 
 class Nodes(Colluders):
