@@ -26,7 +26,8 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from fedlr.runs.compare import collect, load_run
+from fedlr.runs.plots import load_run
+from fedlr.runs.table import collect
 
 NO_DP = "no DP"
 CLAIMS = (("ffa-lora", "fedavg-lora"), ("fedsvd", "ffa-lora"))

@@ -12,15 +12,9 @@ import pandas as pd
 import pytest
 
 from fedlr.errors import ConfigError
-from fedlr.runs.compare import (
-    collect,
-    main,
-    parse_overrides,
-    read_conf,
-    summarise,
-    to_markdown,
-)
+from fedlr.runs.compare import main, parse_overrides, read_conf
 from fedlr.runs.results import ResultsWriter
+from fedlr.runs.table import collect, summarise, to_markdown
 
 
 def _run(root, method, seed, accs, gaps, seconds=2.0, extra=None, **config):
@@ -201,7 +195,7 @@ def test_bad_sweep_options_are_refused_before_any_run(tmp_path, kwargs, key):
 
 
 def test_comparison_figure_shows_loss_when_no_run_has_a_gap(tmp_path):
-    from fedlr.runs.compare import comparison_figure
+    from fedlr.runs.table import comparison_figure
 
     nan = float("nan")
     vision = [_run(tmp_path / "v", "fedavg", s, [0.5, 0.6], [nan, nan]) for s in (0, 1)]
@@ -218,7 +212,7 @@ def test_comparison_figure_shows_loss_when_no_run_has_a_gap(tmp_path):
 
 
 def test_comparison_figure_of_a_causal_lm_shows_exact_match_and_perplexity(tmp_path):
-    from fedlr.runs.compare import comparison_figure
+    from fedlr.runs.table import comparison_figure
 
     dirs = []
     for seed in (0, 1):
@@ -252,7 +246,7 @@ def test_comparison_figure_of_a_causal_lm_shows_exact_match_and_perplexity(tmp_p
 def test_comparison_figure_has_legends_everywhere_and_no_band_for_one_seed(tmp_path):
     from matplotlib.collections import PolyCollection
 
-    from fedlr.runs.compare import comparison_figure
+    from fedlr.runs.table import comparison_figure
 
     one = [_run(tmp_path / "l", "fedavg-lora", 0, [0.5, 0.6], [0.2, 0.1])]
     fig = comparison_figure(one)

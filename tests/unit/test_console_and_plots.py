@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 
 from fedlr.config.run import RunConfig
-from fedlr.runs.compare import comparison_figure
 from fedlr.runs.plots import (
     EPSILON_PANELS,
     FOLDED_GAP_TITLE,
@@ -32,6 +31,7 @@ from fedlr.runs.plots import (
     run_labels,
 )
 from fedlr.runs.results import COLUMNS, ResultsWriter
+from fedlr.runs.table import comparison_figure
 from fedlr.runs.tracking import code_version
 from fedlr.server_apps.runner import REPRODUCIBLE, guarantee_lines
 from tests.conftest import tiny_run_config

@@ -59,6 +59,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "fedlr.runs.checkpoint",
             "fedlr.runs.results",
             "fedlr.runs.plots",
+            "fedlr.runs.table",
             "fedlr.flower.records",
             "fedlr.flower.certs",
             "fedlr.flower.grid",

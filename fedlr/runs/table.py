@@ -1,0 +1,383 @@
+"""The comparison table and figure of finished runs.
+
+:func:`write_table` writes, for run directories (a sweep's or any):
+
+``table.md``
+    One row per method (and per setting, when the runs differ in ``by``
+    keys): final accuracy mean ± std over seeds, mean Frobenius gap over rounds
+    and seeds, total bytes (up + down) per run, wall time per run, and ACC/FGT
+    for continual runs; the seeds counted. Only finished runs (with a
+    ``summary.json``) count; unfinished ones are counted apart (``2 (+1
+    unfinished)``), and a row with none finished reads ``unfinished``.
+``table.csv``
+    The same numbers, unformatted.
+``comparison.png``
+    Accuracy and Frobenius gap per round: the mean over seeds with a ±1 std
+    band, one line per row of the table.
+
+:func:`collect`, :func:`summarise`, :func:`to_markdown` and
+:func:`comparison_figure` are its steps. ``python -m fedlr.runs.compare
+table`` is its command line.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from fedlr.runs.plots import (
+    FOLDED_GAP_TITLE,
+    RunData,
+    load_run,
+    per_round_axes,
+    run_labels,
+)
+
+__all__ = [
+    "UNFINISHED",
+    "collect",
+    "comparison_figure",
+    "summarise",
+    "to_markdown",
+    "write_table",
+]
+
+#: What a cell's or a table row's numbers read when no run of it finished.
+UNFINISHED = "unfinished"
+
+
+#: Panel titles of :func:`comparison_figure`.
+GLOBAL_ACCURACY = "accuracy of the global model\n(server's held-out split)"
+PERSONAL_ACCURACY = (
+    "personalised accuracy\n(mean over clients, each on its own held-out part)"
+)
+GAP = "Frobenius gap ||ΔW_ideal - ΔW_agg||_F"
+MIXED_GAP = f"{GAP}\n(dashed: before the fold, which makes the model exact)"
+
+
+def collect(run_dirs: Sequence[Path | str], by: Sequence[str] = ()) -> pd.DataFrame:
+    """One row per run: method, seed, the ``by`` settings and its totals.
+
+    Columns: ``run``, ``method``, ``finished`` (the run wrote ``summary.json``),
+    ``seed``, the ``by`` keys, ``final-accuracy``,
+    ``mean-gap`` (mean over rounds of ``frobenius-gap``), ``total-bytes``
+    (bytes up + down over all rounds), ``seconds`` (sum of round times),
+    ``rounds``, and ``acc``/``fgt`` when the run's summary has them.
+    """
+    rows = []
+    for run_dir in run_dirs:
+        run = load_run(run_dir)
+        frame = run.results
+        summary_path = Path(run_dir) / "summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+        gap = pd.to_numeric(frame["frobenius-gap"], errors="coerce")
+        row: dict[str, Any] = {
+            "run": Path(run_dir).name,
+            "method": str(frame["method"].iloc[0])
+            if len(frame)
+            else str(run.config.get("method", "")),
+            "finished": summary_path.is_file(),
+            "seed": run.config.get("seed"),
+            **{key: run.config.get(key) for key in by},
+            "final-accuracy": float(frame["accuracy"].iloc[-1])
+            if len(frame)
+            else np.nan,
+            "mean-gap": float(gap.mean()) if gap.notna().any() else np.nan,
+            "total-bytes": float(frame["bytes-up"].sum() + frame["bytes-down"].sum()),
+            "seconds": float(frame["seconds"].sum()),
+            "rounds": len(frame),
+        }
+        for key in ("acc", "fgt"):
+            for name in (key, key.upper()):
+                if name in summary:
+                    row[key] = float(summary[name])
+        if "perplexity" in frame and len(frame):  # the causal-LM task
+            row["perplexity"] = float(frame["perplexity"].iloc[-1])
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def summarise(runs: pd.DataFrame, by: Sequence[str] = ()) -> pd.DataFrame:
+    """Mean and std over seeds per method (and ``by`` settings), in run order.
+
+    Only finished runs count (``runs["finished"]`` when present); the others
+    are counted in ``unfinished``, and a group with no finished run has NaN
+    numbers (:func:`to_markdown` writes ``unfinished``).
+    """
+    keys = ["method", *by]
+    order = list(dict.fromkeys(tuple(r) for r in runs[keys].itertuples(index=False)))
+    out = []
+    for key in order:
+        mask = np.ones(len(runs), dtype=bool)
+        for name, value in zip(keys, key, strict=True):
+            mask &= (runs[name] == value).to_numpy()
+        group = runs[mask]
+        if "finished" in group:
+            done = group["finished"].astype(bool)
+            unfinished, group = int((~done).sum()), group[done]
+        else:
+            unfinished = 0
+        row: dict[str, Any] = dict(zip(keys, key, strict=True))
+        row["seeds"] = len(group)
+        row["unfinished"] = unfinished
+        acc = group["final-accuracy"]
+        row["accuracy-mean"] = float(acc.mean())
+        row["accuracy-std"] = (
+            float(acc.std(ddof=1)) if len(group) > 1 else 0.0 if len(group) else np.nan
+        )
+        if "perplexity" in group and group["perplexity"].notna().any():
+            ppl = group["perplexity"]
+            row["perplexity-mean"] = float(ppl.mean())
+            row["perplexity-std"] = float(ppl.std(ddof=1)) if len(group) > 1 else 0.0
+        for column in ("mean-gap", "total-bytes", "seconds", "acc", "fgt"):
+            if column in group and group[column].notna().any():
+                row[column] = float(group[column].mean())
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+def _fmt_bytes(value: float) -> str:
+    if value >= 1e6:
+        return f"{value / 1e6:.1f} MB"
+    return f"{value / 1e3:.1f} kB"
+
+
+def to_markdown(table: pd.DataFrame, by: Sequence[str] = ()) -> str:
+    """Render :func:`summarise`'s table as a markdown table."""
+    has_cl = "acc" in table and table["acc"].notna().any()
+    has_lm = "perplexity-mean" in table and table["perplexity-mean"].notna().any()
+    headers = ["method", *by, "seeds", "final accuracy", "mean Frobenius gap"]
+    if has_lm:
+        headers[headers.index("final accuracy")] = "final exact match"
+        headers.insert(headers.index("mean Frobenius gap"), "final perplexity")
+    headers += ["total bytes / run", "wall time / run"]
+    if has_cl:
+        headers += ["ACC", "FGT"]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    for row in table.to_dict("records"):
+        gap = row.get("mean-gap", np.nan)
+        seeds = str(row["seeds"])
+        if row.get("unfinished", 0):
+            seeds += f" (+{int(row['unfinished'])} {UNFINISHED})"
+        cells = [str(row["method"]), *(str(row[k]) for k in by), seeds]
+        if not row["seeds"]:  # no run of this row finished: no numbers
+            cells += [UNFINISHED] * (len(headers) - len(cells))
+            lines.append("| " + " | ".join(cells) + " |")
+            continue
+        one = row["seeds"] == 1  # one seed has no spread: no "± 0"
+        cells.append(_mean_std(row["accuracy-mean"], row["accuracy-std"], 4, one))
+        if has_lm:
+            cells.append(
+                _mean_std(row["perplexity-mean"], row["perplexity-std"], 3, one)
+            )
+        cells.append("—" if pd.isna(gap) else f"{gap:.3e}")
+        cells.append(_fmt_bytes(row["total-bytes"]))
+        cells.append(f"{row['seconds']:.0f} s")
+        if has_cl:
+            for key in ("acc", "fgt"):
+                value = row.get(key, np.nan)
+                cells.append("—" if pd.isna(value) else f"{value:.4f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _mean_std(mean: float, std: float, digits: int, one_seed: bool) -> str:
+    """``mean ± std``, or the mean alone for one seed."""
+    if one_seed:
+        return f"{mean:.{digits}f}"
+    return f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def comparison_figure(run_dirs: Sequence[Path | str], by: Sequence[str] = ()) -> Figure:
+    """Accuracy and gap per round: mean over seeds ±1 std, one line per group.
+
+    Runs are grouped, and labelled, by method and every config key whose
+    value differs between them other than the seed (``fedex-lora lr=0.003``;
+    the ``by`` keys always). Personalised runs (FedSA-LoRA, Global / Local
+    SVD: each client's own model on its own held-out part) get a panel of
+    their own next to the global models' accuracy, never a shared axis. The
+    gap panel says when a method's gap is the one it folds into the base
+    weights (FedEx-LoRA: the factor gap before the fold, not an error).
+    When no run logs a Frobenius gap (vision methods), the second panel shows
+    the evaluation loss instead; causal-LM runs show exact match and response
+    perplexity (log scale) in place of accuracy (:func:`_panels`). A group of
+    one run is drawn without a band (one seed has no spread); every panel
+    carries the legend, under it, outside the data; rounds are whole numbers
+    from round 0 (the initial model) where the runs recorded it, and QR-Mix's
+    stage switch and continual task boundaries are marked.
+    """
+    runs = [load_run(run_dir) for run_dir in run_dirs]
+    labels = run_labels(runs, skip=[k for k in ("seed",) if k not in by])
+    groups: dict[str, list[pd.DataFrame]] = {}
+    kinds: dict[str, RunData] = {}
+    for run, label in zip(runs, labels, strict=True):
+        label = " ".join(
+            [label, *(f"{k}={run.config.get(k)}" for k in by if f"{k}=" not in label)]
+        )
+        frame = run.results
+        if run.initial:
+            start = {"round": 0, **run.initial}
+            frame = pd.concat([pd.DataFrame([start]), frame], ignore_index=True)
+        groups.setdefault(label, []).append(frame)
+        kinds.setdefault(label, run)
+    panels = _panels(
+        [f for frames in groups.values() for f in frames],
+        personal=[run.personalised for run in kinds.values()],
+        folded=[run.folds_base for run in kinds.values()],
+    )
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.6))
+    axes = np.atleast_1d(axes)
+    for i, (label, frames) in enumerate(groups.items()):
+        color = f"C{i % 10}"
+        kind = kinds[label]
+        for ax, panel in zip(axes, panels, strict=True):
+            if panel.personal is not None and panel.personal != kind.personalised:
+                continue
+            stacked = pd.concat(
+                [f.set_index("round")[panel.column] for f in frames], axis=1
+            ).apply(pd.to_numeric, errors="coerce")
+            if panel.from_round_one:
+                stacked = stacked[stacked.index >= 1]
+            mean = stacked.mean(axis=1)
+            if mean.notna().sum() == 0:
+                continue
+            mean = mean.dropna()
+            folded_gap = panel.column == "frobenius-gap" and kind.folds_base
+            ax.plot(
+                mean.index,
+                mean,
+                color=color,
+                marker="o",
+                ms=3,
+                linestyle="--" if folded_gap and panel.mixed_folds else "-",
+                label=f"{label} (n={len(frames)})",
+            )
+            if len(frames) > 1:
+                std = stacked.std(axis=1, ddof=1).reindex(mean.index).fillna(0.0)
+                ax.fill_between(
+                    mean.index, mean - std, mean + std, color=color, alpha=0.2
+                )
+    several = any(len(frames) > 1 for frames in groups.values())
+    spread = "\n(mean ± std over seeds)" if several else ""
+    for ax, panel in zip(axes, panels, strict=True):
+        ax.set(title=f"{panel.title}{spread}", xlabel="round", ylabel=panel.ylabel)
+        if panel.log and _spans_decade(ax):
+            ax.set_yscale("log")
+    for ax in axes:
+        per_round_axes(ax, runs)
+    fig.tight_layout()
+    return fig
+
+
+def _spans_decade(ax: Any) -> bool:
+    """Whether the panel's positive values span a factor of 10 (then log scale)."""
+    values = [np.asarray(line.get_ydata(), dtype=float) for line in ax.get_lines()]
+    ys = np.concatenate(values) if values else np.array([])
+    ys = ys[np.isfinite(ys) & (ys > 0)]
+    return bool(ys.size) and float(ys.max()) > 10 * float(ys.min())
+
+
+class _Panel(NamedTuple):
+    """One panel of the comparison figure."""
+
+    column: str
+    title: str
+    ylabel: str
+    log: bool = False  # log scale, where the values span a decade
+    from_round_one: bool = False  # leave out round 0 (the initial model)
+    personal: bool | None = None  # only personalised (True) / global (False) runs
+    mixed_folds: bool = False  # gap panel: folded and unfolded gaps together
+
+
+def _panels(
+    frames: Sequence[pd.DataFrame],
+    personal: Sequence[bool] = (),
+    folded: Sequence[bool] = (),
+) -> list[_Panel]:
+    """The comparison's panels.
+
+    The headline metric (``exact-match`` and ``perplexity`` for a causal LM,
+    whose ``accuracy`` column repeats the exact match; else ``accuracy``:
+    the global models' and, on a panel of its own, the personalised runs'),
+    then the Frobenius gap, or the evaluation loss when no run logs a gap.
+    Perplexity starts at round 1: the base model's (round 0, e.g. 67 against
+    about 4 after round 1) would flatten every difference between methods;
+    its title gives the round-0 mean instead. ``personal`` and ``folded``:
+    per group, whether it is personalised / folds its gap into the base.
+    """
+
+    def logged(column: str) -> bool:
+        return any(
+            column in f and pd.to_numeric(f[column], errors="coerce").notna().any()
+            for f in frames
+        )
+
+    if logged("exact-match"):
+        initial = [
+            float(v)
+            for f in frames
+            if "perplexity" in f
+            for v in pd.to_numeric(f.loc[f["round"] == 0, "perplexity"]).dropna()
+        ]
+        title = "response perplexity"
+        if initial:
+            title += f" (round 0: {sum(initial) / len(initial):.3g})"
+        head = [
+            _Panel("exact-match", "exact match", "exact match"),
+            _Panel("perplexity", title, "perplexity", log=True, from_round_one=True),
+        ]
+    elif personal and all(personal):
+        head = [_Panel("accuracy", PERSONAL_ACCURACY, "personalised accuracy")]
+    elif any(personal):
+        head = [
+            _Panel("accuracy", GLOBAL_ACCURACY, "accuracy", personal=False),
+            _Panel(
+                "accuracy", PERSONAL_ACCURACY, "personalised accuracy", personal=True
+            ),
+        ]
+    else:
+        head = [_Panel("accuracy", GLOBAL_ACCURACY, "accuracy")]
+    if logged("frobenius-gap"):
+        if folded and all(folded):
+            gap = _Panel("frobenius-gap", FOLDED_GAP_TITLE, "gap before the fold", True)
+        elif any(folded):
+            gap = _Panel("frobenius-gap", MIXED_GAP, "gap", True, mixed_folds=True)
+        else:
+            gap = _Panel("frobenius-gap", GAP, "gap", log=True)
+        return [*head, gap]
+    return [*head, _Panel("loss", "evaluation loss", "loss")]
+
+
+def write_table(
+    run_dirs: Sequence[Path | str],
+    out_dir: Path | str,
+    by: Sequence[str] = (),
+    failures: Mapping[str, str] | None = None,
+) -> pd.DataFrame:
+    """Write ``table.md``, ``table.csv`` and ``comparison.png``; return the table."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = collect(run_dirs, by)
+    table = summarise(runs, by)
+    text = to_markdown(table, by)
+    if failures:
+        text += "\nFailed runs:\n\n" + "".join(
+            f"- {cell}: {reason}\n" for cell, reason in failures.items()
+        )
+    (out / "table.md").write_text(text)
+    table.to_csv(out / "table.csv", index=False)
+    fig = comparison_figure(run_dirs, by)
+    fig.savefig(out / "comparison.png", dpi=100)
+    plt.close(fig)
+    return table
