@@ -702,7 +702,8 @@ def figure(rows: pd.DataFrame, title: str = "") -> plt.Figure:
     ax.set_xticks(range(len(rows_settings)))
     ax.set_xticklabels(rows_settings, rotation=20, ha="right")
     ax.set_ylabel("final accuracy (mean ± std over seeds)")
-    ax.set_ylim(0.4, max(0.8, float(rows["final-accuracy"].max()) + 0.05))
+    low = min(0.4, float(rows["final-accuracy"].min()) - 0.05)
+    ax.set_ylim(low, max(0.8, float(rows["final-accuracy"].max()) + 0.05))
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="defence")
     ax.grid(axis="y", alpha=0.3)
     if title:
