@@ -148,7 +148,7 @@ def superlink_arg(superlink: str | None) -> list[str]:
     return [] if superlink is None else [superlink]
 
 
-def list_runs(
+def _list_runs(
     env: Mapping[str, str], superlink: str | None = None, run_id: str | None = None
 ) -> list[dict[str, object]]:
     only = [] if run_id is None else ["--run-id", str(run_id)]
@@ -179,7 +179,7 @@ def run_status(
     env: Mapping[str, str], run_id: str, superlink: str | None = None
 ) -> str:
     """The status of run ``run_id`` alone (``flwr list --run-id``)."""
-    for run in list_runs(env, superlink, run_id):
+    for run in _list_runs(env, superlink, run_id):
         if str(run.get("run-id")) == str(run_id):
             return str(run.get("status"))
     raise FlwrRunError(f"`flwr list --run-id {run_id}` does not know the run")
