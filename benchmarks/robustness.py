@@ -37,7 +37,9 @@ The default task (fedex-lora, MiniLM with LoRA r = 8 on polarity, Dirichlet
   ``adaptive``
       the attack that knows the defence: the negated honest mean at 0.999 of
       the largest norm the defence keeps (:func:`adaptive_limit`), claiming
-      the cap. Against the held-out check it also reads the server's own
+      the cap. Centred clipping clips a reply's distance to the centre, not
+      its norm: past the bound its pull stays the same, so the attacker goes
+      to the screen's limit, as against ``none``. Against the held-out check it also reads the server's own
       strategy and validation examples (:class:`CheckProbe`) and sends the
       largest scale whose leave-one-out gain ``L(S) - L(S - attackers)``
       stays under 0.999 of ``heldout-check-margin``, so the check never
@@ -104,6 +106,9 @@ DEFENCES: dict[str, dict[str, Any]] = {
     "clip+cap": {"robust": "norm-clip", "max-weight-ratio": 1.0},
     "clip2+cap": {"robust": "norm-clip", "clip-ratio": 2.0, "max-weight-ratio": 1.0},
     "heldout-check": {"robust": "none", "heldout-check": True},
+    "centred-clip": {"robust": "centred-clip"},
+    "centred-clip+cap2": {"robust": "centred-clip", "max-weight-ratio": 2.0},
+    "bucketed-cc": {"robust": "centred-clip", "bucket-size": 2},
 }
 """The defences compared, by name: run-config values over the defaults (each
 sets ``robust``, so a study does not depend on which rule is the default).

@@ -298,15 +298,16 @@ class RunConfig(Options):
     robust: str = option(
         "none",
         "robust aggregation in the method's update space: `none`, `norm-clip`, "
-        "`trimmed-mean` (client-level, by distance to the geometric median) or "
-        "`median` (geometric median); see "
+        "`trimmed-mean` (client-level, by distance to the geometric median), "
+        "`median` (geometric median) or `centred-clip` (centred clipping at its "
+        "fixed point); see "
         "[reliability.md](reliability.md#robust-aggregation)",
         bad=[("krum", "must be one of")],
     )
     clip_norm: float = option(
         0.0,
-        "`norm-clip`: bound on a client's update norm, finite and ≥ 0; `0` uses "
-        "the round's median update norm",
+        "`norm-clip`: bound on a client's update norm (`centred-clip`: on its "
+        "distance to the centre), finite and ≥ 0; `0` uses the round's median",
         bad=[(-1.0, "must be >= 0")],
     )
     trim_fraction: float = option(
@@ -324,8 +325,15 @@ class RunConfig(Options):
     clip_ratio: float = option(
         1.0,
         "`norm-clip` with `clip-norm = 0`: the bound is this multiple of the "
-        "round's median update norm, > 0",
+        "round's median update norm (`centred-clip`: of the median distance to "
+        "the geometric median), > 0",
         range="> 0",
+    )
+    bucket_size: int = option(
+        1,
+        "`centred-clip`: clients averaged per random bucket (drawn from the "
+        "OS's secure source) before clipping; `1` is no bucketing",
+        range=">= 1",
     )
     max_weight_ratio: float = option(
         0.0,
@@ -610,6 +618,7 @@ class RunConfig(Options):
             max_client_weight=self.max_client_weight,
             clip_ratio=self.clip_ratio,
             max_weight_ratio=self.max_weight_ratio,
+            bucket_size=self.bucket_size,
         )
 
     @property

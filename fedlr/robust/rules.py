@@ -21,6 +21,17 @@ weight*, in the method's own update space, before the method's kernel runs:
     their weights: a client-level trimmed mean, which, unlike a
     coordinate-wise one, is defined for factor pairs whose coordinates are
     only meaningful together.
+``centred-clip``
+    Centred clipping (Karimireddy, He and Jaggi, 2021) run to its fixed
+    point: the aggregate ``v`` satisfies ``sum_i s_i clip_tau(u_i - v) = 0``,
+    each client's deviation from the centre clipped at ``tau`` (``clip-ratio``
+    times the round's lower-median distance to the geometric median, or
+    ``clip-norm``). In the span of the updates that is a convex combination
+    whose weights are ``s_i min(1, tau / ||u_i - v||)``, normalised. With
+    ``bucket-size`` ``b > 1`` the clients are first averaged in random
+    buckets of ``b`` (Karimireddy, He and Jaggi, 2022, for non-IID clients),
+    drawn from the operating system's secure source so that no client can
+    know its bucket, and the buckets are clipped.
 
 and, with any rule, ``max-client-weight`` caps each client's share of the
 total weight (water-filling), so no claimed example count buys the model.
@@ -51,6 +62,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fedlr.errors import ConfigError
+from fedlr.privacy.randomness import secure_generator
 from fedlr.robust.spaces import UpdateSpace
 
 if TYPE_CHECKING:
@@ -61,11 +73,12 @@ __all__ = [
     "RobustConfig",
     "RobustOutcome",
     "cap_shares",
+    "centred_clip_weights",
     "geometric_median_weights",
     "robust_aggregate",
 ]
 
-ROBUST_RULES = ("none", "norm-clip", "trimmed-mean", "median")
+ROBUST_RULES = ("none", "norm-clip", "trimmed-mean", "median", "centred-clip")
 """Values of the ``robust`` run-config key."""
 
 _NEGLIGIBLE_SHARE = 1e-6
@@ -81,21 +94,25 @@ class RobustConfig:
 
     Parameters
     ----------
-    rule : {"none", "norm-clip", "trimmed-mean", "median"}
+    rule : {"none", "norm-clip", "trimmed-mean", "median", "centred-clip"}
     clip_norm : float, default 0.0
-        ``norm-clip``'s bound on a client's update norm; 0 uses the round's
-        median update norm.
+        ``norm-clip``'s bound on a client's update norm (``centred-clip``'s
+        on a client's distance to the centre); 0 uses the round's median.
     trim_fraction : float, default 0.2
         ``trimmed-mean``: share of the clients left out, in [0, 0.5).
     max_client_weight : float, default 1.0
         Cap on any client's share of the total weight, in (0, 1]; 1 is no cap.
     clip_ratio : float, default 1.0
         ``norm-clip`` with ``clip_norm`` 0: the bound is this multiple of the
-        round's median update norm, > 0.
+        round's median update norm (``centred-clip``: of the median distance
+        to the geometric median), > 0.
     max_weight_ratio : float, default 0.0
         Cap on any client's weight at this multiple of the round's median
         weight (its claimed example count), >= 0; 0 is no cap. Unlike
         ``max_client_weight`` it does not depend on how many clients reply.
+    bucket_size : int, default 1
+        ``centred-clip``: clients averaged per random bucket before clipping,
+        >= 1; 1 is no bucketing.
 
     Raises
     ------
@@ -109,6 +126,7 @@ class RobustConfig:
     max_client_weight: float = 1.0
     clip_ratio: float = 1.0
     max_weight_ratio: float = 0.0
+    bucket_size: int = 1
 
     def __post_init__(self) -> None:
         if self.rule not in ROBUST_RULES:
@@ -126,6 +144,12 @@ class RobustConfig:
         if not (math.isfinite(self.max_weight_ratio) and self.max_weight_ratio >= 0):
             raise ConfigError(
                 "max-weight-ratio", f"must be >= 0, got {self.max_weight_ratio}"
+            )
+        if isinstance(self.bucket_size, bool) or not (
+            isinstance(self.bucket_size, int) and self.bucket_size >= 1
+        ):
+            raise ConfigError(
+                "bucket-size", f"must be an integer >= 1, got {self.bucket_size!r}"
             )
         if not 0.0 < self.max_client_weight <= 1.0:
             raise ConfigError(
@@ -224,6 +248,131 @@ def geometric_median_weights(
         if change < tol:
             break
     return alpha
+
+
+def centred_clip_weights(
+    gram: torch.Tensor,
+    weights: Sequence[float],
+    *,
+    ratio: float = 1.0,
+    bound: float = 0.0,
+    iterations: int = 500,
+    tol: float = 1e-12,
+) -> tuple[torch.Tensor, float, torch.Tensor]:
+    """Convex weights ``alpha`` with ``v = sum alpha_i u_i`` the centred-clipping
+    fixed point ``sum_i s_i clip_tau(u_i - v) = 0``.
+
+    ``clip_tau(x) = x min(1, tau / ||x||)``, ``s`` the normalised
+    ``weights``. At the fixed point ``v = sum_i s_i c_i u_i / sum_i s_i c_i``
+    with ``c_i = min(1, tau / ||u_i - v||)``: iteratively reweighted from the
+    unweighted geometric median (a start no single update can move far),
+    distances from the Gram matrix (``||u_j - v||^2 = G_jj - 2 (G alpha)_j +
+    alpha^T G alpha``). When no client is farther than ``tau`` from the
+    fixed point, it is the plain weighted mean.
+
+    Parameters
+    ----------
+    gram : torch.Tensor
+        (k, k) Gram matrix of the updates, finite.
+    weights : sequence of float
+        Positive client weights.
+    ratio : float
+        ``tau`` is this multiple of the lower median of the clients'
+        distances to the geometric median (the ``ceil(k / 2)``-th smallest:
+        a minority that puts itself far away cannot raise it) ...
+    bound : float
+        ... unless ``bound > 0``, which is ``tau``.
+
+    Returns
+    -------
+    alpha : torch.Tensor
+        (k,) float64, positive, summing to 1.
+    tau : float
+    factors : torch.Tensor
+        (k,) ``c_i`` at the fixed point (1: not clipped).
+    """
+    s = torch.as_tensor(list(weights), dtype=torch.float64)
+    s = s / s.sum()
+    g = gram.to(torch.float64)
+    k = len(s)
+    start = geometric_median_weights(g, [1.0] * k)
+    if bound > 0:
+        tau = float(bound)
+    else:
+        spread = sorted(float(d) for d in _distances(g, start))
+        tau = ratio * spread[(k - 1) // 2]
+    if tau <= 0:  # the updates coincide (or the median does): nothing to clip
+        return s, tau, torch.ones(k, dtype=torch.float64)
+    alpha = start
+    factors = torch.ones(k, dtype=torch.float64)
+    for _ in range(iterations):
+        dist = _distances(g, alpha)
+        factors = torch.where(dist > tau, tau / dist.clamp_min(1e-300), 1.0)
+        new = s * factors
+        new = new / new.sum()
+        change = float((new - alpha).abs().max())
+        alpha = new
+        if change < tol:
+            break
+    return alpha, tau, factors
+
+
+def bucket_matrix(
+    weights: torch.Tensor, size: int, generator: torch.Generator
+) -> torch.Tensor:
+    """``(b, k)`` rows: each random bucket's weighted-mean coefficients.
+
+    The clients are permuted by ``generator`` and cut into ``ceil(k / size)``
+    buckets of ``size`` (the last may be smaller); row ``j`` holds the
+    weights of bucket ``j``'s members over their sum.
+    """
+    k = len(weights)
+    order = torch.randperm(k, generator=generator).tolist()
+    rows = []
+    for start in range(0, k, size):
+        members = order[start : start + size]
+        row = torch.zeros(k, dtype=torch.float64)
+        row[members] = weights[members].to(torch.float64)
+        rows.append(row / row.sum())
+    return torch.stack(rows)
+
+
+def _centred_clip(
+    kept: list[ClientUpdate],
+    weights: torch.Tensor,
+    space: UpdateSpace,
+    config: RobustConfig,
+) -> tuple[torch.Tensor, list[str]]:
+    """The weights of ``centred-clip`` (with its buckets), at the round's total
+    weight, and a reason per client whose share fell (clipped, or in a
+    clipped bucket)."""
+    gram = space.gram(kept)
+    total = weights.sum()
+    plain = weights / total
+    if config.bucket_size > 1:
+        mix = bucket_matrix(weights, config.bucket_size, secure_generator())
+        bucket_weights = mix.new_tensor([float(weights[row > 0].sum()) for row in mix])
+        beta, tau, factors = centred_clip_weights(
+            mix @ gram @ mix.T,
+            bucket_weights.tolist(),
+            ratio=config.clip_ratio,
+            bound=config.clip_norm,
+        )
+        alpha = mix.T @ beta
+        clipped = (mix.T @ (factors < 1).to(torch.float64)) > 0
+    else:
+        alpha, tau, factors = centred_clip_weights(
+            gram, weights.tolist(), ratio=config.clip_ratio, bound=config.clip_norm
+        )
+        clipped = factors < 1
+    reasons = [
+        f"node {update.node_id}: weight share {float(before):.4g} -> "
+        f"{float(after):.4g} (farther than {tau:.4g} from the centre"
+        + (", in its bucket)" if config.bucket_size > 1 else ")")
+        for update, before, after, out in zip(kept, plain, alpha, clipped, strict=True)
+        if bool(out)
+    ]
+    return alpha * total, reasons
 
 
 def _vertex_median(
@@ -327,6 +476,14 @@ def robust_aggregate(
         kept, clip_reasons = _clip(kept, space, config.clip_norm, config.clip_ratio)
         reasons += clip_reasons
         metrics["robust-clipped"] = float(len(clip_reasons))
+    elif config.rule == "centred-clip" and len(kept) > 1:
+        kept, weights, excluded = _finite_only(kept, weights, space)
+        reasons += excluded
+        metrics["robust-trimmed"] = float(len(excluded))
+        if len(kept) > 1:
+            weights, clip_reasons = _centred_clip(kept, weights, space, config)
+            reasons += clip_reasons
+            metrics["robust-clipped"] = float(len(clip_reasons))
     elif config.rule in ("median", "trimmed-mean") and len(kept) > 1:
         kept, weights, excluded = _finite_only(kept, weights, space)
         reasons += excluded

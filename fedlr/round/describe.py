@@ -28,6 +28,14 @@ def settings(strategy: Any) -> dict[str, Any]:
         out["clip_norm"] = robust.clip_norm or (
             "median" if robust.clip_ratio == 1.0 else f"{robust.clip_ratio:g} x median"
         )
+    if robust.rule == "centred-clip":
+        out["clip_norm"] = robust.clip_norm or (
+            "median distance"
+            if robust.clip_ratio == 1.0
+            else f"{robust.clip_ratio:g} x median distance"
+        )
+        if robust.bucket_size > 1:
+            out["bucket_size"] = robust.bucket_size
     if robust.rule == "trimmed-mean":
         out["trim_fraction"] = robust.trim_fraction
     if robust.max_client_weight < 1.0:

@@ -215,6 +215,14 @@ def guarantee_lines(
             "trimmed-mean": f"trimmed-mean leaving out {_g(robust.trim_fraction)} "
             "of the clients",
             "median": "geometric median",
+            "centred-clip": "centred clipping at "
+            + (
+                _g(robust.clip_norm)
+                if robust.clip_norm
+                else f"{_g(robust.clip_ratio)} x the median distance to the "
+                "geometric median"
+            )
+            + (f", buckets of {robust.bucket_size}" if robust.bucket_size > 1 else ""),
             "none": "no rule",
         }[robust.rule]
         cap = (

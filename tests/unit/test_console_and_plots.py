@@ -267,6 +267,19 @@ def test_guarantee_lines_name_every_mechanism_and_its_settings() -> None:
     assert guarantee_lines(_config(**{"screen-ratio": 0.0}), nodes=4) == []
 
 
+def test_guarantee_line_of_centred_clipping_names_its_bound_and_buckets() -> None:
+    lines = guarantee_lines(
+        _config(robust="centred-clip", **{"clip-ratio": 2.0, "bucket-size": 2}),
+        nodes=4,
+    )
+    assert lines[0] == (
+        "robust aggregation: centred clipping at 2 x the median distance to "
+        "the geometric median, buckets of 2"
+    )
+    plain = guarantee_lines(_config(robust="centred-clip", **{"clip-norm": 0.5}), 4)
+    assert plain[0] == "robust aggregation: centred clipping at 0.5"
+
+
 def test_guarantee_lines_under_secagg_say_distributed_and_the_shares() -> None:
     config = _config(
         **{
