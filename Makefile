@@ -66,7 +66,7 @@ lint: $(STAMP)/deps
 	$(PY) -m ruff check .
 
 typecheck: $(STAMP)/deps
-	$(PY) -m mypy fedlr client_apps server_apps
+	$(PY) -m mypy fedlr client_apps server_apps benchmarks
 
 # pyproject.toml's [tool.flwr.app.config] and docs/configuration.md's key tables,
 # generated from the option declarations (the unit tests check they are current).

@@ -134,7 +134,9 @@ def compare(
         },
         "fedasync-lora": {"num-server-rounds": trainings, "max-staleness": 1000},
     }
-    rows, curves, staleness = [], [], []
+    rows: list[dict[str, Any]] = []
+    curves: list[pd.DataFrame] = []
+    staleness: list[dict[str, Any]] = []
     OUT.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for method, extra in runs.items():

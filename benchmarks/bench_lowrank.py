@@ -37,8 +37,10 @@ def _dense_residual(
     mean = torch.zeros(bs[0].shape[0], as_[0].shape[1], dtype=bs[0].dtype)
     for wi, b, a in zip(w, bs, as_, strict=True):
         mean += float(wi) * (b @ a)
-    b_bar = sum(float(wi) * b for wi, b in zip(w, bs, strict=True))
-    a_bar = sum(float(wi) * a for wi, a in zip(w, as_, strict=True))
+    b_bar, a_bar = torch.zeros_like(bs[0]), torch.zeros_like(as_[0])
+    for wi, b, a in zip(w, bs, as_, strict=True):
+        b_bar += float(wi) * b
+        a_bar += float(wi) * a
     return mean - b_bar @ a_bar
 
 

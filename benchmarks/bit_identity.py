@@ -336,7 +336,7 @@ def _checkpoint(run_dir: Path) -> dict[str, str | None]:
     }
 
 
-def run_entry(name: str, config: Mapping[str, Any], output_dir: Path) -> dict:
+def run_entry(name: str, config: Mapping[str, Any], output_dir: Path) -> dict[str, Any]:
     """Run one entry; return its record (digests, metrics row, seconds)."""
     from fedlr.server_apps.local import run_in_process
 
@@ -383,7 +383,9 @@ def default_entries() -> list[Entry]:
     return [METHOD_ENTRIES[m] for m in methods] + VARIANTS
 
 
-def select(names: list[str], wanted: str | None, method_of: Callable) -> list[str]:
+def select(
+    names: list[str], wanted: str | None, method_of: Callable[[str], str]
+) -> list[str]:
     """The names whose entry name or method is in the comma list ``wanted``."""
     if not wanted:
         return names

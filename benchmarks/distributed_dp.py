@@ -144,7 +144,7 @@ def noise_reports() -> Iterator[list[float]]:
     from fedlr.privacy import client_dp, distributed_dp
 
     seen: list[float] = []
-    originals = {
+    originals: dict[tuple[Any, str], Callable[..., Any]] = {
         (client_dp, "privatize"): client_dp.privatize,
         (distributed_dp, "publish"): distributed_dp.publish,
     }
@@ -220,10 +220,11 @@ def calibrate(
     c = clipping_range(clip, z_central)
     for _ in range(10):
         step = 2.0 * c / QUANTIZATION
-        z_dist = bisect(
-            lambda z, s=step: distributed_epsilon(z, rounds, delta, clip, s, dim),
-            target,
-        )
+
+        def eps_of(z: float, s: float = step) -> float:
+            return distributed_epsilon(z, rounds, delta, clip, s, dim)
+
+        z_dist = bisect(eps_of, target)
         new = clipping_range(clip, z_dist)
         if new == c:
             break

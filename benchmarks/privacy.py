@@ -25,6 +25,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import pandas as pd
+from matplotlib.figure import Figure
 
 from fedlr.runs.plots import load_run
 from fedlr.runs.table import collect
@@ -115,7 +116,7 @@ def claims(rows: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
-def figure(rows: pd.DataFrame) -> plt.Figure:
+def figure(rows: pd.DataFrame) -> Figure:
     """Final accuracy against epsilon (no DP at the right), one line per method."""
     levels = _levels(rows)
     x = {lv: i for i, lv in enumerate(levels)}

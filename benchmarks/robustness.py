@@ -39,11 +39,12 @@ The default task (fedex-lora, MiniLM with LoRA r = 8 on polarity, Dirichlet
       the largest norm the defence keeps (:func:`adaptive_limit`), claiming
       the cap. Centred clipping clips a reply's distance to the centre, not
       its norm: past the bound its pull stays the same, so the attacker goes
-      to the screen's limit, as against ``none``. Against the held-out check it also reads the server's own
-      strategy and validation examples (:class:`CheckProbe`) and sends the
-      largest scale whose leave-one-out gain ``L(S) - L(S - attackers)``
-      stays under 0.999 of ``heldout-check-margin``, so the check never
-      leaves it out for its own effect.
+      to the screen's limit, as against ``none``. Against the held-out check
+      it also reads the server's own strategy and validation examples
+      (:class:`CheckProbe`) and sends the largest scale whose leave-one-out
+      gain ``L(S) - L(S - attackers)`` stays under 0.999 of
+      ``heldout-check-margin``, so the check never leaves it out for its own
+      effect.
 
 Every run is one line of ``DIR/runs*.jsonl`` (resumable: a finished run is not
 run again; ``--shard I/N`` runs every N-th run starting at I, so that two
@@ -61,15 +62,15 @@ import statistics
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 from flwr.app import Message, MessageType, MetricRecord, RecordDict
+from matplotlib.figure import Figure
 
-from fedlr.flower.records import record_to_state, state_to_record
+from fedlr.flower.records import config_int, record_to_state, state_to_record
 from fedlr.robust.screen import DEFAULT_SCREEN_RATIO
 from fedlr.robust.spaces import ProductSpace
 from fedlr.round.protect import HeldOutStep
@@ -79,6 +80,7 @@ from fedlr.server_apps.builtin_plans import build_plan
 from fedlr.server_apps.local import run_in_process
 from fedlr.strategies.registry import resolve
 from fedlr.wire import protocol
+from fedlr.wire.updates import ClientUpdate
 
 ATTACKS = (
     "absent",
@@ -208,7 +210,9 @@ class Colluders:
             for p, ins, rep in round_
             if id(rep) in trained and p in self.attackers
         ]
-        plans: dict[int, tuple[Message, Message, dict, int | None]] = {}
+        plans: dict[
+            int, tuple[Message, Message, dict[str, torch.Tensor], int | None]
+        ] = {}
         for _, ins, rep in attacking:
             sent, own = _state(ins), _state(rep)
             claim = None
@@ -322,7 +326,7 @@ class CheckProbe:
         ``id`` of the replies they replace (``attackers``), whose joint
         leave-one-out gain is under 0.999 of the margin (0 when none is)."""
         config = train[0][1].content.config_records[protocol.CONFIG]
-        server_round = int(config[protocol.SERVER_ROUND])
+        server_round = config_int(config, protocol.SERVER_ROUND)
         margin = ADAPTIVE_MARGIN * self.strategy.heldout_check.margin
         without = self.loss(
             server_round, [rep for _, _, rep in train if id(rep) not in attackers]
@@ -386,10 +390,17 @@ def _delta(
 
 def _update(
     ref: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]
-) -> SimpleNamespace:
+) -> ClientUpdate:
     """What :class:`~fedlr.robust.rules.ProductSpace` measures: the sent arrays."""
     arrays = {k: ref[k].double() + d if k in ref else d for k, d in delta.items()}
-    return SimpleNamespace(arrays=arrays)
+    return ClientUpdate(
+        node_id=0,
+        arrays=arrays,
+        num_examples=1,
+        metrics={},
+        content=RecordDict(),
+        nbytes=0,
+    )
 
 
 def _scaled(
@@ -544,7 +555,7 @@ def _column(frame: pd.DataFrame, name: str) -> float:
 
 
 def _rows(out: Path) -> list[dict[str, Any]]:
-    rows = []
+    rows: list[dict[str, Any]] = []
     for path in sorted(out.glob("runs-*.jsonl")):
         rows.extend(json.loads(line) for line in path.read_text().splitlines())
     return rows
@@ -679,7 +690,7 @@ def _with_setting(rows: pd.DataFrame) -> pd.DataFrame:
     return rows
 
 
-def figure(rows: pd.DataFrame, title: str = "") -> plt.Figure:
+def figure(rows: pd.DataFrame, title: str = "") -> Figure:
     """Final accuracy per setting, one bar per defence (mean ± std over seeds)."""
     rows = _with_setting(rows)
     defences = _defences(rows)

@@ -43,7 +43,7 @@ __all__ = [
 
 def clients_with_spectrum(
     spectrum: torch.Tensor, seed: int, *, d: int = D, k: int = K, r: int = R
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[float]]:
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
     """``k`` clients whose weighted mean of products has singular values ``spectrum``.
 
     ``M = U diag(spectrum) V^T`` with random orthonormal ``U``, ``V``
