@@ -18,8 +18,8 @@ For every payload the round must complete (no exception out of
 * ``numeric`` payloads (well-formed, hostile numbers): with ``robust="none"``
   the server publishes a finite model or rejects the round (never NaN/Inf);
   with ``trimmed-mean`` the attacker is trimmed and the result equals the
-  round without it (relative 1e-6); with ``median`` and ``norm-clip`` the
-  attacker is named in the robust reasons and the result is at most twice as
+  round without it (relative 1e-6); with ``median``, ``norm-clip`` and
+  ``centred-clip`` the attacker is named in the robust reasons and the result is at most twice as
   far from the round without it as that round moved the model (5x for the
   median of methods not linear in the client's arrays, ``NONLINEAR_PULL``).
 
@@ -108,7 +108,7 @@ CAP = 1000
 """``max-num-examples`` of the round (the replies claim 5, 17 and 40)."""
 DROP = sorted(n for n, p in PAYLOADS.items() if p.outcome in ("drop", "extra"))
 NUMERIC = sorted(n for n, p in PAYLOADS.items() if p.outcome == "numeric")
-RULES = ("none", "norm-clip", "trimmed-mean", "median")
+RULES = ("none", "norm-clip", "trimmed-mean", "median", "centred-clip")
 
 
 # ------------------------------------------------------------ covering design
@@ -316,7 +316,7 @@ def _check_numbers(method, payload, rule, plans):  # noqa: F811
         zero = {k: torch.zeros_like(v) for k, v in want.items()}
         assert _distance(new, want) <= 1e-6 * max(_distance(want, zero), 1.0)
         return
-    # median and norm-clip: within PULL times as far from the honest round's
+    # median, norm-clip and centred-clip: within PULL times as far from the honest round's
     # result as the honest round moved the model
     moved = _distance(want, state)
     pull = NONLINEAR_PULL.get(method, 2.0) if rule == "median" else 2.0
