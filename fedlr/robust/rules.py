@@ -267,8 +267,10 @@ def centred_clip_weights(
     with ``c_i = min(1, tau / ||u_i - v||)``: iteratively reweighted from the
     unweighted geometric median (a start no single update can move far),
     distances from the Gram matrix (``||u_j - v||^2 = G_jj - 2 (G alpha)_j +
-    alpha^T G alpha``). When no client is farther than ``tau`` from the
-    fixed point, it is the plain weighted mean.
+    alpha^T G alpha``). The fixed point minimises the convex
+    ``sum_i s_i huber_tau(||u_i - v||)``, which each reweighting step
+    decreases (the Weiszfeld-type iteration of a Huber M-estimate). When no
+    client is farther than ``tau`` from it, it is the plain weighted mean.
 
     Parameters
     ----------
