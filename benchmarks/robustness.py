@@ -393,14 +393,7 @@ def _update(
 ) -> ClientUpdate:
     """What :class:`~fedlr.robust.rules.ProductSpace` measures: the sent arrays."""
     arrays = {k: ref[k].double() + d if k in ref else d for k, d in delta.items()}
-    return ClientUpdate(
-        node_id=0,
-        arrays=arrays,
-        num_examples=1,
-        metrics={},
-        content=RecordDict(),
-        nbytes=0,
-    )
+    return ClientUpdate.of_arrays(arrays)
 
 
 def _scaled(

@@ -122,14 +122,7 @@ def fedspec_round(
         svd_solver=solver,
     )
     updates = [
-        ClientUpdate(
-            node_id=i,
-            arrays={"l0.B": b, "l0.A": a},
-            num_examples=n,
-            metrics={},
-            content=None,  # type: ignore[arg-type]
-            nbytes=0,
-        )
+        ClientUpdate.of_arrays({"l0.B": b, "l0.A": a}, n, node_id=i)
         for i, (b, a, n) in enumerate(zip(bs, as_, examples, strict=True))
     ]
     current = {"l0.B": bs[0], "l0.A": as_[0]}

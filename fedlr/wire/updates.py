@@ -9,6 +9,7 @@ It lives below both, so the robust step does not import the strategies.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from flwr.app import RecordDict
@@ -68,6 +69,27 @@ class ClientUpdate:
     def __post_init__(self) -> None:
         if self.weight < 0:
             object.__setattr__(self, "weight", float(self.num_examples))
+
+    @classmethod
+    def of_arrays(
+        cls,
+        arrays: dict[str, torch.Tensor],
+        num_examples: int = 1,
+        node_id: int = 0,
+        **fields: Any,
+    ) -> ClientUpdate:
+        """An update of ``arrays`` alone: no metrics, an empty reply, no
+        bytes counted (to measure arrays in an update space, and in tests);
+        ``fields`` sets any other attribute (``extras``...)."""
+        return cls(
+            node_id=node_id,
+            arrays=arrays,
+            num_examples=num_examples,
+            metrics={},
+            content=RecordDict(),
+            nbytes=0,
+            **fields,
+        )
 
     @property
     def partition_id(self) -> int:

@@ -177,15 +177,7 @@ def _replies(strategy: FedAvgLoRA, current):
     """Every partition's reply arrays, scaled to its norm in the screen's space."""
     space = strategy.replies.space(current)
 
-    def update(arrays) -> ClientUpdate:
-        return ClientUpdate(
-            node_id=0,
-            arrays=arrays,
-            num_examples=1,
-            metrics={},
-            content=RecordDict(),
-            nbytes=0,
-        )
+    update = ClientUpdate.of_arrays
 
     state = space.norm(update({k: torch.zeros_like(v) for k, v in current.items()}))
     limit = DEFAULT_SCREEN_RATIO * state  # one update, screened on its own
@@ -293,15 +285,7 @@ def _presence_trials(reproducible: bool) -> tuple[float, float, float]:
         present = coins.random() < 0.5
         arrays = honest + ([target] if present else [])
         updates = [
-            ClientUpdate(
-                node_id=i,
-                arrays={"w": a},
-                num_examples=1,
-                metrics={},
-                content=RecordDict(),
-                nbytes=0,
-            )
-            for i, a in enumerate(arrays)
+            ClientUpdate.of_arrays({"w": a}, node_id=i) for i, a in enumerate(arrays)
         ]
         noised, metrics = privatize(
             updates,

@@ -19,9 +19,10 @@ For every payload the round must complete (no exception out of
   the server publishes a finite model or rejects the round (never NaN/Inf);
   with ``trimmed-mean`` the attacker is trimmed and the result equals the
   round without it (relative 1e-6); with ``median``, ``norm-clip`` and
-  ``centred-clip`` the attacker is named in the robust reasons and the result is at most twice as
-  far from the round without it as that round moved the model (5x for the
-  median of methods not linear in the client's arrays, ``NONLINEAR_PULL``).
+  ``centred-clip`` the attacker is named in the robust reasons and the
+  result is at most twice as far from the round without it as that round
+  moved the model (5x for the median of methods not linear in the client's
+  arrays, ``NONLINEAR_PULL``).
 
 Which cases run
 ---------------
@@ -316,8 +317,8 @@ def _check_numbers(method, payload, rule, plans):  # noqa: F811
         zero = {k: torch.zeros_like(v) for k, v in want.items()}
         assert _distance(new, want) <= 1e-6 * max(_distance(want, zero), 1.0)
         return
-    # median, norm-clip and centred-clip: within PULL times as far from the honest round's
-    # result as the honest round moved the model
+    # median, norm-clip and centred-clip: within PULL times as far from the
+    # honest round's result as the honest round moved the model
     moved = _distance(want, state)
     pull = NONLINEAR_PULL.get(method, 2.0) if rule == "median" else 2.0
     assert _distance(new, want) <= pull * moved + 1e-9, (moved, _distance(new, want))

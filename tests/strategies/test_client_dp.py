@@ -195,14 +195,7 @@ def _clipped_mean(current, replies, denominator):
 
 
 def _update(node: int, arrays: dict[str, torch.Tensor], n: int = 10) -> ClientUpdate:
-    return ClientUpdate(
-        node_id=node,
-        arrays=arrays,
-        num_examples=n,
-        metrics={},
-        content=RecordDict(),
-        nbytes=0,
-    )
+    return ClientUpdate.of_arrays(arrays, n, node_id=node)
 
 
 # ------------------------------------------------------------------ the kernel
@@ -457,14 +450,8 @@ def test_client_dp_is_refused_with_a_robust_rule():
 
 def test_replies_with_extra_records_are_refused_by_name():
     current = {"w": torch.zeros(3)}
-    update = ClientUpdate(
-        node_id=1,
-        arrays={"w": torch.ones(3)},
-        num_examples=1,
-        metrics={},
-        content=RecordDict(),
-        nbytes=0,
-        extras={"scaffold-delta": {"w": torch.ones(3)}},
+    update = ClientUpdate.of_arrays(
+        {"w": torch.ones(3)}, node_id=1, extras={"scaffold-delta": {"w": torch.ones(3)}}
     )
     with pytest.raises(PrivacyUnsupportedError, match="scaffold-delta"):
         privatize(

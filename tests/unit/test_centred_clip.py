@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from flwr.app import RecordDict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.optimize import minimize
@@ -33,14 +32,7 @@ F64 = torch.float64
 
 
 def _update(node_id: int, arrays: dict[str, torch.Tensor], n: int) -> ClientUpdate:
-    return ClientUpdate(
-        node_id=node_id,
-        arrays=arrays,
-        num_examples=n,
-        metrics={},
-        content=RecordDict(),
-        nbytes=0,
-    )
+    return ClientUpdate.of_arrays(arrays, n, node_id=node_id)
 
 
 def _points(seed: int, k: int, dim: int, boost: float) -> tuple[np.ndarray, np.ndarray]:

@@ -35,14 +35,7 @@ def test_chosen_seeds_are_valid_on_both_data_sets_and_skipped_ones_are_not() -> 
 def _update(
     node: int, a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], n: int
 ) -> ClientUpdate:
-    return ClientUpdate(
-        node_id=node,
-        arrays={**a, **b},
-        num_examples=n,
-        metrics={},
-        content=None,  # type: ignore[arg-type]
-        nbytes=0,
-    )
+    return ClientUpdate.of_arrays({**a, **b}, n, node_id=node)
 
 
 def test_drift_of_matches_dense_products() -> None:

@@ -12,7 +12,6 @@ import math
 
 import pytest
 import torch
-from flwr.app import RecordDict
 
 from fedlr.errors import ConfigError, ReplyValidationError
 from fedlr.robust.rules import RobustConfig, robust_aggregate
@@ -27,14 +26,8 @@ REC = "delta"
 
 def _update(node: int, scale: float, n: int = 10, dtype=torch.float32) -> ClientUpdate:
     record = {"a": torch.full((2, 3), scale, dtype=dtype), "b": torch.full((4,), scale)}
-    return ClientUpdate(
-        node_id=node,
-        arrays={"w": torch.full((3,), float(node))},
-        num_examples=n,
-        metrics={},
-        content=RecordDict(),
-        nbytes=0,
-        extras={REC: record},
+    return ClientUpdate.of_arrays(
+        {"w": torch.full((3,), float(node))}, n, node_id=node, extras={REC: record}
     )
 
 
@@ -135,7 +128,7 @@ def test_max_weight_ratio_caps_every_weight_at_a_multiple_of_the_median():
 def test_clip_ratio_sets_norm_clips_bound_relative_to_the_median():
     space = ParameterSpace({"w": torch.zeros(3)})
     updates = [
-        ClientUpdate(i, {"w": torch.full((3,), s)}, 1, {}, RecordDict(), 0)
+        ClientUpdate.of_arrays({"w": torch.full((3,), s)}, node_id=i)
         for i, s in enumerate([1.0, 2.0, 3.0, 8.0])
     ]
     median = 2.0 * math.sqrt(3)  # torch's median of four norms: the lower one

@@ -15,7 +15,6 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
-from flwr.app import RecordDict
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from scipy.optimize import brentq, minimize
@@ -44,14 +43,7 @@ nor reference (B measured as parameters)."""
 
 
 def _update(node_id: int, arrays: dict[str, torch.Tensor], n: int = 1) -> ClientUpdate:
-    return ClientUpdate(
-        node_id=node_id,
-        arrays=arrays,
-        num_examples=n,
-        metrics={},
-        content=RecordDict(),
-        nbytes=0,
-    )
+    return ClientUpdate.of_arrays(arrays, n, node_id=node_id)
 
 
 # --------------------------------------------------------------- references
