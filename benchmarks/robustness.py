@@ -183,11 +183,7 @@ class Colluders:
     def __call__(
         self, round_: list[tuple[int, Message, Message]]
     ) -> list[Message | None]:
-        train = [
-            (p, ins, rep)
-            for p, ins, rep in round_
-            if ins.metadata.message_type == MessageType.TRAIN and not rep.has_error()
-        ]
+        train = train_replies(round_)
         honest = [t for t in train if t[0] not in self.attackers]
         if not honest or len(honest) == len(train):
             return [rep for _, _, rep in round_]
@@ -254,6 +250,18 @@ class Colluders:
             self.norms.append((space.norm(_update(ref, sent_delta)), honest_median))
         forged = forge_at(scale)
         return [forged.get(id(rep), rep) for _, _, rep in round_]
+
+
+def train_replies(
+    round_: list[tuple[int, Message, Message]],
+) -> list[tuple[int, Message, Message]]:
+    """The round's ``(partition, instruction, reply)`` of train instructions
+    answered without an error."""
+    return [
+        (p, ins, rep)
+        for p, ins, rep in round_
+        if ins.metadata.message_type == MessageType.TRAIN and not rep.has_error()
+    ]
 
 
 def _forge(

@@ -31,9 +31,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import Message, MessageType, MetricRecord
+from flwr.app import Message, MetricRecord
 
-from benchmarks.robustness import NUM_CLIENTS, _delta, _pairs, _state, _update
+from benchmarks.robustness import (
+    NUM_CLIENTS,
+    _delta,
+    _pairs,
+    _state,
+    _update,
+    train_replies,
+)
 from fedlr.adapters import Role
 from fedlr.client.train import TrainSettings, train_steps
 from fedlr.flower.records import config_float, config_int
@@ -126,11 +133,7 @@ class Geometry:
     def __call__(
         self, round_: list[tuple[int, Message, Message]]
     ) -> list[Message | None]:
-        train = [
-            (p, ins, rep)
-            for p, ins, rep in round_
-            if ins.metadata.message_type == MessageType.TRAIN and not rep.has_error()
-        ]
+        train = train_replies(round_)
         if len(train) == NUM_CLIENTS:
             sent = _state(train[0][1])
             honest = [(p, rep) for p, _, rep in train if p != NUM_CLIENTS - 1]
