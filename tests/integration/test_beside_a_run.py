@@ -18,7 +18,13 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
-from tests.integration.test_launch import LAUNCH_TIMEOUT, _cleanup, _cmdlines, _start
+from tests.integration.test_launch import (
+    LAUNCH_TIMEOUT,
+    STOP_TIMEOUT,
+    _cleanup,
+    _cmdlines,
+    _start,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -53,7 +59,7 @@ def test_a_flwr_run_test_passes_while_another_run_is_going(tmp_path, assets):
         other.watch()
         assert "flower-superlink" in _cmdlines(other.seen)
         os.kill(other.proc.pid, signal.SIGINT)
-        assert other.proc.wait(timeout=120) == 130, other.text[-3000:]
+        assert other.proc.wait(timeout=STOP_TIMEOUT) == 130, other.text[-3000:]
         assert "Traceback" not in other.text
     finally:
         _cleanup([other])
