@@ -110,7 +110,6 @@ DEFENCES: dict[str, dict[str, Any]] = {
     "heldout-check": {"robust": "none", "heldout-check": True},
     "centred-clip": {"robust": "centred-clip"},
     "centred-clip+cap2": {"robust": "centred-clip", "max-weight-ratio": 2.0},
-    "bucketed-cc": {"robust": "centred-clip", "bucket-size": 2},
 }
 """The defences compared, by name: run-config values over the defaults (each
 sets ``robust``, so a study does not depend on which rule is the default).

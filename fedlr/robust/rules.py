@@ -342,31 +342,27 @@ def bucket_matrix(
 def _centred_clip(
     kept: list[ClientUpdate],
     weights: torch.Tensor,
-    space: UpdateSpace,
+    gram: torch.Tensor,
     config: RobustConfig,
 ) -> tuple[torch.Tensor, list[str]]:
-    """The weights of ``centred-clip`` (with its buckets), at the round's total
-    weight, and a reason per client whose share fell (clipped, or in a
-    clipped bucket)."""
-    gram = space.gram(kept)
+    """The weights of ``centred-clip`` (with its buckets; without, each client
+    is its own bucket), at the round's total weight, and a reason per client
+    whose share fell (clipped, or in a clipped bucket)."""
     total = weights.sum()
     plain = weights / total
     if config.bucket_size > 1:
         mix = bucket_matrix(weights, config.bucket_size, secure_generator())
-        bucket_weights = mix.new_tensor([float(weights[row > 0].sum()) for row in mix])
-        beta, tau, factors = centred_clip_weights(
-            mix @ gram @ mix.T,
-            bucket_weights.tolist(),
-            ratio=config.clip_ratio,
-            bound=config.clip_norm,
-        )
-        alpha = mix.T @ beta
-        clipped = (mix.T @ (factors < 1).to(torch.float64)) > 0
     else:
-        alpha, tau, factors = centred_clip_weights(
-            gram, weights.tolist(), ratio=config.clip_ratio, bound=config.clip_norm
-        )
-        clipped = factors < 1
+        mix = torch.eye(len(kept), dtype=torch.float64)
+    members = (mix > 0).to(torch.float64)
+    beta, tau, factors = centred_clip_weights(
+        mix @ gram.to(torch.float64) @ mix.T,
+        (members @ weights.to(torch.float64)).tolist(),
+        ratio=config.clip_ratio,
+        bound=config.clip_norm,
+    )
+    alpha = mix.T @ beta
+    clipped = (members.T @ (factors < 1).to(torch.float64)) > 0
     reasons = [
         f"node {update.node_id}: weight share {float(before):.4g} -> "
         f"{float(after):.4g} (farther than {tau:.4g} from the centre"
@@ -478,19 +474,16 @@ def robust_aggregate(
         kept, clip_reasons = _clip(kept, space, config.clip_norm, config.clip_ratio)
         reasons += clip_reasons
         metrics["robust-clipped"] = float(len(clip_reasons))
-    elif config.rule == "centred-clip" and len(kept) > 1:
+    elif config.rule in ("median", "trimmed-mean", "centred-clip") and len(kept) > 1:
         kept, weights, excluded = _finite_only(kept, weights, space)
         reasons += excluded
         metrics["robust-trimmed"] = float(len(excluded))
-        if len(kept) > 1:
-            weights, clip_reasons = _centred_clip(kept, weights, space, config)
+        if len(kept) > 1 and config.rule == "centred-clip":
+            gram = space.gram(kept)
+            weights, clip_reasons = _centred_clip(kept, weights, gram, config)
             reasons += clip_reasons
             metrics["robust-clipped"] = float(len(clip_reasons))
-    elif config.rule in ("median", "trimmed-mean") and len(kept) > 1:
-        kept, weights, excluded = _finite_only(kept, weights, space)
-        reasons += excluded
-        metrics["robust-trimmed"] = float(len(excluded))
-        if len(kept) > 1:
+        elif len(kept) > 1:
             gram = space.gram(kept)
             # Unweighted: a client's claimed example count must not move the
             # median (cap weights with max-client-weight).
