@@ -17,13 +17,12 @@ from scipy.optimize import minimize
 
 import fedlr.robust.rules as rules
 from fedlr.errors import ConfigError
-from fedlr.robust.rules import (
-    RobustConfig,
+from fedlr.robust.estimators import (
     bucket_matrix,
     centred_clip_weights,
     geometric_median_weights,
-    robust_aggregate,
 )
+from fedlr.robust.rules import RobustConfig, robust_aggregate
 from fedlr.robust.spaces import ParameterSpace, ProductSpace
 from fedlr.strategies.base import ClientUpdate
 from fedlr.strategies.registry import resolve

@@ -22,12 +22,8 @@ from scipy.optimize import brentq, minimize
 import fedlr.robust.rules as robust
 import fedlr.robust.spaces as spaces
 from fedlr.errors import ConfigError
-from fedlr.robust.rules import (
-    RobustConfig,
-    cap_shares,
-    geometric_median_weights,
-    robust_aggregate,
-)
+from fedlr.robust.estimators import cap_shares, geometric_median_weights
+from fedlr.robust.rules import RobustConfig, robust_aggregate
 from fedlr.robust.spaces import ParameterSpace, ProductSpace
 from fedlr.strategies.base import ClientUpdate
 
