@@ -45,6 +45,12 @@ The default task (fedex-lora, MiniLM with LoRA r = 8 on polarity, Dirichlet
       gain ``L(S) - L(S - attackers)`` stays under 0.999 of
       ``heldout-check-margin``, so the check never leaves it out for its own
       effect.
+      Against the server's own update (``server-update-share``) it reads
+      the server's update of the round (:class:`ServerProbe`) and negates
+      what the server would publish without it, ``(1 - s)`` times the honest
+      mean plus ``s`` times the server's update; with ``clip-reference =
+      "server"`` its norm is 0.999 of ``clip-ratio`` times the server's
+      update norm, the largest the clip keeps.
 
 Every run is one line of ``DIR/runs*.jsonl`` (resumable: a finished run is not
 run again; ``--shard I/N`` runs every N-th run starting at I, so that two
@@ -110,11 +116,17 @@ DEFENCES: dict[str, dict[str, Any]] = {
     "heldout-check": {"robust": "none", "heldout-check": True},
     "centred-clip": {"robust": "centred-clip"},
     "centred-clip+cap2": {"robust": "centred-clip", "max-weight-ratio": 2.0},
+    "serverclip": {
+        "robust": "norm-clip",
+        "clip-reference": "server",
+        "server-update-share": 0.5,
+    },
 }
 """The defences compared, by name: run-config values over the defaults (each
 sets ``robust``, so a study does not depend on which rule is the default).
-``heldout-check`` keeps the held-out split's last 128 examples for itself:
-compare it with ``--set max-eval-examples=672`` so that every defence is
+``heldout-check`` and ``serverclip`` (the server's own update, every client
+clipped at its norm) keep the held-out split's last 128 examples for the
+server: compare them with ``--set max-eval-examples=672`` so that every defence is
 evaluated on the same 672 examples (polarity's held-out split has 800)."""
 
 
@@ -158,6 +170,11 @@ class Colluders:
     probe : CheckProbe, optional
         ``adaptive`` against the held-out check: the server's check, which
         the attackers keep their joint leave-one-out gain under.
+    server : ServerProbe, optional
+        ``adaptive`` against the server's own update: the attackers negate
+        the step the server would publish without them, the server's update
+        included (its share ``s``: ``(1 - s)`` honest mean ``+ s`` server
+        update), not the honest mean alone.
     """
 
     def __init__(
@@ -168,6 +185,7 @@ class Colluders:
         screen_ratio: float,
         clip_ratio: float | None = None,
         probe: CheckProbe | None = None,
+        server: ServerProbe | None = None,
     ) -> None:
         if attack not in ATTACKS:
             raise ValueError(f"attack must be one of {ATTACKS}, got {attack!r}")
@@ -177,6 +195,7 @@ class Colluders:
         self.screen_ratio = screen_ratio
         self.clip_ratio = clip_ratio
         self.probe = probe
+        self.server = server
         self.norms: list[tuple[float, float]] = []  # (attacker, honest median)
 
     def __call__(
@@ -216,7 +235,18 @@ class Colluders:
             elif self.attack == "alie":
                 delta = {k: mean[k] - z * std[k] for k in keys}
             else:
-                if self.attack == "adaptive":
+                if (
+                    self.attack == "adaptive"
+                    and self.server is not None
+                    and (self.server.clips and self.clip_ratio is not None)
+                ):  # the bound is clip-ratio x the server's update norm
+                    own = self.server.delta(keys)
+                    target = (
+                        ADAPTIVE_MARGIN
+                        * self.clip_ratio
+                        * space.norm(_update(ref, own))
+                    )
+                elif self.attack == "adaptive":
                     target = ADAPTIVE_MARGIN * adaptive_limit(
                         honest_norms,
                         len(train) - len(honest),
@@ -229,7 +259,11 @@ class Colluders:
                         if self.attack == "under-the-clip"
                         else SCREEN_MARGIN * self.screen_ratio
                     )
-                delta = _scaled(space, ref, {k: -mean[k] for k in keys}, target)
+                direction = {k: -mean[k] for k in keys}
+                if self.attack == "adaptive" and self.server is not None:
+                    s, own = self.server.share, self.server.delta(keys)
+                    direction = {k: -((1 - s) * mean[k] + s * own[k]) for k in keys}
+                delta = _scaled(space, ref, direction, target)
                 if self.attack in ("under-the-cap", "adaptive"):
                     claim = self.cap
             plans[id(rep)] = (ins, rep, delta, claim)
@@ -358,6 +392,50 @@ class CheckProbe:
                 best_gain = gain(0.0)
         self.gains.append((best_gain, margin / ADAPTIVE_MARGIN))
         return best
+
+
+class ServerProbe:
+    """The server's own update as an omniscient attacker sees it.
+
+    :meth:`attach` it with ``run_in_process(observe=probe.attach)``: it then
+    holds the server's strategy, and :meth:`delta` is the update the server
+    adds this round (its plan trains an instruction once, so asking first
+    changes nothing the server does).
+    """
+
+    def __init__(self) -> None:
+        self.strategy: Any = None
+
+    def attach(self, strategy: Any) -> None:
+        """Read the server's strategy (``run_in_process``'s ``observe``)."""
+        if strategy.server_update is None:
+            raise ValueError("the server-aware attack needs server-update-share > 0")
+        self.strategy = strategy
+
+    @property
+    def clips(self) -> bool:
+        """Whether the server clips clients at its own update's norm
+        (``clip-reference = "server"``)."""
+        if self.strategy is None:
+            raise RuntimeError("ServerProbe.attach was not called (observe=)")
+        return bool(self.strategy.robust.clip_reference == "server")
+
+    @property
+    def share(self) -> float:
+        """``server-update-share``."""
+        if self.strategy is None:
+            raise RuntimeError("ServerProbe.attach was not called (observe=)")
+        return float(self.strategy.server_update.share)
+
+    def delta(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """The server's update this round, ``keys`` of it, in float64."""
+        s = self.strategy
+        if s is None:
+            raise RuntimeError("ServerProbe.attach was not called (observe=)")
+        instruction = s.server_instruction
+        reply = s.server_update.train(instruction)
+        full = _delta(_state(reply), _state(instruction))
+        return {k: full[k] for k in keys}
 
 
 def adaptive_limit(
@@ -495,7 +573,7 @@ def run(args: argparse.Namespace) -> None:
             **parse_overrides(args.set),
             **defence,
         }
-        hook, probe = None, None
+        hook, probe, server = None, None, None
         if spec["attack"] != "none":
             method = resolve(config)
             largest = build_plan(method).largest_partition
@@ -506,6 +584,8 @@ def run(args: argparse.Namespace) -> None:
             clips = defence["robust"] == "norm-clip"
             if spec["attack"] == "adaptive" and method.run.heldout_check:
                 probe = CheckProbe()
+            if spec["attack"] == "adaptive" and method.run.server_update_share > 0:
+                server = ServerProbe()
             hook = Colluders(
                 spec["attack"],
                 attackers,
@@ -513,9 +593,15 @@ def run(args: argparse.Namespace) -> None:
                 float(config.get("screen-ratio", DEFAULT_SCREEN_RATIO)),
                 float(defence.get("clip-ratio", 1.0)) if clips else None,
                 probe,
+                server,
             )
         start = time.perf_counter()
-        observe = probe.attach if probe is not None else None
+        observers = [p.attach for p in (probe, server) if p is not None]
+
+        def observe(strategy: Any, observers: list[Any] = observers) -> None:
+            for attach in observers:
+                attach(strategy)
+
         run_dir = run_in_process(config, round_hook=hook, observe=observe)
         frame = pd.read_csv(run_dir / "results.csv")
         accuracy = frame["accuracy"].dropna()

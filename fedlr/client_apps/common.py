@@ -6,28 +6,34 @@ instruction the same way (:func:`image_evaluate_reply`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from logging import WARNING, getLogger
+from typing import Any
 
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.app import MetricRecordValues as Values
 from torch import nn
 
+from fedlr.client.round import ClientRound
 from fedlr.client.train import (
     LOCAL_OPTIMIZER,
     OPTIMIZERS,
+    EncodedText,
     TrainSettings,
     default_optimizer,
     pick_device,
+    train_steps,
 )
 from fedlr.config.run import RunConfig
 from fedlr.data.images import ImageData
 from fedlr.errors import ConfigError, InstructionError, RecordTypeError
 from fedlr.flower.records import config_float, config_int, config_str
 from fedlr.tasks.image import evaluate_images
+from fedlr.tasks.lm import EncodedInstructions
 from fedlr.wire import protocol
 from fedlr.wire.checks import NodeLimits, check_value
 
-__all__ = ["image_evaluate_reply", "partition_of", "train_settings"]
+__all__ = ["image_evaluate_reply", "partition_of", "train_reply", "train_settings"]
 
 _LOG = getLogger("fedlr")
 
@@ -103,6 +109,50 @@ def train_settings(
     check_value(protocol.LR, settings.lr, limits)
     check_value(protocol.BATCH_SIZE, settings.batch_size, limits)
     return settings
+
+
+def train_reply(
+    job: ClientRound,
+    data: EncodedText | EncodedInstructions,
+    config: RunConfig,
+    *,
+    default_lr: float,
+    node_config: Mapping[str, Any],
+    seed: int,
+) -> Message:
+    """A loaded ``train`` round (:func:`fedlr.client.round.apply_round`)
+    trained on ``data`` with fedlr's loop and answered.
+
+    The round's settings come from its ConfigRecord within the node's limits
+    (:func:`train_settings`); the method's client features add their loss
+    terms, gradient hooks and loop control. The reply's weight is
+    ``len(data)`` and its metrics carry ``train-loss``. The same body serves
+    a node and the server's own update (:mod:`fedlr.robust.server_update`).
+
+    Raises
+    ------
+    InstructionError
+        If a training setting of the round is outside the node's limits.
+    """
+    settings = train_settings(
+        job.config,
+        config,
+        default_lr=default_lr,
+        limits=NodeLimits.of_layout(node_config, job.adapted.layout),
+    )
+    loss = train_steps(
+        job.model,
+        data,
+        settings,
+        seed=seed,
+        device=pick_device(config.device),
+        penalty=job.penalty if job.has_penalty else None,
+        after_backward=job.after_backward if job.has_gradient_hooks else None,
+        wrap_optimizer=job.optimizer if job.has_gradient_hooks else None,
+        control=job.loop_control(),
+    )
+    job.model.to("cpu")
+    return job.reply(num_examples=len(data), metrics={protocol.TRAIN_LOSS: loss})
 
 
 def image_evaluate_reply(

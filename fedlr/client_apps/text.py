@@ -22,15 +22,13 @@ from flwr.app import Context, Message
 
 from fedlr.adapters.roles import AdaptedModel
 from fedlr.client.round import ClientRound, apply_round
-from fedlr.client.train import EncodedText, client_seed, pick_device, train_steps
-from fedlr.client_apps.common import partition_of, train_settings
+from fedlr.client.train import EncodedText, client_seed, pick_device
+from fedlr.client_apps.common import partition_of, train_reply
 from fedlr.config.options import Options
 from fedlr.config.run import RunConfig
 from fedlr.errors import InstructionError
 from fedlr.tasks.lm import EncodedInstructions
 from fedlr.tasks.text import text_task
-from fedlr.wire import protocol
-from fedlr.wire.checks import NodeLimits
 
 __all__ = ["TextClient"]
 
@@ -150,25 +148,14 @@ class TextClient(Generic[O]):
         """Handle a ``train`` instruction: local steps on the node's data."""
         config, options, job, pid, num = self._round(message, context)
         data = _partition(config, pid, num, "train" if job.personal_split else "all")
-        settings = train_settings(
-            job.config,
+        return train_reply(
+            job,
+            data,
             config,
             default_lr=self.lr(config, options),
-            limits=NodeLimits.of_layout(context.node_config, job.adapted.layout),
-        )
-        loss = train_steps(
-            job.model,
-            data,
-            settings,
+            node_config=context.node_config,
             seed=client_seed(config.seed, job.server_round, pid),
-            device=pick_device(config.device),
-            penalty=job.penalty if job.has_penalty else None,
-            after_backward=job.after_backward if job.has_gradient_hooks else None,
-            wrap_optimizer=job.optimizer if job.has_gradient_hooks else None,
-            control=job.loop_control(),
         )
-        job.model.to("cpu")
-        return job.reply(num_examples=len(data), metrics={protocol.TRAIN_LOSS: loss})
 
     def evaluate(self, message: Message, context: Context) -> Message:
         """Handle an ``evaluate`` instruction: the (personal) model on local data."""

@@ -329,6 +329,15 @@ class RunConfig(Options):
         "the geometric median), > 0",
         range="> 0",
     )
+    clip_reference: str = option(
+        "median",
+        "`norm-clip` and `centred-clip` with `clip-norm = 0`: what "
+        "`clip-ratio` multiplies, `median` (the round's) or `server` (the "
+        "norm of the server's own update, `server-update-share` > 0: no "
+        "client moves the model further than the server's validation "
+        "examples do)",
+        bad=[("mean", "must be one of")],
+    )
     bucket_size: int = option(
         1,
         "`centred-clip`: clients averaged per random bucket (drawn from the "
@@ -353,8 +362,9 @@ class RunConfig(Options):
     )
     heldout_check_examples: int = option(
         128,
-        "the held-out check's validation examples: the last this many of the "
-        "server's held-out split, left out of the reported evaluation",
+        "the server's validation examples (the held-out check's, and what the "
+        "server's own update trains on): the last this many of the server's "
+        "held-out split, left out of the reported evaluation",
         range=">= 1",
     )
     heldout_check_margin: float = option(
@@ -362,6 +372,15 @@ class RunConfig(Options):
         "the held-out check leaves a reply out when the validation loss "
         "(mean per example) without it is lower by more than this",
         range=">= 0",
+    )
+    server_update_share: float = option(
+        0.0,
+        "the server trains each round's global model on its own validation "
+        "examples (the last `heldout-check-examples` of its held-out split) as "
+        "a node would, and its update enters the aggregate with this share of "
+        "the weight, after the robust rule; `0` is off. Needs the same as "
+        "`heldout-check` ([reliability.md](reliability.md#the-servers-own-update))",
+        range="[0, 1)",
     )
     max_num_examples: int = option(
         0,
@@ -619,6 +638,7 @@ class RunConfig(Options):
             clip_ratio=self.clip_ratio,
             max_weight_ratio=self.max_weight_ratio,
             bucket_size=self.bucket_size,
+            clip_reference=self.clip_reference,
         )
 
     @property

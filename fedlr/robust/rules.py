@@ -76,6 +76,8 @@ if TYPE_CHECKING:
     from fedlr.wire.updates import ClientUpdate
 
 __all__ = [
+    "CLIPPING_RULES",
+    "CLIP_REFERENCES",
     "ROBUST_RULES",
     "RobustConfig",
     "RobustOutcome",
@@ -84,6 +86,10 @@ __all__ = [
 
 ROBUST_RULES = ("none", "norm-clip", "trimmed-mean", "median", "centred-clip")
 """Values of the ``robust`` run-config key."""
+CLIPPING_RULES = ("norm-clip", "centred-clip")
+"""The rules with a bound (``clip-norm``, ``clip-ratio``, ``clip-reference``)."""
+CLIP_REFERENCES = ("median", "server")
+"""Values of the ``clip-reference`` run-config key."""
 
 _NEGLIGIBLE_SHARE = 1e-6
 """``median``: a client whose geometric-median weight is below this share is
@@ -117,6 +123,11 @@ class RobustConfig:
     bucket_size : int, default 1
         ``centred-clip``: clients averaged per random bucket before clipping,
         >= 1; 1 is no bucketing.
+    clip_reference : {"median", "server"}, default "median"
+        What ``clip_ratio`` multiplies when ``clip_norm`` is 0: the round's
+        median (norm or distance), or the norm of the server's own update
+        (:mod:`fedlr.robust.server_update`; the protection step sets the
+        round's ``clip_norm`` from it, the normalisation of FLTrust).
 
     Raises
     ------
@@ -131,6 +142,7 @@ class RobustConfig:
     clip_ratio: float = 1.0
     max_weight_ratio: float = 0.0
     bucket_size: int = 1
+    clip_reference: str = "median"
 
     def __post_init__(self) -> None:
         if self.rule not in ROBUST_RULES:
@@ -154,6 +166,17 @@ class RobustConfig:
         ):
             raise ConfigError(
                 "bucket-size", f"must be an integer >= 1, got {self.bucket_size!r}"
+            )
+        if self.clip_reference not in CLIP_REFERENCES:
+            raise ConfigError(
+                "clip-reference",
+                f"must be one of {list(CLIP_REFERENCES)}, got {self.clip_reference!r}",
+            )
+        if self.clip_reference == "server" and self.rule not in CLIPPING_RULES:
+            raise ConfigError(
+                "clip-reference",
+                f"'server' sets a clipping rule's bound ({', '.join(CLIPPING_RULES)}); "
+                f"robust is {self.rule!r}",
             )
         if not 0.0 < self.max_client_weight <= 1.0:
             raise ConfigError(

@@ -177,6 +177,7 @@ def train_instructions(
     messages = list(strategy.instructions(server_round, messages, arrays, train=True))
     strategy._bytes_down = sum(message_nbytes(m) for m in messages)
     strategy._sent = [int(m.metadata.dst_node_id) for m in messages]
+    strategy.server_instruction = messages[0] if messages else None
     return messages
 
 

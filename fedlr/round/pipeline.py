@@ -3,7 +3,8 @@
 ``aggregate_train`` is :func:`aggregate_round`::
 
     replies --decode, validate, screen (strategy.replies)-->
-        updates --protection steps (robust rule | client-level DP)-->
+        updates --protection steps (robust rule, held-out check, the
+                  server's own update | client-level DP)-->
         updates --the method's aggregate_updates (state rolled back if refused)-->
         new state --check, publish (metrics, bytes, report)--> ArrayRecord
 
@@ -164,11 +165,14 @@ def aggregate_accepted(
     for step in protection_steps(strategy):
         done = step(server_round, done, current)
     updates = done.updates
-    # 3. the method, its state restored if the result is refused
+    # 3. the method (the clients' updates and the server's own, if any), its
+    # state restored if the result is refused
     snapshot = method_state(strategy)
     report = RoundReport()
     try:
-        state, report = strategy.aggregate_updates(server_round, updates, current)
+        state, report = strategy.aggregate_updates(
+            server_round, updates + done.trusted, current
+        )
     except NUMERIC_FAULTS as exc:
         rejection: str | None = (
             f"the aggregation failed: {type(exc).__name__}: {short(str(exc))}"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from logging import WARNING
 from typing import Any, Protocol
 
@@ -26,8 +26,10 @@ from fedlr.privacy.client_dp import protect
 from fedlr.robust.heldout import HeldOutCheck, leave_one_out
 from fedlr.robust.rules import RobustConfig, robust_aggregate
 from fedlr.robust.screen import record_norm
+from fedlr.robust.server_update import SERVER_NODE, ServerUpdate, server_weight
 from fedlr.round.replies import Replies
 from fedlr.round.state import NUMERIC_FAULTS, method_state, restore_method_state
+from fedlr.wire.protocol import TRAIN_LOSS
 from fedlr.wire.updates import ClientUpdate
 
 __all__ = [
@@ -36,7 +38,9 @@ __all__ = [
     "Protected",
     "ProtectionStep",
     "RobustStep",
+    "ServerUpdateStep",
     "clip_record",
+    "own_update",
     "protection_steps",
 ]
 
@@ -53,11 +57,16 @@ class Protected:
         Updates a robust rule left out (their metrics are reported apart).
     metrics : dict of str to float
         The step's round metrics (``robust-trimmed``, ``client-dp-epsilon``...).
+    trusted : list of ClientUpdate
+        Updates that are not clients' (the server's own,
+        :class:`ServerUpdateStep`): the method aggregates them with
+        ``updates``; the clients' metrics do not count them.
     """
 
     updates: list[ClientUpdate]
     left_out: list[ClientUpdate]
     metrics: dict[str, float]
+    trusted: list[ClientUpdate] = field(default_factory=list)
 
 
 class ProtectionStep(Protocol):
@@ -77,7 +86,9 @@ class RobustStep:
 
     The kept updates' extra records follow their arrays
     (:meth:`~fedlr.round.replies.Replies.clip_extras`); the reasons are logged
-    and kept in the strategy's ``last_robust``.
+    and kept in the strategy's ``last_robust``. With ``clip-reference =
+    "server"`` the round's bound is ``clip-ratio`` times the norm of the
+    server's own update (:func:`own_update`) in that space.
     """
 
     config: RobustConfig
@@ -88,7 +99,13 @@ class RobustStep:
         self, server_round: int, done: Protected, current: Mapping[str, torch.Tensor]
     ) -> Protected:
         updates = done.updates
-        outcome = robust_aggregate(updates, self.replies.space(current), self.config)
+        space = self.replies.space(current)
+        config = self.config
+        if config.clip_reference == "server" and config.clip_norm == 0:
+            # the bound of this round: clip-ratio x the server's update norm
+            norm = space.norm(own_update(self.strategy))
+            config = replace(config, clip_norm=max(config.clip_ratio * norm, 1e-30))
+        outcome = robust_aggregate(updates, space, config)
         for reason in outcome.reasons:
             log(
                 WARNING,
@@ -113,10 +130,11 @@ class RobustStep:
                         )
                     outcome.reasons.extend(more)
         self.strategy.last_robust = outcome.reasons
-        return Protected(
-            kept,
-            done.left_out + left_out,
-            {**done.metrics, **outcome.metrics},
+        return replace(
+            done,
+            updates=kept,
+            left_out=done.left_out + left_out,
+            metrics={**done.metrics, **outcome.metrics},
         )
 
 
@@ -178,9 +196,7 @@ class HeldOutStep:
         left: list[ClientUpdate] = []
         most = (len(kept) - 1) // 2  # never half of the round's replies
         if len(kept) < 3:  # nothing would be left out: no tries
-            return Protected(
-                kept, done.left_out, {**done.metrics, "heldout-left-out": 0.0}
-            )
+            return replace(done, metrics={**done.metrics, "heldout-left-out": 0.0})
         snapshot = method_state(self.strategy)  # each try restores it
         loss = self.loss(server_round, kept, current, snapshot)
         while len(kept) >= 3 and len(left) < most:
@@ -204,7 +220,12 @@ class HeldOutStep:
             left.append(kept.pop(i))
             loss = without[i]
         metrics = {"heldout-loss": loss, "heldout-left-out": float(len(left))}
-        return Protected(kept, done.left_out + left, {**done.metrics, **metrics})
+        return replace(
+            done,
+            updates=kept,
+            left_out=done.left_out + left,
+            metrics={**done.metrics, **metrics},
+        )
 
     def loss(
         self,
@@ -227,6 +248,56 @@ class HeldOutStep:
         return float(self.check.loss(state))
 
 
+def own_update(strategy: Any) -> ClientUpdate:
+    """The server's own update of this round, as node :data:`SERVER_NODE`.
+
+    The round's train instruction (``strategy.server_instruction``) trained
+    by ``strategy.server_update`` (once per instruction: asking again is
+    free), checked by the strategy's reply step like any reply; a failure is
+    a bug of the server's, raised.
+    """
+    update: ServerUpdate | None = strategy.server_update
+    instruction = strategy.server_instruction
+    if update is None or instruction is None:
+        raise RuntimeError(
+            "the server's own update needs server_update and the round's train "
+            "instruction (configure_train keeps it)"
+        )
+    valid, dropped = strategy.replies.validate_replies([update.train(instruction)])
+    if dropped:
+        raise RuntimeError(f"the server's own update is not valid: {dropped[0]}")
+    return replace(valid[0], node_id=SERVER_NODE)
+
+
+@dataclass
+class ServerUpdateStep:
+    """The server's own update (:mod:`fedlr.robust.server_update`), after the
+    robust rule and the held-out check.
+
+    :func:`own_update`, weighted as the share ``s`` of the round's weight
+    (:func:`server_weight` of the clients' weights after the rule). Metrics:
+    ``server-update-weight`` (the share of the round it had) and
+    ``server-update-loss`` (its training loss).
+    """
+
+    update: ServerUpdate
+    strategy: Any
+
+    def __call__(
+        self, server_round: int, done: Protected, current: Mapping[str, torch.Tensor]
+    ) -> Protected:
+        weight = server_weight(self.update.share, [u.weight for u in done.updates])
+        own = replace(own_update(self.strategy), weight=weight)
+        total = weight + math.fsum(u.weight for u in done.updates)
+        metrics = {
+            "server-update-weight": weight / total if total > 0 else 0.0,
+            "server-update-loss": float(own.metrics.get(TRAIN_LOSS, math.nan)),
+        }
+        return replace(
+            done, metrics={**done.metrics, **metrics}, trusted=[*done.trusted, own]
+        )
+
+
 @dataclass
 class ClientDpStep:
     """Client-level DP (when on) and DP-SGD's largest client epsilon.
@@ -242,20 +313,22 @@ class ClientDpStep:
         self, server_round: int, done: Protected, current: Mapping[str, torch.Tensor]
     ) -> Protected:
         updates, metrics = protect(self.strategy, server_round, done.updates, current)
-        return Protected(updates, done.left_out, {**done.metrics, **metrics})
+        return replace(done, updates=updates, metrics={**done.metrics, **metrics})
 
 
 def protection_steps(strategy: Any) -> list[ProtectionStep]:
     """The protection steps of ``strategy``'s round, from its settings.
 
-    The robust rule when one is active, the held-out check when the server
-    plan set one, then client-level DP (which also reports DP-SGD's largest
-    client epsilon, so it always runs).
+    The robust rule when one is active, the held-out check and the server's
+    own update when the server plan set them, then client-level DP (which
+    also reports DP-SGD's largest client epsilon, so it always runs).
     """
     steps: list[ProtectionStep] = []
     if strategy.robust.active:
         steps.append(RobustStep(strategy.robust, strategy.replies, strategy))
     if strategy.heldout_check is not None:  # set by the server plan
         steps.append(HeldOutStep(strategy.heldout_check, strategy))
+    if strategy.server_update is not None:  # set by the server plan
+        steps.append(ServerUpdateStep(strategy.server_update, strategy))
     steps.append(ClientDpStep(strategy))
     return steps

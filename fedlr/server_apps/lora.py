@@ -16,23 +16,34 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 import torch
+from flwr.app import Context, Message, RecordDict
 
 from fedlr.adapters import Role, adapter_state
 from fedlr.adapters.lora import LoraModel
-from fedlr.client.train import pick_device
+from fedlr.client.round import apply_round
+from fedlr.client.train import client_seed, pick_device
+from fedlr.client_apps.common import train_reply
+from fedlr.config.run import RunConfig
 from fedlr.errors import ConfigError
 from fedlr.robust.heldout import HELDOUT_COLUMNS, HeldOutCheck
+from fedlr.robust.server_update import (
+    SERVER_NODE,
+    SERVER_UPDATE_COLUMNS,
+    ServerUpdate,
+    check_server_update_strategy,
+)
 from fedlr.server_apps.plans import (
     ServerPlan,
     check_strategy,
     heldout_plan,
     register_plan,
 )
+from fedlr.strategies.async_lora import AsyncLoraStrategy
 from fedlr.strategies.lora import LoraStrategy
 from fedlr.strategies.registry import MethodConfig, available_methods, get_method
-from fedlr.tasks.text import text_task
+from fedlr.tasks.text import CausalLMTask, TextTask, text_task
 
-__all__ = ["lora_plan"]
+__all__ = ["lora_plan", "server_update"]
 
 
 @register_plan("lora")
@@ -124,6 +135,18 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
             f"(margin {config.heldout_check_margin:g})"
         )
 
+    if config.server_update_share > 0:  # the rest is refused at configuration
+        check_server_update_strategy(
+            spec.name,
+            sorted(strategy.replies.records()),
+            asynchronous=isinstance(strategy, AsyncLoraStrategy),
+        )
+        strategy.server_update = server_update(task, config)
+        note += (
+            f"; the server's own update on {strategy.server_update.examples} "
+            f"other examples (share {config.server_update_share:g})"
+        )
+
     return heldout_plan(
         config,
         strategy=strategy,
@@ -135,6 +158,42 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
             *task.metric_columns,
             *strategy.extra_columns,
             *(HELDOUT_COLUMNS if config.heldout_check else ()),
+            *(SERVER_UPDATE_COLUMNS if config.server_update_share > 0 else ()),
         ),
         note=note,
     )
+
+
+def server_update(task: TextTask | CausalLMTask, config: RunConfig) -> ServerUpdate:
+    """The server's own update (:mod:`fedlr.robust.server_update`): each
+    round's train instruction applied to a model of the server's own and
+    trained on its validation examples as a node trains
+    (:func:`~fedlr.client.round.apply_round`,
+    :func:`~fedlr.client_apps.common.train_reply`), with the node limits'
+    defaults and a seed of the run seed and the round. The model keeps its
+    node state across rounds like a node's; the same instruction asked
+    again returns the same reply, not a second round."""
+    examples = task.check_examples()
+    model = task.build_lora_model()  # its own: a round changes the model
+    context = Context(
+        run_id=0, node_id=SERVER_NODE, node_config={}, state=RecordDict(), run_config={}
+    )
+
+    last: list[tuple[Message, Message]] = []  # an instruction is trained once
+
+    def train(instruction: Message) -> Message:
+        if last and last[0][0] is instruction:
+            return last[0][1]
+        job = apply_round(model, instruction, context)
+        reply = train_reply(
+            job,
+            examples,
+            config,
+            default_lr=config.lr,
+            node_config={},
+            seed=client_seed(config.seed, job.server_round, -1),
+        )
+        last[:] = [(instruction, reply)]
+        return reply
+
+    return ServerUpdate(train, config.server_update_share, len(examples))

@@ -33,6 +33,7 @@ from fedlr.privacy.settings import PrivacyConfig
 from fedlr.robust.heldout import HeldOutCheck
 from fedlr.robust.rules import RobustConfig
 from fedlr.robust.screen import DEFAULT_SCREEN_RATIO, ScreenOutcome
+from fedlr.robust.server_update import ServerUpdate
 from fedlr.round.describe import log_summary
 from fedlr.round.evaluation import (
     aggregate_evaluation,
@@ -208,6 +209,13 @@ class FedLRStrategy(FedAvg):
         self.heldout_check: HeldOutCheck | None = None
         """The held-out check (:mod:`fedlr.robust.heldout`), set by the server
         plan with ``heldout-check = true``; a plug-in user may set one."""
+        self.server_update: ServerUpdate | None = None
+        """The server's own update (:mod:`fedlr.robust.server_update`), set by
+        the server plan with ``server-update-share > 0``; a plug-in user may
+        set one."""
+        self.server_instruction: Message | None = None
+        """The round's first train instruction (what the server's own update
+        trains), kept by :meth:`configure_train`."""
         self.last_timing: dict[str, float] = {}
         self._current: ArrayRecord | None = None
         self._bytes_down = 0

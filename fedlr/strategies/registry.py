@@ -31,6 +31,7 @@ from fedlr.errors import ConfigError, UnknownMethodError
 from fedlr.privacy import dp_sgd  # noqa: F401  (registers the common DP-SGD feature)
 from fedlr.privacy.refusals import check_privacy
 from fedlr.robust.heldout import check_heldout_method
+from fedlr.robust.server_update import check_server_update_method
 from fedlr.strategies.registration import (
     MethodSpec,
     OptionClashError,
@@ -182,6 +183,20 @@ def resolve(run_config: Mapping[str, Any]) -> MethodConfig:
         )
     if run.heldout_check:
         check_heldout_method(
+            spec.name,
+            spec.payload.name,
+            spec.traits.personalised,
+            secure_aggregation=run.secure_aggregation,
+            client_dp=run.privacy.client_dp is not None,
+        )
+    if run.clip_reference == "server" and run.server_update_share == 0:
+        raise ConfigError(
+            "clip-reference",
+            "'server' clips at the norm of the server's own update; set "
+            "server-update-share > 0",
+        )
+    if run.server_update_share > 0:
+        check_server_update_method(
             spec.name,
             spec.payload.name,
             spec.traits.personalised,

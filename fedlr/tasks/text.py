@@ -86,9 +86,10 @@ class _Common:
         return self.encode(data)
 
     def check_examples(self) -> Any:
-        """The held-out check's validation set: the last
-        ``heldout-check-examples`` of the held-out split (never evaluated in
-        the reported metrics); ``None`` when the check is off."""
+        """The server's validation set (the held-out check's, and what the
+        server's own update trains on): the last ``heldout-check-examples``
+        of the held-out split (never evaluated in the reported metrics);
+        ``None`` when neither is on."""
         data = self.split().heldout
         reserved = self._reserved(len(data))
         if not reserved:
@@ -96,7 +97,7 @@ class _Common:
         return self.encode(data.select(range(len(data) - reserved, len(data))))
 
     def _reserved(self, size: int) -> int:
-        if not self.config.heldout_check:
+        if not (self.config.heldout_check or self.config.server_update_share > 0):
             return 0
         k = self.config.heldout_check_examples
         if k >= size:

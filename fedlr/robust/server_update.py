@@ -1,0 +1,173 @@
+"""The server's own update: a trusted reply that no client can cancel.
+
+A client that sends the negated honest mean at a typical norm passes every
+rule that reads sizes and directions, and on non-IID partitions the honest
+mean is a fraction of a typical update, so one such reply stalls the model
+(docs/results/robustness.md). A clip and a weight cap bound what that reply
+can pull (its share times the round's median norm) but leave nothing that
+keeps the model moving once the honest mean is cancelled.
+
+With ``server-update-share = s`` the server holds validation examples (the
+held-out check's, :meth:`fedlr.tasks.text.TextTask.check_examples`) and,
+each round, trains the round's instruction on them exactly as a node would
+(:func:`fedlr.client.round.apply_round`, fedlr's loop,
+:func:`fedlr.client_apps.common.train_reply`). Its reply goes through the
+server's own reply checks and enters the method's aggregation after the
+robust rule with the weight
+
+    w_server = s / (1 - s) * sum_i w_i,
+
+so it is the share ``s`` of the round's weight, whatever the clients claim
+(the FLTrust setting of Cao et al. [1]_, a small trusted root data set, used
+as an anchor rather than as a cosine reference, whose measured cosines with
+honest updates are near zero here). What it assumes: the server's examples
+come from the task's distribution; the share ``s`` of every round is the
+server's data, whatever the clients hold.
+
+References
+----------
+.. [1] Cao, Fang, Liu, Gong, "FLTrust: Byzantine-robust Federated Learning
+   via Trust Bootstrapping", NDSS 2021.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from flwr.app import Message
+
+from fedlr.errors import ConfigError
+
+__all__ = [
+    "SERVER_NODE",
+    "SERVER_UPDATE_COLUMNS",
+    "ServerUpdate",
+    "check_server_update_method",
+    "check_server_update_strategy",
+    "server_weight",
+]
+
+KEY = "server-update-share"
+SERVER_UPDATE_COLUMNS = ("server-update-weight", "server-update-loss")
+"""``results.csv`` columns of a run with the server's own update: the share
+of the round's weight it had, and its training loss."""
+SERVER_NODE = 0
+"""The node id of the server's own update (Flower never gives a node 0)."""
+
+
+@dataclass(frozen=True)
+class ServerUpdate:
+    """The server's own update of a strategy (set by its server plan).
+
+    Attributes
+    ----------
+    train : callable
+        ``train(instruction) -> reply``: the round's train instruction
+        trained on the server's examples, answered as a node answers.
+    share : float
+        ``server-update-share``, in (0, 1).
+    examples : int
+        How many examples ``train`` reads (for the start-up line).
+    """
+
+    train: Callable[[Message], Message]
+    share: float
+    examples: int
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.share) and 0 < self.share < 1):
+            raise ConfigError(
+                "server-update-share", f"must be in (0, 1), got {self.share}"
+            )
+
+
+def server_weight(share: float, weights: Sequence[float]) -> float:
+    """The server update's weight: the share ``share`` of the round's total.
+
+    ``share / (1 - share) * sum(weights)``, so that the server's weight over
+    the sum of all weights, its own included, is ``share``.
+
+    Raises
+    ------
+    ValueError
+        If ``share`` is not in (0, 1) or a weight is negative or not finite.
+    """
+    if not 0 < share < 1:
+        raise ValueError(f"share must be in (0, 1), got {share}")
+    if any(not math.isfinite(w) or w < 0 for w in weights):
+        raise ValueError(f"weights must be finite and >= 0, got {list(weights)}")
+    return share / (1 - share) * math.fsum(weights)
+
+
+def check_server_update_method(
+    method: str,
+    payload: str,
+    personalised: bool,
+    *,
+    secure_aggregation: bool,
+    client_dp: bool,
+) -> None:
+    """Refuse, at configuration, a run whose server cannot add its update.
+
+    Raises
+    ------
+    ConfigError
+        (key ``server-update-share``) for a personalised method (no one
+        global model to train), a payload kind whose server plan holds no
+        validation examples, and under SecAgg+ or client-level DP (the
+        update joins the round after the robust rule, which those exchanges
+        replace).
+    """
+    if personalised:
+        raise ConfigError(
+            KEY,
+            f"method '{method}' is personalised: there is no one global model "
+            "for the server to train",
+        )
+    if payload != "lora":
+        raise ConfigError(
+            KEY,
+            f"method '{method}' sends '{payload}' payloads; the server's own "
+            "update needs a server with validation examples (lora methods)",
+        )
+    for on, what in (
+        (secure_aggregation, "secure-aggregation"),
+        (client_dp, "client-level DP"),
+    ):
+        if on:
+            raise ConfigError(
+                KEY,
+                f"is not combined with {what} in this version (the server's "
+                "update joins the round after the robust rule, which that "
+                "exchange replaces); turn one of them off",
+            )
+
+
+def check_server_update_strategy(
+    method: str, records: Sequence[str], *, asynchronous: bool
+) -> None:
+    """Refuse, when the server plan builds the strategy (before any client
+    trains), a method whose round the server cannot answer as a node.
+
+    Raises
+    ------
+    ConfigError
+        (key ``server-update-share``) for a method whose replies carry extra
+        records (their per-node state has no server counterpart) or that
+        runs on the asynchronous engine (no round instruction to train).
+    """
+    if records:
+        raise ConfigError(
+            KEY,
+            f"method '{method}' replies with the records {', '.join(records)}, "
+            "whose per-node state the server does not have; use a method "
+            "without them",
+        )
+    if asynchronous:
+        raise ConfigError(
+            KEY,
+            f"method '{method}' runs on the asynchronous engine, which has no "
+            "round instruction for the server to train",
+        )
