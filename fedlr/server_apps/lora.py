@@ -121,8 +121,8 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
         if traits.personalised
         else ""
     )
+    checked = task.check_examples()  # None unless the check or the server's update
     if config.heldout_check:  # personalised methods are refused at configuration
-        checked = task.check_examples()
 
         def validation_loss(state: Mapping[str, torch.Tensor]) -> float:
             return float(evaluate_on(state, checked)["loss"])
@@ -141,7 +141,7 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
             sorted(strategy.replies.records()),
             asynchronous=isinstance(strategy, AsyncLoraStrategy),
         )
-        strategy.server_update = server_update(task, config)
+        strategy.server_update = server_update(task, config, checked)
         note += (
             f"; the server's own update on {strategy.server_update.examples} "
             f"other examples (share {config.server_update_share:g})"
@@ -164,16 +164,17 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
     )
 
 
-def server_update(task: TextTask | CausalLMTask, config: RunConfig) -> ServerUpdate:
+def server_update(
+    task: TextTask | CausalLMTask, config: RunConfig, examples: Any
+) -> ServerUpdate:
     """The server's own update (:mod:`fedlr.robust.server_update`): each
     round's train instruction applied to a model of the server's own and
-    trained on its validation examples as a node trains
+    trained on its validation ``examples`` (:meth:`check_examples`) as a node trains
     (:func:`~fedlr.client.round.apply_round`,
     :func:`~fedlr.client_apps.common.train_reply`), with the node limits'
     defaults and a seed of the run seed and the round. The model keeps its
     node state across rounds like a node's; the same instruction asked
     again returns the same reply, not a second round."""
-    examples = task.check_examples()
     model = task.build_lora_model()  # its own: a round changes the model
     context = Context(
         run_id=0, node_id=SERVER_NODE, node_config={}, state=RecordDict(), run_config={}
