@@ -30,7 +30,7 @@ Configs: the tests' tiny BERT on polarity for the text methods (3 clients,
 MLP on permuted MNIST for the continual ones (3 tasks of 1 round: FOT's bases
 need a task boundary and a round after it); the per-method overrides follow
 ``tests/strategies/test_every_method.py``. The heterogeneous-rank methods run
-with ``client-ranks``. All 26 entries take 3 to 4 minutes on 2 CPU cores.
+with ``client-ranks``. All 27 entries take 3 to 4 minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     TEXT: {
         "model": "tiny-bert",
         "dataset": "polarity",
+        "robust": "none",  # as the tests' runs; the default has its own entry
         "num-server-rounds": 2,
         "local-steps": 3,
         "batch-size": 8,
@@ -196,6 +197,7 @@ VARIANTS: list[Entry] = [
 VARIANTS += [
     # the round's steps besides the method: robust rules, client-level DP
     Entry("fedavg-lora@norm-clip", "fedavg-lora", TEXT, {"robust": "norm-clip"}),
+    Entry("fedex-lora@auto", "fedex-lora", TEXT, {"robust": "auto"}),
     Entry(
         "fedex-lora@trimmed-mean",
         "fedex-lora",

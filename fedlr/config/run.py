@@ -23,7 +23,7 @@ from fedlr.config.options import Options, option
 from fedlr.errors import ConfigError, did_you_mean
 from fedlr.privacy.secagg import SecAggSettings
 from fedlr.privacy.settings import PrivacyConfig
-from fedlr.robust.rules import RobustConfig
+from fedlr.robust.rules import ROBUST_AUTO, ROBUST_RULES, RobustConfig
 from fedlr.robust.screen import DEFAULT_SCREEN_RATIO
 from fedlr.runs.tracking import TRACKERS
 
@@ -296,12 +296,18 @@ class RunConfig(Options):
         range="> 0",
     )
     robust: str = option(
-        "none",
-        "robust aggregation in the method's update space: `none`, `norm-clip`, "
-        "`trimmed-mean` (client-level, by distance to the geometric median), "
-        "`median` (geometric median) or `centred-clip` (centred clipping at its "
-        "fixed point); see "
-        "[reliability.md](reliability.md#robust-aggregation)",
+        ROBUST_AUTO,
+        "robust aggregation in the method's update space: `auto`, `none`, "
+        "`norm-clip`, `trimmed-mean` (client-level, by distance to the "
+        "geometric median), `median` (geometric median) or `centred-clip` "
+        "(centred clipping at its fixed point). `auto`: where the server can "
+        "train the method's round (a `lora` method with one global model, no "
+        "extra reply records, no `client-ranks`, not asynchronous, not under "
+        "SecAgg+ or client-level DP), `norm-clip` at `clip-ratio` times the "
+        "norm of the server's own update, which enters each round at "
+        "`server-update-share` (0.5 when left at 0); elsewhere `none`; the "
+        "start-up line says which and why; see "
+        "[reliability.md](reliability.md#the-default-robust--auto)",
         bad=[("krum", "must be one of")],
     )
     clip_norm: float = option(
@@ -589,7 +595,12 @@ class RunConfig(Options):
             )
         if not self.method:
             raise ConfigError("method", "is empty")
-        self.robust_config  # noqa: B018 (validates robust, clip-norm, ...)
+        if self.robust not in (ROBUST_AUTO, *ROBUST_RULES):
+            raise ConfigError(
+                "robust",
+                f"must be one of {[ROBUST_AUTO, *ROBUST_RULES]}, got {self.robust!r}",
+            )
+        self.robust_config  # noqa: B018 (validates clip-norm, clip-ratio, ...)
         self.secagg  # noqa: B018 (validates the secagg-* keys)
         self.rank_list  # noqa: B018 (validates client-ranks)
         self.privacy  # noqa: B018 (validates the dp-* and client-dp-* keys)
@@ -629,9 +640,11 @@ class RunConfig(Options):
     @property
     def robust_config(self) -> RobustConfig:
         """The robust-aggregation options
-        (:class:`~fedlr.robust.rules.RobustConfig`)."""
+        (:class:`~fedlr.robust.rules.RobustConfig`). ``robust = auto`` is
+        resolved by :func:`fedlr.strategies.registry.resolve`, which knows the
+        method; a config not resolved yet has no rule."""
         return RobustConfig(
-            rule=self.robust,
+            rule="none" if self.robust == ROBUST_AUTO else self.robust,
             clip_norm=self.clip_norm,
             trim_fraction=self.trim_fraction,
             max_client_weight=self.max_client_weight,

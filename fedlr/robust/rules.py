@@ -78,6 +78,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CLIPPING_RULES",
     "CLIP_REFERENCES",
+    "ROBUST_AUTO",
     "ROBUST_RULES",
     "RobustConfig",
     "RobustOutcome",
@@ -85,7 +86,11 @@ __all__ = [
 ]
 
 ROBUST_RULES = ("none", "norm-clip", "trimmed-mean", "median", "centred-clip")
-"""Values of the ``robust`` run-config key."""
+"""The robust rules (:class:`RobustConfig`)."""
+ROBUST_AUTO = "auto"
+"""The ``robust`` run-config key's default besides the rules: the rule the
+method's run can take, chosen at configuration
+(:func:`fedlr.strategies.registry.resolve`)."""
 CLIPPING_RULES = ("norm-clip", "centred-clip")
 """The rules with a bound (``clip-norm``, ``clip-ratio``, ``clip-reference``)."""
 CLIP_REFERENCES = ("median", "server")

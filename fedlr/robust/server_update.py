@@ -41,11 +41,13 @@ from flwr.app import Message
 from fedlr.errors import ConfigError
 
 __all__ = [
+    "AUTO_SHARE",
     "SERVER_NODE",
     "SERVER_UPDATE_COLUMNS",
     "ServerUpdate",
     "check_server_update_method",
     "check_server_update_strategy",
+    "server_update_refusal",
     "server_weight",
 ]
 
@@ -55,6 +57,10 @@ SERVER_UPDATE_COLUMNS = ("server-update-weight", "server-update-loss")
 of the round's weight it had, and its training loss."""
 SERVER_NODE = 0
 """The node id of the server's own update (Flower never gives a node 0)."""
+AUTO_SHARE = 0.5
+"""The share ``robust = auto`` gives the server's update where it applies
+(``server-update-share`` left at 0): measured on the default task at 5 seeds
+(docs/results/robustness.md)."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,64 @@ def server_weight(share: float, weights: Sequence[float]) -> float:
     return share / (1 - share) * math.fsum(weights)
 
 
+def server_update_refusal(
+    method: str,
+    payload: str,
+    personalised: bool,
+    *,
+    secure_aggregation: bool,
+    client_dp: bool,
+    records: Sequence[str] = (),
+    asynchronous: bool = False,
+    client_ranks: bool = False,
+) -> str | None:
+    """Why the server cannot add its own update to a run, or ``None`` if it
+    can: the one list of conditions that the refusals below and
+    ``robust = auto`` (:func:`fedlr.strategies.registry.resolve`) read.
+
+    The server needs one global model to train (not a personalised method),
+    validation examples (a ``lora`` server plan), every single reply after
+    the robust rule (not SecAgg+, not client-level DP), no per-node state it
+    lacks (no extra reply records), a round instruction (not the
+    asynchronous engine) and one rank (no ``client-ranks``).
+    """
+    if personalised:
+        return (
+            f"method '{method}' is personalised: there is no one global model "
+            "for the server to train"
+        )
+    if payload != "lora":
+        return (
+            f"method '{method}' sends '{payload}' payloads, and only the lora "
+            "server plan holds validation examples"
+        )
+    for on, what in (
+        (secure_aggregation, "secure-aggregation"),
+        (client_dp, "client-level DP"),
+    ):
+        if on:
+            return (
+                f"{what} replaces the robust rule, after which the server's "
+                "update joins the round; not combined in this version"
+            )
+    if records:
+        return (
+            f"method '{method}' replies with the records {', '.join(records)}, "
+            "whose per-node state the server does not have"
+        )
+    if asynchronous:
+        return (
+            f"method '{method}' runs on the asynchronous engine, which has no "
+            "round instruction for the server to train"
+        )
+    if client_ranks:
+        return (
+            "with client-ranks the nodes train at different ranks, and the "
+            "server's update has no rank of its own"
+        )
+    return None
+
+
 def check_server_update_method(
     method: str,
     payload: str,
@@ -108,48 +172,44 @@ def check_server_update_method(
     *,
     secure_aggregation: bool,
     client_dp: bool,
+    records: Sequence[str] = (),
+    asynchronous: bool = False,
+    client_ranks: bool = False,
 ) -> None:
-    """Refuse, at configuration, a run whose server cannot add its update.
+    """Refuse, at configuration, a run whose server cannot add its update
+    (:func:`server_update_refusal`).
 
     Raises
     ------
     ConfigError
         (key ``server-update-share``) for a personalised method (no one
         global model to train), a payload kind whose server plan holds no
-        validation examples, and under SecAgg+ or client-level DP (the
-        update joins the round after the robust rule, which those exchanges
-        replace).
+        validation examples, under SecAgg+ or client-level DP (the update
+        joins the round after the robust rule, which those exchanges
+        replace), for a method whose replies carry extra records, one on the
+        asynchronous engine, and with ``client-ranks``.
     """
-    if personalised:
-        raise ConfigError(
-            KEY,
-            f"method '{method}' is personalised: there is no one global model "
-            "for the server to train",
-        )
-    if payload != "lora":
-        raise ConfigError(
-            KEY,
-            f"method '{method}' sends '{payload}' payloads; the server's own "
-            "update needs a server with validation examples (lora methods)",
-        )
-    for on, what in (
-        (secure_aggregation, "secure-aggregation"),
-        (client_dp, "client-level DP"),
-    ):
-        if on:
-            raise ConfigError(
-                KEY,
-                f"is not combined with {what} in this version (the server's "
-                "update joins the round after the robust rule, which that "
-                "exchange replaces); turn one of them off",
-            )
+    reason = server_update_refusal(
+        method,
+        payload,
+        personalised,
+        secure_aggregation=secure_aggregation,
+        client_dp=client_dp,
+        records=records,
+        asynchronous=asynchronous,
+        client_ranks=client_ranks,
+    )
+    if reason is not None:
+        raise ConfigError(KEY, f"{reason}; set server-update-share = 0")
 
 
 def check_server_update_strategy(
     method: str, records: Sequence[str], *, asynchronous: bool
 ) -> None:
     """Refuse, when the server plan builds the strategy (before any client
-    trains), a method whose round the server cannot answer as a node.
+    trains), a method whose round the server cannot answer as a node: the
+    strategy's own records and engine, a second look after the registered
+    ones that :func:`check_server_update_method` read.
 
     Raises
     ------
@@ -158,16 +218,12 @@ def check_server_update_strategy(
         records (their per-node state has no server counterpart) or that
         runs on the asynchronous engine (no round instruction to train).
     """
-    if records:
-        raise ConfigError(
-            KEY,
-            f"method '{method}' replies with the records {', '.join(records)}, "
-            "whose per-node state the server does not have; use a method "
-            "without them",
-        )
-    if asynchronous:
-        raise ConfigError(
-            KEY,
-            f"method '{method}' runs on the asynchronous engine, which has no "
-            "round instruction for the server to train",
-        )
+    check_server_update_method(
+        method,
+        "lora",
+        False,
+        secure_aggregation=False,
+        client_dp=False,
+        records=records,
+        asynchronous=asynchronous,
+    )

@@ -263,7 +263,13 @@ def own_update(strategy: Any) -> ClientUpdate:
             "the server's own update needs server_update and the round's train "
             "instruction (configure_train keeps it)"
         )
-    valid, dropped = strategy.replies.validate_replies([update.train(instruction)])
+    # The example cap bounds what a client's claim buys; the server's weight
+    # is its share, whatever it trained on, so its count is not capped.
+    cap, strategy.max_num_examples = strategy.max_num_examples, None
+    try:
+        valid, dropped = strategy.replies.validate_replies([update.train(instruction)])
+    finally:
+        strategy.max_num_examples = cap
     if dropped:
         raise RuntimeError(f"the server's own update is not valid: {dropped[0]}")
     return replace(valid[0], node_id=SERVER_NODE)

@@ -202,7 +202,11 @@ def guarantee_lines(
         )
     robust = config.robust_config
     if robust.active:
-        median = "the round's median update norm"
+        median = (
+            "the norm of the server's own update"
+            if robust.clip_reference == "server"
+            else "the round's median update norm"
+        )
         detail = {
             "norm-clip": "norm-clip at "
             + (
@@ -390,6 +394,8 @@ class ServerRun:
         )
         if plan.description:
             log(INFO, "fedlr: %s", plan.description)
+        if method.auto:
+            log(INFO, "fedlr: %s", method.auto)
         for line in guarantee_lines(config, nodes, exchange):
             log(INFO, "fedlr: %s", line)
         strategy.summary()

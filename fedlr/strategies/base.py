@@ -133,6 +133,9 @@ class FedLRStrategy(FedAvg):
     folds_base: ClassVar[bool] = False
     personalised: ClassVar[bool] = False
     heterogeneous_ranks: ClassVar[bool] = False
+    asynchronous: ClassVar[bool] = False
+    """Run by fedlr's asynchronous engine
+    (:class:`~fedlr.strategies.async_lora.AsyncLoraStrategy`)."""
     hetero_variant: ClassVar[type[FedLRStrategy] | None] = None
     """The class a run with ``client-ranks`` builds instead of this one (set by
     FedEx-LoRA and FedSpec, whose heterogeneous-rank rounds are another

@@ -29,9 +29,14 @@ from fedlr.config.options import METHOD_DEFAULT, Options
 from fedlr.config.run import RunConfig, load_extensions
 from fedlr.errors import ConfigError, UnknownMethodError
 from fedlr.privacy import dp_sgd  # noqa: F401  (registers the common DP-SGD feature)
-from fedlr.privacy.refusals import check_privacy
+from fedlr.privacy.refusals import check_privacy, reply_records
 from fedlr.robust.heldout import check_heldout_method
-from fedlr.robust.server_update import check_server_update_method
+from fedlr.robust.rules import ROBUST_AUTO
+from fedlr.robust.server_update import (
+    AUTO_SHARE,
+    check_server_update_method,
+    server_update_refusal,
+)
 from fedlr.strategies.registration import (
     MethodSpec,
     OptionClashError,
@@ -57,6 +62,7 @@ __all__ = [
     "register_method",
     "registered_methods",
     "resolve",
+    "resolve_auto",
 ]
 
 
@@ -70,11 +76,15 @@ class MethodConfig:
     spec : MethodSpec
     options : Options
         An instance of ``spec.options`` (the payload kind's keys included).
+    auto : str
+        What ``robust = auto`` became and why (the start-up line); empty
+        when ``robust`` was set.
     """
 
     run: RunConfig
     spec: MethodSpec
     options: Options
+    auto: str = ""
 
     def to_mapping(self) -> dict[str, Any]:
         """The flat run config (every common key and every option)."""
@@ -181,6 +191,7 @@ def resolve(run_config: Mapping[str, Any]) -> MethodConfig:
             "method that keeps the base frozen (fedavg-lora, fedsvd, fedspec, "
             "ffa-lora, fedsa-lora, ...)",
         )
+    run, auto = resolve_auto(run, spec)
     if run.heldout_check:
         check_heldout_method(
             spec.name,
@@ -196,13 +207,7 @@ def resolve(run_config: Mapping[str, Any]) -> MethodConfig:
             "server-update-share > 0",
         )
     if run.server_update_share > 0:
-        check_server_update_method(
-            spec.name,
-            spec.payload.name,
-            spec.traits.personalised,
-            secure_aggregation=run.secure_aggregation,
-            client_dp=run.privacy.client_dp is not None,
-        )
+        check_server_update_method(**_server_update_conditions(run, spec))
     check_privacy(
         spec.name,
         spec.traits.sum_only,
@@ -212,7 +217,57 @@ def resolve(run_config: Mapping[str, Any]) -> MethodConfig:
         options,
         spec.records,
     )
-    return MethodConfig(run=run, spec=spec, options=options)
+    return MethodConfig(run=run, spec=spec, options=options, auto=auto)
+
+
+def _server_update_conditions(run: RunConfig, spec: MethodSpec) -> dict[str, Any]:
+    """What :func:`~fedlr.robust.server_update.server_update_refusal` reads of
+    a run: the method's registered traits, records and engine, and the run's
+    exchanges."""
+    records = sorted({r.name for _, r in reply_records(spec.client, spec.records)})
+    return {
+        "method": spec.name,
+        "payload": spec.payload.name,
+        "personalised": spec.traits.personalised,
+        "secure_aggregation": run.secure_aggregation,
+        "client_dp": run.privacy.client_dp is not None,
+        "records": records,
+        "asynchronous": spec.strategy.asynchronous,
+        "client_ranks": bool(run.rank_list),
+    }
+
+
+def resolve_auto(run: RunConfig, spec: MethodSpec) -> tuple[RunConfig, str]:
+    """``robust = auto`` made concrete for ``spec``'s run, and a line saying
+    what it became and why (``""`` when ``robust`` is set).
+
+    Where the server can train the method's round
+    (:func:`~fedlr.robust.server_update.server_update_refusal` finds nothing):
+    ``norm-clip`` at ``clip-ratio`` times the norm of the server's own update
+    (``clip-reference = server``), which enters each round at
+    ``server-update-share`` (:data:`~fedlr.robust.server_update.AUTO_SHARE`
+    when it is 0). Elsewhere ``none``, with the reason. The run's other keys
+    are kept: an explicit ``server-update-share`` that the method cannot take
+    is still refused, by its own key.
+    """
+    if run.robust != ROBUST_AUTO:
+        return run, ""
+    reason = server_update_refusal(**_server_update_conditions(run, spec))
+    if reason is not None:
+        return (
+            dataclasses.replace(run, robust="none"),
+            f"robust = auto: no rule, as the server cannot add its own update "
+            f"here ({reason})",
+        )
+    share = run.server_update_share or AUTO_SHARE
+    return (
+        dataclasses.replace(
+            run, robust="norm-clip", clip_reference="server", server_update_share=share
+        ),
+        f"robust = auto: norm-clip at {run.clip_ratio:g} x the norm of the "
+        f"server's own update, which enters each round at share {share:g} "
+        "(docs/reliability.md, 'The default: robust = auto')",
+    )
 
 
 def option_defaults() -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """Safe by default: hostile numbers never reach a published model.
 
-With every setting at its default (``robust = "none"``, ``max-update-ratio``
-0, ``screen-ratio`` 20), node 1000 of three sends, on every registered method
+With the update-size screen's defaults and no robust rule (``robust =
+"none"``; the default ``robust = "auto"`` is tested in
+test_server_update.py), ``max-update-ratio`` 0, ``screen-ratio`` 20, node
+1000 of three sends, on every registered method
 in the round after its warm-up (the replies of
 ``tests/strategies/test_every_method.py``), its arrays replaced by a hostile
 value (``HOSTILE``): huge finite float32 numbers, a float64 ``1e300``, its

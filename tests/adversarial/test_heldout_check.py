@@ -74,10 +74,15 @@ def test_the_check_is_refused_where_the_server_cannot_make_it(settings, reason):
 def test_the_check_examples_are_the_last_of_the_heldout_split_and_never_evaluated():
     from fedlr.tasks.text import text_task
 
-    plain = text_task(resolve({"model": "tiny-bert"}).run)
+    plain = text_task(resolve({"model": "tiny-bert", "robust": "none"}).run)
     checked = text_task(
         resolve(
-            {"model": "tiny-bert", "heldout-check": True, "heldout-check-examples": 100}
+            {
+                "model": "tiny-bert",
+                "robust": "none",
+                "heldout-check": True,
+                "heldout-check-examples": 100,
+            }
         ).run
     )
     rows = plain.split().heldout

@@ -78,6 +78,7 @@ def test_fedex_fold_on_gpt2_conv1d_after_a_real_round(
     config = {
         **LM,
         "method": "fedex-lora",
+        "robust": "none",  # the fold of the clients' factors alone
         "precision": precision,
         "output-dir": str(tmp_path),
     }

@@ -151,8 +151,15 @@ def test_a_key_newer_than_the_checkpoint_passes_only_at_its_default():
 
 
 def test_every_key_of_a_resolved_method_has_its_declared_default():
-    method = resolve({"method": "fedspec"})
+    method = resolve({"method": "fedspec", "robust": "none"})
     assert method.defaults().keys() == method.to_mapping().keys()
-    assert method.defaults() == {**method.to_mapping(), "method": "fedex-lora"}
+    assert method.defaults() == {
+        **method.to_mapping(),
+        "method": "fedex-lora",
+        "robust": "auto",
+    }
+    auto = resolve({"method": "fedspec"})  # robust = auto, resolved: 3 keys
+    differ = {k for k, v in auto.to_mapping().items() if auto.defaults()[k] != v}
+    assert differ == {"method", "robust", "clip-reference", "server-update-share"}
     changed = resolve({"method": "fedspec", "seed": 7})
     assert changed.defaults()["seed"] == method.to_mapping()["seed"] != 7

@@ -51,8 +51,8 @@ def test_unknown_keys_are_refused_where_every_method_is_known():
     with pytest.raises(ConfigError, match="did you mean 'num-server-rounds'"):
         RunConfig.from_mapping({"num-server-round": 3}, method_keys=all_option_keys())
     assert resolve(
-        {"method": "fedavg-lora", "fedspec-threshold": 0.5}
-    ).run == RunConfig(method="fedavg-lora")
+        {"method": "fedavg-lora", "robust": "none", "fedspec-threshold": 0.5}
+    ).run == RunConfig(method="fedavg-lora", robust="none")
 
 
 def test_unknown_method_lists_known_ones():
