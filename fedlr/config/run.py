@@ -23,7 +23,12 @@ from fedlr.config.options import Options, option
 from fedlr.errors import ConfigError, did_you_mean
 from fedlr.privacy.secagg import SecAggSettings
 from fedlr.privacy.settings import PrivacyConfig
-from fedlr.robust.rules import ROBUST_AUTO, ROBUST_RULES, RobustConfig
+from fedlr.robust.rules import (
+    CLIP_REFERENCES,
+    ROBUST_AUTO,
+    ROBUST_RULES,
+    RobustConfig,
+)
 from fedlr.robust.screen import DEFAULT_SCREEN_RATIO
 from fedlr.runs.tracking import TRACKERS
 
@@ -600,6 +605,11 @@ class RunConfig(Options):
                 "robust",
                 f"must be one of {[ROBUST_AUTO, *ROBUST_RULES]}, got {self.robust!r}",
             )
+        if self.clip_reference not in CLIP_REFERENCES:
+            raise ConfigError(
+                "clip-reference",
+                f"must be one of {list(CLIP_REFERENCES)}, got {self.clip_reference!r}",
+            )
         self.robust_config  # noqa: B018 (validates clip-norm, clip-ratio, ...)
         self.secagg  # noqa: B018 (validates the secagg-* keys)
         self.rank_list  # noqa: B018 (validates client-ranks)
@@ -643,15 +653,16 @@ class RunConfig(Options):
         (:class:`~fedlr.robust.rules.RobustConfig`). ``robust = auto`` is
         resolved by :func:`fedlr.strategies.registry.resolve`, which knows the
         method; a config not resolved yet has no rule."""
+        auto = self.robust == ROBUST_AUTO
         return RobustConfig(
-            rule="none" if self.robust == ROBUST_AUTO else self.robust,
+            rule="none" if auto else self.robust,
             clip_norm=self.clip_norm,
             trim_fraction=self.trim_fraction,
             max_client_weight=self.max_client_weight,
             clip_ratio=self.clip_ratio,
             max_weight_ratio=self.max_weight_ratio,
             bucket_size=self.bucket_size,
-            clip_reference=self.clip_reference,
+            clip_reference="median" if auto else self.clip_reference,
         )
 
     @property

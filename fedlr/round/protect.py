@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from logging import WARNING
+from logging import DEBUG, WARNING
 from typing import Any, Protocol
 
 import torch
@@ -106,9 +106,12 @@ class RobustStep:
             norm = space.norm(own_update(self.strategy))
             config = replace(config, clip_norm=max(config.clip_ratio * norm, 1e-30))
         outcome = robust_aggregate(updates, space, config)
+        # At the server's norm (robust = auto) a clip is the normal case, not
+        # a sign of attack: counted in robust-clipped, its detail at DEBUG.
+        level = DEBUG if config.clip_reference == "server" else WARNING
         for reason in outcome.reasons:
             log(
-                WARNING,
+                level,
                 "round %d: robust (%s): %s",
                 server_round,
                 self.config.rule,

@@ -82,7 +82,10 @@ def run_in_process(
     if client_app is None:
         client_app = fedlr_app
 
-    config = resolve(run_config).to_mapping()
+    method = resolve(run_config)
+    config = method.to_mapping()
+    if method.auto:  # the ServerApp resolves it again, to the same, and says so
+        config["robust"] = "auto"
     nodes = int(config["num-partitions"]) if num_nodes is None else num_nodes
     grid = InProcessGrid(
         client_app,
