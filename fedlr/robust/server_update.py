@@ -45,8 +45,8 @@ __all__ = [
     "SERVER_NODE",
     "SERVER_UPDATE_COLUMNS",
     "ServerUpdate",
-    "check_server_update_method",
     "check_server_update_strategy",
+    "refuse_server_update",
     "server_update_refusal",
     "server_weight",
 ]
@@ -165,40 +165,17 @@ def server_update_refusal(
     return None
 
 
-def check_server_update_method(
-    method: str,
-    payload: str,
-    personalised: bool,
-    *,
-    secure_aggregation: bool,
-    client_dp: bool,
-    records: Sequence[str] = (),
-    asynchronous: bool = False,
-    client_ranks: bool = False,
-) -> None:
-    """Refuse, at configuration, a run whose server cannot add its update
-    (:func:`server_update_refusal`).
+def refuse_server_update(reason: str | None) -> None:
+    """Raise the refusal :func:`server_update_refusal` found, if any.
 
     Raises
     ------
     ConfigError
-        (key ``server-update-share``) for a personalised method (no one
-        global model to train), a payload kind whose server plan holds no
-        validation examples, under SecAgg+ or client-level DP (the update
-        joins the round after the robust rule, which those exchanges
-        replace), for a method whose replies carry extra records, one on the
-        asynchronous engine, and with ``client-ranks``.
+        (key ``server-update-share``) with ``reason``: a personalised
+        method, a payload kind whose server plan holds no validation
+        examples, SecAgg+ or client-level DP, extra reply records, the
+        asynchronous engine or ``client-ranks``.
     """
-    reason = server_update_refusal(
-        method,
-        payload,
-        personalised,
-        secure_aggregation=secure_aggregation,
-        client_dp=client_dp,
-        records=records,
-        asynchronous=asynchronous,
-        client_ranks=client_ranks,
-    )
     if reason is not None:
         raise ConfigError(KEY, f"{reason}; set server-update-share = 0")
 
@@ -209,7 +186,7 @@ def check_server_update_strategy(
     """Refuse, when the server plan builds the strategy (before any client
     trains), a method whose round the server cannot answer as a node: the
     strategy's own records and engine, a second look after the registered
-    ones that :func:`check_server_update_method` read.
+    ones that the configuration read.
 
     Raises
     ------
@@ -218,12 +195,14 @@ def check_server_update_strategy(
         records (their per-node state has no server counterpart) or that
         runs on the asynchronous engine (no round instruction to train).
     """
-    check_server_update_method(
-        method,
-        "lora",
-        False,
-        secure_aggregation=False,
-        client_dp=False,
-        records=records,
-        asynchronous=asynchronous,
+    refuse_server_update(
+        server_update_refusal(
+            method,
+            "lora",
+            False,
+            secure_aggregation=False,
+            client_dp=False,
+            records=records,
+            asynchronous=asynchronous,
+        )
     )

@@ -34,7 +34,7 @@ from fedlr.robust.heldout import check_heldout_method
 from fedlr.robust.rules import ROBUST_AUTO
 from fedlr.robust.server_update import (
     AUTO_SHARE,
-    check_server_update_method,
+    refuse_server_update,
     server_update_refusal,
 )
 from fedlr.strategies.registration import (
@@ -207,7 +207,9 @@ def resolve(run_config: Mapping[str, Any]) -> MethodConfig:
             "server-update-share > 0",
         )
     if run.server_update_share > 0:
-        check_server_update_method(**_server_update_conditions(run, spec))
+        refuse_server_update(
+            server_update_refusal(**_server_update_conditions(run, spec))
+        )
     check_privacy(
         spec.name,
         spec.traits.sum_only,
