@@ -4,7 +4,8 @@
 without the SecAgg+ ConfigRecord (``secaggplus_configs``) passes straight
 through, so a plain run is unchanged. With it, Flower's
 ``flwr.client.mod.secaggplus_mod`` runs the protocol's four stages (key
-set-up, encrypted Shamir shares, masked vector, unmasking shares); at the
+set-up, encrypted Shamir shares, masked vector, unmasking shares; the guard
+answers fedlr's consistency round between the last two); at the
 masked-vector stage it calls the fedlr handler through :func:`_as_fit_reply`,
 which turns the fedlr reply into what that mod reads (Flower's legacy
 ``FitRes`` records):

@@ -28,7 +28,29 @@ ClientApp answers with an error reply) when
   ``too-many-shares``), the round's unmask was already answered
   (``repeat``), or the request asks for one kind of secret (mask-seed share
   of a survivor, key share of a dropout) of a node whose other kind this
-  node already revealed in the round (``both-secrets``).
+  node already revealed in the round (``both-secrets``);
+* **consistency** (the ConsistencyCheck round of Bonawitz et al. 2017, run
+  between the masked vectors and the unmasking): the node signs the
+  survivor set ``U3`` it is told, once per round (``survivor-set``: a second,
+  different set, a set without this node or with fewer than ``t`` of its
+  neighbours); at unmask it reveals only for exactly the set it signed
+  (``survivor-set``: another set, a dropout inside it, or no set signed) and
+  only with valid signatures over that set from at least ``t`` distinct
+  nodes of its neighbourhood, checked with the Ed25519 keys the neighbours
+  advertised at setup (``signature-forged``: a signature that does not
+  verify or a signer without an advertised key; ``signature-duplicate``: a
+  signer listed twice; ``signature-missing``: fewer than ``t``).
+
+Why the consistency round: without it a server can tell different nodes
+different survivor sets and collect mask-seed shares of some nodes from one
+group and key shares of their neighbours from another, which unmasks the
+sum of fewer than ``t`` nodes with no colluding client. An honest node signs
+one set per round, so two different sets each signed by ``t`` of the ``n``
+nodes need ``2t - n`` signers that sign both: colluding clients. With every
+node holding shares of every other (``secagg-num-shares = 1``), every node
+that reveals was told the same ``U3`` while fewer than ``2t - n`` clients
+collude; the server then learns the sum over ``U3`` (at least ``t`` nodes)
+and nothing finer.
 
 Every check is a comparison of the message's integers with what the node
 kept, so a refusal costs microseconds whatever ``share_num`` asks. The
@@ -43,7 +65,7 @@ import math
 from collections.abc import Iterable
 from typing import Any, cast
 
-from flwr.app import ConfigRecord, Context, Message
+from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.app.message_type import MessageType
 from flwr.client.mod.secure_aggregation.secaggplus_mod import SecAggPlusState
 from flwr.clientapp.typing import ClientAppCallable
@@ -59,11 +81,24 @@ from flwr.common.secure_aggregation.secaggplus_utils import (
 )
 
 from fedlr.errors import ConfigError, SecAggGuardError
+from fedlr.privacy.secagg import (
+    new_signing_key,
+    sign_survivors,
+    survivor_statement,
+    verify_survivors,
+)
 
 __all__ = [
+    "CONSISTENCY",
     "DEFAULT_MAX_SHARES",
     "GUARD_STATE",
     "MAX_SHARES_KEY",
+    "SIGNATURE",
+    "SIGNATURES",
+    "SIGNERS",
+    "SIGNING_KEY",
+    "SIGN_RECORD",
+    "SURVIVORS",
     "secagg_guard",
 ]
 
@@ -77,6 +112,19 @@ KEPT_ROUNDS = 8
 _SETTINGS = (Key.SHARE_NUMBER, Key.THRESHOLD, Key.CLIPPING_RANGE, Key.TARGET_RANGE,
              Key.MOD_RANGE)  # fmt: skip
 _FEDLR_CLIPPING = ("fedlr-secagg", "clipping-range")
+CONSISTENCY = "fedlr-consistency"
+"""The consistency round's stage (between the masked vectors and the
+unmasking); the guard answers it, Flower's mod never sees it."""
+SIGN_RECORD = "fedlr-secagg-consistency"
+"""ConfigRecord of the consistency round's data: the node's signing key in
+its setup reply (``signing-key``), its neighbours' keys at share keys (by
+node id), the survivor set (``survivors``) and the signatures (``signers``,
+``signatures``) at unmask, the node's ``signature`` in its reply."""
+SIGNING_KEY = "signing-key"
+SURVIVORS = "survivors"
+SIGNERS = "signers"
+SIGNATURES = "signatures"
+SIGNATURE = "signature"
 
 
 def secagg_guard(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Message:
@@ -97,21 +145,36 @@ def secagg_guard(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
     stage = configs.get(Key.STAGE)
     record = ctxt.state.config_records.get(GUARD_STATE, ConfigRecord())
     book = _Book(record, str(msg.metadata.group_id), int(msg.metadata.dst_node_id))
+    signed = msg.content.config_records.get(SIGN_RECORD, ConfigRecord())
     if stage == Stage.SETUP:
         settings = _check_setup(configs, _max_shares(ctxt))
         book.check_unchanged(settings)
     else:
         book.check_round(str(stage))
         book.check_unchanged(_stated(msg))
+        if stage == CONSISTENCY:
+            reply = Message(book.sign(signed, msg.metadata.run_id), reply_to=msg)
+            ctxt.state.config_records[GUARD_STATE] = book.record
+            return reply
         if stage == Stage.SHARE_KEYS:
             book.check_neighbourhood(configs)
+            book.check_signing_keys(configs, signed)
         elif stage == Stage.COLLECT_MASKED_VECTORS:
             book.check_ciphertexts(configs, ctxt)
         elif stage == Stage.UNMASK:
             book.check_unmask(configs)
+            book.check_consistent(configs, signed, msg.metadata.run_id)
     reply = call_next(msg, ctxt)
     if not reply.has_error():
         book.answered(str(stage), configs if stage != Stage.SETUP else settings)
+        if stage == Stage.SETUP:  # the session's signing key, advertised
+            private, public = new_signing_key()
+            book.keep_signing_key(private, public)
+            reply.content.config_records[SIGN_RECORD] = ConfigRecord(
+                {SIGNING_KEY: public}
+            )
+        elif stage == Stage.SHARE_KEYS:
+            book.keep_peer_keys(signed)
         ctxt.state.config_records[GUARD_STATE] = book.record
     return reply
 
@@ -332,6 +395,130 @@ class _Book:
                 f"'{self.round}': revealing both unmasks it",
                 node=twice[0],
             )
+
+    # ----------------------------------------------------- consistency round
+    def check_signing_keys(self, configs: ConfigRecord, signed: ConfigRecord) -> None:
+        """Share keys: a signing key of 32 bytes for every neighbour."""
+        near = {k for k in configs if k != Key.STAGE}
+        bad = sorted(
+            k
+            for k in near
+            if not isinstance(signed.get(k), bytes) or len(cast(bytes, signed[k])) != 32
+        )
+        own = signed.get(str(self.nid)) == self._get("sign-public", b"")
+        if bad or set(signed) - near or not own:
+            raise SecAggGuardError(
+                "signature-forged",
+                f"share keys must carry one 32-byte signing key per neighbour, "
+                f"this node's own as it advertised it: nodes {bad[:5]} have none, "
+                f"{sorted(set(signed) - near)[:5]} are not neighbours, own key "
+                f"{'kept' if own else 'replaced'}",
+            )
+
+    def sign(self, signed: ConfigRecord, run_id: int) -> RecordDict:
+        """The consistency round: this node's signature over the survivor set
+        it is told (once per round; the same set again gets the same answer)."""
+        if not self._get("holders", []) or self._get("unmasked", False):
+            raise SecAggGuardError(
+                "round",
+                f"a consistency round of round '{self.round}' before the masked "
+                "vectors or after the unmasking",
+            )
+        survivors = sorted(_ints(cast(list[Any], signed.get(SURVIVORS, [])), "U3"))
+        threshold = int(self._get("settings", [0, 0])[1])
+        near = set(cast(list[int], self._get("holders", [])))
+        told = sorted(near & set(survivors))
+        kept = cast(list[int], self._get("signed", []))
+        if self._get("signed-once", False) and kept != survivors:
+            raise SecAggGuardError(
+                "survivor-set",
+                f"round '{self.round}' already signed survivors {kept[:8]}; a "
+                f"node signs one set per round, not {survivors[:8]}",
+            )
+        if self.nid not in survivors or len(told) < threshold:
+            raise SecAggGuardError(
+                "survivor-set",
+                f"survivors {survivors[:8]} must hold this node and at least "
+                f"t = {threshold} of its neighbours (they hold {len(told)})",
+            )
+        statement = survivor_statement(run_id, self.round, survivors)
+        signature = sign_survivors(cast(bytes, self._get("sign-key", b"")), statement)
+        self._set("signed", survivors)
+        self._set("signed-once", True)
+        return RecordDict({SIGN_RECORD: ConfigRecord({SIGNATURE: signature})})
+
+    def check_consistent(
+        self, configs: ConfigRecord, signed: ConfigRecord, run_id: int
+    ) -> None:
+        """Unmask: the set this node signed, asked consistently, signed by at
+        least ``t`` distinct neighbours (see the module doc)."""
+        survivors = sorted(_ints(cast(list[Any], signed.get(SURVIVORS, [])), "U3"))
+        kept = cast(list[int], self._get("signed", []))
+        active = set(cast(list[int], configs.get(Key.ACTIVE_NODE_ID_LIST, [])))
+        dead = set(cast(list[int], configs.get(Key.DEAD_NODE_ID_LIST, [])))
+        if not self._get("signed-once", False) or survivors != kept:
+            raise SecAggGuardError(
+                "survivor-set",
+                f"unmask for survivors {survivors[:8]}, but this node signed "
+                f"{kept[:8] if self._get('signed-once', False) else 'no set'}",
+            )
+        against = sorted((active - set(kept)) | (dead & set(kept)))
+        if against:
+            raise SecAggGuardError(
+                "survivor-set",
+                f"the unmask lists nodes {against[:5]} against the signed "
+                "survivor set (a survivor as dropped, or a dropout as alive)",
+            )
+        ids = cast(list[Any], signed.get(SIGNERS, []))
+        texts = cast(list[Any], signed.get(SIGNATURES, []))
+        if len(ids) != len(texts):
+            raise SecAggGuardError(
+                "signature-forged", f"{len(ids)} signers for {len(texts)} signatures"
+            )
+        if len({repr(i) for i in ids}) != len(ids):
+            raise SecAggGuardError(
+                "signature-duplicate", "the unmask lists a signer more than once"
+            )
+        peers = dict(
+            zip(
+                cast(list[int], self._get("peers", [])),
+                cast(list[bytes], self._get("peer-keys", [])),
+                strict=True,
+            )
+        )
+        statement = survivor_statement(run_id, self.round, kept)
+        for signer, text in zip(ids, texts, strict=True):
+            key = peers.get(signer) if isinstance(signer, int) else None
+            if (
+                key is None
+                or signer not in kept
+                or not isinstance(text, bytes)
+                or not verify_survivors(key, statement, text)
+            ):
+                raise SecAggGuardError(
+                    "signature-forged",
+                    f"the signature of node {signer!r} over the survivor set does "
+                    "not verify with the key that node advertised",
+                    node=signer if isinstance(signer, int) else None,
+                )
+        threshold = int(self._get("settings", [0, 0])[1])
+        if len(ids) < threshold:
+            raise SecAggGuardError(
+                "signature-missing",
+                f"{len(ids)} valid signatures over the survivor set: at least "
+                f"t = {threshold} distinct neighbours must sign it",
+            )
+
+    def keep_signing_key(self, private: bytes, public: bytes) -> None:
+        self._set("sign-key", private)
+        self._set("sign-public", public)
+        self._set("signed", [])
+        self._set("signed-once", False)
+
+    def keep_peer_keys(self, signed: ConfigRecord) -> None:
+        ids = sorted(int(k) for k in signed)
+        self._set("peers", ids)
+        self._set("peer-keys", [cast(bytes, signed[str(n)]) for n in ids])
 
     # ------------------------------------------------------------ recording
     def answered(self, stage: str, data: Any) -> None:

@@ -49,6 +49,17 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+    Ed25519PrivateKey,
+    Ed25519PublicKey,
+)
+from cryptography.hazmat.primitives.serialization import (
+    Encoding,
+    NoEncryption,
+    PrivateFormat,
+    PublicFormat,
+)
 from numpy.typing import NDArray
 
 from fedlr.errors import ConfigError, ProtocolError, SecureAggregationError
@@ -67,7 +78,11 @@ __all__ = [
     "clip_update",
     "flatten_summands",
     "mean_error_bound",
+    "new_signing_key",
+    "sign_survivors",
+    "survivor_statement",
     "unflatten_sums",
+    "verify_survivors",
 ]
 
 MODULUS_RANGE = 2**32
@@ -657,3 +672,35 @@ class SecureScalars:
             else:
                 out[key] = math.nan
         return out
+
+
+# ----------------------------------------------------------- consistency round
+def new_signing_key() -> tuple[bytes, bytes]:
+    """A fresh Ed25519 key pair for one SecAgg+ session: ``(private, public)``,
+    32 raw bytes each."""
+    key = Ed25519PrivateKey.generate()
+    private = key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+    public = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+    return private, public
+
+
+def survivor_statement(run_id: int, session: str, survivors: Iterable[int]) -> bytes:
+    """The bytes a survivor signs in the consistency round: the run, the
+    session (the round's group id) and the sorted survivor set ``U3``."""
+    ids = ",".join(str(n) for n in sorted(survivors))
+    return f"fedlr-secagg-survivors|{run_id}|{session}|{ids}".encode()
+
+
+def sign_survivors(private: bytes, statement: bytes) -> bytes:
+    """The node's Ed25519 signature of ``statement``."""
+    return Ed25519PrivateKey.from_private_bytes(private).sign(statement)
+
+
+def verify_survivors(public: bytes, statement: bytes, signature: bytes) -> bool:
+    """Whether ``signature`` is the holder of ``public``'s over ``statement``
+    (a malformed key or signature is not valid)."""
+    try:
+        Ed25519PublicKey.from_public_bytes(public).verify(signature, statement)
+    except (InvalidSignature, ValueError, TypeError):
+        return False
+    return True

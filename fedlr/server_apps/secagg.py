@@ -10,7 +10,7 @@ records). fedlr's rounds are Message-API rounds
 ``dequantize``), in place of the round's plain send and receive:
 
 0. *setup*: the protocol's parameters to the sampled nodes; their two public
-   keys back.
+   keys and their signing key back.
 1. *share keys*: each node's neighbours' public keys out; its encrypted
    shares of its mask seed and first secret key back.
 2. *collect masked vectors*: the strategy's train instruction plus the shares
@@ -21,8 +21,14 @@ records). fedlr's rounds are Message-API rounds
    expects (derived from the strategy's declared shapes), is dropped with a
    logged reason naming the node, and the node is treated as dropped out;
    an error naming a ciphertext that does not decrypt names its sender.
-3. *unmask*: the survivors' shares back, the masks removed, the sum
-   dequantised (:mod:`fedlr.server_apps.secagg_unmask`).
+2b. *consistency* (fedlr's, Bonawitz et al. 2017's ConsistencyCheck): each
+   survivor signs the survivor set with the Ed25519 key it advertised at
+   setup (forwarded to its neighbours with their other keys); a signature
+   that does not verify is left out, its node named.
+3. *unmask*: the survivor set and the neighbours' signatures out, the
+   signers' shares back (a node reveals only for the set it signed, with
+   ``t`` valid signatures: :mod:`fedlr.client_apps.secagg_guard`), the
+   masks removed, the sum dequantised (:mod:`fedlr.server_apps.secagg_unmask`).
 
 The strategy then aggregates as usual: each surviving node's reply carries
 the secure means (:func:`fedlr.privacy.secagg.unflatten_sums`) and its share
@@ -66,6 +72,7 @@ from fedlr.client_apps.secagg import (
     WEIGHT_SCALE,
     WEIGHTED_RECORD,
 )
+from fedlr.client_apps.secagg_guard import SIGN_RECORD, SIGNING_KEY
 from fedlr.errors import ReplyValidationError, SecureAggregationError
 from fedlr.privacy import distributed_dp as ddp
 from fedlr.privacy.client_dp import CLIENT_DP_EPSILON
@@ -274,13 +281,25 @@ class SecAggPlusExchange(UnmaskStage):
             for nid in state.sampled
         }
         got = self._send(grid, state, contents, timeout, Stage.SETUP)
-        for nid, reply in got.items():
+        for nid, reply in sorted(got.items()):
             keys = reply.content.config_records[RECORD_KEY_CONFIGS]
+            signing = reply.content.config_records.get(SIGN_RECORD, ConfigRecord())
+            key = signing.get(SIGNING_KEY)
+            if not isinstance(key, bytes) or len(key) != 32:
+                log(
+                    WARNING,
+                    "round %d: node %d advertised no signing key for the "
+                    "consistency round: dropped",
+                    state.number,
+                    nid,
+                )
+                continue
+            state.signing_keys[nid] = key
             state.public_keys[nid] = (
                 cast(bytes, keys[Key.PUBLIC_KEY_1]),
                 cast(bytes, keys[Key.PUBLIC_KEY_2]),
             )
-        return set(got)
+        return set(state.signing_keys)
 
     def _share_keys(
         self, grid: Grid, state: RoundState, active: set[int], timeout: float | None
@@ -294,7 +313,15 @@ class SecAggPlusExchange(UnmaskStage):
                 }
             )
             record[Key.STAGE] = Stage.SHARE_KEYS
-            contents[nid] = RecordDict({RECORD_KEY_CONFIGS: record})
+            signing = ConfigRecord(
+                {
+                    str(n): state.signing_keys[n]
+                    for n in sorted(state.neighbours[nid] & active)
+                }
+            )
+            contents[nid] = RecordDict(
+                {RECORD_KEY_CONFIGS: record, SIGN_RECORD: signing}
+            )
         got = self._send(grid, state, contents, timeout, Stage.SHARE_KEYS)
         holders = set(got)
         forward: dict[int, tuple[list[int], list[bytes]]] = {

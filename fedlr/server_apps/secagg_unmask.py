@@ -46,6 +46,14 @@ from flwr.supercore.primitives.asymmetric import (
 )
 
 from fedlr.client_apps.secagg import CLIPPED, LOSS_EXAMPLES
+from fedlr.client_apps.secagg_guard import (
+    CONSISTENCY,
+    SIGN_RECORD,
+    SIGNATURE,
+    SIGNATURES,
+    SIGNERS,
+    SURVIVORS,
+)
 from fedlr.errors import ReplyValidationError, SecureAggregationError
 from fedlr.flower.records import record_nbytes
 from fedlr.privacy.secagg import (
@@ -54,6 +62,8 @@ from fedlr.privacy.secagg import (
     SecureScalars,
     Summand,
     mean_error_bound,
+    survivor_statement,
+    verify_survivors,
 )
 from fedlr.strategies.base import FedLRStrategy
 from fedlr.wire import protocol
@@ -101,6 +111,8 @@ class RoundState:
     threshold: int
     neighbours: dict[int, set[int]] = field(default_factory=dict)
     public_keys: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)
+    signing_keys: dict[int, bytes] = field(default_factory=dict)
+    """Each node's Ed25519 key of the consistency round (from its setup)."""
     key_holders: set[int] = field(default_factory=set)
     forward: dict[int, tuple[list[int], list[bytes]]] = field(default_factory=dict)
     stats: dict[str, float] = field(default_factory=dict)
@@ -196,7 +208,14 @@ class UnmaskStage:
         """Stage 3: the secrets, the masks removed, the means and the sums."""
         alive = set(collected.replies)
         dead = state.key_holders - alive
-        shares = self._ask_shares(grid, state, alive, dead, timeout)
+        signatures = self._consistency(grid, state, alive, timeout)
+        if len(signatures) < state.threshold:
+            return self._fail(
+                state,
+                f"{len(signatures)} survivors signed the survivor set (at least "
+                f"t = {state.threshold} must, or no node reveals its shares)",
+            )
+        shares = self._ask_shares(grid, state, alive, dead, timeout, signatures)
         secrets = self._reconstruct(state, shares, alive, dead)
         if secrets is None:
             return []
@@ -310,6 +329,46 @@ class UnmaskStage:
             return None
         return secrets
 
+    def _consistency(
+        self, grid: Grid, state: RoundState, alive: set[int], timeout: float | None
+    ) -> dict[int, bytes]:
+        """The consistency round: every survivor signs the survivor set ``U3``;
+        the valid signatures by signer (an invalid one is left out, its node
+        named)."""
+        record = {Key.STAGE: CONSISTENCY}
+        contents = {
+            nid: RecordDict(
+                {
+                    RECORD_KEY_CONFIGS: ConfigRecord(dict(record)),
+                    SIGN_RECORD: ConfigRecord({SURVIVORS: sorted(alive)}),
+                }
+            )
+            for nid in sorted(alive)
+        }
+        got = self._send(grid, state, contents, timeout, CONSISTENCY)
+        out: dict[int, bytes] = {}
+        for nid, reply in sorted(got.items()):
+            signature = reply.content.config_records.get(
+                SIGN_RECORD, ConfigRecord()
+            ).get(SIGNATURE)
+            statement = survivor_statement(
+                reply.metadata.run_id, str(state.number), alive
+            )
+            key = state.signing_keys.get(nid, b"")
+            if isinstance(signature, bytes) and verify_survivors(
+                key, statement, signature
+            ):
+                out[nid] = signature
+            else:
+                log(
+                    WARNING,
+                    "round %d: node %d's signature of the survivor set does not "
+                    "verify: left out",
+                    state.number,
+                    nid,
+                )
+        return out
+
     def _ask_shares(
         self,
         grid: Grid,
@@ -317,13 +376,16 @@ class UnmaskStage:
         alive: set[int],
         dead: set[int],
         timeout: float | None,
+        signatures: Mapping[int, bytes],
     ) -> dict[int, dict[int, bytes]]:
-        """Stage 3's exchange: each survivor's shares, by the node they belong to
+        """Stage 3's exchange: each signer's shares, by the node they belong to
         and their holder (a survivor's private-mask seed, a dropout's key),
-        asked only of nodes that hold them."""
+        asked only of nodes that hold them, with the signatures of the
+        survivor set by the node's neighbours."""
         contents: dict[int, RecordDict] = {}
-        for nid in sorted(alive):
+        for nid in sorted(signatures):
             held = set(state.forward.get(nid, ([], []))[0]) | {nid}
+            signers = sorted(held & set(signatures))
             contents[nid] = RecordDict(
                 {
                     RECORD_KEY_CONFIGS: ConfigRecord(
@@ -332,7 +394,14 @@ class UnmaskStage:
                             Key.ACTIVE_NODE_ID_LIST: sorted(held & alive),
                             Key.DEAD_NODE_ID_LIST: sorted(held & dead),
                         }
-                    )
+                    ),
+                    SIGN_RECORD: ConfigRecord(
+                        {
+                            SURVIVORS: sorted(alive),
+                            SIGNERS: signers,
+                            SIGNATURES: [signatures[n] for n in signers],
+                        }
+                    ),
                 }
             )
         got = self._send(grid, state, contents, timeout, Stage.UNMASK)

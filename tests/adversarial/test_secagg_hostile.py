@@ -187,10 +187,12 @@ def test_alive_and_dead_request_is_refused():
 
 
 def test_without_the_guard_the_same_attack_unmasks_the_victim(monkeypatch):
-    """Control: the attack above works on Flower's mod alone."""
-    import fedlr.client_apps.secagg as node
+    """Control: the attack above works on Flower's mod alone (the guard's
+    unmask checks off; it still answers the consistency round)."""
+    from fedlr.client_apps.secagg_guard import _Book
 
-    monkeypatch.setattr(node, "secagg_guard", lambda m, c, nxt: nxt(m, c))
+    monkeypatch.setattr(_Book, "check_unmask", lambda self, configs: None)
+    monkeypatch.setattr(_Book, "check_consistent", lambda self, *args: None)
     _, _, spy, _ = secure_round(at(Stage.UNMASK, both_lists))
     assert spy.unmasked() == [VICTIM]
 
