@@ -64,6 +64,7 @@ from fedlr.privacy.client_dp import (
     ClientDpLedger,
 )
 from fedlr.privacy.randomness import os_seed
+from fedlr.privacy.secagg import rounding_bound
 from fedlr.privacy.settings import ClientDpSettings, default_delta
 
 __all__ = [
@@ -298,5 +299,5 @@ def publish(
         "client-dp-noise-std": math.sqrt(variance) * step / sent,
         "client-dp-sent": float(sent),
         CLIENT_DP_REPRODUCIBLE: 1.0 if settings.reproducible else 0.0,
-        "secagg-bound": k * step / sent,
+        "secagg-bound": k * step / sent + rounding_bound(means.values()),
     }

@@ -29,12 +29,20 @@ secagg-quantization-range``), a step of ``2c / T``. Every client's rounding
 error is below one step, so with ``k`` clients and no entry clipped
 (``|y_i| <= c``),
 
-    |secure mean - exact weighted mean| < 2 c k / (T W)   per entry,
+    |published mean - exact weighted mean|
+        <= (2 c k / T + 4 k c 2**-52) / W + u / (1 - u) |published mean|
 
-``W = sum_i n_i / s`` (``= k`` when all clients hold ``s`` examples: the
-bound is then ``2c / T``, 3.8e-6 at the defaults), and ``2 c / T`` for the
-extra records' means. The sums live modulo ``2**32``: ``k T < 2**32`` (at
-most 1023 clients per round at the default ``T = 2**22``).
+per entry, ``W = sum_i n_i / s`` (``= k`` when all clients hold ``s``
+examples: the first term is then ``2c / T``, 3.8e-6 at the defaults), and
+``2 c / T`` plus the same float terms for the extra records' means. The
+second term is the float64 arithmetic of quantising, summing and
+dequantising values up to ``k c`` (below 1e-12 at the documented settings);
+the third is the cast of the float64 mean to the arrays' dtype, ``u =
+2**-24`` for float32 (round to nearest moves ``m`` by at most ``u |m|``, and
+``|m| <= |p| / (1 - u)``). It dominates where ``T`` is large against the
+entries: at ``c = 8``, ``T = 2**30`` the quantiser's term is 1.5e-8 and the
+cast of an entry near 2 up to 1.2e-7. The sums live modulo ``2**32``: ``k T
+< 2**32`` (at most 1023 clients per round at the default ``T = 2**22``).
 
 References
 ----------
@@ -47,6 +55,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from cryptography.exceptions import InvalidSignature
@@ -79,6 +88,7 @@ __all__ = [
     "flatten_summands",
     "mean_error_bound",
     "new_signing_key",
+    "rounding_bound",
     "sign_survivors",
     "survivor_statement",
     "unflatten_sums",
@@ -391,25 +401,57 @@ def clip_update(
     return out, factor
 
 
-def mean_error_bound(settings: SecAggSettings, weights: Sequence[float]) -> float:
-    """Bound on ``|secure weighted mean - exact weighted mean|`` per entry.
+def _unit_roundoff(dtype: np.dtype[Any]) -> float:
+    """``u = eps / 2`` of a floating dtype (``2**-24`` for float32), else 0."""
+    return float(np.finfo(dtype).eps) / 2.0 if dtype.kind == "f" else 0.0
+
+
+def rounding_bound(published: Iterable[NDArray[Any]]) -> float:
+    """The cast of the float64 mean to each array's dtype: ``u / (1 - u) x
+    max |p|`` over the published arrays ``p`` (per entry it is ``u / (1 - u)
+    x |p_j|``: round to nearest moves ``m`` by at most ``u |m|`` and
+    ``|m| <= |p| / (1 - u)``)."""
+    worst = 0.0
+    for array in published:
+        u = _unit_roundoff(array.dtype)
+        if u and array.size:
+            worst = max(worst, u / (1.0 - u) * float(np.max(np.abs(array))))
+    return worst
+
+
+def mean_error_bound(
+    settings: SecAggSettings,
+    weights: Sequence[float],
+    published: Iterable[NDArray[Any]] = (),
+) -> float:
+    """Bound on ``|published secure mean - exact weighted mean|`` per entry.
 
     Parameters
     ----------
     settings : SecAggSettings
     weights : (k,) sequence of float
         Each client's relative weight ``n_i / s`` (in (0, 1]).
+    published : iterable of arrays, optional
+        The published means in their own dtypes (float32 for adapter
+        factors): their cast from float64 adds :func:`rounding_bound`.
 
     Returns
     -------
     float
-        ``2 c k / (T W)``, ``W = sum(weights)``; valid when no entry was
-        clipped.
+        ``(2 c k / T + 4 k c 2**-52) / W + u / (1 - u) max |p|``,
+        ``W = sum(weights)``, ``u`` the unit roundoff of the arrays' dtype
+        (``2**-24`` for float32); valid when no entry was clipped. The first
+        term is the quantiser's (each client's stochastic rounding moves its
+        summand by less than one step ``2c / T``), the second the float64
+        arithmetic of quantising, summing and dequantising values up to
+        ``k c``, the third the cast of the mean to float32.
     """
     total = float(sum(weights))
     if not weights or total <= 0:
         raise ValueError(f"weights must be positive, got {list(weights)}")
-    return settings.step() * len(weights) / total
+    k, c = len(weights), settings.clipping_range
+    arithmetic = 4.0 * k * c * 2.0**-52
+    return (settings.step() * k + arithmetic) / total + rounding_bound(published)
 
 
 def check_eligible(

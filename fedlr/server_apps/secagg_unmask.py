@@ -252,8 +252,9 @@ class UnmaskStage:
             )
         weight = examples / scale
         means = self._means(state, collected.manifest, sums[:-1], weight, k)
+        weighted = means.get(self.strategy.arrayrecord_key, {}).values()
         state.stats.setdefault(
-            "secagg-bound", mean_error_bound(settings, [weight / k] * k)
+            "secagg-bound", mean_error_bound(settings, [weight / k] * k, weighted)
         )
         state.stats["secagg-clipped"] = float(totals[CLIPPED])
         if totals[CLIPPED]:
