@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from fedlr.strategies.registry import registered_methods
+from fedlr.strategies.registry import get_method, registered_methods
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "benchmarks" / "conf" / "llm-offline.toml"
@@ -59,15 +59,18 @@ def table(runs: Path) -> pd.DataFrame:
 
 
 def to_markdown(frame: pd.DataFrame) -> str:
-    """The table as markdown."""
+    """The table as markdown, a personalised method's row marked so."""
     lines = [
         "| method | rounds | exact match before → after "
         "| response perplexity before → after | round time (sum) |",
         "|---|---|---|---|---|",
     ]
     for row in frame.to_dict("records"):
+        method = str(row["method"])
+        if get_method(method).traits.personalised:
+            method += " (personalised)"
         lines.append(
-            f"| {row['method']} | {row['rounds']} "
+            f"| {method} | {row['rounds']} "
             f"| {row['exact-match-before']:.4f} → {row['exact-match-after']:.4f} "
             f"| {row['perplexity-before']:.2f} → {row['perplexity-after']:.3f} "
             f"| {row['seconds']:.0f} s |"

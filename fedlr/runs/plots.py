@@ -12,22 +12,28 @@ Figures (each written only when some run has the data):
     model, ``summary.json``'s ``initial-accuracy`` / ``initial-loss``) when
     the run recorded it.
 ``gap.png``
-    Frobenius gap ``||ΔW_ideal - ΔW_agg||_F`` per round, log scale; for a
-    method that folds it into the base weights (FedEx-LoRA, VeRA-FedEx) the
-    gap of the factors before the fold, which the title says (the fold makes
-    the model exact).
+    Frobenius gap ``||ΔW_ideal - ΔW_agg||_F`` per round, from 0 (a
+    symmetric-log axis, linear near 0, when the gaps span more than a
+    decade); a gap at float32 rounding (relative gap at most
+    :data:`ROUNDING_RELATIVE_GAP`) is drawn as 0, and the title says so. For
+    a method that folds it into the base weights (FedEx-LoRA, VeRA-FedEx)
+    the gap of the factors before the fold, which the title says (the fold
+    makes the model exact).
 ``rank.png``
     Adapter rank per round, only when a rank changes (FedSpec grows it,
     HetLoRA prunes) or the runs differ in rank.
 ``bytes.png``
     MB sent up (clients to server) and down (server to clients) per round,
-    one panel each.
+    one panel each, zeros included, from 0 (symmetric-log when the values
+    span more than 50x).
 ``lm.png``
     Causal-LM runs: exact match of the greedy answers and response
     perplexity (log scale) per round (:func:`lm_figure`).
 ``epsilon.png``
-    Runs with differential privacy: the epsilon spent per round, one panel
-    per mechanism (``dp-epsilon``, ``client-dp-epsilon``; :func:`epsilon_figure`).
+    Runs with differential privacy: the epsilon spent per round from 0, one
+    panel per mechanism (``dp-epsilon``, ``client-dp-epsilon``;
+    :func:`epsilon_figure`), with the run's budget (``dp-epsilon`` in its
+    config) as a labelled dashed line.
 ``accuracy_matrix.png``
     Continual runs: accuracy on task ``j`` (columns) after training task ``t``
     (rows), one heatmap panel per run, ACC and FGT in the title.
@@ -38,9 +44,12 @@ whose value differs between the runs drawn (``lr=0.003`` against
 global model's (server's held-out split) or personalised (FedSA-LoRA,
 Global / Local SVD: each client's own model on its own held-out part,
 averaged); personalised runs are dashed and labelled ``[personalised]``.
-Round axes have integer ticks; every panel has a legend, under the panel,
-outside the data; QR-Mix's switch to stage 2 and a continual run's task
-boundaries are dotted vertical lines on the per-round panels.
+Round axes have integer ticks; when every run drawn is asynchronous (it
+writes ``virtual-time``) the x axis is the virtual clock's seconds instead,
+and a mix of both reads "round (asynchronous: server version)". Every panel
+has a legend, under the panel, outside the data; QR-Mix's switch to stage 2
+and a continual run's task boundaries are dotted vertical lines on the
+per-round panels.
 """
 
 from __future__ import annotations
@@ -53,7 +62,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import matplotlib
 
@@ -68,20 +77,25 @@ from matplotlib.ticker import FuncFormatter, MaxNLocator
 from fedlr.runs.results import read_results
 
 __all__ = [
+    "ROUNDING_RELATIVE_GAP",
     "RunData",
+    "XAxis",
     "accuracy_matrix_figure",
     "continual_metrics",
     "differing_keys",
     "epsilon_figure",
     "figures",
+    "gap_values",
     "lm_figure",
     "load_run",
     "main",
+    "nonnegative_axis",
     "outside_legend",
     "per_round_axes",
     "plot_runs",
     "run_labels",
     "write_run_plots",
+    "x_axis",
 ]
 
 PERSONAL_COLUMN = "personal-clients"
@@ -106,6 +120,27 @@ _UNLABELLED_KEYS = {"output-dir", "resume-from", "method"}
 
 MATRIX_FILE = "accuracy_matrix.csv"
 """Continual runs' accuracy matrix: columns ``after-task, task-0, ..``."""
+
+ROUNDING_RELATIVE_GAP = 64 * float(np.finfo(np.float32).eps)
+"""A relative gap (``relative-gap``: the gap over ``||ΔW_ideal||_F``) at or
+under this, 64 float32 epsilons (7.6e-6), is rounding, drawn as 0: an exact
+method's gap (RoLoRA, RAVAN, FFA-LoRA) is float32 arithmetic's, not an
+error of the method."""
+
+VIRTUAL_TIME = "virtual-time"
+"""The column asynchronous runs write: virtual-clock seconds at each version."""
+
+
+class XAxis(NamedTuple):
+    """What the per-round panels' x axis is: a results column and its label."""
+
+    column: str
+    label: str
+
+
+ROUND_AXIS = XAxis("round", "round")
+TIME_AXIS = XAxis(VIRTUAL_TIME, "virtual time (s)")
+MIXED_AXIS = XAxis("round", "round (asynchronous: server version)")
 
 
 @dataclass
@@ -265,6 +300,36 @@ def run_labels(runs: Sequence[RunData], skip: Sequence[str] = ()) -> list[str]:
     ]
 
 
+def _asynchronous(run: RunData) -> bool:
+    """The run wrote the virtual clock's time (fedlr's asynchronous engine)."""
+    frame = run.results
+    return VIRTUAL_TIME in frame and bool(
+        pd.to_numeric(frame[VIRTUAL_TIME], errors="coerce").notna().any()
+    )
+
+
+def x_axis(runs: Sequence[RunData]) -> XAxis:
+    """The virtual clock when every run is asynchronous, else rounds (a
+    version is an asynchronous run's round)."""
+    asynchronous = [_asynchronous(run) for run in runs]
+    if asynchronous and all(asynchronous):
+        return TIME_AXIS
+    return MIXED_AXIS if any(asynchronous) else ROUND_AXIS
+
+
+def gap_values(frame: pd.DataFrame) -> pd.Series:
+    """``frobenius-gap`` with the rounds at float32 rounding set to 0.
+
+    A round whose ``relative-gap`` is at most :data:`ROUNDING_RELATIVE_GAP`
+    counts as rounding; without a relative gap the value is kept.
+    """
+    gap = pd.to_numeric(frame["frobenius-gap"], errors="coerce")
+    if "relative-gap" not in frame:
+        return gap
+    relative = pd.to_numeric(frame["relative-gap"], errors="coerce")
+    return gap.mask(relative <= ROUNDING_RELATIVE_GAP, 0.0)
+
+
 def _label_runs(runs: Sequence[RunData]) -> None:
     for run, label in zip(runs, run_labels(runs), strict=True):
         run.label = label
@@ -304,48 +369,61 @@ def _has(runs: Sequence[RunData], column: str, positive: bool = False) -> bool:
 
 
 def _line(
-    ax: Any, run: RunData, column: str, *, from_zero: bool = False, **kwargs: Any
+    ax: Any,
+    run: RunData,
+    column: str,
+    *,
+    x: XAxis = ROUND_AXIS,
+    from_zero: bool = False,
+    values: pd.Series | None = None,
+    **kwargs: Any,
 ) -> None:
-    """``column`` per round; with ``from_zero`` the initial model's value first."""
+    """``column`` (or ``values``) against ``x``, missing values left out;
+    with ``from_zero`` the initial model's value first (round 0, time 0)."""
     frame = run.results
-    if column not in frame:
-        return
-    values = pd.to_numeric(frame[column], errors="coerce")
-    mask = values.notna()
-    rounds = [float(r) for r in frame["round"][mask]]
+    if values is None:
+        if column not in frame:
+            return
+        values = pd.to_numeric(frame[column], errors="coerce")
+    xs_all = pd.to_numeric(frame[x.column], errors="coerce")
+    mask = values.notna() & xs_all.notna()
+    xs = [float(r) for r in xs_all[mask]]
     ys = [float(v) for v in values[mask]]
     start = (run.initial or {}).get(column) if from_zero else None
     if start is not None:
-        rounds, ys = [0.0, *rounds], [start, *ys]
+        xs, ys = [0.0, *xs], [start, *ys]
     if ys:
-        ax.plot(rounds, ys, marker="o", ms=3, **kwargs)
+        ax.plot(xs, ys, marker="o", ms=3, **kwargs)
 
 
 _BOUNDARY = {"stage": "stage {after:g} starts", "task": "next task"}
 
 
-def _boundaries(run: RunData) -> list[tuple[float, str]]:
+def _boundaries(run: RunData, x: XAxis = ROUND_AXIS) -> list[tuple[float, str]]:
     """Between which rounds something changes, and what: QR-Mix's stage, a
-    continual run's task."""
+    continual run's task (half-way between the two rows' ``x``)."""
     frame = run.results
     marks: list[tuple[float, str]] = []
     for column, text in _BOUNDARY.items():
         if column not in frame:
             continue
         values = pd.to_numeric(frame[column], errors="coerce")
-        rounds = frame["round"]
+        xs = pd.to_numeric(frame[x.column], errors="coerce")
         for i in range(1, len(values)):
             before, after = values.iloc[i - 1], values.iloc[i]
             if pd.notna(before) and pd.notna(after) and after != before:
-                x = float(rounds.iloc[i - 1]) + 0.5
-                marks.append((x, text.format(after=float(after))))
+                at = (float(xs.iloc[i - 1]) + float(xs.iloc[i])) / 2
+                marks.append((at, text.format(after=float(after))))
     return marks
 
 
-def per_round_axes(ax: Any, runs: Sequence[RunData]) -> None:
-    """Integer round ticks, the runs' boundary lines (QR-Mix's stage 2, a
-    continual run's next task), a legend if anything is drawn."""
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+def per_round_axes(ax: Any, runs: Sequence[RunData], x: XAxis = ROUND_AXIS) -> None:
+    """The x axis's label (integer ticks for rounds), the runs' boundary
+    lines (QR-Mix's stage 2, a continual run's next task), a legend if
+    anything is drawn."""
+    ax.set_xlabel(x.label)
+    if x.column == "round":
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     lows, highs = [], []
     for line in ax.get_lines():
         xs = np.asarray(line.get_xdata(), dtype=float)
@@ -358,9 +436,9 @@ def per_round_axes(ax: Any, runs: Sequence[RunData]) -> None:
         ax.set_xlim(low - pad, high + pad)
     labelled = set()
     for run in runs:
-        for x, text in _boundaries(run):
+        for at, text in _boundaries(run, x):
             ax.axvline(
-                x,
+                at,
                 color="grey",
                 linestyle=":",
                 linewidth=1,
@@ -400,24 +478,44 @@ def _megabytes(value: float, _: Any) -> str:
     return f"{value:g}"
 
 
+def nonnegative_axis(
+    ax: Any, values: Sequence[float], decades: float, axis: str = "y"
+) -> None:
+    """A non-negative quantity's axis (``"y"`` or ``"x"``) from 0: linear,
+    or symmetric-log (linear up to the smallest positive value, plain tick
+    labels) when the positive values span more than ``decades`` times."""
+    positive = [v for v in values if v > 0 and math.isfinite(v)]
+    scale = ax.set_yscale if axis == "y" else ax.set_xscale
+    target = ax.yaxis if axis == "y" else ax.xaxis
+    if positive and max(positive) > decades * min(positive):
+        scale("symlog", linthresh=min(positive), linscale=0.5)
+        target.set_major_formatter(FuncFormatter(_megabytes))
+    if axis == "y":
+        ax.set_ylim(bottom=0.0)
+    else:
+        ax.set_xlim(left=0.0)
+
+
 def figures(runs: Sequence[RunData]) -> dict[str, Figure]:
     """The figures for ``runs``, keyed by file name (not yet saved).
 
     Accuracy and loss always; the gap, rank, bytes, LM and accuracy-matrix
-    figures only where some run has something to show in them.
+    figures only where some run has something to show in them. Per-round
+    panels share one x axis (:func:`x_axis`).
     """
     _label_runs(runs)
-    out = {"accuracy_loss.png": _accuracy_loss_figure(runs)}
+    x = x_axis(runs)
+    out = {"accuracy_loss.png": _accuracy_loss_figure(runs, x)}
     if _has(runs, "frobenius-gap", positive=True):
-        out["gap.png"] = _gap_figure(runs)
+        out["gap.png"] = _gap_figure(runs, x)
     if _rank_changes(runs):
-        out["rank.png"] = _rank_figure(runs)
+        out["rank.png"] = _rank_figure(runs, x)
     if _has(runs, "bytes-up", positive=True) or _has(runs, "bytes-down", positive=True):
-        out["bytes.png"] = _bytes_figure(runs)
+        out["bytes.png"] = _bytes_figure(runs, x)
     if _has(runs, "perplexity"):
-        out["lm.png"] = lm_figure(runs)
+        out["lm.png"] = lm_figure(runs, x)
     if any(_has(runs, column) for column in EPSILON_PANELS):
-        out["epsilon.png"] = epsilon_figure(runs)
+        out["epsilon.png"] = epsilon_figure(runs, x)
     continual = [run for run in runs if run.matrix is not None]
     if continual:
         out["accuracy_matrix.png"] = accuracy_matrix_figure(continual)
@@ -443,74 +541,104 @@ def _style(run: RunData) -> dict[str, Any]:
     return {"linestyle": "--"} if run.personalised else {}
 
 
-def _accuracy_loss_figure(runs: Sequence[RunData]) -> Figure:
+def _accuracy_loss_figure(runs: Sequence[RunData], x: XAxis) -> Figure:
     fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(10, 4.2))
     for run in runs:
         style = _style(run)
-        _line(ax_acc, run, "accuracy", from_zero=True, label=run.label, **style)
-        _line(ax_loss, run, "loss", from_zero=True, label=run.label, **style)
+        for ax, column in ((ax_acc, "accuracy"), (ax_loss, "loss")):
+            _line(ax, run, column, x=x, from_zero=True, label=run.label, **style)
     note = _evaluation_note(runs)
-    ax_acc.set(title=f"accuracy per round\n({note})", xlabel="round", ylabel="accuracy")
-    ax_loss.set(title=f"loss per round\n({note})", xlabel="round", ylabel="loss")
+    ax_acc.set(title=f"accuracy\n({note})", ylabel="accuracy")
+    ax_loss.set(title=f"loss\n({note})", ylabel="loss")
     for ax in (ax_acc, ax_loss):
-        per_round_axes(ax, runs)
+        per_round_axes(ax, runs, x)
     return fig
 
 
-def _gap_figure(runs: Sequence[RunData]) -> Figure:
-    """The Frobenius gap; for methods that fold it into the base weights
-    (FedEx-LoRA) the title says it is the gap before the fold, not an error;
-    mixed with other methods, their lines are dashed and labelled so."""
-    fig, ax = plt.subplots(figsize=(6, 4.4))
+def _gap_titles(runs: Sequence[RunData]) -> tuple[str, str]:
+    """The gap panel's title and y label: the gap before the fold when every
+    run folds it into the base weights (FedEx-LoRA), both kinds, or plain."""
     folded = [run for run in runs if run.folds_base]
-    for run in runs:
-        frame = run.results
-        gap = pd.to_numeric(frame["frobenius-gap"], errors="coerce")
-        mask = gap > 0
-        label, linestyle = run.label, "-"
-        if run.folds_base and len(folded) < len(runs):
-            label, linestyle = f"{label} (before the fold)", "--"
-        if mask.any():
-            ax.plot(
-                frame["round"][mask],
-                gap[mask],
-                marker="o",
-                ms=3,
-                label=label,
-                linestyle=linestyle,
-            )
-    ax.set_yscale("log")
     if folded and len(folded) == len(runs):
-        title, ylabel = FOLDED_GAP_TITLE, "||mean(B_i A_i) - B̄Ā||_F folded into W0"
-    elif folded:
-        title = (
+        return FOLDED_GAP_TITLE, "gap before the fold, ||mean(B_i A_i) - B̄Ā||_F"
+    if folded:
+        return (
             "Frobenius gap ||ΔW_ideal - ΔW_agg||_F\n(dashed: before the fold, "
-            "which makes the model exact)"
+            "which makes the model exact)",
+            "gap",
         )
-        ylabel = "gap"
-    else:
-        title, ylabel = "Frobenius gap ||ΔW_ideal - ΔW_agg||_F", "gap"
-    ax.set(title=title, xlabel="round", ylabel=ylabel)
-    per_round_axes(ax, runs)
+    return "Frobenius gap ||ΔW_ideal - ΔW_agg||_F", "gap"
+
+
+def _gap_figure(runs: Sequence[RunData], x: XAxis) -> Figure:
+    """The Frobenius gap from 0, rounding drawn as 0 (:func:`gap_values`);
+    for methods that fold it into the base weights (FedEx-LoRA) the title
+    says it is the gap before the fold, not an error; mixed with other
+    methods, their lines are dashed and labelled so."""
+    fig, ax = plt.subplots(figsize=(6, 4.4))
+    mixed = any(run.folds_base for run in runs) and not all(
+        run.folds_base for run in runs
+    )
+    drawn: list[float] = []
+    rounding = False
+    for run in runs:
+        raw = pd.to_numeric(run.results["frobenius-gap"], errors="coerce")
+        gap = gap_values(run.results)
+        rounding |= bool(((gap == 0) & (raw > 0)).any())
+        drawn += [float(v) for v in gap.dropna()]
+        label, linestyle = run.label, "-"
+        if run.folds_base and mixed:
+            label, linestyle = f"{label} (before the fold)", "--"
+        _line(ax, run, "frobenius-gap", x=x, values=gap, label=label, ls=linestyle)
+    title, ylabel = _gap_titles(runs)
+    if rounding:
+        title += f"\n(float32 rounding, relative gap ≤ {ROUNDING_RELATIVE_GAP:.1e}: 0)"
+    ax.set(title=title, ylabel=ylabel)
+    nonnegative_axis(ax, drawn, decades=10)
+    per_round_axes(ax, runs, x)
     return fig
 
 
-def epsilon_figure(runs: Sequence[RunData]) -> Figure:
-    """The privacy spent per round: one panel per DP column a run has
-    (``dp-epsilon``: the largest DP-SGD epsilon a node reported;
-    ``client-dp-epsilon``), titled from :data:`EPSILON_PANELS`."""
+def _budgets(runs: Sequence[RunData]) -> list[float]:
+    """The DP-SGD budgets (``dp-epsilon`` in the runs' configs, 0 = none)."""
+    out = set()
+    for run in runs:
+        value = run.config.get("dp-epsilon")
+        if isinstance(value, (int, float)) and math.isfinite(value) and value > 0:
+            out.add(float(value))
+    return sorted(out)
+
+
+def epsilon_figure(runs: Sequence[RunData], x: XAxis | None = None) -> Figure:
+    """The privacy spent per round, from 0: one panel per DP column a run
+    has (``dp-epsilon``: the largest DP-SGD epsilon a node reported;
+    ``client-dp-epsilon``), titled from :data:`EPSILON_PANELS`; the DP-SGD
+    panel draws each run's budget (its ``dp-epsilon`` setting) as a dashed
+    line labelled with it."""
+    x = x or x_axis(runs)
     columns = [c for c in EPSILON_PANELS if _has(runs, c)]
     fig, axes = plt.subplots(
         1, len(columns), figsize=(5.5 * len(columns), 4.2), squeeze=False
     )
     for ax, column in zip(axes[0], columns, strict=True):
         for run in runs:
-            _line(ax, run, column, label=run.label)
+            _line(ax, run, column, x=x, label=run.label)
+        budgets = _budgets(runs) if column == "dp-epsilon" else []
+        for i, budget in enumerate(budgets):
+            ax.axhline(
+                budget,
+                color="black",
+                linestyle=(0, (4, 2 + 2 * i)),
+                linewidth=1,
+                label=f"budget epsilon = {budget:g} (dp-epsilon)",
+            )
         title = EPSILON_PANELS[column]
         if any(_reproducible(run) for run in runs):
             title += "\n(REPRODUCIBLE NOISE: not a guarantee)"
-        ax.set(title=title, xlabel="round", ylabel="epsilon")
-        per_round_axes(ax, runs)
+        ax.set(title=title, ylabel="epsilon")
+        spent = [float(v) for line in ax.get_lines() for v in line.get_ydata()]
+        ax.set_ylim(0.0, 1.08 * max(spent, default=1.0))
+        per_round_axes(ax, runs, x)
     return fig
 
 
@@ -522,70 +650,58 @@ def _reproducible(run: RunData) -> bool:
     return bool((values == 1).any())
 
 
-def _rank_figure(runs: Sequence[RunData]) -> Figure:
+def _rank_figure(runs: Sequence[RunData], x: XAxis) -> Figure:
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     for run in runs:
-        _line(ax, run, "rank", label=run.label, drawstyle="steps-post")
-    ax.set(title="adapter rank per round", xlabel="round", ylabel="rank")
+        _line(ax, run, "rank", x=x, label=run.label, drawstyle="steps-post")
+    ax.set(title="adapter rank", ylabel="rank")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    per_round_axes(ax, runs)
+    ax.set_ylim(bottom=0)
+    per_round_axes(ax, runs, x)
     return fig
 
 
-def _bytes_figure(runs: Sequence[RunData]) -> Figure:
-    """MB up and down per round; a log axis with plain ticks when the values
-    span more than 50x."""
+def _bytes_figure(runs: Sequence[RunData], x: XAxis) -> Figure:
+    """MB up and down per round, zeros drawn, from 0; a symmetric-log axis
+    with plain ticks when the positive values span more than 50x."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
     titles = {
         "bytes-up": "sent up (clients to server)",
         "bytes-down": "sent down (server to clients)",
     }
-    spread = 1.0
+    drawn: list[float] = []
     for ax, column in zip(axes, ("bytes-up", "bytes-down"), strict=True):
         for i, run in enumerate(runs):
             if column not in run.results:
                 continue
             mb = pd.to_numeric(run.results[column], errors="coerce") / 1e6
-            mask = mb > 0
-            if mask.any():
-                ax.plot(
-                    run.results["round"][mask],
-                    mb[mask],
-                    color=f"C{i % 10}",
-                    marker="o",
-                    ms=3,
-                    label=run.label,
-                )
-                spread = max(spread, float(mb[mask].max() / mb[mask].min()))
-        ax.set(title=f"MB {titles[column]}", xlabel="round", ylabel="MB")
+            _line(ax, run, column, x=x, values=mb, color=f"C{i % 10}", label=run.label)
+            drawn += [float(v) for v in mb.dropna()]
+        ax.set(title=f"MB {titles[column]}", ylabel="MB")
     for ax in axes:
-        if spread > 50:  # several orders of magnitude: log scale, plain ticks
-            ax.set_yscale("log")
-            ax.yaxis.set_major_formatter(FuncFormatter(_megabytes))
-        per_round_axes(ax, runs)
+        nonnegative_axis(ax, drawn, decades=50)
+        per_round_axes(ax, runs, x)
     return fig
 
 
-def lm_figure(runs: Sequence[RunData]) -> Figure:
+def lm_figure(runs: Sequence[RunData], x: XAxis | None = None) -> Figure:
     """Causal-LM runs: exact match and response perplexity per round.
 
     The ``exact-match`` and ``perplexity`` columns of :mod:`fedlr.tasks.lm`'s
     evaluation, one line per run (runs without them are left out).
     """
+    x = x or x_axis(runs)
     fig, (ax_em, ax_ppl) = plt.subplots(1, 2, figsize=(10, 3.6))
     for run in runs:
-        _line(ax_em, run, "exact-match", from_zero=True, label=run.label)
-        _line(ax_ppl, run, "perplexity", from_zero=True, label=run.label)
-    ax_em.set(
-        title="exact match of greedy answers",
-        xlabel="round",
-        ylabel="exact match",
-    )
-    ax_ppl.set(title="response perplexity", xlabel="round", ylabel="perplexity")
+        _line(ax_em, run, "exact-match", x=x, from_zero=True, label=run.label)
+        _line(ax_ppl, run, "perplexity", x=x, from_zero=True, label=run.label)
+    ax_em.set(title="exact match of greedy answers", ylabel="exact match")
+    ax_em.set_ylim(bottom=0.0)
+    ax_ppl.set(title="response perplexity", ylabel="perplexity")
     if ax_ppl.get_lines():
         ax_ppl.set_yscale("log")
     for ax in (ax_em, ax_ppl):
-        per_round_axes(ax, runs)
+        per_round_axes(ax, runs, x)
     return fig
 
 

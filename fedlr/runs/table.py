@@ -8,16 +8,24 @@
     and seeds, total bytes (up + down) per run, wall time per run, and ACC/FGT
     for continual runs; the seeds counted. Only finished runs (with a
     ``summary.json``) count; unfinished ones are counted apart (``2 (+1
-    unfinished)``), and a row with none finished reads ``unfinished``.
+    unfinished)``), and a row with none finished reads ``unfinished``. A
+    personalised method's row says so (``feddpa (personalised)``), an
+    asynchronous one's too (``fedbuff-lora (asynchronous)``).
 ``table.csv``
-    The same numbers, unformatted.
+    The same numbers, unformatted (with ``personalised`` and
+    ``asynchronous`` columns).
 ``comparison.png``
     Accuracy and Frobenius gap per round: the mean over seeds with a ±1 std
     band, one line per row of the table.
+``summary.png``
+    The final numbers of every row, readable for many methods: final
+    accuracy (or exact match and perplexity) as a dot with a ±1 std bar over
+    seeds, the personalised methods on panels of their own, and the bytes
+    per run (:func:`summary_figure`).
 
-:func:`collect`, :func:`summarise`, :func:`to_markdown` and
-:func:`comparison_figure` are its steps. ``python -m fedlr.runs.compare
-table`` is its command line.
+:func:`collect`, :func:`summarise`, :func:`to_markdown`,
+:func:`comparison_figure` and :func:`summary_figure` are its steps.
+``python -m fedlr.runs.compare table`` is its command line.
 """
 
 from __future__ import annotations
@@ -35,13 +43,21 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
+from matplotlib.transforms import offset_copy
 
 from fedlr.runs.plots import (
     FOLDED_GAP_TITLE,
+    ROUND_AXIS,
+    TIME_AXIS,
     RunData,
+    XAxis,
+    gap_values,
     load_run,
+    nonnegative_axis,
     per_round_axes,
     run_labels,
+    x_axis,
 )
 
 __all__ = [
@@ -49,6 +65,7 @@ __all__ = [
     "collect",
     "comparison_figure",
     "summarise",
+    "summary_figure",
     "to_markdown",
     "write_table",
 ]
@@ -73,7 +90,9 @@ def collect(run_dirs: Sequence[Path | str], by: Sequence[str] = ()) -> pd.DataFr
     ``seed``, the ``by`` keys, ``final-accuracy``,
     ``mean-gap`` (mean over rounds of ``frobenius-gap``), ``total-bytes``
     (bytes up + down over all rounds), ``seconds`` (sum of round times),
-    ``rounds``, and ``acc``/``fgt`` when the run's summary has them.
+    ``rounds``, ``personalised`` (each client's own model evaluated on its
+    own part), ``asynchronous`` (the run wrote the virtual clock's time),
+    and ``acc``/``fgt`` when the run's summary has them.
     """
     rows = []
     for run_dir in run_dirs:
@@ -97,6 +116,8 @@ def collect(run_dirs: Sequence[Path | str], by: Sequence[str] = ()) -> pd.DataFr
             "total-bytes": float(frame["bytes-up"].sum() + frame["bytes-down"].sum()),
             "seconds": float(frame["seconds"].sum()),
             "rounds": len(frame),
+            "personalised": run.personalised,
+            "asynchronous": x_axis([run]) == TIME_AXIS,
         }
         for key in ("acc", "fgt"):
             for name in (key, key.upper()):
@@ -129,6 +150,9 @@ def summarise(runs: pd.DataFrame, by: Sequence[str] = ()) -> pd.DataFrame:
         else:
             unfinished = 0
         row: dict[str, Any] = dict(zip(keys, key, strict=True))
+        for trait in ("personalised", "asynchronous"):
+            if trait in runs:
+                row[trait] = bool(runs[mask][trait].astype(bool).any())
         row["seeds"] = len(group)
         row["unfinished"] = unfinished
         acc = group["final-accuracy"]
@@ -170,7 +194,7 @@ def to_markdown(table: pd.DataFrame, by: Sequence[str] = ()) -> str:
         seeds = str(row["seeds"])
         if row.get("unfinished", 0):
             seeds += f" (+{int(row['unfinished'])} {UNFINISHED})"
-        cells = [str(row["method"]), *(str(row[k]) for k in by), seeds]
+        cells = [method_cell(row), *(str(row[k]) for k in by), seeds]
         if not row["seeds"]:  # no run of this row finished: no numbers
             cells += [UNFINISHED] * (len(headers) - len(cells))
             lines.append("| " + " | ".join(cells) + " |")
@@ -192,6 +216,18 @@ def to_markdown(table: pd.DataFrame, by: Sequence[str] = ()) -> str:
     return "\n".join(lines) + "\n"
 
 
+def method_cell(row: Mapping[str, Any]) -> str:
+    """The method's name, marked ``(personalised)`` / ``(asynchronous)``
+    where the row's ``personalised`` / ``asynchronous`` column is true."""
+    marks = [k for k in ("personalised", "asynchronous") if _true(row.get(k))]
+    return " ".join([str(row["method"]), *(f"({k})" for k in marks)])
+
+
+def _true(value: Any) -> bool:
+    """A table cell's truth: ``True`` / ``"True"`` (read back from CSV)."""
+    return str(value).strip().lower() in ("true", "1", "1.0")
+
+
 def _mean_std(mean: float, std: float, digits: int, one_seed: bool) -> str:
     """``mean ± std``, or the mean alone for one seed."""
     if one_seed:
@@ -205,19 +241,61 @@ def comparison_figure(run_dirs: Sequence[Path | str], by: Sequence[str] = ()) ->
     Runs are grouped, and labelled, by method and every config key whose
     value differs between them other than the seed (``fedex-lora lr=0.003``;
     the ``by`` keys always). Personalised runs (FedSA-LoRA, Global / Local
-    SVD: each client's own model on its own held-out part) get a panel of
-    their own next to the global models' accuracy, never a shared axis. The
-    gap panel says when a method's gap is the one it folds into the base
-    weights (FedEx-LoRA: the factor gap before the fold, not an error).
+    SVD: each client's own model on its own held-out part) get panels of
+    their own next to the global models' (accuracy, or exact match and
+    perplexity), never a shared axis. The gap panel starts at 0 and draws a
+    gap at float32 rounding as 0 (:func:`fedlr.runs.plots.gap_values`); it
+    says when a method's gap is the one it folds into the base weights
+    (FedEx-LoRA: the factor gap before the fold, not an error).
     When no run logs a Frobenius gap (vision methods), the second panel shows
     the evaluation loss instead; causal-LM runs show exact match and response
     perplexity (log scale) in place of accuracy (:func:`_panels`). A group of
     one run is drawn without a band (one seed has no spread); every panel
     carries the legend, under it, outside the data; rounds are whole numbers
     from round 0 (the initial model) where the runs recorded it, and QR-Mix's
-    stage switch and continual task boundaries are marked.
+    stage switch and continual task boundaries are marked. When every run is
+    asynchronous the x axis is the virtual clock (each version's time, mean
+    over the seeds).
     """
     runs = [load_run(run_dir) for run_dir in run_dirs]
+    groups, kinds = _groups(runs, by)
+    panels = _panels(
+        [f for frames in groups.values() for f in frames],
+        personal=[run.personalised for run in kinds.values()],
+        folded=[run.folds_base for run in kinds.values()],
+    )
+    x = x_axis(runs)
+    nrows = 1 if len(panels) <= 3 else 2
+    ncols = -(-len(panels) // nrows)
+    fig, grid = plt.subplots(
+        nrows, ncols, figsize=(5.5 * ncols, 4.8 * nrows), squeeze=False
+    )
+    axes = list(grid.flat)
+    for spare in axes[len(panels) :]:
+        spare.remove()
+    axes = axes[: len(panels)]
+    for i, (label, frames) in enumerate(groups.items()):
+        for ax, panel in zip(axes, panels, strict=True):
+            _draw_group(ax, panel, label, frames, kinds[label], f"C{i % 10}", x)
+    several = any(len(frames) > 1 for frames in groups.values())
+    spread = "\n(mean ± std over seeds)" if several else ""
+    for ax, panel in zip(axes, panels, strict=True):
+        ax.set(title=f"{panel.title}{spread}", ylabel=panel.ylabel)
+        if panel.column == "frobenius-gap":
+            ys = [float(v) for line in ax.get_lines() for v in line.get_ydata()]
+            nonnegative_axis(ax, ys, decades=10)
+        elif panel.log and _spans_decade(ax):
+            ax.set_yscale("log")
+        per_round_axes(ax, runs, x)
+    fig.tight_layout()
+    return fig
+
+
+def _groups(
+    runs: Sequence[RunData], by: Sequence[str]
+) -> tuple[dict[str, list[pd.DataFrame]], dict[str, RunData]]:
+    """The runs' frames by label (seeds pooled), round 0 first where
+    recorded; and a run of each group."""
     labels = run_labels(runs, skip=[k for k in ("seed",) if k not in by])
     groups: dict[str, list[pd.DataFrame]] = {}
     kinds: dict[str, RunData] = {}
@@ -225,59 +303,59 @@ def comparison_figure(run_dirs: Sequence[Path | str], by: Sequence[str] = ()) ->
         label = " ".join(
             [label, *(f"{k}={run.config.get(k)}" for k in by if f"{k}=" not in label)]
         )
-        frame = run.results
+        frame = run.results.assign(**{"frobenius-gap": gap_values(run.results)})
         if run.initial:
             start = {"round": 0, **run.initial}
             frame = pd.concat([pd.DataFrame([start]), frame], ignore_index=True)
         groups.setdefault(label, []).append(frame)
         kinds.setdefault(label, run)
-    panels = _panels(
-        [f for frames in groups.values() for f in frames],
-        personal=[run.personalised for run in kinds.values()],
-        folded=[run.folds_base for run in kinds.values()],
+    return groups, kinds
+
+
+def _by_round(frames: Sequence[pd.DataFrame], column: str) -> pd.DataFrame:
+    """``column`` of each frame (one per column), indexed by round."""
+    return pd.concat(
+        [f.set_index("round")[column] for f in frames if column in f], axis=1
+    ).apply(pd.to_numeric, errors="coerce")
+
+
+def _draw_group(
+    ax: Any,
+    panel: _Panel,
+    label: str,
+    frames: Sequence[pd.DataFrame],
+    kind: RunData,
+    color: str,
+    x: XAxis,
+) -> None:
+    """One group's mean over seeds on ``panel`` (and its ±1 std band)."""
+    if panel.personal is not None and panel.personal != kind.personalised:
+        return
+    if not any(panel.column in f for f in frames):
+        return
+    stacked = _by_round(frames, panel.column)
+    if panel.from_round_one:
+        stacked = stacked[stacked.index >= 1]
+    mean = stacked.mean(axis=1).dropna()
+    if mean.empty:
+        return
+    xs = mean.index.to_numpy(dtype=float)
+    if x.column != ROUND_AXIS.column:  # the versions' virtual time, seeds' mean
+        times = _by_round(frames, x.column).mean(axis=1).reindex(mean.index)
+        xs = times.fillna(0.0).where(mean.index > 0, 0.0).to_numpy(dtype=float)
+    folded_gap = panel.column == "frobenius-gap" and kind.folds_base
+    ax.plot(
+        xs,
+        mean.to_numpy(dtype=float),
+        color=color,
+        marker="o",
+        ms=3,
+        linestyle="--" if folded_gap and panel.mixed_folds else "-",
+        label=f"{label} (n={len(frames)})",
     )
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.6))
-    axes = np.atleast_1d(axes)
-    for i, (label, frames) in enumerate(groups.items()):
-        color = f"C{i % 10}"
-        kind = kinds[label]
-        for ax, panel in zip(axes, panels, strict=True):
-            if panel.personal is not None and panel.personal != kind.personalised:
-                continue
-            stacked = pd.concat(
-                [f.set_index("round")[panel.column] for f in frames], axis=1
-            ).apply(pd.to_numeric, errors="coerce")
-            if panel.from_round_one:
-                stacked = stacked[stacked.index >= 1]
-            mean = stacked.mean(axis=1)
-            if mean.notna().sum() == 0:
-                continue
-            mean = mean.dropna()
-            folded_gap = panel.column == "frobenius-gap" and kind.folds_base
-            ax.plot(
-                mean.index,
-                mean,
-                color=color,
-                marker="o",
-                ms=3,
-                linestyle="--" if folded_gap and panel.mixed_folds else "-",
-                label=f"{label} (n={len(frames)})",
-            )
-            if len(frames) > 1:
-                std = stacked.std(axis=1, ddof=1).reindex(mean.index).fillna(0.0)
-                ax.fill_between(
-                    mean.index, mean - std, mean + std, color=color, alpha=0.2
-                )
-    several = any(len(frames) > 1 for frames in groups.values())
-    spread = "\n(mean ± std over seeds)" if several else ""
-    for ax, panel in zip(axes, panels, strict=True):
-        ax.set(title=f"{panel.title}{spread}", xlabel="round", ylabel=panel.ylabel)
-        if panel.log and _spans_decade(ax):
-            ax.set_yscale("log")
-    for ax in axes:
-        per_round_axes(ax, runs)
-    fig.tight_layout()
-    return fig
+    if len(frames) > 1:
+        std = stacked.std(axis=1, ddof=1).reindex(mean.index).fillna(0.0)
+        ax.fill_between(xs, mean - std, mean + std, color=color, alpha=0.2)
 
 
 def _spans_decade(ax: Any) -> bool:
@@ -300,6 +378,27 @@ class _Panel(NamedTuple):
     mixed_folds: bool = False  # gap panel: folded and unfolded gaps together
 
 
+PERSONAL_NOTE = "personalised: mean over clients, each on its own held-out part"
+"""The second title line of a personalised runs' panel."""
+
+
+def _apart(head: list[_Panel], personal: Sequence[bool]) -> list[_Panel]:
+    """``head``'s panels for the global runs, then the same for the
+    personalised ones, when both kinds are drawn; titled so when only
+    personalised runs are."""
+    if not personal or not any(personal):
+        return head
+    mine = [
+        p._replace(title=f"{p.title}\n({PERSONAL_NOTE})", personal=True) for p in head
+    ]
+    if all(personal):
+        return mine
+    shared = [
+        p._replace(title=f"{p.title}\n(global models)", personal=False) for p in head
+    ]
+    return shared + mine
+
+
 def _panels(
     frames: Sequence[pd.DataFrame],
     personal: Sequence[bool] = (),
@@ -309,7 +408,7 @@ def _panels(
 
     The headline metric (``exact-match`` and ``perplexity`` for a causal LM,
     whose ``accuracy`` column repeats the exact match; else ``accuracy``:
-    the global models' and, on a panel of its own, the personalised runs'),
+    the global models' and, on panels of their own, the personalised runs'),
     then the Frobenius gap, or the evaluation loss when no run logs a gap.
     Perplexity starts at round 1: the base model's (round 0, e.g. 67 against
     about 4 after round 1) would flatten every difference between methods;
@@ -333,10 +432,15 @@ def _panels(
         title = "response perplexity"
         if initial:
             title += f" (round 0: {sum(initial) / len(initial):.3g})"
-        head = [
-            _Panel("exact-match", "exact match", "exact match"),
-            _Panel("perplexity", title, "perplexity", log=True, from_round_one=True),
-        ]
+        head = _apart(
+            [
+                _Panel("exact-match", "exact match", "exact match"),
+                _Panel(
+                    "perplexity", title, "perplexity", log=True, from_round_one=True
+                ),
+            ],
+            personal,
+        )
     elif personal and all(personal):
         head = [_Panel("accuracy", PERSONAL_ACCURACY, "personalised accuracy")]
     elif any(personal):
@@ -359,13 +463,178 @@ def _panels(
     return [*head, _Panel("loss", "evaluation loss", "loss")]
 
 
+def summary_figure(
+    table: pd.DataFrame, title: str = "", reference: str | None = None
+) -> Figure:
+    """Every row's final numbers, readable for many methods: a dot per row
+    (method, and setting) at the mean over seeds with a ±1 std bar, rows
+    sorted best first.
+
+    Columns: the headline (final accuracy; exact match and perplexity for a
+    causal LM) and the total bytes per run (from 0, symmetric-log when they
+    span more than 50x). The personalised rows (each client's own model on
+    its own held-out part, averaged) are a second row of panels with their
+    own headline axes, never on the global models' axis. A row's label says
+    ``(asynchronous)`` where it is.
+
+    Parameters
+    ----------
+    table : pandas.DataFrame
+        :func:`summarise`'s table (or its ``table.csv`` read back).
+    title : str
+        The figure's title.
+    reference : str, optional
+        A method whose mean headline is drawn as a dotted vertical line
+        across the global rows' headline panels (e.g. ``fedavg-lora``).
+    """
+    table = table[table["seeds"] > 0].reset_index(drop=True)
+    personal = table.get("personalised", pd.Series(False, index=table.index))
+    personal = personal.map(_true)
+    parts = [p for p in (table[~personal], table[personal]) if len(p)]
+    metrics = _summary_metrics(table)
+    fig, grid = plt.subplots(
+        len(parts),
+        len(metrics) + 1,
+        figsize=(4.6 * (len(metrics) + 1), 1.0 + 0.32 * len(table) + 1.4 * len(parts)),
+        squeeze=False,
+        gridspec_kw={"height_ratios": [len(p) for p in parts]},
+    )
+    for axes, part in zip(grid, parts, strict=True):
+        mine = bool(personal[part.index[0]])
+        part = part.sort_values(metrics[0][0], ascending=not metrics[0][3])
+        for ax, metric in zip(axes, metrics, strict=False):
+            _dots(ax, part, metric, mine)
+            if reference is not None and not mine:
+                _reference_line(ax, table, metric[0], reference)
+        _bytes_dots(axes[-1], part, table)
+        for ax in axes[1:]:
+            ax.tick_params(labelleft=False)
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def _summary_metrics(table: pd.DataFrame) -> list[tuple[str, str, str, bool]]:
+    """``(mean column, std column, name, higher is better)`` of the
+    headline panels (the rows are sorted best first, on top)."""
+    if "perplexity-mean" in table and table["perplexity-mean"].notna().any():
+        return [
+            ("accuracy-mean", "accuracy-std", "final exact match", True),
+            ("perplexity-mean", "perplexity-std", "final response perplexity", False),
+        ]
+    return [("accuracy-mean", "accuracy-std", "final accuracy", True)]
+
+
+def _row_labels(part: pd.DataFrame) -> list[str]:
+    """``method (marks)``, then the settings beyond the method, ``n=`` seeds."""
+    known = {"method", "seeds", "unfinished", "personalised", "asynchronous"}
+    settings = [c for c in part.columns if c not in known and not _numeric_column(c)]
+    return [
+        " ".join(
+            [
+                method_cell(row),
+                *(f"{k}={row[k]}" for k in settings),
+                f"(n={row['seeds']})",
+            ]
+        )
+        for row in part.to_dict("records")
+    ]
+
+
+def _numeric_column(column: str) -> bool:
+    return column.endswith(("-mean", "-std")) or column in {
+        "mean-gap", "total-bytes", "seconds", "acc", "fgt", "rounds",
+    }  # fmt: skip
+
+
+def _dots(
+    ax: Any, part: pd.DataFrame, metric: tuple[str, str, str, bool], mine: bool
+) -> None:
+    """``part``'s means as dots with ±1 std bars, one row each."""
+    mean, std, name, _ = metric
+    rows = np.arange(len(part))
+    kind = "personalised models" if mine else "global model"
+    ax.errorbar(
+        part[mean],
+        rows,
+        xerr=part[std].fillna(0.0),
+        fmt="o",
+        color="C1" if mine else "C0",
+        capsize=3,
+        label=f"{kind}: mean ± std over seeds",
+    )
+    ax.set_yticks(rows, _row_labels(part), fontsize=8)
+    ax.set_ylim(len(part) - 0.5, -0.5)
+    note = (
+        "personalised: mean over clients,\neach on its own held-out part"
+        if mine
+        else "global model, server's held-out split"
+    )
+    ax.set(title=f"{name}\n({note})", xlabel=name)
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=5))
+    ax.grid(axis="x", alpha=0.3)
+    _legend_below(ax)
+
+
+def _reference_line(ax: Any, table: pd.DataFrame, column: str, method: str) -> None:
+    at = table[table["method"] == method][column]
+    if len(at):
+        ax.axvline(
+            float(at.iloc[0]),
+            color="grey",
+            linestyle=":",
+            linewidth=1,
+            label=f"{method}'s mean",
+        )
+        _legend_below(ax)
+
+
+def _bytes_dots(ax: Any, part: pd.DataFrame, table: pd.DataFrame) -> None:
+    """Total MB per run (mean over seeds), one row each, on a log axis (the
+    rows span 50x and more) shared by every part of ``table``."""
+    rows = np.arange(len(part))
+    megabytes = part["total-bytes"].to_numpy(dtype=float) / 1e6
+    ax.plot(megabytes, rows, "s", color="C2", label="MB per run, mean over seeds")
+    ax.set_yticks(rows, _row_labels(part), fontsize=8)
+    ax.set_ylim(len(part) - 0.5, -0.5)
+    ax.set(title="total bytes per run\n(up + down, log scale)", xlabel="MB per run")
+    every = table["total-bytes"].to_numpy(dtype=float) / 1e6
+    every = every[np.isfinite(every) & (every > 0)]
+    if every.size:
+        ax.set_xscale("log")
+        ax.set_xlim(float(every.min()) / 1.6, float(every.max()) * 1.6)
+        ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.grid(axis="x", alpha=0.3)
+    _legend_below(ax)
+
+
+def _legend_below(ax: Any) -> None:
+    """The panel's legend 36 points under its axes, clear of the x label
+    whatever the panel's height."""
+    _, labels = ax.get_legend_handles_labels()
+    if labels:
+        ax.legend(
+            fontsize=7,
+            loc="upper center",
+            bbox_to_anchor=(0.5, 0.0),
+            bbox_transform=offset_copy(
+                ax.transAxes, fig=ax.figure, y=-36, units="points"
+            ),
+            frameon=False,
+        )
+
+
 def write_table(
     run_dirs: Sequence[Path | str],
     out_dir: Path | str,
     by: Sequence[str] = (),
     failures: Mapping[str, str] | None = None,
 ) -> pd.DataFrame:
-    """Write ``table.md``, ``table.csv`` and ``comparison.png``; return the table."""
+    """Write ``table.md``, ``table.csv``, ``comparison.png`` and
+    ``summary.png``; return the table."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     runs = collect(run_dirs, by)
@@ -379,5 +648,8 @@ def write_table(
     table.to_csv(out / "table.csv", index=False)
     fig = comparison_figure(run_dirs, by)
     fig.savefig(out / "comparison.png", dpi=100)
+    plt.close(fig)
+    fig = summary_figure(table)
+    fig.savefig(out / "summary.png", dpi=100)
     plt.close(fig)
     return table

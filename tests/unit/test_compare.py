@@ -96,6 +96,7 @@ def test_rows_split_by_a_setting_and_continual_columns(tmp_path):
         "table.md",
         "table.csv",
         "comparison.png",
+        "summary.png",
     }
 
 
@@ -206,9 +207,12 @@ def test_comparison_figure_shows_loss_when_no_run_has_a_gap(tmp_path):
     lora = [_run(tmp_path / "l", "fedavg-lora", 0, [0.5, 0.6], [0.2, 0.01])]
     fig = comparison_figure(lora)
     assert fig.axes[1].get_title().startswith("Frobenius gap")
-    assert fig.axes[1].get_yscale() == "log"  # the gaps span a decade
+    # the gaps span a decade: symmetric-log, still from 0
+    assert fig.axes[1].get_yscale() == "symlog"
+    assert fig.axes[1].get_ylim()[0] == 0.0
     narrow = [_run(tmp_path / "n", "fedavg-lora", 0, [0.5, 0.6], [0.2, 0.1])]
-    assert comparison_figure(narrow).axes[1].get_yscale() == "linear"
+    gap_ax = comparison_figure(narrow).axes[1]
+    assert gap_ax.get_yscale() == "linear" and gap_ax.get_ylim()[0] == 0.0
 
 
 def test_comparison_figure_of_a_causal_lm_shows_exact_match_and_perplexity(tmp_path):
