@@ -210,6 +210,24 @@ class NoValidRepliesError(FedLRError, RuntimeError):
         )
 
 
+class ServerUpdateError(FedLRError, RuntimeError):
+    """The server's own update of a round failed (:mod:`fedlr.robust.server_update`).
+
+    Its training raised, its reply is not valid, or its loss is not finite;
+    the message names the server, never a node. The round runs without it
+    (:class:`fedlr.round.protect.OwnUpdate`).
+
+    Parameters
+    ----------
+    reason : str
+        What went wrong.
+    """
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(f"the server's own update failed: {reason}")
+
+
 class UnknownMethodError(FedLRError, KeyError):
     """The requested aggregation method is not registered."""
 

@@ -33,12 +33,13 @@ References
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from flwr.app import Message
+from flwr.app import ConfigRecord, Message, RecordDict
 
 from fedlr.errors import ConfigError
+from fedlr.wire.protocol import CONFIG
 
 __all__ = [
     "AUTO_SHARE",
@@ -47,6 +48,7 @@ __all__ = [
     "ServerUpdate",
     "check_server_update_strategy",
     "refuse_server_update",
+    "server_instruction",
     "server_update_refusal",
     "server_weight",
 ]
@@ -71,7 +73,10 @@ class ServerUpdate:
     ----------
     train : callable
         ``train(instruction) -> reply``: the round's train instruction
-        trained on the server's examples, answered as a node answers.
+        trained on the server's examples, answered as a node answers but as
+        the server: a reply to :func:`server_instruction` of it, so that
+        the reply, and every line and error about it, names the server
+        (:data:`SERVER_NODE`), never the node the instruction was sent to.
     share : float
         ``server-update-share``, in (0, 1).
     examples : int
@@ -87,6 +92,24 @@ class ServerUpdate:
             raise ConfigError(
                 "server-update-share", f"must be in (0, 1), got {self.share}"
             )
+
+
+def server_instruction(instruction: Message, without: Collection[str] = ()) -> Message:
+    """``instruction`` addressed to the server (:data:`SERVER_NODE`): its
+    content, without the ConfigRecord keys ``without`` (the server's own
+    settings are not the nodes', e.g. DP-SGD's keys)."""
+    content = RecordDict(dict(instruction.content.items()))
+    if CONFIG in content.config_records:
+        sent = content.config_records[CONFIG]
+        content[CONFIG] = ConfigRecord(
+            {k: v for k, v in sent.items() if k not in without}
+        )
+    return Message(
+        content,
+        dst_node_id=SERVER_NODE,
+        message_type=instruction.metadata.message_type,
+        group_id=instruction.metadata.group_id,
+    )
 
 
 def server_weight(share: float, weights: Sequence[float]) -> float:

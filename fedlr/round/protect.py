@@ -22,19 +22,22 @@ from typing import Any, Protocol
 import torch
 from flwr.supercore import log
 
+from fedlr.errors import ReplyValidationError, ServerUpdateError
 from fedlr.privacy.client_dp import protect
 from fedlr.robust.heldout import HeldOutCheck, leave_one_out
 from fedlr.robust.rules import RobustConfig, robust_aggregate
 from fedlr.robust.screen import record_norm
 from fedlr.robust.server_update import SERVER_NODE, ServerUpdate, server_weight
-from fedlr.round.replies import Replies
+from fedlr.round.replies import Replies, conform_dtypes, short
 from fedlr.round.state import NUMERIC_FAULTS, method_state, restore_method_state
 from fedlr.wire.protocol import TRAIN_LOSS
 from fedlr.wire.updates import ClientUpdate
 
 __all__ = [
+    "SERVER",
     "ClientDpStep",
     "HeldOutStep",
+    "OwnUpdate",
     "Protected",
     "ProtectionStep",
     "RobustStep",
@@ -94,6 +97,7 @@ class RobustStep:
     config: RobustConfig
     replies: Replies
     strategy: Any
+    own: OwnUpdate | None = None
 
     def __call__(
         self, server_round: int, done: Protected, current: Mapping[str, torch.Tensor]
@@ -102,13 +106,11 @@ class RobustStep:
         space = self.replies.space(current)
         config = self.config
         if config.clip_reference == "server" and config.clip_norm == 0:
-            # the bound of this round: clip-ratio x the server's update norm
-            norm = space.norm(own_update(self.strategy))
-            config = replace(config, clip_norm=max(config.clip_ratio * norm, 1e-30))
+            config = self.server_bound(server_round, space, config)
         outcome = robust_aggregate(updates, space, config)
         # At the server's norm (robust = auto) a clip is the normal case, not
         # a sign of attack: counted in robust-clipped, its detail at DEBUG.
-        level = DEBUG if config.clip_reference == "server" else WARNING
+        level = DEBUG if self.config.clip_reference == "server" else WARNING
         for reason in outcome.reasons:
             log(
                 level,
@@ -139,6 +141,31 @@ class RobustStep:
             left_out=done.left_out + left_out,
             metrics={**done.metrics, **outcome.metrics},
         )
+
+    def server_bound(
+        self, server_round: int, space: Any, config: RobustConfig
+    ) -> RobustConfig:
+        """The round's rule at ``clip-ratio`` times the norm of the server's
+        own update in ``space``; without a valid server update this round
+        (:class:`OwnUpdate`, which warned), at ``clip-ratio`` times the
+        round's median norm, the rule's ``clip-reference = "median"``."""
+        if self.own is None:
+            raise RuntimeError(
+                "clip-reference = server needs the server's own update "
+                "(server-update-share > 0; refused at configuration)"
+            )
+        own = self.own.get(server_round)
+        if own is not None:
+            try:
+                norm, why = float(space.norm(own)), ""
+            except NUMERIC_FAULTS as exc:
+                norm, why = math.nan, f" ({type(exc).__name__}: {short(str(exc))})"
+            if math.isfinite(norm):
+                return replace(config, clip_norm=max(config.clip_ratio * norm, 1e-30))
+            self.own.fail(
+                server_round, f"its norm in the method's space is {norm}{why}"
+            )
+        return replace(config, clip_reference="median")
 
 
 def clip_record(
@@ -251,31 +278,97 @@ class HeldOutStep:
         return float(self.check.loss(state))
 
 
+SERVER = "the server's own update"
+"""How logs and errors name the server's update (never by a node id)."""
+
+
 def own_update(strategy: Any) -> ClientUpdate:
-    """The server's own update of this round, as node :data:`SERVER_NODE`.
+    """The server's own update of this round (its :data:`SERVER_NODE`).
 
     The round's train instruction (``strategy.server_instruction``) trained
     by ``strategy.server_update`` (once per instruction: asking again is
-    free), checked by the strategy's reply step like any reply; a failure is
-    a bug of the server's, raised.
+    free; its reply comes from :data:`SERVER_NODE`), checked by the
+    strategy's reply step like any reply, but for the ``max-num-examples``
+    cap: that cap bounds what a client's claim buys, and the server's weight
+    is its share whatever it trained on
+    (:meth:`~fedlr.round.replies.Replies.reply_weight`).
+
+    Raises
+    ------
+    ServerUpdateError
+        Naming the server and why: no instruction, its training raised
+        (whatever the error), its reply is not valid (an error reply, a
+        non-finite array...) or its training loss is not finite.
     """
     update: ServerUpdate | None = strategy.server_update
     instruction = strategy.server_instruction
     if update is None or instruction is None:
-        raise RuntimeError(
-            "the server's own update needs server_update and the round's train "
-            "instruction (configure_train keeps it)"
+        raise ServerUpdateError(
+            "there is no round instruction to train (configure_train keeps it)"
         )
-    # The example cap bounds what a client's claim buys; the server's weight
-    # is its share, whatever it trained on, so its count is not capped.
-    cap, strategy.max_num_examples = strategy.max_num_examples, None
     try:
-        valid, dropped = strategy.replies.validate_replies([update.train(instruction)])
-    finally:
-        strategy.max_num_examples = cap
-    if dropped:
-        raise RuntimeError(f"the server's own update is not valid: {dropped[0]}")
-    return replace(valid[0], node_id=SERVER_NODE)
+        reply = update.train(instruction)
+    except Exception as exc:  # the server's own: never ends the round
+        raise ServerUpdateError(
+            f"its training raised {type(exc).__name__}: {short(str(exc))}"
+        ) from exc
+    replies: Replies = strategy.replies
+    try:
+        checked = replies.validate_reply(reply, strategy.reply_shapes())
+        own = replace(
+            conform_dtypes(checked, replies.layout_dtypes()), node_id=SERVER_NODE
+        )
+    except ReplyValidationError as exc:
+        raise ServerUpdateError(f"its reply is not valid: {exc.reason}") from exc
+    except Exception as exc:
+        raise ServerUpdateError(
+            f"its reply could not be checked: {type(exc).__name__}: {short(str(exc))}"
+        ) from exc
+    loss = own.metrics.get(TRAIN_LOSS, 0.0)
+    if not math.isfinite(loss):
+        raise ServerUpdateError(f"its training loss is {loss}")
+    return own
+
+
+@dataclass
+class OwnUpdate:
+    """The server's own update of one round, trained and checked once, for
+    the steps that read it (the clip at its norm, :class:`ServerUpdateStep`).
+
+    A failure (:class:`~fedlr.errors.ServerUpdateError` from
+    :func:`own_update`, or a norm that is not finite) never ends the round:
+    one WARNING names the server and the reason, and the round runs without
+    the server's update (:meth:`get` is ``None``): no share for it, and the
+    clip at its norm falls back to the round's median
+    (:meth:`RobustStep.server_bound`).
+    """
+
+    strategy: Any
+    _update: ClientUpdate | None = field(default=None, init=False, repr=False)
+    _tried: bool = field(default=False, init=False, repr=False)
+
+    def get(self, server_round: int) -> ClientUpdate | None:
+        """The server's update of the round, or ``None`` if it failed."""
+        if not self._tried:
+            self._tried = True
+            try:
+                self._update = own_update(self.strategy)
+            except ServerUpdateError as exc:
+                self.fail(server_round, exc.reason)
+        return self._update
+
+    def fail(self, server_round: int, reason: str) -> None:
+        """Leave the server's update out of the round, with one warning."""
+        self._tried, self._update = True, None
+        log(
+            WARNING,
+            "round %d: %s is left out: %s; the round runs without it (no "
+            "share for the server; a clip at its norm uses the round's median "
+            "norm instead)",
+            server_round,
+            SERVER,
+            reason,
+        )
 
 
 @dataclass
@@ -283,20 +376,26 @@ class ServerUpdateStep:
     """The server's own update (:mod:`fedlr.robust.server_update`), after the
     robust rule and the held-out check.
 
-    :func:`own_update`, weighted as the share ``s`` of the round's weight
-    (:func:`server_weight` of the clients' weights after the rule). Metrics:
-    ``server-update-weight`` (the share of the round it had) and
-    ``server-update-loss`` (its training loss).
+    :func:`own_update` (through :class:`OwnUpdate`), weighted as the share
+    ``s`` of the round's weight (:func:`server_weight` of the clients'
+    weights after the rule). Metrics: ``server-update-weight`` (the share of
+    the round it had: 0 in a round that runs without it) and
+    ``server-update-loss`` (its training loss; NaN without it).
     """
 
     update: ServerUpdate
     strategy: Any
+    own: OwnUpdate | None = None
 
     def __call__(
         self, server_round: int, done: Protected, current: Mapping[str, torch.Tensor]
     ) -> Protected:
+        own = (self.own or OwnUpdate(self.strategy)).get(server_round)
+        if own is None:
+            metrics = {"server-update-weight": 0.0, "server-update-loss": math.nan}
+            return replace(done, metrics={**done.metrics, **metrics})
         weight = server_weight(self.update.share, [u.weight for u in done.updates])
-        own = replace(own_update(self.strategy), weight=weight)
+        own = replace(own, weight=weight)
         total = weight + math.fsum(u.weight for u in done.updates)
         metrics = {
             "server-update-weight": weight / total if total > 0 else 0.0,
@@ -333,11 +432,13 @@ def protection_steps(strategy: Any) -> list[ProtectionStep]:
     also reports DP-SGD's largest client epsilon, so it always runs).
     """
     steps: list[ProtectionStep] = []
+    # set by the server plan; trained at most once this round
+    own = OwnUpdate(strategy) if strategy.server_update is not None else None
     if strategy.robust.active:
-        steps.append(RobustStep(strategy.robust, strategy.replies, strategy))
+        steps.append(RobustStep(strategy.robust, strategy.replies, strategy, own))
     if strategy.heldout_check is not None:  # set by the server plan
         steps.append(HeldOutStep(strategy.heldout_check, strategy))
-    if strategy.server_update is not None:  # set by the server plan
-        steps.append(ServerUpdateStep(strategy.server_update, strategy))
+    if strategy.server_update is not None:
+        steps.append(ServerUpdateStep(strategy.server_update, strategy, own))
     steps.append(ClientDpStep(strategy))
     return steps

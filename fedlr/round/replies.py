@@ -34,6 +34,7 @@ from flwr.supercore import log
 from fedlr.errors import NoValidRepliesError, ProtocolError, ReplyValidationError
 from fedlr.flower.records import record_nbytes
 from fedlr.robust.screen import ScreenOutcome, screen_record_sizes, screen_sizes
+from fedlr.robust.server_update import SERVER_NODE
 from fedlr.robust.spaces import ParameterSpace, UpdateSpace
 from fedlr.wire.protocol import (
     PARTITION_ID,
@@ -301,7 +302,11 @@ class Replies:
         ------
         ReplyValidationError
             If the reply has not exactly one MetricRecord, or the weight is
-            missing or not a positive integer.
+            missing or not a positive integer, or above ``max_num_examples``
+            (which bounds what a client's claim buys: the server's own
+            update, :data:`~fedlr.robust.server_update.SERVER_NODE`, is not
+            held to it, its weight is its share; no client replies as that
+            node, as :meth:`screen_replies` drops every node not instructed).
         """
         metric_records = list(content.metric_records.values())
         if len(metric_records) != 1:
@@ -327,6 +332,7 @@ class Replies:
         if (
             self.method.max_num_examples is not None
             and num > self.method.max_num_examples
+            and node != SERVER_NODE
         ):
             raise ReplyValidationError(
                 node,

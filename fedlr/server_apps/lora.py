@@ -13,6 +13,7 @@ rebuilt at the rank of the arrays it receives.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import fields
 from typing import Any, cast
 
 import torch
@@ -25,12 +26,15 @@ from fedlr.client.train import client_seed, pick_device
 from fedlr.client_apps.common import train_reply
 from fedlr.config.run import RunConfig
 from fedlr.errors import ConfigError
+from fedlr.privacy.dp_sgd import DpSgd
+from fedlr.privacy.node_policy import NodePolicy
 from fedlr.robust.heldout import HELDOUT_COLUMNS, HeldOutCheck
 from fedlr.robust.server_update import (
     SERVER_NODE,
     SERVER_UPDATE_COLUMNS,
     ServerUpdate,
     check_server_update_strategy,
+    server_instruction,
 )
 from fedlr.server_apps.plans import (
     ServerPlan,
@@ -43,7 +47,7 @@ from fedlr.strategies.lora import LoraStrategy
 from fedlr.strategies.registry import MethodConfig, available_methods, get_method
 from fedlr.tasks.text import CausalLMTask, TextTask, text_task
 
-__all__ = ["lora_plan", "server_update"]
+__all__ = ["lora_plan", "server_context", "server_update"]
 
 
 @register_plan("lora")
@@ -174,18 +178,25 @@ def server_update(
     :func:`~fedlr.client_apps.common.train_reply`), with the node limits'
     defaults and a seed of the run seed and the round. The model keeps its
     node state across rounds like a node's; the same instruction asked
-    again returns the same reply, not a second round."""
+    again returns the same reply, not a second round.
+
+    It trains as the server, in a context of its own
+    (:func:`server_context`), on the instruction addressed to the server
+    (:func:`~fedlr.robust.server_update.server_instruction`): never a
+    node's id, policy, state directory or privacy ledger. It trains without
+    DP-SGD (the instruction's :attr:`~fedlr.privacy.dp_sgd.DpSgd.keys` left
+    out): the examples are the server's own, which it does not protect from
+    itself, and DP-SGD there would spend a budget and write a ledger that no
+    node owns."""
     model = task.build_lora_model()  # its own: a round changes the model
-    context = Context(
-        run_id=0, node_id=SERVER_NODE, node_config={}, state=RecordDict(), run_config={}
-    )
+    context = server_context()
 
     last: list[tuple[Message, Message]] = []  # an instruction is trained once
 
     def train(instruction: Message) -> Message:
         if last and last[0][0] is instruction:
             return last[0][1]
-        job = apply_round(model, instruction, context)
+        job = apply_round(model, server_instruction(instruction, DpSgd.keys), context)
         reply = train_reply(
             job,
             examples,
@@ -198,3 +209,21 @@ def server_update(
         return reply
 
     return ServerUpdate(train, config.server_update_share, len(examples))
+
+
+def server_context() -> Context:
+    """The context the server's own update trains in: node
+    :data:`SERVER_NODE`, a ``state`` of its own, and a node config that sets
+    every node-policy key (:class:`~fedlr.privacy.node_policy.NodePolicy`)
+    to the policy's default, so that no nodes' file (``FEDLR_NODE_CONFIG``,
+    which a simulation's nodes read from the process the server shares)
+    applies to the server: nothing required of it, no budget, no ledger."""
+    own = NodePolicy()
+    policy = {f.name.replace("_", "-"): getattr(own, f.name) for f in fields(own)}
+    return Context(
+        run_id=0,
+        node_id=SERVER_NODE,
+        node_config=policy,
+        state=RecordDict(),
+        run_config={},
+    )
