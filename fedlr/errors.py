@@ -45,6 +45,38 @@ class ConfigError(FedLRError, ValueError):
         super().__init__(f"run-config '{key}': {reason}")
 
 
+class NodeConfigError(ConfigError):
+    """A node-config key is unknown, or its value of the wrong type or out of range.
+
+    The node's own settings (``flower-supernode --node-config``, the
+    simulation's nodes' file, ``run_in_process(node_config=...)``) are
+    declared in :mod:`fedlr.privacy.node_policy`; an unknown key names the
+    closest declared one. Raised by the node before it answers anything, and
+    by the launcher before anything starts.
+
+    Parameters
+    ----------
+    key : str
+        The node-config key (kebab-case).
+    reason : str
+        What is wrong with it.
+    """
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(key, reason)
+        self.args = (f"node-config '{key}': {reason}",)
+
+
+class LedgerError(FedLRError, RuntimeError):
+    """A node's privacy ledger cannot be read, or holds an impossible entry.
+
+    Raised by :mod:`fedlr.privacy.budget` before the node trains or answers:
+    restarting the account at zero, or skipping an entry, would under-report
+    what the node's data has spent, so the node answers no more until an
+    operator repairs the file. The message names the file and what is wrong.
+    """
+
+
 class ShapeMismatchError(FedLRError, ValueError):
     """Tensors that must agree in shape do not."""
 

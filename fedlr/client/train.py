@@ -91,11 +91,15 @@ class EncodedText:
     ----------
     input_ids : list of list of int
     labels : (N,) torch.Tensor of int64
+    ledger_key : str
+        The digest of the raw data the node holds, its default privacy-ledger
+        id (:func:`fedlr.privacy.budget.raw_data_key`); ``""``: none given.
     """
 
     input_ids: list[list[int]]
     labels: torch.Tensor
     pad_id: int
+    ledger_key: str = ""
 
     def __len__(self) -> int:
         return len(self.input_ids)

@@ -16,6 +16,7 @@ evaluates on its own held-out part (capped by ``max-eval-examples``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Generic, TypeVar
 
 from flwr.app import Context, Message
@@ -27,6 +28,7 @@ from fedlr.client_apps.common import partition_of, train_reply
 from fedlr.config.options import Options
 from fedlr.config.run import RunConfig
 from fedlr.errors import InstructionError
+from fedlr.privacy.budget import raw_data_key
 from fedlr.tasks.lm import EncodedInstructions
 from fedlr.tasks.text import text_task
 
@@ -59,15 +61,18 @@ def _partition(
     )
     if key not in _DATA:
         task = text_task(config)
+        split = task.split(num)
+        # the node's ledger is its raw data's, whatever part of it a round reads
+        held_key = raw_data_key(split.partition(pid))
         if part == "all":
-            _DATA[key] = task.partition(pid, num)
+            data = split.partition(pid)
         else:
-            train, held = task.split(num).client_split(pid, config.eval_fraction)
+            train, held = split.client_split(pid, config.eval_fraction)
             data = train if part == "train" else held
             cap = config.max_eval_examples
             if part == "eval" and cap and len(data) > cap:
                 data = data.select(range(cap))
-            _DATA[key] = task.encode(data)
+        _DATA[key] = replace(task.encode(data), ledger_key=held_key)
     return _DATA[key]
 
 

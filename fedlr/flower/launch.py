@@ -47,9 +47,11 @@ from fedlr.flower.run_config import (
     app_run_config,
     check_before_start,
     check_cuda,
+    check_nodes,
     check_run_config,
     format_run_config,
     is_fedlr_app,
+    node_policies,
     parse_run_config,
 )
 from fedlr.flower.superlink import (
@@ -65,6 +67,7 @@ from fedlr.flower.superlink import (
     write_superlink_connection,
 )
 from fedlr.privacy.node_policy import NODE_CONFIG_ENV, check_node_config_file
+from fedlr.strategies.registry import MethodConfig
 
 __all__ = [
     "FlwrRunError",
@@ -480,36 +483,42 @@ def main(argv: list[str] | None = None) -> int:
             return 130
 
 
-def _node_config_file(args: argparse.Namespace, reproducible: bool) -> None:
-    """Point the simulated nodes at their own settings (``FEDLR_NODE_CONFIG``).
-
-    The file is checked here, before anything starts. Whoever runs a local
-    simulation owns its nodes, so ``reproducible-noise = true`` without a file
-    gives them ``dp-allow-reproducible-noise = true`` (logged).
-    """
-    path = args.node_config_file
-    if not path and reproducible:
-        home = Path(args.flwr_home).resolve()
-        home.mkdir(parents=True, exist_ok=True)
-        generated = home / "node-config-reproducible-noise.toml"
-        generated.write_text("dp-allow-reproducible-noise = true\n")
-        path = str(generated)
-        _LOG.warning(
-            "fedlr: reproducible-noise = true: the simulated nodes draw their DP "
-            "noise from the run seed; epsilon is not a guarantee"
-        )
+def _nodes_file(args: argparse.Namespace) -> str:
+    """The simulated nodes' own settings: ``--node-config-file``, else the
+    exported ``FEDLR_NODE_CONFIG``, checked key by key; passed on unchanged
+    (the launcher never writes a user's node settings)."""
+    path = args.node_config_file or os.environ.get(NODE_CONFIG_ENV, "")
     if not path:
-        return
+        return ""
     resolved = str(Path(path).expanduser().resolve())
     check_node_config_file(resolved)  # a bad file fails here, before the run
-    os.environ[NODE_CONFIG_ENV] = resolved
-    _LOG.info("fedlr: simulated nodes' own settings from %s", resolved)
+    return resolved
+
+
+def _check_nodes(
+    args: argparse.Namespace, method: MethodConfig | None, path: str
+) -> None:
+    """The refusals the simulated nodes would make of every round, from
+    their own settings (:func:`~fedlr.flower.run_config.check_nodes`)."""
+    environ = {**os.environ, NODE_CONFIG_ENV: path}
+    if method is not None:
+        check_nodes(method, node_policies(args.num_supernodes, environ=environ))
+    if path:  # the user's own file, as it is: the nodes read it
+        os.environ[NODE_CONFIG_ENV] = path
+        _LOG.info("fedlr: simulated nodes' own settings from %s", path)
 
 
 def _launch(args: argparse.Namespace) -> int:
     app = Path(args.app)
-    reproducible = False
     try:
+        if args.superlink and args.node_config_file:
+            raise ConfigError(
+                "--node-config-file",
+                "sets the simulated nodes' settings; a deployment's SuperNodes "
+                "take theirs with flower-supernode --node-config",
+            )
+        nodes = "" if args.superlink else _nodes_file(args)
+        method = None
         if is_fedlr_app(app):
             method = check_run_config(app, args.run_config)
             check_before_start(
@@ -517,23 +526,17 @@ def _launch(args: argparse.Namespace) -> int:
                 num_supernodes=None if args.superlink else args.num_supernodes,
                 client_gpus=args.client_gpus,
             )
-            reproducible = method.run.reproducible_noise
-            _LOG.info(
-                "fedlr: run config checked: method %s, %d rounds",
-                method.spec.name,
-                method.run.num_server_rounds,
-            )
         else:
             parse_run_config(args.run_config)
             if not args.superlink:
                 check_cuda("none", args.client_gpus)
         if not args.superlink:
-            _node_config_file(args, reproducible)
-        elif args.node_config_file:
-            raise ConfigError(
-                "--node-config-file",
-                "sets the simulated nodes' settings; a deployment's SuperNodes "
-                "take theirs with flower-supernode --node-config",
+            _check_nodes(args, method, nodes)
+        if method is not None:
+            _LOG.info(
+                "fedlr: run config checked: method %s, %d rounds",
+                method.spec.name,
+                method.run.num_server_rounds,
             )
     except FedLRError as exc:
         _LOG.error("error: %s", exc)

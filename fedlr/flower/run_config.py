@@ -5,7 +5,10 @@ the overrides through the same registry the ServerApp uses, so a typo is one
 line in seconds, not a traceback after the SuperLink and Ray started;
 :func:`check_before_start` makes, before anything starts, the refusals the
 ServerApp or the simulation would make at start (the data set, the tracker,
-secure aggregation, ``min-replies``, CUDA, ``resume-from``).
+secure aggregation, ``min-replies``, CUDA, ``resume-from``);
+:func:`check_nodes` makes the refusals the simulated nodes would make of
+every round, from their own settings (the nodes' file, checked key by key by
+:func:`fedlr.privacy.node_policy.check_node_config_file`) and ledgers.
 :func:`format_run_config` and :func:`parse_run_config` write and read
 ``--run-config`` text as Flower does.
 """
@@ -22,16 +25,20 @@ from typing import Any
 import click
 from flwr.common.config import flatten_dict, parse_config_args
 
-from fedlr.errors import ConfigError
+from fedlr.errors import ConfigError, NodePolicyError
+from fedlr.privacy.node_policy import NodePolicy, node_policy
 from fedlr.strategies.registry import MethodConfig, resolve
 
 __all__ = [
     "app_run_config",
     "check_before_start",
+    "check_consent",
     "check_cuda",
+    "check_nodes",
     "check_run_config",
     "format_run_config",
     "is_fedlr_app",
+    "node_policies",
     "parse_run_config",
 ]
 
@@ -312,3 +319,177 @@ def check_cuda(quantization: str, client_gpus: float) -> None:
             f"'{quantization}' needs the bitsandbytes package "
             "(pip install bitsandbytes)",
         )
+
+
+def node_policies(
+    num_nodes: int,
+    node_config: Mapping[str, Any] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> dict[int, NodePolicy]:
+    """Each simulated node's policy: its nodes' file (``FEDLR_NODE_CONFIG`` of
+    ``environ``, default ``os.environ``) overlaid by ``node_config``, as the
+    node reads it.
+
+    Raises
+    ------
+    fedlr.errors.NodeConfigError
+        An unknown key, or a value of the wrong type or out of range.
+    """
+    return {
+        pid: node_policy(
+            {**(node_config or {}), "partition-id": pid, "num-partitions": num_nodes},
+            environ,
+        )
+        for pid in range(num_nodes)
+    }
+
+
+def _nodes(pids: list[int]) -> str:
+    if len(pids) > 1 and pids == list(range(pids[0], pids[-1] + 1)):
+        return f"the nodes of partitions {pids[0]}-{pids[-1]}"
+    plural = "s" if len(pids) > 1 else ""
+    return f"the node{plural} of partition{plural} " + ", ".join(map(str, pids))
+
+
+def _refuse(found: dict[tuple[str, str], list[int]]) -> None:
+    """Raise the first refusal, naming every node that makes it."""
+    for (key, reason), pids in found.items():
+        raise ConfigError(key, reason.replace("{nodes}", _nodes(sorted(pids))))
+
+
+def check_consent(method: MethodConfig, policies: Mapping[int, NodePolicy]) -> None:
+    """``reproducible-noise`` only from nodes whose own settings consent.
+
+    The nodes draw noise under DP-SGD and under distributed DP (client-level
+    DP under SecAgg+); a node whose own ``dp-allow-reproducible-noise`` is
+    not true would draw secure noise, so the run would not repeat as asked.
+
+    Raises
+    ------
+    ConfigError
+        Naming ``reproducible-noise`` and the nodes that did not consent.
+    """
+    run = method.run
+    privacy = run.privacy
+    draws = privacy.dp_sgd is not None or (
+        privacy.client_dp is not None and run.secure_aggregation
+    )
+    if not (run.reproducible_noise and draws):
+        return
+    refused = [pid for pid, p in policies.items() if not p.dp_allow_reproducible_noise]
+    if refused:
+        _refuse(
+            {
+                (
+                    "reproducible-noise",
+                    "asks the nodes for noise drawn from the run seed, but {nodes} "
+                    "did not consent: set dp-allow-reproducible-noise = true in "
+                    "their own settings (the nodes' file, --node-config-file); "
+                    "fedlr never sets it for them",
+                ): refused
+            }
+        )
+
+
+def check_nodes(
+    method: MethodConfig,
+    policies: Mapping[int, NodePolicy],
+    *,
+    num_nodes: int | None = None,
+) -> None:
+    """Make, before start, the refusals the nodes would make of every round.
+
+    From each node's own settings: DP-SGD required but off, SecAgg+ required
+    but off, a clip above its ceiling, a delta above its own, more DP-SGD
+    steps than its ``dp-max-steps-per-round``, reproducible noise it did not
+    consent to (:func:`check_consent`), and a ``dp-epsilon`` larger than its
+    ``dp-epsilon-budget`` less what its ledger already holds (where the
+    ledger can be read here: an explicit ``dp-ledger-id``, or a text data
+    set's default id).
+
+    Parameters
+    ----------
+    method : MethodConfig
+        The resolved run config.
+    policies : mapping of int to NodePolicy
+        Partition id -> the node's policy (:func:`node_policies`).
+    num_nodes : int, optional
+        The federation's node count (default: ``len(policies)``).
+
+    Raises
+    ------
+    ConfigError
+        One line naming the run-config key and the nodes that would refuse.
+    """
+    check_consent(method, policies)
+    num = len(policies) if num_nodes is None else num_nodes
+    found: dict[tuple[str, str], list[int]] = {}
+    for pid, policy in policies.items():
+        reason = _node_refusal(method, policy, pid, num)
+        if reason is not None:
+            found.setdefault(reason, []).append(pid)
+    _refuse(found)
+
+
+def _node_refusal(
+    method: MethodConfig, policy: NodePolicy, pid: int, num: int
+) -> tuple[str, str] | None:
+    """``(key, reason)`` of the first refusal a node's settings make, or None."""
+    run = method.run
+    dp = run.privacy.dp_sgd
+    try:
+        policy.check_instruction(dp)
+        if policy.secure_aggregation_required and not run.secure_aggregation:
+            raise NodePolicyError(
+                "secure-aggregation",
+                "is off, but this node trains only under SecAgg+ (node config "
+                "secure-aggregation-required = true)",
+            )
+        if dp is not None:
+            policy.check_steps(run.local_steps)
+            policy.delta_for(dp.delta, 1)  # a delta above every node's own
+    except NodePolicyError as exc:
+        return exc.key, f"{{nodes}} would refuse every round: '{exc.key}' {exc.reason}"
+    if dp is not None and dp.epsilon > 0 and policy.dp_epsilon_budget > 0:
+        spent = _spent(method, policy, pid, num)
+        left = policy.dp_epsilon_budget - spent
+        if dp.epsilon > left:
+            return (
+                "dp-epsilon",
+                f"{dp.epsilon:g} is more than {{nodes}} can still spend: "
+                f"dp-epsilon-budget {policy.dp_epsilon_budget:g} less the "
+                f"{spent:.4g} its ledger holds leaves {max(left, 0.0):.4g}",
+            )
+    return None
+
+
+def _spent(method: MethodConfig, policy: NodePolicy, pid: int, num: int) -> float:
+    """The epsilon a node's ledger holds, at the largest delta it may use
+    (so never more than the node counts); 0 where it cannot be read here."""
+    from fedlr.privacy.accounting import epsilon
+    from fedlr.privacy.budget import PrivacyLedger
+    from fedlr.privacy.settings import DEFAULT_DELTA
+
+    folder = policy.state_path() / "dp-ledger"
+    if not folder.is_dir() or not any(folder.glob("*.json")):
+        return 0.0
+    ledger_id = policy.dp_ledger_id or _default_ledger_id(method, pid, num)
+    if not ledger_id:
+        return 0.0
+    history = PrivacyLedger(policy.state_path(), ledger_id).history()
+    dp = method.run.privacy.dp_sgd
+    delta = (dp.delta if dp is not None else 0.0) or policy.dp_delta or DEFAULT_DELTA
+    return epsilon(history, delta, policy.dp_accountant)
+
+
+def _default_ledger_id(method: MethodConfig, pid: int, num: int) -> str:
+    """A text node's default ledger id (the digest of its raw partition, as
+    :mod:`fedlr.client_apps.text` computes it); ``""`` for other data."""
+    from fedlr.data import dataset_info
+    from fedlr.privacy.budget import raw_data_key
+    from fedlr.tasks.text import text_task
+
+    if dataset_info(method.run.dataset).kind == "image":
+        return ""
+    return raw_data_key(text_task(method.run).split(num).partition(pid))

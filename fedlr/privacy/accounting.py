@@ -118,18 +118,32 @@ def noise_multiplier_for(
     from above, so RDP's sigma already meets the target); where RDP's sigma
     is below :data:`PRV_MIN_SIGMA` (a huge target), RDP's is returned.
     Cached: a node asks for the same value every round.
+
+    Raises
+    ------
+    ConfigError
+        Naming ``dp-epsilon`` (and the delta), where no noise multiplier
+        Opacus searches reaches the target.
     """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        rdp = float(
-            opacus_api().get_noise_multiplier(
-                target_epsilon=target_epsilon,
-                target_delta=delta,
-                sample_rate=sample_rate,
-                steps=steps,
-                accountant="rdp",
+        try:
+            rdp = float(
+                opacus_api().get_noise_multiplier(
+                    target_epsilon=target_epsilon,
+                    target_delta=delta,
+                    sample_rate=sample_rate,
+                    steps=steps,
+                    accountant="rdp",
+                )
             )
-        )
+        except ValueError as exc:  # Opacus: "The privacy budget is too low."
+            raise ConfigError(
+                "dp-epsilon",
+                f"{target_epsilon:g} at delta {delta:g} over {steps} steps at "
+                f"sample rate {sample_rate:g}: no noise multiplier reaches it "
+                f"(Opacus: {exc}); raise dp-epsilon or delta, or plan fewer steps",
+            ) from None
     if kind != "prv" or rdp <= PRV_MIN_SIGMA:
         return rdp
     low, high = PRV_MIN_SIGMA, rdp

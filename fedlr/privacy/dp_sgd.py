@@ -275,7 +275,8 @@ class PrivateLoop:
         Raises
         ------
         NodePolicyError
-            A delta above the node's, or not below ``1 / n``.
+            A delta above the node's, or not below ``1 / n``; more steps than
+            the node's ``dp-max-steps-per-round``.
         PrivacyBudgetError
             If this round's steps would spend more than the instruction's
             ``dp-epsilon`` (this run) or the node's ``dp-epsilon-budget``
@@ -287,6 +288,7 @@ class PrivateLoop:
         self.sample_rate = min(1.0, settings.batch_size / n)
         self.delta = self.policy.delta_for(s.delta, n)
         steps = settings.local_steps
+        self.policy.check_steps(steps)  # dp-max-steps-per-round, before the ledger
         if self.sigma <= 0:
             self.sigma = noise_multiplier_for(
                 s.epsilon, self.delta, self.sample_rate, s.rounds * steps, s.accountant

@@ -565,10 +565,17 @@ def check_resumable(
     Raises
     ------
     ConfigError
-        Naming the first differing key and both values.
+        Naming the first differing key and both values: ``method`` first,
+        then the keys both configs have, then a key only one has.
     """
     defaults = defaults or {}
-    for key in sorted(set(saved) | set(current)):
+    # The method first, then the keys both configs have: a key only one of
+    # them has is most often another method's (fedex-lora's fedex-downlink
+    # when fedavg-lora resumes it), so the real difference is named first.
+    for key in sorted(
+        set(saved) | set(current),
+        key=lambda k: (k != "method", k not in saved or k not in current, k),
+    ):
         if key in IGNORED_ON_RESUME:
             continue
         if key not in current:

@@ -23,6 +23,7 @@ from flwr.clientapp import ClientApp
 
 from fedlr.client_apps.app import app as fedlr_app
 from fedlr.flower.grid import InProcessGrid, ReplyHook, RoundHook
+from fedlr.flower.run_config import check_consent, node_policies
 from fedlr.server_apps.runner import run_server
 from fedlr.strategies.base import FedLRStrategy
 from fedlr.strategies.registry import resolve
@@ -64,11 +65,12 @@ def run_in_process(
         The app every node runs; default fedlr's own
         (:mod:`fedlr.client_apps.app`).
     node_config : mapping, optional
-        Node-config values of every node (its operator's settings: the
-        privacy limits of :mod:`fedlr.privacy.node_policy`). Whoever runs a
-        federation in process owns its nodes too, so ``reproducible-noise =
-        true`` in the run config also sets the nodes'
-        ``dp-allow-reproducible-noise`` unless ``node_config`` says otherwise.
+        Node-config values of every node (its operator's settings, declared
+        in :mod:`fedlr.privacy.node_policy`), passed on as they are, over the
+        nodes' file of ``FEDLR_NODE_CONFIG``. Nothing here writes them:
+        ``reproducible-noise = true`` needs every node's own
+        ``dp-allow-reproducible-noise = true``, else the run is refused
+        before it starts.
     observe : callable, optional
         ``observe(strategy)`` once the server's strategy is built
         (:func:`~fedlr.server_apps.runner.run_server`;
@@ -77,7 +79,9 @@ def run_in_process(
     Raises
     ------
     fedlr.errors.ConfigError
-        On an unknown key or a bad value, before any client is built.
+        On an unknown key or a bad value (of the run config or the nodes'
+        settings), or reproducible noise asked of nodes that did not consent,
+        before any client is built.
     """
     if client_app is None:
         client_app = fedlr_app
@@ -87,6 +91,7 @@ def run_in_process(
     if method.auto:  # the ServerApp resolves it again, to the same, and says so
         config["robust"] = "auto"
     nodes = int(config["num-partitions"]) if num_nodes is None else num_nodes
+    check_consent(method, node_policies(nodes, node_config))
     grid = InProcessGrid(
         client_app,
         num_nodes=nodes,
@@ -94,10 +99,7 @@ def run_in_process(
         run_id=run_id,
         reply_hook=reply_hook,
         round_hook=round_hook,
-        node_config={
-            "dp-allow-reproducible-noise": bool(config.get("reproducible-noise")),
-            **(node_config or {}),
-        },
+        node_config=dict(node_config or {}),
     )
     context = Context(
         run_id=run_id,

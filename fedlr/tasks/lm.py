@@ -45,6 +45,9 @@ class EncodedInstructions:
     answers : list of str
         Reference answers for exact match.
     pad_id : int
+    ledger_key : str
+        The digest of the raw data the node holds, its default privacy-ledger
+        id (:func:`fedlr.privacy.budget.raw_data_key`); ``""``: none given.
     """
 
     input_ids: list[list[int]]
@@ -52,6 +55,7 @@ class EncodedInstructions:
     prompts: list[list[int]]
     answers: list[str]
     pad_id: int
+    ledger_key: str = ""
 
     def __len__(self) -> int:
         return len(self.input_ids)

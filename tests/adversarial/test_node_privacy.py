@@ -20,7 +20,7 @@ import torch
 from flwr.app import RecordDict
 
 from fedlr.client.train import TrainSettings, train_steps
-from fedlr.errors import NoValidRepliesError
+from fedlr.errors import ConfigError, NoValidRepliesError
 from fedlr.privacy.accounting import epsilon, noise_multiplier_for
 from fedlr.privacy.budget import PrivacyLedger, data_key
 from fedlr.privacy.dp_sgd import PrivateLoop
@@ -262,14 +262,18 @@ def _final(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def test_reproducible_noise_needs_the_nodes_consent(tmp_path, assets):
-    """The server asks for seeded noise: nodes that allowed it repeat the run
-    exactly; nodes that did not draw secure noise, so two runs differ."""
+    """The server asks for seeded noise: nodes whose own settings allow it
+    repeat the run exactly; asked of nodes that did not consent (no setting,
+    or an explicit false), the run is refused before it starts, and nothing
+    sets the consent for them (a node that did not consent draws secure noise
+    whatever the instruction says: tests/unit/test_dp_sgd.py)."""
     config = _private(tmp_path, **{"reproducible-noise": True})
-    allowed = [_final(run_in_process(config)) for _ in range(2)]
+    yes = {"dp-allow-reproducible-noise": True}
+    allowed = [_final(run_in_process(config, node_config=yes)) for _ in range(2)]
     assert all(torch.equal(allowed[0][k], allowed[1][k]) for k in allowed[0])
-    no = {"dp-allow-reproducible-noise": False}
-    refused = [_final(run_in_process(config, node_config=no)) for _ in range(2)]
-    assert any(not torch.equal(refused[0][k], refused[1][k]) for k in refused[0])
+    for no in (None, {"dp-allow-reproducible-noise": False}):
+        with pytest.raises(ConfigError, match=r"reproducible-noise.*did not consent"):
+            run_in_process(config, node_config=no)
 
 
 def test_a_corrupt_ledger_stops_the_node_instead_of_restarting_at_zero(tmp_path):
@@ -299,14 +303,9 @@ def test_the_launcher_checks_the_node_config_file_before_anything_starts(
     assert "dp-epsilon-budget" in err and "finite and >= 0" in err
     good = tmp_path / "nodes.toml"
     good.write_text("dp-required = true\n[partition.1]\ndp-epsilon-budget = 2.0\n")
-    # the launcher sets os.environ itself: let monkeypatch restore it afterwards
-    monkeypatch.setenv(NODE_CONFIG_ENV, "")
-    args = argparse.Namespace(node_config_file=str(good), flwr_home=str(tmp_path))
-    launch._node_config_file(args, reproducible=False)
-    assert node_policy({"partition-id": 1}).dp_epsilon_budget == 2.0
-    # reproducible noise without a file: the launching user's own nodes consent
-    monkeypatch.setenv(NODE_CONFIG_ENV, "")
-    launch._node_config_file(
-        argparse.Namespace(node_config_file="", flwr_home=str(tmp_path)), True
-    )
-    assert node_policy({}).dp_allow_reproducible_noise
+    args = argparse.Namespace(node_config_file=str(good))
+    path = launch._nodes_file(args)  # checked, and passed on as it is
+    assert path == str(good.resolve())
+    environ = {NODE_CONFIG_ENV: path}
+    assert node_policy({"partition-id": 1}, environ).dp_epsilon_budget == 2.0
+    assert node_policy({"partition-id": 0}, environ).dp_required
