@@ -293,12 +293,21 @@ class AggregateCheck:
     last_ratio : float
         The last checked round's ``d`` over its reference (the median, or
         ``||current||``); NaN when nothing was compared.
+    pending : str or None
+        A rejection the exchange found before the aggregate existed (a sum
+        that does not unmask: :meth:`reject`); the next :meth:`check`
+        returns it whatever the ratios, also with the check off.
     """
 
     ratio: float = 4.0
     first_ratio: float = 0.5
     history: list[float] = field(default_factory=list)
     last_ratio: float = math.nan
+    pending: str | None = None
+
+    def reject(self, reason: str) -> None:
+        """Reject the round being aggregated with ``reason``."""
+        self.pending = reason
 
     def check(
         self,
@@ -310,6 +319,10 @@ class AggregateCheck:
         ``new`` and ``current`` map names to arrays or tensors (anything
         ``np.asarray`` reads). On ``None`` the round's norm is recorded.
         """
+        if self.pending is not None:
+            reason, self.pending = self.pending, None
+            self.last_ratio = math.nan
+            return reason
         change = math.sqrt(
             sum(
                 float(np.sum((_f64(new[k]) - _f64(current[k])) ** 2))

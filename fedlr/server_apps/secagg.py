@@ -175,12 +175,11 @@ class SecAggPlusExchange(UnmaskStage):
         self.strategy = strategy
         self.seed = seed
         self.dp = dp
-        self.check: AggregateCheck | None = None
-        """The aggregate check the strategy's round runs (``None``: off)."""
-        if settings.check_ratio > 0 or settings.check_first_ratio > 0:
-            self.check = AggregateCheck(
-                settings.check_ratio, settings.check_first_ratio
-            )
+        self.check: AggregateCheck = AggregateCheck(
+            settings.check_ratio, settings.check_first_ratio
+        )
+        """The aggregate check the strategy's round runs (ratios 0: off); it
+        also carries the rejection of a sum that does not unmask."""
         setattr(strategy, "aggregate_check", self.check)  # noqa: B010
         self._base: dict[str, np.ndarray[Any, Any]] = {}
         self.last_stats: dict[str, float] = {}
@@ -193,7 +192,7 @@ class SecAggPlusExchange(UnmaskStage):
         keys = ["bytes-up", "bytes-down", *SECAGG_COLUMNS]
         keys += [CLIENT_DP_EPSILON] if self.dp is not None else []
         row = {key: self.last_stats.get(key, math.nan) for key in keys}
-        row["secagg-check"] = math.nan if self.check is None else self.check.last_ratio
+        row["secagg-check"] = self.check.last_ratio
         return {**row, "frobenius-gap": math.nan, "relative-gap": math.nan}
 
     # ------------------------------------------------------------ the round
@@ -216,6 +215,7 @@ class SecAggPlusExchange(UnmaskStage):
             quantisation range lets the sum hold.
         """
         started = time.perf_counter()
+        self.check.pending = None
         instructions = {int(m.metadata.dst_node_id): m for m in messages}
         sampled = sorted(instructions)
         shares, threshold = self.settings.shares_and_threshold(len(sampled))

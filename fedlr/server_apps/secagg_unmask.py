@@ -58,6 +58,7 @@ from fedlr.errors import ReplyValidationError, SecureAggregationError
 from fedlr.flower.records import record_nbytes
 from fedlr.privacy.secagg import (
     MODULUS_RANGE,
+    AggregateCheck,
     SecAggSettings,
     SecureScalars,
     Summand,
@@ -118,6 +119,8 @@ class RoundState:
     stats: dict[str, float] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
     """The error replies' reasons of the last stage, by node."""
+    failure: str | None = None
+    """Why stage 3 could not unmask the sum (the round is then rejected)."""
 
 
 class UnmaskStage:
@@ -125,6 +128,8 @@ class UnmaskStage:
 
     settings: SecAggSettings
     strategy: FedLRStrategy
+    check: AggregateCheck
+    _base: dict[str, np.ndarray[Any, Any]]
     _means: Callable[..., dict[str, dict[str, np.ndarray[Any, Any]]]]
 
     def _enough(self, state: RoundState, active: set[int], stage: str) -> bool:
@@ -205,7 +210,46 @@ class UnmaskStage:
         collected: Collected,
         timeout: float | None,
     ) -> list[Message]:
-        """Stage 3: the secrets, the masks removed, the means and the sums."""
+        """Stage 3: the secrets, the masks removed, the means and the sums.
+
+        A sum that does not unmask (a weight sum, a scalar summand or a
+        ``num-examples`` sum that no honest set of vectors gives: one client's
+        tampered or replayed vector, which the sum cannot attribute) rejects
+        the round with its reason (:meth:`_rejected`); the run goes on."""
+        replies = self._unmasked(grid, state, collected, timeout)
+        if replies or state.failure is None:
+            return replies
+        return self._rejected(collected, state.failure)
+
+    def _rejected(self, collected: Collected, reason: str) -> list[Message]:
+        """The kept replies carrying the round's current arrays (zeros where
+        none was sent), with the rejection pending in the aggregate check:
+        the strategy aggregates them, restores its state and logs the round
+        rejected with ``reason``; nothing of the round is published."""
+        key = self.strategy.arrayrecord_key
+        means: dict[str, dict[str, np.ndarray[Any, Any]]] = {}
+        for summand in collected.manifest:
+            value = self._base.get(summand.key) if summand.record == key else None
+            if value is None or tuple(value.shape) != summand.shape:
+                value = np.zeros(summand.shape)
+            means.setdefault(summand.record, {})[summand.key] = np.asarray(
+                value, dtype=summand.dtype
+            )
+        self.check.reject(f"secure aggregation cannot unmask the sum: {reason}")
+        metrics = MetricRecord({protocol.NUM_EXAMPLES: 1})
+        return [
+            _with_means(collected.replies[nid], means, MetricRecord(dict(metrics)))
+            for nid in sorted(collected.replies)
+        ]
+
+    def _unmasked(
+        self,
+        grid: Grid,
+        state: RoundState,
+        collected: Collected,
+        timeout: float | None,
+    ) -> list[Message]:
+        """Stage 3's work; ``[]`` with ``state.failure`` when it cannot unmask."""
         alive = set(collected.replies)
         dead = state.key_holders - alive
         signatures = self._consistency(grid, state, alive, timeout)
@@ -277,10 +321,12 @@ class UnmaskStage:
     def _fail(self, state: RoundState, reason: str) -> list[Message]:
         log(
             WARNING,
-            "round %d: secure aggregation cannot unmask: %s; the round has no replies",
+            "round %d: secure aggregation cannot unmask: %s; the round is "
+            "rejected",
             state.number,
             reason,
         )
+        state.failure = reason
         return []
 
     def _reconstruct(

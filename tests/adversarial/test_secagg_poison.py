@@ -38,7 +38,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import (
 
 import fedlr.client_apps.secagg as node_secagg
 from fedlr.client_apps.secagg import secagg_mod
-from fedlr.errors import NoValidRepliesError, ProtocolError
+from fedlr.errors import ProtocolError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.privacy.secagg import (
@@ -346,18 +346,26 @@ def test_a_node_refuses_to_weigh_above_the_scale(monkeypatch, caplog):
     assert fed.strategy.rejected_rounds == 0 and gap(after, before) > 0
 
 
-def test_a_summed_claim_above_k_times_the_scale_ends_the_round(monkeypatch, caplog):
+def test_a_summed_claim_above_k_times_the_scale_rejects_the_round(monkeypatch, caplog):
     """A malicious node past the mod claims 1000 examples in its scalars:
-    the secure sum (1075) is above 4 x 60, the round cannot unmask, named."""
+    the secure sum (1075) is above 4 x 60, the round cannot unmask, named;
+    the round is rejected and the next one runs."""
     real = node_secagg.SecureScalars.encode
+    attack = [True]
 
     def claim(self: Any, plain: dict[str, float]) -> Any:
-        if plain[protocol.NUM_EXAMPLES] == EXAMPLES[ATTACKER]:
+        if attack[0] and plain[protocol.NUM_EXAMPLES] == EXAMPLES[ATTACKER]:
             plain = {**plain, protocol.NUM_EXAMPLES: 1000.0}
         return real(self, plain)
 
     monkeypatch.setattr(node_secagg.SecureScalars, "encode", claim)
     fed = Federation()
-    with caplog.at_level(logging.WARNING), pytest.raises(NoValidRepliesError):
-        fed.round()
+    before = record_to_state(fed.arrays)
+    with caplog.at_level(logging.WARNING):
+        after = fed.round()
     assert "the secure sum of num-examples 1075 is outside [4, 4 x 60]" in caplog.text
+    assert gap(after, before) == 0.0 and fed.strategy.rejected_rounds == 1
+    assert "num-examples 1075" in str(fed.strategy.last_rejection)
+    attack[0] = False
+    assert gap(fed.round(), before) > 0  # round 2 runs
+    assert fed.strategy.rejected_rounds == 1
