@@ -1,11 +1,13 @@
 """One poisoned secure sum under the real ``flwr run`` (issue 35, item 4).
 
 FedAvg-LoRA on three nodes with ``secure-aggregation = true`` and the
-default aggregate check: partition 0's node adds 2**31 to one entry of its
-masked vector in round 3 (a mod outside fedlr's, as a malicious node runs
-its own code). Rounds 1 and 2 are accepted (their check ratios are the
-clean margin), round 3 is rejected with the check's reason, and the final
-global arrays are round 2's, bit for bit.
+default aggregate check, four rounds; partition 0's node runs a mod outside
+fedlr's (as a malicious node runs its own code). In round 2 it adds 7 to the
+weight entry of its masked vector: the sum does not unmask, the round is
+rejected by name and round 3 runs (nothing one client sends ends the run).
+In round 4 it adds 2**31 to one entry: the aggregate check rejects the
+round. Rounds 1 and 3 are accepted (their check ratios are the clean
+margin), and the final global arrays are round 3's, bit for bit.
 """
 
 from __future__ import annotations
@@ -39,15 +41,16 @@ from fedlr.client_apps.secagg import secagg_mod
 
 def poison(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Message:
     config = msg.content.config_records.get("config", {})
-    attack = (
-        int(ctxt.node_config["partition-id"]) == 0
-        and int(config.get("server-round", 0)) == 3
-    )
+    attacker = int(ctxt.node_config["partition-id"]) == 0
+    number = int(config.get("server-round", 0))
     reply = call_next(msg, ctxt)
     out = reply.content.config_records.get("secaggplus_configs", {})
-    if attack and "masked_params" in out:
+    if attacker and number in (2, 4) and "masked_params" in out:
         vector = [bytes_to_ndarray(b) for b in out["masked_params"]]
-        vector[1].flat[0] += 2**31
+        if number == 2:
+            vector[0] = vector[0] + 7  # the weight entry
+        else:
+            vector[1].flat[0] += 2**31
         out["masked_params"] = [ndarray_to_bytes(a) for a in vector]
     return reply
 
@@ -100,7 +103,7 @@ def test_a_poisoned_masked_vector_is_rejected_under_flwr_run(
     config = tiny_run_config(
         tmp_path / "out",
         method="fedavg-lora",
-        **{"num-server-rounds": 3, "secure-aggregation": True},
+        **{"num-server-rounds": 4, "secure-aggregation": True},
     )
     config.pop("num-partitions")  # the node config says how many (3)
     outcome = flwr_run(
@@ -113,14 +116,15 @@ def test_a_poisoned_masked_vector_is_rejected_under_flwr_run(
     assert outcome.status == "finished:completed"
     (run_dir,) = sorted(p.parent for p in (tmp_path / "out").glob("*/results.csv"))
     frame = pd.read_csv(run_dir / "results.csv")
-    assert frame["rejected-rounds"].tolist() == [0, 0, 1]
+    assert frame["rejected-rounds"].tolist() == [0, 1, 1, 2]
     checks = frame["secagg-check"].tolist()
-    assert checks[0] < 0.5 and checks[1] < 4.0  # the clean rounds pass
-    assert checks[2] > 4.0 and math.isfinite(checks[2])
-    second = _arrays(run_dir / "checkpoint-00002.pt")
+    assert checks[0] < 0.5 and checks[2] < 4.0  # the clean rounds pass
+    assert math.isnan(checks[1])  # not unmasked: nothing to compare
+    assert checks[3] > 4.0 and math.isfinite(checks[3])
+    third = _arrays(run_dir / "checkpoint-00003.pt")
     final = _arrays(run_dir / "final_arrays.pt")
-    assert second.keys() == final.keys()
-    assert all(torch.equal(second[k], final[k]) for k in final)
+    assert third.keys() == final.keys()
+    assert all(torch.equal(third[k], final[k]) for k in final)
     print(
         f"secure run, secagg-check per round: {checks} (bounds 0.5 x the global "
         "norm in round 1, 4 x the median after)"
