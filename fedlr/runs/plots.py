@@ -73,6 +73,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
+from matplotlib.transforms import offset_copy
 
 from fedlr.runs.results import read_results
 
@@ -427,7 +428,8 @@ def per_round_axes(ax: Any, runs: Sequence[RunData], x: XAxis = ROUND_AXIS) -> N
     lows, highs = [], []
     for line in ax.get_lines():
         xs = np.asarray(line.get_xdata(), dtype=float)
-        if xs.size:
+        x_in_data, _ = line.get_transform().contains_branch_seperately(ax.transData)
+        if xs.size and x_in_data:  # not a horizontal line across the panel
             lows.append(xs.min())
             highs.append(xs.max())
     if lows:
@@ -450,8 +452,9 @@ def per_round_axes(ax: Any, runs: Sequence[RunData], x: XAxis = ROUND_AXIS) -> N
 
 
 def outside_legend(ax: Any) -> None:
-    """The panel's legend under it, outside the data area (``tight_layout``
-    makes room); one column when the labels are long."""
+    """The panel's legend under it, 36 points below the axes (clear of the
+    x label whatever the panel's height; ``tight_layout`` makes room); one
+    column when the labels are long."""
     _, labels = ax.get_legend_handles_labels()
     if not labels:
         return
@@ -459,7 +462,8 @@ def outside_legend(ax: Any) -> None:
     ax.legend(
         fontsize=7,
         loc="upper center",
-        bbox_to_anchor=(0.5, -0.2),
+        bbox_to_anchor=(0.5, 0.0),
+        bbox_transform=offset_copy(ax.transAxes, fig=ax.figure, y=-36, units="points"),
         ncol=1 if longest > 28 else min(len(labels), 3),
         frameon=False,
     )
@@ -580,11 +584,11 @@ def _gap_figure(runs: Sequence[RunData], x: XAxis) -> Figure:
         run.folds_base for run in runs
     )
     drawn: list[float] = []
-    rounding = False
+    rounding: list[float] = []  # the gaps drawn as 0
     for run in runs:
         raw = pd.to_numeric(run.results["frobenius-gap"], errors="coerce")
         gap = gap_values(run.results)
-        rounding |= bool(((gap == 0) & (raw > 0)).any())
+        rounding += [float(v) for v in raw[(gap == 0) & (raw > 0)]]
         drawn += [float(v) for v in gap.dropna()]
         label, linestyle = run.label, "-"
         if run.folds_base and mixed:
@@ -592,7 +596,10 @@ def _gap_figure(runs: Sequence[RunData], x: XAxis) -> Figure:
         _line(ax, run, "frobenius-gap", x=x, values=gap, label=label, ls=linestyle)
     title, ylabel = _gap_titles(runs)
     if rounding:
-        title += f"\n(float32 rounding, relative gap ≤ {ROUNDING_RELATIVE_GAP:.1e}: 0)"
+        title += (
+            f"\ndrawn as 0: gaps at float32 rounding\n(relative gap ≤ "
+            f"{ROUNDING_RELATIVE_GAP:.1e}; the largest {max(rounding):.1e})"
+        )
     ax.set(title=title, ylabel=ylabel)
     nonnegative_axis(ax, drawn, decades=10)
     per_round_axes(ax, runs, x)

@@ -44,7 +44,6 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
-from matplotlib.transforms import offset_copy
 
 from fedlr.runs.plots import (
     FOLDED_GAP_TITLE,
@@ -55,6 +54,7 @@ from fedlr.runs.plots import (
     gap_values,
     load_run,
     nonnegative_axis,
+    outside_legend,
     per_round_axes,
     run_labels,
     x_axis,
@@ -279,8 +279,12 @@ def comparison_figure(run_dirs: Sequence[Path | str], by: Sequence[str] = ()) ->
             _draw_group(ax, panel, label, frames, kinds[label], f"C{i % 10}", x)
     several = any(len(frames) > 1 for frames in groups.values())
     spread = "\n(mean ± std over seeds)" if several else ""
+    rounding = any(_rounding(run) for run in runs)
     for ax, panel in zip(axes, panels, strict=True):
-        ax.set(title=f"{panel.title}{spread}", ylabel=panel.ylabel)
+        title = f"{panel.title}{spread}"
+        if panel.column == "frobenius-gap" and rounding:
+            title += "\n(drawn as 0: gaps at float32 rounding)"
+        ax.set(title=title, ylabel=panel.ylabel)
         if panel.column == "frobenius-gap":
             ys = [float(v) for line in ax.get_lines() for v in line.get_ydata()]
             nonnegative_axis(ax, ys, decades=10)
@@ -289,6 +293,14 @@ def comparison_figure(run_dirs: Sequence[Path | str], by: Sequence[str] = ()) ->
         per_round_axes(ax, runs, x)
     fig.tight_layout()
     return fig
+
+
+def _rounding(run: RunData) -> bool:
+    """Some logged gap of ``run`` is float32 rounding (drawn as 0)."""
+    if "frobenius-gap" not in run.results:
+        return False
+    raw = pd.to_numeric(run.results["frobenius-gap"], errors="coerce")
+    return bool(((gap_values(run.results) == 0) & (raw > 0)).any())
 
 
 def _groups(
@@ -378,7 +390,7 @@ class _Panel(NamedTuple):
     mixed_folds: bool = False  # gap panel: folded and unfolded gaps together
 
 
-PERSONAL_NOTE = "personalised: mean over clients, each on its own held-out part"
+PERSONAL_NOTE = "personalised: mean over clients,\neach on its own held-out part"
 """The second title line of a personalised runs' panel."""
 
 
@@ -566,15 +578,11 @@ def _dots(
     )
     ax.set_yticks(rows, _row_labels(part), fontsize=8)
     ax.set_ylim(len(part) - 0.5, -0.5)
-    note = (
-        "personalised: mean over clients,\neach on its own held-out part"
-        if mine
-        else "global model, server's held-out split"
-    )
+    note = PERSONAL_NOTE if mine else "global model, server's held-out split"
     ax.set(title=f"{name}\n({note})", xlabel=name)
     ax.xaxis.set_major_locator(MaxNLocator(nbins=5))
     ax.grid(axis="x", alpha=0.3)
-    _legend_below(ax)
+    outside_legend(ax)
 
 
 def _reference_line(ax: Any, table: pd.DataFrame, column: str, method: str) -> None:
@@ -587,7 +595,7 @@ def _reference_line(ax: Any, table: pd.DataFrame, column: str, method: str) -> N
             linewidth=1,
             label=f"{method}'s mean",
         )
-        _legend_below(ax)
+        outside_legend(ax)
 
 
 def _bytes_dots(ax: Any, part: pd.DataFrame, table: pd.DataFrame) -> None:
@@ -608,23 +616,7 @@ def _bytes_dots(ax: Any, part: pd.DataFrame, table: pd.DataFrame) -> None:
         ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.xaxis.set_minor_formatter(NullFormatter())
     ax.grid(axis="x", alpha=0.3)
-    _legend_below(ax)
-
-
-def _legend_below(ax: Any) -> None:
-    """The panel's legend 36 points under its axes, clear of the x label
-    whatever the panel's height."""
-    _, labels = ax.get_legend_handles_labels()
-    if labels:
-        ax.legend(
-            fontsize=7,
-            loc="upper center",
-            bbox_to_anchor=(0.5, 0.0),
-            bbox_transform=offset_copy(
-                ax.transAxes, fig=ax.figure, y=-36, units="points"
-            ),
-            frameon=False,
-        )
+    outside_legend(ax)
 
 
 def write_table(

@@ -391,7 +391,16 @@ def test_rounding_gaps_are_drawn_as_zero_and_said(tmp_path: Path) -> None:
     ax = figures([run])["gap.png"].axes[0]
     assert [list(line.get_ydata()) for line in ax.get_lines()] == [[0.0] * 4]
     assert "float32 rounding" in ax.get_title()
+    assert "the largest 1.5e-08" in ax.get_title()
     assert ax.get_ylim()[0] == 0.0
+    gap = comparison_figure([run.path]).axes[-1]
+    assert [list(line.get_ydata()) for line in gap.get_lines()] == [[0.0] * 4]
+    assert "float32 rounding" in gap.get_title()
+    # a real gap is kept: FedSpec's 0.3 .. 0.001 on the same axes
+    spec = load_run(_every_kind(tmp_path / "b")[0])
+    ax = figures([spec])["gap.png"].axes[0]
+    assert list(ax.get_lines()[0].get_ydata()) == [0.3, 0.01, 0.002, 0.001]
+    assert "rounding" not in ax.get_title() and ax.get_yscale() == "symlog"
 
 
 def test_epsilon_from_zero_with_the_budget_labelled(tmp_path: Path) -> None:
@@ -402,6 +411,7 @@ def test_epsilon_from_zero_with_the_budget_labelled(tmp_path: Path) -> None:
     assert len(budget) == 1 and list(budget[0].get_ydata()) == [3.0, 3.0]
     assert "budget epsilon = 3" in budget[0].get_label()
     assert sgd.get_ylim()[1] > 3.0  # the budget is inside the panel
+    assert sgd.get_xlim()[0] > 0.0  # the budget line does not widen the rounds
     assert not [line for line in client.get_lines() if "budget" in line.get_label()]
 
 
