@@ -25,7 +25,8 @@ which turns the fedlr reply into what that mod reads (Flower's legacy
   (``scalar-keys``, :class:`fedlr.privacy.secagg.SecureScalars`):
   ``num-examples``, ``n_i`` times the loss, the entries the clipping range
   cut, FOT's ``gpse-examples`` and weighted ``gpse-fraction.*``, summed
-  exactly inside the masked vector.
+  exactly inside the masked vector; under distributed client DP only the
+  clipping counts (:data:`DP_RELEASED`).
 
 Nothing else leaves the node in the clear: no MetricRecord, no
 ``partition-id``, no names, shapes or dtypes of the arrays (the server
@@ -88,6 +89,11 @@ CLIPPED = "secagg-clipped"
 DP_THRESHOLD = "dp-threshold"
 """Distributed client DP (:mod:`fedlr.privacy.distributed_dp`): the survivors
 ``t`` the node's Skellam noise is sized for; absent without it."""
+DP_RELEASED = (CLIPPED, ddp.DP_CLIPPED)
+"""Under distributed client DP the only secure scalars a node releases: the
+clipping counts. ``num-examples`` and the loss are functions of its data
+that the Skellam noise does not cover, so a key the server asks beyond
+these sums a 0 (the release is ``x + S / m`` and needs no weight)."""
 LOSS_EXAMPLES = "train-loss-examples"
 """Secure scalar: ``num-examples`` of a client that reported a loss (the
 weight of ``train-loss``)."""
@@ -203,6 +209,8 @@ def _as_fit_reply(
     plain[LOSS_EXAMPLES] = examples if np.isfinite(loss) else 0.0
     plain[CLIPPED] = float(clipped)
     plain[ddp.DP_CLIPPED] = cut
+    if DP_THRESHOLD in options:  # nothing un-noised of the data: counts only
+        plain = {key: plain[key] for key in DP_RELEASED}
     values.append(scalars.encode(plain))
 
     saved.append(np.random.get_state())

@@ -63,6 +63,7 @@ from flwr.supercore import log
 from fedlr.client_apps.secagg import (
     CLIPPED,
     CLIPPING_RANGE,
+    DP_RELEASED,
     DP_THRESHOLD,
     FEDLR_RECORD,
     LOSS_EXAMPLES,
@@ -355,15 +356,17 @@ class SecAggPlusExchange(UnmaskStage):
     def scalar_weights(self) -> dict[str, str]:
         """The round's secure scalars ``{key: weight key}``: the examples, the
         loss (weighted by examples), the clipped entries, and on FOT's GPSE
-        rounds ``gpse-examples`` and each layer's weighted residual fraction."""
+        rounds ``gpse-examples`` and each layer's weighted residual fraction.
+        Under distributed client DP only the clipping counts: the nodes
+        release nothing un-noised of their data (``num-examples``, the loss)."""
+        if self.dp is not None:
+            return {key: "" for key in DP_RELEASED}
         weights = {
             protocol.NUM_EXAMPLES: "",
             CLIPPED: "",
             LOSS_EXAMPLES: "",
             protocol.TRAIN_LOSS: LOSS_EXAMPLES,
         }
-        if self.dp is not None:
-            weights[ddp.DP_CLIPPED] = ""
         sketches = self.strategy.replies.records().get(protocol.SKETCHES)
         if sketches:
             weights[protocol.GPSE_EXAMPLES] = ""

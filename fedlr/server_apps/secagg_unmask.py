@@ -286,7 +286,7 @@ class UnmaskStage:
         except SecureAggregationError as exc:
             return self._fail(state, str(exc))
         scale = float(cast(int, self.strategy.max_num_examples))
-        examples = totals[protocol.NUM_EXAMPLES]
+        examples = totals.get(protocol.NUM_EXAMPLES, k * scale)  # DP: not sent
         if not k <= examples <= k * scale:
             return self._fail(
                 state,
@@ -312,6 +312,7 @@ class UnmaskStage:
                 settings.clipping_range,
             )
         metrics = collected.scalars.means(totals)
+        metrics.setdefault(protocol.NUM_EXAMPLES, float(k))  # DP: a weight of 1
         metrics.update({m: v for m, v in state.stats.items() if "client-dp" in m})
         return [
             _with_means(collected.replies[nid], means, _metrics_share(metrics, i, k))
@@ -321,8 +322,7 @@ class UnmaskStage:
     def _fail(self, state: RoundState, reason: str) -> list[Message]:
         log(
             WARNING,
-            "round %d: secure aggregation cannot unmask: %s; the round is "
-            "rejected",
+            "round %d: secure aggregation cannot unmask: %s; the round is rejected",
             state.number,
             reason,
         )

@@ -208,3 +208,33 @@ def test_the_run_accepts_client_dp_for_sum_only_and_refuses_the_rest():
     assert strategy.privacy.client_dp is None  # the server adds no second noise
     with pytest.raises(SecureAggregationError, match="robust=none"):
         secure_exchange(resolve({**on, "robust": "median"}), strategy, 4)
+
+
+def test_nothing_un_noised_of_the_data_travels_under_distributed_dp(monkeypatch):
+    """The secure sum carries only the clipping counts under distributed DP
+    (not ``num-examples`` nor the loss, which the noise does not cover); a
+    server that asks for them anyway gets sums of 0."""
+    from fedlr.privacy.secagg import SecureScalars
+
+    seen: list[dict[str, int]] = []
+    real = SecureScalars.decode
+
+    def spy(self: SecureScalars, total: np.ndarray) -> dict[str, int]:
+        seen.append(real(self, total))
+        return seen[-1]
+
+    monkeypatch.setattr(SecureScalars, "decode", spy)
+    _, _, _, replies = dp_round(lose=None)
+    assert set(seen[-1]) == {"secagg-clipped", "client-dp-clipped"}
+    assert replies[0].content.metric_records["metrics"]["num-examples"] == 1
+    asked = {
+        protocol.NUM_EXAMPLES: "",
+        "train-loss-examples": "",
+        "secagg-clipped": "",
+        "client-dp-clipped": "",
+    }
+    monkeypatch.setattr(SecAggPlusExchange, "scalar_weights", lambda self: asked)
+    dp_round(lose=None)
+    assert seen[-1][protocol.NUM_EXAMPLES] == 0  # 4 nodes hold 10..13
+    assert seen[-1]["train-loss-examples"] == 0
+    assert seen[-1]["client-dp-clipped"] == 4
