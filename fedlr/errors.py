@@ -203,6 +203,30 @@ class SecAggGuardError(InstructionError):
         super().__init__(f"secagg-guard:{check}", reason)
 
 
+class FeatureRecordError(InstructionError):
+    """A node refuses an extra record a client feature reads, before training.
+
+    Raised by :func:`fedlr.wire.checks.check_records` against the record's
+    declaration (:attr:`fedlr.client.features.ClientFeature.receives`): the
+    record is absent when the instruction needs it, or one of its arrays is
+    missing, unknown, of another shape or dtype, or not finite. Nothing of
+    the node's model or state has changed.
+
+    Parameters
+    ----------
+    record : str
+        The record's name (``hilora-tiers``).
+    key : str
+        The array refused, or the record's name when the record is absent.
+    reason : str
+        What is wrong and what the node expected.
+    """
+
+    def __init__(self, record: str, key: str, reason: str) -> None:
+        self.record = record
+        super().__init__(key, reason)
+
+
 class BaseOutOfSyncError(ProtocolError):
     """A node cannot rebuild the base weights a FedEx instruction needs.
 

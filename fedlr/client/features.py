@@ -85,7 +85,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeVar
 
 import torch
 
-from fedlr.wire.checks import Bound, declare_bounds
+from fedlr.wire.checks import (
+    Bound,
+    Expected,
+    Incoming,
+    RecordRule,
+    check_records,
+    declare_bounds,
+)
 
 if TYPE_CHECKING:
     from flwr.app import ConfigRecord, Context, Message, MetricRecordValues, RecordDict
@@ -97,9 +104,12 @@ if TYPE_CHECKING:
 __all__ = [
     "Bound",
     "ClientFeature",
+    "Expected",
+    "Incoming",
     "Record",
     "RoundJob",
     "StepTogether",
+    "check_received",
     "common_feature",
     "common_features",
     "ordered",
@@ -117,10 +127,19 @@ class Record:
         ``context.state``) or the metric's key.
     holds : str
         What it holds, one line of Markdown (the generated docs' tables).
+    expects : callable, optional
+        For a record the feature receives (:attr:`ClientFeature.receives`),
+        required there: ``expects(incoming)`` gives the keys and shapes the
+        record must hold in this instruction
+        (:class:`~fedlr.wire.checks.Expected`), or ``None`` when the feature
+        does not read it then. The node checks it before anything changes
+        (:func:`check_received`): absent, missing or unknown keys, other
+        shapes or dtypes, NaN or Inf are refused by name.
     """
 
     name: str
     holds: str
+    expects: RecordRule | None = None
 
 
 class StepTogether(torch.optim.Optimizer):
@@ -206,7 +225,9 @@ class ClientFeature:
         What the feature keeps in the node's ``context.state``.
     receives, sends : tuple of Record
         The extra records of an instruction it reads, and of a reply it adds
-        (:meth:`reply_records`): beside ``arrays``, on the wire.
+        (:meth:`reply_records`): beside ``arrays``, on the wire. Each
+        received record declares what it must hold (:attr:`Record.expects`),
+        checked before training (:func:`check_received`).
     metrics : tuple of Record
         The reply metrics it writes (a user's metrics may not reuse them).
     loss_reads_data : bool
@@ -234,6 +255,12 @@ class ClientFeature:
         super().__init_subclass__(**kwargs)
         if "keys" in vars(cls):
             declare_bounds(f"{cls.__module__}.{cls.__qualname__}", cls.keys)
+        unchecked = [r.name for r in vars(cls).get("receives", ()) if r.expects is None]
+        if unchecked:
+            raise TypeError(
+                f"{cls.__qualname__} receives {unchecked} without declaring what "
+                "they hold: give each Record an `expects` rule"
+            )
 
     @classmethod
     def adds_loss(cls) -> bool:
@@ -339,6 +366,26 @@ class ClientFeature:
             cls.after_backward is not ClientFeature.after_backward
             or cls.wrap_optimizer is not ClientFeature.wrap_optimizer
         )
+
+
+def check_received(features: Iterable[type[ClientFeature]], incoming: Incoming) -> None:
+    """Check every record the ``features`` declare they receive, before the
+    node acts on the instruction (:func:`fedlr.wire.checks.check_records`).
+
+    Raises
+    ------
+    FeatureRecordError
+        Naming the record and the array refused.
+    """
+    check_records(
+        incoming,
+        (
+            (record.name, record.expects)
+            for feature in features
+            for record in feature.receives
+            if record.expects is not None
+        ),
+    )
 
 
 _COMMON: dict[str, type[ClientFeature]] = {}

@@ -118,7 +118,7 @@ from fedlr.adapters.ranks import leading_rank
 from fedlr.adapters.roles import AdaptedModel, AdapterLayout, Role, RoleLayout
 from fedlr.adapters.sorf_vera import SorfVeraLayout
 from fedlr.adapters.vera import VeraLayout, check_projection
-from fedlr.client.features import ClientFeature
+from fedlr.client.features import ClientFeature, Incoming, check_received
 from fedlr.client.method_features import client_features
 from fedlr.client.pruning import RankPruning, RoundRank, keep_rank, tail_norm
 from fedlr.client.train import LoopControl
@@ -472,11 +472,15 @@ def apply_round(
     checked = check_model_instruction(
         model, content, config, context.node_config, rank=rank, state=context.state
     )
+    default = _DEFAULT_ROLES.get(type(checked.layout), ())
+    roles = protocol.decode_roles(config, protocol.TRAIN_ROLES, default)
+    incoming = Incoming(
+        checked.layout, content, config, context.state, _is_train(message), roles
+    )
+    check_received(features, incoming)  # the features' extra records
     leading = bool(config.get(protocol.LEADING_RANK, False))
     view, changes = _conform_model(model, context, config, checked.rank)
     _check_projection(view.layout, config)
-    default = _DEFAULT_ROLES.get(type(view.layout), ())
-    roles = protocol.decode_roles(config, protocol.TRAIN_ROLES, default)
     keep = protocol.decode_roles(config, protocol.KEEP_ROLES)
     _check_roles(view.layout, roles + keep)
     job = ClientRound(

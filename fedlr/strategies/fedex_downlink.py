@@ -28,6 +28,7 @@ from fedlr.round.ledger import BaseLedger
 from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
 from fedlr.wire import protocol
+from fedlr.wire.checks import base_delta_expected
 from fedlr.wire.downlink import BaseDelta, Projections, encode_steps, receive_base
 
 __all__ = [
@@ -62,6 +63,7 @@ class BaseWeights(ClientFeature):
             protocol.BASE_DELTA,
             "the base-weight changes the node missed, as low-rank factors "
             "(instead of dense base weights in `arrays`)",
+            base_delta_expected,
         ),
     )
     node_state = (

@@ -66,6 +66,8 @@ from fedlr.adapters.roles import AdapterLayout, Role
 from fedlr.client.features import (
     Bound,
     ClientFeature,
+    Expected,
+    Incoming,
     Record,
     RoundJob,
     StepTogether,
@@ -270,6 +272,25 @@ def initial_router(
 
 
 # ------------------------------------------------------------------ client
+def _mixture_expected(incoming: Incoming) -> Expected | None:
+    """``fedlease-mixture`` when ``fedlease-expert`` is sent: every expert's
+    ``A``, ``B`` (``expert<e>/<key>``, the layer's shapes) and each layer's
+    router (``router/<layer>``, (2M - 1, d_in))."""
+    layout = incoming.layout
+    if FEDLEASE_EXPERT not in incoming.config or not isinstance(layout, AdapterLayout):
+        return None
+    count = int(cast(int, incoming.config.get(FEDLEASE_EXPERTS, 1)))
+    factors = layout.shapes(Role.LORA_A, Role.LORA_B)
+    shapes = {
+        f"expert{e}/{key}": shape
+        for e in range(count)
+        for key, shape in factors.items()
+    }
+    for m in layout.modules:
+        shapes[f"router/{m.name}"] = (2 * count - 1, m.d_in)
+    return Expected(shapes)
+
+
 class ExpertMixture(ClientFeature):
     """The client side: the experts, the router and the mixed forward pass.
 
@@ -291,6 +312,7 @@ class ExpertMixture(ClientFeature):
         Record(
             FEDLEASE_MIXTURE,
             "every expert's `A`, `B` and the router of the node's cluster",
+            _mixture_expected,
         ),
     )
     sends = (
@@ -322,10 +344,6 @@ class ExpertMixture(ClientFeature):
             raise ProtocolError(
                 f"'{FEDLEASE_EXPERT}' mixes LoRA experts; the model has a "
                 f"{type(job.adapted.layout).__name__}"
-            )
-        if FEDLEASE_MIXTURE not in job.message.content.array_records:
-            raise ProtocolError(
-                f"'{FEDLEASE_EXPERT}' needs the ArrayRecord '{FEDLEASE_MIXTURE}'"
             )
         return cls(own, count, train=job.is_train)
 

@@ -14,8 +14,10 @@ leave:
    left singular vectors ``U_i`` of its averaged ``B``; distances
    ``d_ij = mean_layers (1 - ||U_i^T U_j||_F^2 / r)``; affinities
    ``S_ij = exp(-d_ij^2 / (2 sigma^2))`` (``sigma`` the median positive
-   distance); ``K`` in ``[k_min, k_max]`` at the largest gap of the
-   normalised Laplacian's ascending eigenvalues ``mu_K - mu_{K-1}``; spectral
+   distance); ``K`` in ``[k_min, min(k_max, n - 1)]`` at the largest gap
+   ``mu_{K+1} - mu_K`` of the normalised Laplacian's ascending eigenvalues
+   ``mu_1 <= mu_2 <= ...`` (the eigengap heuristic: ``K`` small
+   eigenvalues, then a jump; :func:`choose_cluster_count`); spectral
    clustering of ``S`` into ``K`` groups (LoRA-Subspace Adaptive Clustering).
 3. **cluster** (rounds ``T_r + 1 .. T_r + T_c``): the root folded into every
    node's frozen weights, ``W0 + s B_r A_r``; each node trains its cluster's
@@ -59,7 +61,14 @@ from flwr.app import ArrayRecord, Message, MetricRecordValues, RecordDict
 from fedlr.adapters.lora import LoraModel
 from fedlr.adapters.plugin import lora_layers
 from fedlr.adapters.roles import AdapterLayout, Role
-from fedlr.client.features import Bound, ClientFeature, Record, RoundJob
+from fedlr.client.features import (
+    Bound,
+    ClientFeature,
+    Expected,
+    Incoming,
+    Record,
+    RoundJob,
+)
 from fedlr.config.options import NoOptions, option
 from fedlr.errors import ProtocolError
 from fedlr.flower.records import config_float, config_int, record_to_state
@@ -221,6 +230,17 @@ def spectral_labels(similarity: torch.Tensor, k: int, seed: int) -> list[int]:
 
 
 # ------------------------------------------------------------------ client
+def _tiers_expected(incoming: Incoming) -> Expected | None:
+    """``hilora-tiers``: the cluster stage's ``active/`` ``A`` and ``B`` of
+    every layer, the leaf stage's ``cluster/`` ones, at the layer's shapes."""
+    stage = incoming.config.get(HILORA_STAGE, ROOT)
+    if stage == ROOT or not isinstance(incoming.layout, AdapterLayout):
+        return None
+    prefix = "active/" if stage == CLUSTER else "cluster/"
+    factors = incoming.layout.shapes(Role.LORA_A, Role.LORA_B)
+    return Expected({f"{prefix}{key}": shape for key, shape in factors.items()})
+
+
 class HierarchicalTiers(ClientFeature):
     """The client side: fold the frozen tiers into ``W0``, train the active one.
 
@@ -242,6 +262,7 @@ class HierarchicalTiers(ClientFeature):
         Record(
             HILORA_TIERS,
             "the cluster's factors (leaf stage), the adapter to train (cluster stage)",
+            _tiers_expected,
         ),
     )
     node_state = (Record(_NODE_LEAF, "the node's leaf adapter `A_l`, `B_l` per layer"),)
@@ -268,10 +289,6 @@ class HierarchicalTiers(ClientFeature):
             raise ProtocolError(
                 f"'{HILORA_STAGE}' stacks LoRA adapters; the model has a "
                 f"{type(job.adapted.layout).__name__}"
-            )
-        if stage != ROOT and HILORA_TIERS not in job.message.content.array_records:
-            raise ProtocolError(
-                f"'{HILORA_STAGE}'={stage} needs the ArrayRecord '{HILORA_TIERS}'"
             )
         return cls(
             stage,

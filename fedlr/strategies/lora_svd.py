@@ -34,7 +34,13 @@ from fedlr.adapters.plugin import adapted
 from fedlr.adapters.roles import AdaptedModel, AdapterLayout, Role
 from fedlr.adapters.sorf_vera import SorfVeraLayout
 from fedlr.adapters.vera import VeraLayout
-from fedlr.client.features import ClientFeature, Record, RoundJob
+from fedlr.client.features import (
+    ClientFeature,
+    Expected,
+    Incoming,
+    Record,
+    RoundJob,
+)
 from fedlr.config.run import RunConfig
 from fedlr.errors import ReplyValidationError
 from fedlr.flower.records import record_to_state, state_to_record
@@ -50,6 +56,7 @@ from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.lora import LoraReplies, LoraStrategy
 from fedlr.wire import protocol
+from fedlr.wire.checks import role_groups
 
 __all__ = [
     "PERSONAL_GRAM",
@@ -63,6 +70,15 @@ PERSONAL_GRAM = "personal-gram"
 what the server's gap report needs of factors kept on the node (FedSA-LoRA)."""
 
 _LOG = getLogger("fedlr")
+
+
+def _personal_expected(incoming: Incoming) -> Expected | None:
+    """``personal``: arrays of the model's layout at the round's rank, each
+    role's sent whole or not at all."""
+    if protocol.PERSONAL not in incoming.content.array_records:
+        return None
+    shapes = {key: shape for _, key, shape in incoming.layout.entries()}
+    return Expected(shapes, tuple(tuple(g) for g in role_groups(incoming.layout)))
 
 
 class PersonalArrays(ClientFeature):
@@ -82,7 +98,11 @@ class PersonalArrays(ClientFeature):
     # keep-roles and personal-split are the common round's keys (it trains
     # the kept roles and picks the data by them): read here, not declared
     receives = (
-        Record(protocol.PERSONAL, "the node's own factors (Global SVD's `lora_B`)"),
+        Record(
+            protocol.PERSONAL,
+            "the node's own factors (Global SVD's `lora_B`)",
+            _personal_expected,
+        ),
     )
     sends = (
         Record(

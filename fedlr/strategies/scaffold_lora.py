@@ -70,7 +70,14 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
 from fedlr.adapters.lora import LoraModel, parameters_by_key
-from fedlr.client.features import Bound, ClientFeature, Record, RoundJob
+from fedlr.client.features import (
+    Bound,
+    ClientFeature,
+    Expected,
+    Incoming,
+    Record,
+    RoundJob,
+)
 from fedlr.client.train import LOCAL_OPTIMIZER, OPTIMIZERS, default_optimizer
 from fedlr.config.options import NoOptions, option
 from fedlr.config.run import RunConfig
@@ -176,6 +183,14 @@ class ScaffoldOptions(NoOptions):
     )
 
 
+def _control_expected(incoming: Incoming) -> Expected | None:
+    """``scaffold-control`` in a train instruction: exactly the trained
+    arrays' keys and shapes."""
+    if not incoming.is_train or CONTROL not in incoming.content.array_records:
+        return None
+    return Expected(incoming.layout.shapes(*incoming.train_roles))
+
+
 class ScaffoldCorrection(ClientFeature):
     """The client side: corrected gradients, the control variate's update.
 
@@ -202,7 +217,11 @@ class ScaffoldCorrection(ClientFeature):
         Bound(APPLIED_SCALE, "float", 0.0, 1.0),
     )
     receives = (
-        Record(CONTROL, "the server's control variate `c`, keyed as the arrays"),
+        Record(
+            CONTROL,
+            "the server's control variate `c`, keyed as the arrays",
+            _control_expected,
+        ),
     )
     sends = (
         Record(

@@ -20,6 +20,13 @@ rank of a cached model, ``context.state``, its base weights) it checks
   decodes replies with, which proves the size of the bytes before it
   allocates anything, so no header's claim is ever allocated.
 
+* every extra record a client feature reads, against the feature's
+  declaration (:attr:`fedlr.client.features.Record.expects`, a rule giving
+  the keys and shapes the record must hold this round, or ``None`` when the
+  feature does not read it): :func:`check_records` refuses an absent record,
+  a missing or unknown key, another shape or dtype, and NaN or Inf, with
+  :class:`~fedlr.errors.FeatureRecordError` naming the record and the key.
+
 A value or array outside these bounds raises :class:`InstructionError`
 naming the key; fedlr's ClientApp answers it with an error reply
 (:func:`fedlr.client_apps.app.refuse_bad_instructions`) and the node serves
@@ -30,7 +37,7 @@ the server") lists the bounds (generated: :mod:`fedlr.featuredoc`).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -48,9 +55,15 @@ from fedlr.adapters.roles import (
 from fedlr.adapters.sorf_vera import SorfVeraLayout
 from fedlr.adapters.vera import VeraLayout
 from fedlr.client.pruning import RoundRank, received_width, round_rank
-from fedlr.errors import ConfigError, InstructionError, ProtocolError
+from fedlr.errors import (
+    ConfigError,
+    FeatureRecordError,
+    InstructionError,
+    ProtocolError,
+)
 from fedlr.flower.records import array_record
 from fedlr.wire import protocol
+from fedlr.wire.downlink import LOWRANK, TRANSPOSED_SUFFIX, VERA
 
 if TYPE_CHECKING:
     from flwr.app import ArrayRecord, RecordDict
@@ -63,12 +76,17 @@ __all__ = [
     "Bound",
     "CheckedInstruction",
     "DeclaredKey",
+    "Expected",
+    "Incoming",
     "InstructionError",
     "NodeLimits",
+    "RecordRule",
+    "base_delta_expected",
     "bound_of",
     "check_adapter_instruction",
     "check_config",
     "check_model_instruction",
+    "check_records",
     "check_value",
     "declare_bounds",
     "declared_keys",
@@ -620,6 +638,9 @@ class CheckedInstruction:
     ----------
     arrays : dict of str to torch.Tensor
         The decoded ``arrays``.
+    layout : RoleLayout
+        The model's layout at the round's rank (what the features' record
+        rules read, :class:`Incoming`).
     limits : NodeLimits
         The node's limits, for the values used later (training settings).
     rank : RoundRank or None
@@ -629,6 +650,7 @@ class CheckedInstruction:
     """
 
     arrays: dict[str, torch.Tensor]
+    layout: RoleLayout
     limits: NodeLimits = field(default_factory=NodeLimits)
     rank: RoundRank | None = None
 
@@ -678,8 +700,8 @@ def check_adapter_instruction(
     ------
     InstructionError
         Naming the first key refused (:data:`BOUNDS`, the arrays'
-        keys, roles, shapes, dtypes and sizes, ``personal`` and
-        ``base-delta`` likewise).
+        keys, roles, shapes, dtypes and sizes). The client features' extra
+        records are checked next (:func:`check_records`).
     RecordMissingError, RecordTypeError
         If the instruction has no ArrayRecord ``arrays``.
     """
@@ -697,22 +719,14 @@ def check_adapter_instruction(
         )
         leading = bool(config.get(protocol.LEADING_RANK, False))
         expected = lora_round_shapes(layout, arrays, rank.rank, leading)
-        own = lora_round_shapes(layout, arrays, rank.rank, False)
     else:
-        expected = own = {key: shape for _, key, shape in layout.entries()}
+        expected = {key: shape for _, key, shape in layout.entries()}
     groups = role_groups(layout)
     decoded = decode_checked(arrays, expected, complete=groups)
-    array_records = content.array_records
-    if protocol.PERSONAL in array_records:
-        decode_checked(
-            array_records[protocol.PERSONAL],
-            own,
-            name=protocol.PERSONAL,
-            complete=groups,
-        )
-    if protocol.BASE_DELTA in array_records:
-        _check_base_delta(array_records[protocol.BASE_DELTA], layout)
-    return CheckedInstruction(decoded, limits, rank)
+    at_rank = layout
+    if isinstance(layout, AdapterLayout) and rank is not None and rank.rank:
+        at_rank = layout.at_rank(rank.rank)
+    return CheckedInstruction(decoded, at_rank, limits, rank)
 
 
 def check_model_instruction(
@@ -739,30 +753,146 @@ def check_model_instruction(
     )
 
 
-def _check_base_delta(record: ArrayRecord, layout: RoleLayout) -> None:
-    """``base-delta``: keys ``version:kind:key:side`` of the model's base
-    weights, factors 2-D and no larger than their base weight's widest side."""
+@dataclass(frozen=True)
+class Incoming:
+    """An instruction as a node holds it before it acts on it: what a client
+    feature's record rule (:attr:`fedlr.client.features.Record.expects`) reads.
+
+    Attributes
+    ----------
+    layout : RoleLayout
+        The model's layout at the round's rank (:class:`CheckedInstruction`).
+    content : RecordDict
+        The instruction's records (untrusted; ``config`` already checked).
+    config : mapping
+        Its ConfigRecord, checked against every bound (:func:`check_config`).
+    state : RecordDict
+        The node's ``context.state``; read only.
+    is_train : bool
+        Whether the instruction is a ``train`` one.
+    train_roles : tuple of Role
+        The roles the round trains (``train-roles``, else the layout's default).
+    """
+
+    layout: RoleLayout
+    content: RecordDict
+    config: Mapping[str, object]
+    state: RecordDict
+    is_train: bool
+    train_roles: tuple[Role, ...]
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What a client feature's extra record must hold this round.
+
+    Attributes
+    ----------
+    shapes : mapping of str to tuple of int
+        Every key the record may hold, and its shape.
+    groups : tuple of tuple of str, optional
+        Keys sent all or none (a role's arrays); ``None``: every key of
+        ``shapes`` is required.
+    """
+
+    shapes: Mapping[str, tuple[int, ...]]
+    groups: tuple[tuple[str, ...], ...] | None = None
+
+
+RecordRule = Callable[[Incoming], Expected | None]
+"""A received record's declaration: what it must hold in this instruction
+(:class:`Expected`), or ``None`` when the feature does not read it then."""
+
+
+def check_records(incoming: Incoming, rules: Iterable[tuple[str, RecordRule]]) -> None:
+    """Check every client feature's declared extra record before the node acts.
+
+    For each ``(name, rule)``: the rule says what record ``name`` must hold
+    this round (``None``: nothing, it is not read); the record must then be
+    present, and hold exactly those keys (or whole groups of them), each of
+    its shape, a float dtype and finite (:func:`decode_checked`).
+
+    Raises
+    ------
+    FeatureRecordError
+        Naming the record and the first array refused (or the record, when
+        it is absent).
+    """
+    for name, rule in rules:
+        try:
+            expected = rule(incoming)
+            if expected is None:
+                continue
+            record = incoming.content.array_records.get(name)
+            if record is None:
+                raise InstructionError(
+                    name, "is missing: this instruction's settings need the record"
+                )
+            decode_checked(
+                record,
+                expected.shapes,
+                name=name,
+                complete=expected.groups or (),
+                required=expected.groups is None,
+            )
+        except FeatureRecordError:
+            raise
+        except InstructionError as exc:
+            raise FeatureRecordError(name, exc.key, exc.reason) from None
+
+
+def base_delta_expected(incoming: Incoming) -> Expected | None:
+    """``base-delta``'s rule: keys ``version:kind:key:side`` of the model's
+    base weights, each change a pair ``left`` (d_out, q), ``right`` (q, d_in)
+    (VeRA: (q, r), r the projections' rank), ``q`` at most the weight's
+    widest side; ``None`` when the instruction has no such record."""
+    record = incoming.content.array_records.get(protocol.BASE_DELTA)
+    if record is None:
+        return None
+    layout = incoming.layout
     bases = layout.shapes(Role.BASE)
     # a VeRA change's right factor is (q, r), r the projections' rank
-    extra = int(layout.rank) if isinstance(layout, (VeraLayout, SorfVeraLayout)) else 0
-    expected: dict[str, tuple[int, ...]] = {}
+    vera = int(layout.rank) if isinstance(layout, (VeraLayout, SorfVeraLayout)) else 0
+    shapes: dict[str, tuple[int, ...]] = {}
     for name in record:
-        parts = name.split(":")
-        key = ":".join(parts[2:-1]) if len(parts) >= 4 else ""
-        if key not in bases or not parts[0].lstrip("-").isdigit():
+        prefix, _, side = name.rpartition(":")
+        version, _, rest = prefix.partition(":")
+        kind, _, key = rest.partition(":")
+        transposed = kind.endswith(TRANSPOSED_SUFFIX)
+        kind = kind.removesuffix(TRANSPOSED_SUFFIX)
+        if (
+            key not in bases
+            or kind not in (LOWRANK, VERA)
+            or side not in ("left", "right")
+            or not version.lstrip("-").isdigit()
+        ):
             raise InstructionError(
                 name, f"(in '{protocol.BASE_DELTA}') does not name a base weight"
             )
-        declared = tuple(int(n) for n in record[name].shape)
-        widest = max(max(bases[key]), extra)
-        if len(declared) != 2 or not all(0 <= n <= widest for n in declared):
+        d_out, d_in = bases[key][:: -1 if transposed else 1]
+        widest = max(d_out, d_in, vera)
+        q = _inner_width(record, prefix)
+        if not 0 <= q <= widest:
             raise InstructionError(
                 name,
-                f"(in '{protocol.BASE_DELTA}') has shape {declared}, expected 2-D "
-                f"factors of at most {widest} per side",
+                f"(in '{protocol.BASE_DELTA}') has rank {q}, expected at most "
+                f"{widest} (the weight's widest side)",
             )
-        expected[name] = declared
-    decode_checked(record, expected, name=protocol.BASE_DELTA)
+        shapes[f"{prefix}:left"] = (d_out, q)
+        shapes[f"{prefix}:right"] = (q, vera if kind == VERA else d_in)
+    prefixes = sorted({k.rpartition(":")[0] for k in shapes})
+    groups = tuple((f"{p}:left", f"{p}:right") for p in prefixes)
+    return Expected(shapes, groups)
+
+
+def _inner_width(record: ArrayRecord, prefix: str) -> int:
+    """A change's rank ``q``: its left factor's columns, else its right
+    factor's rows, as declared (-1: neither is 2-D)."""
+    for side, axis in (("left", 1), ("right", 0)):
+        name = f"{prefix}:{side}"
+        if name in record and len(record[name].shape) == 2:
+            return int(record[name].shape[axis])
+    return -1
 
 
 def _rank_limit(module: LoraModule) -> int:
