@@ -350,7 +350,10 @@ def run_entry(name: str, config: Mapping[str, Any], output_dir: Path) -> dict[st
     os.environ["FEDLR_NODE_STATE_DIR"] = str((output_dir / "node-state").resolve())
     started = time.perf_counter()
     try:
-        run_dir = run_in_process(run_config, reply_hook=log)
+        # the benchmark's own nodes consent to the seeded noise of its DP
+        # entries (nothing sets the consent for them)
+        consent = {"dp-allow-reproducible-noise": True}
+        run_dir = run_in_process(run_config, reply_hook=log, node_config=consent)
     finally:
         if previous is None:
             os.environ.pop("FEDLR_NODE_STATE_DIR", None)
