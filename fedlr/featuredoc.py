@@ -30,6 +30,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from fedlr.client.features import ClientFeature, Record, common_features
+from fedlr.client_apps.gate import trains_with_dp_sgd
 from fedlr.errors import PrivacyUnsupportedError
 from fedlr.privacy.refusals import check_privacy, dp_sgd_conflict, reply_records
 from fedlr.privacy.settings import ClientDpSettings, DpSgdSettings, PrivacyConfig
@@ -172,8 +173,11 @@ def _privacy_cells(spec: MethodSpec) -> tuple[str, str, str, str]:
     sent = reply_records(spec.client, spec.records)
     records = ", ".join(f"`{r.name}`" for _, r in sent)
     # DP-SGD: the same check as the run config, the reason from the traits
-    if spec.payload.name != "lora":
+    if not trains_with_dp_sgd(spec.payload.name):
         dp_sgd = f"refused: a `{spec.payload.name}` payload (no per-example sampler)"
+    elif spec.records:
+        own = ", ".join(f"`{r.name}`" for r in spec.records)
+        dp_sgd = f"refused: {own} would leave un-noised"
     else:
         conflicts = [t for f in spec.client if (t := dp_sgd_conflict(f, options))]
         if conflicts:

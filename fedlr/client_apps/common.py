@@ -6,10 +6,12 @@ instruction the same way (:func:`image_evaluate_reply`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from logging import WARNING, getLogger
 from typing import Any
 
+import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.app import MetricRecordValues as Values
 from torch import nn
@@ -19,6 +21,7 @@ from fedlr.client.train import (
     LOCAL_OPTIMIZER,
     OPTIMIZERS,
     EncodedText,
+    TrainData,
     TrainSettings,
     default_optimizer,
     pick_device,
@@ -26,14 +29,23 @@ from fedlr.client.train import (
 )
 from fedlr.config.run import RunConfig
 from fedlr.data.images import ImageData
-from fedlr.errors import ConfigError, InstructionError, RecordTypeError
+from fedlr.errors import ConfigError, InstructionError, NodePolicyError, RecordTypeError
 from fedlr.flower.records import config_float, config_int, config_str
-from fedlr.tasks.image import evaluate_images
+from fedlr.privacy.budget import data_key
+from fedlr.privacy.dp_evaluation import noised_metrics, reserve
+from fedlr.privacy.node_policy import node_policy
+from fedlr.tasks.image import ImageRows, evaluate_images, image_scores
 from fedlr.tasks.lm import EncodedInstructions
 from fedlr.wire import protocol
 from fedlr.wire.checks import NodeLimits, check_value
 
-__all__ = ["image_evaluate_reply", "partition_of", "train_reply", "train_settings"]
+__all__ = [
+    "image_evaluate_reply",
+    "partition_of",
+    "private_evaluation",
+    "train_reply",
+    "train_settings",
+]
 
 _LOG = getLogger("fedlr")
 
@@ -155,37 +167,86 @@ def train_reply(
     return job.reply(num_examples=len(data), metrics={protocol.TRAIN_LOSS: loss})
 
 
+def private_evaluation(
+    message: Message,
+    context: Context,
+    rows: TrainData,
+    scores: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+) -> dict[str, Values] | None:
+    """The evaluate reply's metrics, noised and charged, when the node's
+    operator set ``dp-evaluation-noise-multiplier`` > 0; else ``None``.
+
+    The evaluation (the Gaussian mechanism on the sums of
+    :func:`~fedlr.privacy.dp_evaluation.noised_metrics`) is charged to the
+    ledger of ``rows`` (or ``dp-ledger-id``) before ``scores()`` computes
+    each example's loss and correctness.
+
+    Raises
+    ------
+    NodePolicyError
+        A noise multiplier that is not finite, or a delta not below ``1 / n``.
+    PrivacyBudgetError
+        If the evaluation would pass the node's ``dp-epsilon-budget``.
+    """
+    policy = node_policy(context.node_config)
+    sigma = policy.dp_evaluation_noise_multiplier
+    if not (math.isfinite(sigma) and sigma >= 0):
+        raise NodePolicyError(
+            "dp-evaluation-noise-multiplier", f"must be finite and >= 0, got {sigma}"
+        )
+    if sigma == 0:
+        return None
+    round_config = message.content.config_records.get(protocol.CONFIG, ConfigRecord())
+    reserve(
+        policy,
+        policy.dp_ledger_id or data_key(rows),
+        (sigma, 1.0, 1),
+        delta=policy.delta_for(0.0, len(rows)),
+        run_id=int(context.run_id),
+        server_round=config_int(round_config, protocol.SERVER_ROUND, 0),
+        what=f"this evaluation (noise multiplier {sigma:g})",
+    )
+    return dict(noised_metrics(*scores(), sigma))
+
+
 def image_evaluate_reply(
-    message: Message, model: nn.Module, data: ImageData, config: RunConfig
+    message: Message,
+    context: Context,
+    model: nn.Module,
+    data: ImageData,
+    config: RunConfig,
 ) -> Message:
     """The reply to an ``evaluate`` instruction: ``model`` on the local ``data``.
 
     Evaluates in eval mode on ``device`` (in batches of ``eval-batch-size``),
     moves ``model`` back to the CPU and replies with a MetricRecord
     ``metrics`` of ``num-examples`` (``len(data)``), ``accuracy`` and
-    ``loss`` (mean cross-entropy).
+    ``loss`` (mean cross-entropy); noised and charged to the node's ledger
+    when its operator asks (:func:`private_evaluation`).
 
     Parameters
     ----------
     message : Message
         The instruction replied to.
+    context : Context
+        The node's (its policy, its ledger).
     model : nn.Module
         Maps (N, C, H, W) to logits over ``data``'s labels (a task view of
         the global model, or the model itself).
     data : ImageData
     config : RunConfig
     """
-    accuracy, loss = evaluate_images(
-        model,
-        data,
-        batch_size=config.eval_batch_size,
-        device=pick_device(config.device),
+    device = pick_device(config.device)
+    batch = config.eval_batch_size
+    private = private_evaluation(
+        message,
+        context,
+        ImageRows(data),
+        lambda: image_scores(model, data, batch_size=batch, device=device),
     )
+    if private is None:
+        accuracy, loss = evaluate_images(model, data, batch_size=batch, device=device)
+        private = {protocol.NUM_EXAMPLES: len(data), "accuracy": accuracy, "loss": loss}
     model.to("cpu")
-    metrics: dict[str, Values] = {
-        protocol.NUM_EXAMPLES: len(data),
-        "accuracy": accuracy,
-        "loss": loss,
-    }
-    reply = RecordDict({protocol.METRICS: MetricRecord(metrics)})
+    reply = RecordDict({protocol.METRICS: MetricRecord(private)})
     return Message(reply, reply_to=message)

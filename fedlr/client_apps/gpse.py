@@ -42,6 +42,7 @@ from fedlr.flower.records import (
     state_to_record,
 )
 from fedlr.models.vision import VisionModel
+from fedlr.privacy.dp_sgd import private_loop
 from fedlr.tasks.continual import (
     ContinualOptions,
     build_continual_model,
@@ -186,6 +187,7 @@ def train_message(message: Message, context: Context) -> Message:
     data = stream.partition(task, pid)
     module, view = task_view(model, data, stream.task_classes(task), stream.num_classes)
     settings = train_settings(round_config, config, default_lr=config.lr, limits=limits)
+    control = private_loop(round_config, context)  # DP-SGD, if asked
     loss = train_sgd(
         module,
         view,
@@ -196,9 +198,12 @@ def train_message(message: Message, context: Context) -> Message:
         momentum=options.momentum,
         weight_decay=settings.weight_decay,
         device=device,
+        control=control,
     )
     model.to("cpu")
     metrics.update({protocol.NUM_EXAMPLES: len(data), protocol.TRAIN_LOSS: loss})
+    if control is not None:
+        metrics.update(control.metrics())
     content[protocol.ARRAYS] = state_to_record(model.state_dict())
     content[protocol.METRICS] = MetricRecord(metrics)
     return Message(content, reply_to=message)
@@ -223,4 +228,4 @@ def evaluate_message(message: Message, context: Context) -> Message:
         stream.task_classes(task),
         stream.num_classes,
     )
-    return image_evaluate_reply(message, module, view, config)
+    return image_evaluate_reply(message, context, module, view, config)

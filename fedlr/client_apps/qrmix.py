@@ -41,6 +41,7 @@ from fedlr.flower.records import (
 )
 from fedlr.linalg.qrmix import fc_flatten, fc_hessian_eigenpairs
 from fedlr.models.vision import VisionModel
+from fedlr.privacy.dp_sgd import private_loop
 from fedlr.tasks.image import EigenOptions, ImageTask, train_sgd
 from fedlr.wire import protocol
 from fedlr.wire.checks import NodeLimits, check_config, decode_checked
@@ -122,6 +123,7 @@ def train_message(message: Message, context: Context) -> Message:
     seed = client_seed(config.seed, server_round, pid)
     device = pick_device(config.device)
     settings = train_settings(round_config, config, default_lr=config.lr, limits=limits)
+    control = private_loop(round_config, context)  # DP-SGD, if asked
     loss = train_sgd(
         model,
         data,
@@ -132,6 +134,7 @@ def train_message(message: Message, context: Context) -> Message:
         momentum=options.momentum,
         weight_decay=settings.weight_decay,
         device=device,
+        control=control,
     )
     model.to("cpu")
     state = model.parameter_state()
@@ -140,6 +143,8 @@ def train_message(message: Message, context: Context) -> Message:
         protocol.TRAIN_LOSS: loss,
         protocol.PARTITION_ID: pid,
     }
+    if control is not None:
+        metrics.update(control.metrics())
     reply = RecordDict({protocol.ARRAYS: state_to_record(state)})
     if config_int(round_config, protocol.QRMIX_STAGE, 1) == 2:
         start = time.perf_counter()
@@ -175,4 +180,6 @@ def evaluate_message(message: Message, context: Context) -> Message:
     pid, num = partition_of(context, config)
     model = _model(config)
     model.load_parameters(_checked_state(model, message, context)[0])
-    return image_evaluate_reply(message, model, _partition(config, pid, num), config)
+    return image_evaluate_reply(
+        message, context, model, _partition(config, pid, num), config
+    )

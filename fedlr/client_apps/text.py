@@ -17,20 +17,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
+import torch
+import torch.nn.functional as F
 from flwr.app import Context, Message
 
 from fedlr.adapters.roles import AdaptedModel
 from fedlr.client.round import ClientRound, apply_round
-from fedlr.client.train import EncodedText, client_seed, pick_device
-from fedlr.client_apps.common import partition_of, train_reply
+from fedlr.client.train import EncodedText, client_seed, in_batches, pick_device
+from fedlr.client_apps.common import partition_of, private_evaluation, train_reply
 from fedlr.config.options import Options
 from fedlr.config.run import RunConfig
-from fedlr.errors import InstructionError
+from fedlr.errors import InstructionError, PrivacyUnsupportedError
 from fedlr.privacy.budget import raw_data_key
+from fedlr.privacy.node_policy import node_policy
 from fedlr.tasks.lm import EncodedInstructions
 from fedlr.tasks.text import text_task
+from fedlr.wire import protocol
 
 __all__ = ["TextClient"]
 
@@ -163,11 +167,63 @@ class TextClient(Generic[O]):
         )
 
     def evaluate(self, message: Message, context: Context) -> Message:
-        """Handle an ``evaluate`` instruction: the (personal) model on local data."""
+        """Handle an ``evaluate`` instruction: the (personal) model on local
+        data; noised and charged to the node's ledger when its operator asks
+        (:func:`~fedlr.client_apps.common.private_evaluation`; classifiers only).
+
+        Raises
+        ------
+        PrivacyUnsupportedError
+            A noised evaluation of a causal LM (its exact match and perplexity
+            have no per-example bound here).
+        """
         config, _, job, pid, num = self._round(message, context)
         data = _partition(config, pid, num, "eval" if job.personal_split else "all")
-        metrics = text_task(config).evaluate(
-            job.model, data, pick_device(config.device)
-        )
+        device = pick_device(config.device)
+        model = job.model
+        if isinstance(data, EncodedText):
+            private = private_evaluation(
+                message,
+                context,
+                data,
+                lambda: _scores(model, data, config.eval_batch_size, device),
+            )
+        elif node_policy(context.node_config).dp_evaluation_noise_multiplier > 0:
+            raise PrivacyUnsupportedError(
+                "dp-evaluation-noise-multiplier: a noised evaluation serves "
+                "classifiers; this node's causal LM would release its perplexity "
+                "and exact match un-noised, so it does not evaluate"
+            )
+        else:
+            private = None
+        if private is not None:
+            examples = round(cast(float, private.pop(protocol.NUM_EXAMPLES)))  # noised
+            job.model.to("cpu")
+            return job.reply(num_examples=examples, metrics=private)
+        metrics = text_task(config).evaluate(model, data, device)
         job.model.to("cpu")
         return job.reply(num_examples=len(data), metrics=metrics)
+
+
+@torch.no_grad()
+def _scores(
+    model: torch.nn.Module, data: EncodedText, batch_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each example's cross-entropy and whether it was classified right."""
+    model.to(device).eval()
+    losses: list[torch.Tensor] = []
+    correct: list[torch.Tensor] = []
+
+    def step(start: int, stop: int) -> None:
+        batch = {
+            k: v.to(device) for k, v in data.batch(list(range(start, stop))).items()
+        }
+        logits = model(**batch).logits.float()
+        labels = batch["labels"]
+        losses.append(F.cross_entropy(logits, labels, reduction="none").cpu())
+        correct.append((logits.argmax(-1) == labels).float().cpu())
+
+    in_batches(len(data), batch_size, step)
+    if not losses:
+        return torch.zeros(0), torch.zeros(0)
+    return torch.cat(losses), torch.cat(correct)

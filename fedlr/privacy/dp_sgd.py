@@ -61,7 +61,7 @@ from typing import Any, Self
 
 import torch
 import torch.nn.functional as F
-from flwr.app import ConfigRecord, RecordDict
+from flwr.app import ConfigRecord, Context, RecordDict
 
 from fedlr.adapters.lora import LoraModel
 from fedlr.client.features import ClientFeature, Record, RoundJob, common_feature
@@ -75,7 +75,8 @@ from fedlr.errors import (
 from fedlr.flower.records import config_float, config_int
 from fedlr.privacy.accounting import History, epsilon, noise_multiplier_for
 from fedlr.privacy.backend import opacus_api
-from fedlr.privacy.budget import PrivacyLedger, data_key
+from fedlr.privacy.budget import data_key
+from fedlr.privacy.dp_evaluation import reserve
 from fedlr.privacy.node_policy import NodePolicy, node_policy
 from fedlr.privacy.randomness import secure_generator, seeded_generator
 from fedlr.privacy.settings import DpSgdSettings
@@ -96,6 +97,7 @@ __all__ = [
     "DpSgd",
     "PrivateLoop",
     "node_history",
+    "private_loop",
     "sample_mean_loss",
 ]
 
@@ -274,6 +276,9 @@ class PrivateLoop:
 
         Raises
         ------
+        PrivacyUnsupportedError
+            A layer that mixes the examples of a batch (BatchNorm in training
+            mode): no per-example gradient exists to clip.
         NodePolicyError
             A delta above the node's, or not below ``1 / n``; more steps than
             the node's ``dp-max-steps-per-round``.
@@ -282,6 +287,7 @@ class PrivateLoop:
             ``dp-epsilon`` (this run) or the node's ``dp-epsilon-budget``
             (its ledger, every run).
         """
+        _check_per_example(model)
         s = self.settings
         n = len(data)
         self._n = n
@@ -296,18 +302,16 @@ class PrivateLoop:
         release = (self.sigma, self.sample_rate, steps)
         if s.epsilon > 0:
             self._check_run_budget(release)
-        ledger = PrivacyLedger(
-            self.policy.state_path(), self.policy.dp_ledger_id or data_key(data)
+        self.lifetime = reserve(
+            self.policy,
+            self.policy.dp_ledger_id or data_key(data),
+            release,
+            delta=self.delta,
+            run_id=self.run_id,
+            server_round=self.server_round,
+            what=f"this round (noise multiplier {self.sigma:.4g}, sample rate "
+            f"{self.sample_rate:.4g}, {steps} steps)",
         )
-        with ledger.locked():
-            self.lifetime = ledger.history()
-            self._check_node_budget(release)
-            ledger.append(
-                release,
-                run_id=self.run_id,
-                server_round=self.server_round,
-                delta=self.delta,
-            )
         self.lifetime.append(release)
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         device = self._params[0].device if self._params else torch.device("cpu")
@@ -365,23 +369,6 @@ class PrivateLoop:
                 f"{DP_NOISE_MULTIPLIER}, or plan fewer rounds)"
             )
 
-    def _check_node_budget(self, release: tuple[float, float, int]) -> None:
-        budget = self.policy.dp_epsilon_budget
-        if budget <= 0:
-            return
-        kind = self.policy.dp_accountant
-        after = epsilon([*self.lifetime, release], self.delta, kind)
-        if after > budget:
-            spent = epsilon(self.lifetime, self.delta, kind)
-            raise PrivacyBudgetError(
-                f"dp-epsilon-budget {budget:g} (node config) would be exceeded: "
-                f"this node's data has spent epsilon {spent:.4g} (delta "
-                f"{self.delta:.3g}, {kind}) over {len(self.lifetime)} rounds of "
-                f"every run, and this round (noise multiplier {self.sigma:.4g}, "
-                f"sample rate {self.sample_rate:.4g}, {release[2]} steps) would "
-                f"reach {after:.4g}; it trains no more"
-            )
-
     def batches(self) -> Iterator[list[int]]:
         """Poisson sampling: each example joins a step with probability ``q``."""
         while True:
@@ -389,9 +376,11 @@ class PrivateLoop:
             yield drawn.nonzero().flatten().tolist()
 
     def loss(self, output: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """:func:`sample_mean_loss` of the model's logits."""
+        """:func:`sample_mean_loss` of the model's logits (``output.logits``,
+        or ``output`` itself for a model that returns its logits)."""
         self.taken += 1
-        return sample_mean_loss(output.logits, batch["labels"])
+        logits = output if isinstance(output, torch.Tensor) else output.logits
+        return sample_mean_loss(logits, batch["labels"])
 
     def empty_step(self) -> None:
         """No example drawn: zero per-example gradients, so the step is noise."""
@@ -423,6 +412,72 @@ class PrivateLoop:
     def spent_this_run(self) -> float:
         """The ``epsilon`` of this run's rounds alone (``context.state``)."""
         return epsilon(self.history, self.delta, self.settings.accountant)
+
+    def metrics(self) -> dict[str, float]:
+        """The reply's DP-SGD metrics (:attr:`DpSgd.metrics`), after the loop."""
+        return {
+            DP_EPSILON_SPENT: self.spent(),
+            DP_EPSILON_RUN: self.spent_this_run(),
+            DP_NOISE_MULTIPLIER: float(self.sigma),
+            DP_DELTA: float(self.delta),
+            DP_SAMPLE_RATE: float(self.sample_rate),
+            DP_NOISE_REPRODUCIBLE: float(self.reproducible),
+        }
+
+
+def private_loop(config: ConfigRecord, context: Context) -> PrivateLoop | None:
+    """The DP-SGD loop of a ``train`` instruction, or ``None`` without DP-SGD.
+
+    The one entry point of DP-SGD on a node, whatever the payload: the LoRA
+    family (:class:`DpSgd`) and the vision payloads
+    (:func:`fedlr.tasks.image.train_sgd`) run the loop it returns. The
+    instruction's settings are checked, then the node's own limits
+    (:meth:`~fedlr.privacy.node_policy.NodePolicy.check_instruction`).
+
+    Raises
+    ------
+    NodePolicyError
+        No DP-SGD on a ``dp-required`` node, or settings past its limits.
+    ProtocolError
+        DP-SGD settings that do not decode or are out of range.
+    """
+    policy = node_policy(context.node_config)
+    if config_float(config, DP_MAX_GRAD_NORM, 0.0) <= 0:
+        policy.check_instruction(None)
+        return None
+    try:
+        settings = DpSgdSettings(
+            max_grad_norm=config_float(config, DP_MAX_GRAD_NORM),
+            noise_multiplier=config_float(config, DP_NOISE_MULTIPLIER, 0.0),
+            epsilon=config_float(config, DP_EPSILON, 0.0),
+            delta=config_float(config, DP_DELTA, 0.0),
+            accountant=str(config.get(DP_ACCOUNTANT, "prv")),
+            rounds=config_int(config, DP_ROUNDS, 1),
+            reproducible=bool(config.get(DP_REPRODUCIBLE, False)),
+        )
+    except ConfigError as exc:
+        raise ProtocolError(f"the instruction's DP-SGD settings: {exc}") from None
+    policy.check_instruction(settings)
+    return PrivateLoop(
+        settings,
+        context.state,
+        policy,
+        run_id=int(context.run_id),
+        server_round=config_int(config, SERVER_ROUND, 0),
+    )
+
+
+def _check_per_example(model: torch.nn.Module) -> None:
+    """Refuse a layer that mixes a batch's examples (BatchNorm in training mode):
+    its examples have no gradients of their own to clip."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+            raise PrivacyUnsupportedError(
+                f"{DP_MAX_GRAD_NORM}: DP-SGD clips each example's gradient, but "
+                f"layer '{name}' ({type(module).__name__}) normalises each "
+                "example by the others of its batch; use a model with GroupNorm "
+                f"or LayerNorm, or set {DP_MAX_GRAD_NORM} = 0"
+            )
 
 
 @common_feature
@@ -471,12 +526,10 @@ class DpSgd(ClientFeature):
 
     @classmethod
     def for_round(cls, job: RoundJob) -> Self | None:
-        config = job.config
         if not job.is_train:
             return None
-        policy = node_policy(job.context.node_config)
-        if config_float(config, DP_MAX_GRAD_NORM, 0.0) <= 0:
-            policy.check_instruction(None)
+        control = private_loop(job.config, job.context)
+        if control is None:
             return None
         if not isinstance(job.adapted, LoraModel):
             raise PrivacyUnsupportedError(
@@ -485,28 +538,7 @@ class DpSgd(ClientFeature):
                 "no per-example gradient sampler); use a LoRA method or set "
                 f"{DP_MAX_GRAD_NORM} = 0"
             )
-        try:
-            settings = DpSgdSettings(
-                max_grad_norm=config_float(config, DP_MAX_GRAD_NORM),
-                noise_multiplier=config_float(config, DP_NOISE_MULTIPLIER, 0.0),
-                epsilon=config_float(config, DP_EPSILON, 0.0),
-                delta=config_float(config, DP_DELTA, 0.0),
-                accountant=str(config.get(DP_ACCOUNTANT, "prv")),
-                rounds=config_int(config, DP_ROUNDS, 1),
-                reproducible=bool(config.get(DP_REPRODUCIBLE, False)),
-            )
-        except ConfigError as exc:
-            raise ProtocolError(f"the instruction's DP-SGD settings: {exc}") from None
-        policy.check_instruction(settings)
-        return cls(
-            PrivateLoop(
-                settings,
-                job.context.state,
-                policy,
-                run_id=int(job.context.run_id),
-                server_round=config_int(config, SERVER_ROUND, 0),
-            )
-        )
+        return cls(control)
 
     def loop(self, job: RoundJob) -> PrivateLoop:
         """The private loop; the round's loss terms become its regulariser
@@ -531,9 +563,4 @@ class DpSgd(ClientFeature):
                 f"{DP_MAX_GRAD_NORM} is set but no private step ran: train with "
                 "fedlr.client.train.train_steps(..., control=job.loop_control())"
             )
-        metrics[DP_EPSILON_SPENT] = control.spent()
-        metrics[DP_EPSILON_RUN] = control.spent_this_run()
-        metrics[DP_NOISE_MULTIPLIER] = float(control.sigma)
-        metrics[DP_DELTA] = float(control.delta)
-        metrics[DP_SAMPLE_RATE] = float(control.sample_rate)
-        metrics[DP_NOISE_REPRODUCIBLE] = float(control.reproducible)
+        metrics.update(control.metrics())

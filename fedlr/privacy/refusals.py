@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from fedlr.client_apps.gate import trains_with_dp_sgd
 from fedlr.errors import ConfigError, PrivacyUnsupportedError
 from fedlr.privacy.settings import PrivacyConfig
 from fedlr.robust.rules import RobustConfig
@@ -120,19 +121,30 @@ def check_privacy(
     Raises
     ------
     PrivacyUnsupportedError
-        DP-SGD for a method that does not train LoRA adapters, or whose
+        DP-SGD for a method whose payload kind has no DP-SGD
+        (:data:`fedlr.client_apps.gate.ACCESS`), whose own replies carry
+        records computed from the data (``records``), or whose
         clients transform the gradients or add a loss term that reads the
         data (a term that does not is added after the clipping and noise);
         client-level DP for a method that is not sum-only, or whose replies
         carry extra records (which it would neither clip nor noise). Each
         message names the method, the feature or record, and the reason.
     """
-    if privacy.dp_sgd is not None and payload != "lora":
+    if privacy.dp_sgd is not None and not trains_with_dp_sgd(payload):
         raise PrivacyUnsupportedError(
-            f"dp-max-grad-norm: DP-SGD serves methods that train LoRA adapters; "
-            f"method '{method}' trains a '{payload}' payload (no per-example "
+            f"dp-max-grad-norm: DP-SGD serves the payloads with a per-example "
+            f"gradient sampler (LoRA adapters, the vision models); method "
+            f"'{method}' trains a '{payload}' payload (no per-example "
             "gradient sampler for its layers); use a LoRA method or set "
             "dp-max-grad-norm = 0"
+        )
+    if privacy.dp_sgd is not None and records:
+        listed = "; ".join(f"'{r.name}' ({r.holds.replace('`', '')})" for r in records)
+        raise PrivacyUnsupportedError(
+            f"dp-max-grad-norm: method '{method}' replies with records computed "
+            f"from the node's data beside the trained weights: {listed}. DP-SGD "
+            "noises the training only, so these would leave un-noised; use "
+            "a method without them or set dp-max-grad-norm = 0"
         )
     if privacy.dp_sgd is not None:
         unbounded = [

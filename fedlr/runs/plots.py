@@ -45,7 +45,8 @@ global model's (server's held-out split) or personalised (FedSA-LoRA,
 Global / Local SVD: each client's own model on its own held-out part,
 averaged); personalised runs are dashed and labelled ``[personalised]``.
 Round axes have integer ticks; when every run drawn is asynchronous (it
-writes ``virtual-time``) the x axis is the virtual clock's seconds instead,
+writes ``virtual-time``) the x axis is its seconds since the first
+instruction instead (the virtual clock's in simulation),
 and a mix of both reads "round (asynchronous: server version)". Every panel
 has a legend, under the panel, outside the data; QR-Mix's switch to stage 2
 and a continual run's task boundaries are dotted vertical lines on the
@@ -140,7 +141,8 @@ class XAxis(NamedTuple):
 
 
 ROUND_AXIS = XAxis("round", "round")
-TIME_AXIS = XAxis(VIRTUAL_TIME, "virtual time (s)")
+TIME_AXIS = XAxis(VIRTUAL_TIME, "seconds since the first instruction (virtual-time)")
+"""The virtual clock's seconds in simulation, real ones under ``flwr run``."""
 MIXED_AXIS = XAxis("round", "round (asynchronous: server version)")
 
 

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from numpy.typing import NDArray
 
-from fedlr.client.train import in_batches
+from fedlr.client.train import LoopControl, TrainSettings, in_batches
 from fedlr.config.options import Options, option, require
 from fedlr.config.run import RunConfig
 from fedlr.data import DATASETS, dataset_info, load_dataset
@@ -35,10 +35,12 @@ __all__ = [
     "NORMALISATION",
     "EigenOptions",
     "ImageData",
+    "ImageRows",
     "ImageTask",
     "VisionOptions",
     "evaluate_images",
     "image_pixels",
+    "image_scores",
     "to_image_data",
     "train_sgd",
 ]
@@ -213,6 +215,23 @@ def _batches(
             yield order[start : start + batch_size]
 
 
+@dataclass(frozen=True)
+class ImageRows:
+    """:class:`~fedlr.data.images.ImageData` as the training loops'
+    :class:`~fedlr.client.train.TrainData`: ``batch(indices)`` is
+    ``{"x": images, "labels": labels}`` (DP-SGD's loop and the privacy
+    ledger's :func:`~fedlr.privacy.budget.data_key` read it)."""
+
+    data: ImageData
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
+        rows = torch.as_tensor(list(indices), dtype=torch.long)
+        return {"x": self.data.x[rows], "labels": self.data.y[rows]}
+
+
 def train_sgd(
     model: torch.nn.Module,
     data: ImageData,
@@ -224,6 +243,7 @@ def train_sgd(
     momentum: float = 0.0,
     weight_decay: float = 0.0,
     device: torch.device | None = None,
+    control: LoopControl | None = None,
 ) -> float:
     """Run ``steps`` SGD steps of cross-entropy on the trainable parameters.
 
@@ -241,11 +261,17 @@ def train_sgd(
         Seeds the batch order and dropout.
     device : torch.device, optional
         Defaults to CPU.
+    control : LoopControl, optional
+        A loop that draws the batches, computes the loss and wraps the
+        optimizer itself: sample-level DP-SGD
+        (:func:`fedlr.privacy.dp_sgd.private_loop`: Poisson batches,
+        per-example clipping and secure noise, charged to the node's ledger),
+        the same loop as the text payloads'.
 
     Returns
     -------
     float
-        Mean training loss over the steps.
+        Mean training loss over the steps (NaN if every step drew no example).
 
     Raises
     ------
@@ -258,24 +284,45 @@ def train_sgd(
         raise ValueError(f"steps must be >= 1, got {steps}")
     device = device or torch.device("cpu")
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(
+    optimizer: torch.optim.Optimizer = torch.optim.SGD(
         params, lr=lr, momentum=momentum, weight_decay=weight_decay
     )
     generator = torch.Generator().manual_seed(seed)
     model.to(device).train()
-    total = 0.0
-    batches = _batches(len(data), batch_size, generator)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)  # dropout
-        for _ in range(steps):
-            idx = next(batches)
-            x, y = data.x[idx].to(device), data.y[idx].to(device)
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            total += float(loss.detach())
-    return total / steps
+    batches: Iterator[torch.Tensor | list[int]] = _batches(
+        len(data), batch_size, generator
+    )
+    if control is not None:
+        settings = TrainSettings(local_steps=steps, lr=lr, batch_size=batch_size)
+        optimizer = control.start(model, optimizer, ImageRows(data), settings, seed)
+        batches = control.batches()
+    total, counted = 0.0, 0
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)  # dropout
+            for _ in range(steps):
+                idx = torch.as_tensor(next(batches), dtype=torch.long)
+                optimizer.zero_grad(set_to_none=True)
+                if len(idx) == 0:  # a Poisson draw of no example: the step is noise
+                    if control is not None:
+                        control.empty_step()
+                    optimizer.step()
+                    continue
+                x, y = data.x[idx].to(device), data.y[idx].to(device)
+                logits = model(x)
+                loss = (
+                    torch.nn.functional.cross_entropy(logits, y)
+                    if control is None
+                    else control.loss(logits, {"labels": y})
+                )
+                loss.backward()
+                optimizer.step()
+                total += float(loss.detach())
+                counted += 1
+    finally:
+        if control is not None:
+            control.stop()
+    return total / counted if counted else math.nan
 
 
 @torch.no_grad()
@@ -309,3 +356,37 @@ def evaluate_images(
 
     in_batches(len(data), batch_size, step)
     return totals[0] / len(data), totals[1] / len(data)
+
+
+@torch.no_grad()
+def image_scores(
+    model: torch.nn.Module,
+    data: ImageData,
+    *,
+    batch_size: int,
+    device: torch.device | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each example's cross-entropy and whether it was classified right (eval
+    mode): what a noised evaluation sums
+    (:func:`fedlr.privacy.dp_evaluation.noised_metrics`).
+
+    Returns
+    -------
+    (losses, correct) : two (N,) float tensors on the CPU
+    """
+    device = device or torch.device("cpu")
+    model.to(device).eval()
+    losses: list[torch.Tensor] = []
+    correct: list[torch.Tensor] = []
+
+    def step(start: int, stop: int) -> None:
+        x, y = data.x[start:stop].to(device), data.y[start:stop].to(device)
+        logits = model(x)
+        ce = torch.nn.functional.cross_entropy(logits, y, reduction="none")
+        losses.append(ce.float().cpu())
+        correct.append((logits.argmax(-1) == y).float().cpu())
+
+    in_batches(len(data), batch_size, step)
+    if not losses:
+        return torch.zeros(0), torch.zeros(0)
+    return torch.cat(losses), torch.cat(correct)
