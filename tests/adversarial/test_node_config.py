@@ -13,6 +13,7 @@ read, unchanged.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -228,6 +229,8 @@ def test_the_launcher_passes_the_users_settings_on_unchanged(
         return launch.RunOutcome("1", "finished:completed", "")
 
     monkeypatch.setattr(launch, "flwr_run", started)
+    # the launch would install its SIGTERM handler in pytest's process: skip it
+    monkeypatch.setattr(signal, "signal", lambda *_: None)
     code = launch.main(
         [
             "--app",
