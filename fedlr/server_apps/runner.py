@@ -530,13 +530,19 @@ class ServerRun:
         row: Mapping[str, Any],
         seconds: float,
     ) -> None:
-        """The round's one line: headline metric and loss (``scores``), gap,
+        """The round's one line: headline metric and loss (``scores``; ``not
+        evaluated`` for a round the server did not evaluate), gap,
         bytes, the strategy's client counts (``metrics``), time and ETA, then
         the plan's extra columns of the results ``row``, the privacy spent
         (:func:`epsilon_text`, with DP on); ``REPRODUCIBLE NOISE`` when the
         privacy noise comes from the run seed."""
-        headline = self.headline
         accuracy, loss = scores
+        score = (
+            "not evaluated"  # eval-every, an asynchronous run's versions
+            if math.isnan(accuracy) and math.isnan(loss)
+            else f"{self.headline} {accuracy:.4f} loss {loss:.4f}"
+        )
+        headline = self.headline
         extras = " ".join(
             f"{c} {row[c]:.4g}"
             for c in self.plan.columns
@@ -546,13 +552,11 @@ class ServerRun:
         )
         log(
             INFO,
-            "fedlr [round %d/%d] %s %.4f loss %.4f %s"
+            "fedlr [round %d/%d] %s %s"
             "up %s down %s clients %d dropped %d %.1fs %s%s%s%s",
             server_round,
             self.config.num_server_rounds,
-            headline,
-            accuracy,
-            loss,
+            score,
             gap_text({**metrics, **row}),  # the row's values (secure aggregation's)
             _mb(row.get("bytes-up", 0.0)),
             _mb(row.get("bytes-down", 0.0)),

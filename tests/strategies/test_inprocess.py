@@ -68,12 +68,20 @@ def test_in_process_run_writes_one_row_per_round(tmp_path, assets, method, caplo
     assert has_base == (method == "fedex-lora")
 
 
-def test_eval_every_skips_server_evaluation_but_not_the_last_round(tmp_path, assets):
-    run_dir = _run(
-        tmp_path, **{"num-server-rounds": 3, "eval-every": 2, "eval-batch-size": 0}
-    )
+def test_eval_every_skips_server_evaluation_but_not_the_last_round(
+    tmp_path, assets, caplog
+):
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        run_dir = _run(
+            tmp_path, **{"num-server-rounds": 3, "eval-every": 2, "eval-batch-size": 0}
+        )
     frame = pd.read_csv(run_dir / "results.csv")
     assert frame["accuracy"].isna().tolist() == [True, False, False]
+    # the round not evaluated says so on its line, with no "accuracy nan"
+    lines = [m for m in caplog.messages if m.startswith("fedlr [round ")]
+    assert lines[0].startswith("fedlr [round 1/3] not evaluated gap ")
+    assert all("nan" not in line for line in lines)
+    assert lines[1].startswith("fedlr [round 2/3] accuracy 0.")
     assert frame["eval-seconds"].iloc[0] < frame["eval-seconds"].iloc[1]
     parts = frame[["train-seconds", "aggregate-seconds", "eval-seconds"]]
     assert (parts > 0).all().all()
