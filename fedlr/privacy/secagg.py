@@ -475,17 +475,28 @@ def check_eligible(
     robust: str = "none",
     max_client_weight: float = 1.0,
     max_weight_ratio: float = 0.0,
+    asynchronous: bool = False,
 ) -> None:
     """Refuse secure aggregation for a method or setting that needs single replies.
+
+    ``asynchronous``: the method runs in fedlr's asynchronous loop, which has
+    no SecAgg+ exchange (a synchronous round over the sampled nodes), however
+    little of each reply its step reads (FedBuff's buffered sum).
 
     Raises
     ------
     SecureAggregationError
-        If the method's aggregation is not sum-only, or a robust rule or
-        weight cap (which read each client's update) is on.
+        If the method's aggregation is not sum-only or runs asynchronously,
+        or a robust rule or weight cap (which read each client's update) is on.
     """
+    names = ", ".join(sorted(eligible))
+    if asynchronous:
+        raise SecureAggregationError(
+            f"{method} runs asynchronously, and fedlr's SecAgg+ exchange is a "
+            "synchronous round over the sampled nodes: secure-aggregation is for the "
+            f"synchronous sum-only methods: {names}"
+        )
     if not sum_only:
-        names = ", ".join(sorted(eligible))
         raise SecureAggregationError(
             f"{method} needs each client's arrays: secure-aggregation is for "
             f"sum-only methods: {names}"

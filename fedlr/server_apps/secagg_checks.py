@@ -9,6 +9,7 @@ from fedlr.privacy import distributed_dp as ddp
 from fedlr.privacy.secagg import (
     check_eligible,
 )
+from fedlr.strategies.async_lora import AsyncLoraStrategy
 from fedlr.strategies.registry import MethodConfig, available_methods, get_method
 
 __all__ = ["check_secure_config", "check_secure_method"]
@@ -28,6 +29,7 @@ def check_secure_method(method: MethodConfig) -> None:
         method.spec.name,
         method.spec.traits.sum_only,
         eligible,
+        asynchronous=issubclass(method.spec.strategy, AsyncLoraStrategy),
         robust=config.robust,
         max_client_weight=config.max_client_weight,
         max_weight_ratio=config.max_weight_ratio,

@@ -38,6 +38,7 @@ from fedlr.privacy.secagg import (
 )
 from fedlr.round.pipeline import run_round
 from fedlr.server_apps.secagg import SecAggPlusExchange
+from fedlr.strategies.async_lora import AsyncLoraStrategy
 from fedlr.strategies.fot import FedAvgContinual
 from fedlr.strategies.registry import available_methods, get_method
 from fedlr.wire import protocol
@@ -201,6 +202,29 @@ def test_only_sum_only_methods_are_served(method):
     message = str(info.value)
     assert message.startswith(f"{method} needs each client's arrays")
     assert "\n" not in message
+    assert listed_sum_only(message) == SUM_ONLY
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        m
+        for m in available_methods()
+        if issubclass(get_method(m).strategy, AsyncLoraStrategy)
+    ],
+)
+def test_asynchronous_methods_are_refused_for_the_loop_not_their_step(method):
+    """FedBuff's step needs only the buffer's sum (docs/methods/fedbuff-lora.md);
+    the refusal says what is true: the asynchronous loop has no SecAgg+."""
+    from fedlr.server_apps.secagg_checks import check_secure_method
+    from fedlr.strategies.registry import resolve
+
+    config = resolve({"method": method, "secure-aggregation": True, "robust": "none"})
+    with pytest.raises(SecureAggregationError) as info:
+        check_secure_method(config)  # the launcher's and the ServerApp's check
+    message = str(info.value)
+    assert message.startswith(f"{method} runs asynchronously")
+    assert "needs each client's arrays" not in message
     assert listed_sum_only(message) == SUM_ONLY
 
 
