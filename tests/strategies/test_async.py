@@ -198,6 +198,22 @@ def test_fedasync_mixes_each_reply_by_its_staleness(strategies):
     assert opts.async_alpha == 0.8
 
 
+def test_fedasync_staleness_counts_versions_missed_not_the_papers_index():
+    """docs/methods/fedasync-lora.md: a reply on the latest version has
+    staleness 0 and weight alpha (the paper's t - tau is 1 for it); the
+    paper's hinge weights are fedlr's at threshold b - 1."""
+    from fedlr.strategies.fedasync_lora import mixing_weight
+
+    default = FedAsyncOptions()
+    assert default.async_alpha == 0.6
+    assert mixing_weight(0, default) == 0.6
+    assert mixing_weight(1, default) == pytest.approx(0.6 * 2**-0.5, rel=1e-15)
+    paper = FedAsyncOptions(staleness_fn="hinge", hinge_slope=10.0, hinge_threshold=4)
+    shifted = FedAsyncOptions(staleness_fn="hinge", hinge_slope=10.0, hinge_threshold=3)
+    for missed in range(10):
+        assert mixing_weight(missed, shifted) == mixing_weight(missed + 1, paper)
+
+
 @pytest.mark.parametrize(
     ("fn", "staleness", "want"),
     [
