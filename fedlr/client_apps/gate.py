@@ -281,15 +281,19 @@ def _number(config: ConfigRecord, key: str, default: float) -> float:
     return value if math.isfinite(value) else math.inf  # NaN: not "off"
 
 
-_SAID: set[tuple[int, str]] = set()
-"""``(node, refused key)`` pairs this process has logged at WARNING."""
+_SAID: set[tuple[int, int, str]] = set()
+"""``(run, node, refused key)`` this process has logged at WARNING."""
 
 
 def refusal_reply(message: Message, context: Context, exc: Exception) -> Message:
     """The error reply of a refusal, with one line in the node's log: at
-    WARNING the first time the node refuses that key (a budget refusal: its
-    type), at DEBUG when it repeats in later rounds."""
-    said = (int(context.node_id), str(getattr(exc, "key", type(exc).__name__)))
+    WARNING the first time the node refuses that key in a run (a budget
+    refusal: its type), at DEBUG when it repeats in later rounds."""
+    said = (
+        int(context.run_id),
+        int(context.node_id),
+        str(getattr(exc, "key", type(exc).__name__)),
+    )
     level = DEBUG if said in _SAID else WARNING
     _SAID.add(said)
     _LOG.log(level, "node %s refused: %s", context.node_id, exc)

@@ -24,8 +24,9 @@ import dataclasses
 import functools
 import math
 from collections.abc import Iterable, Mapping
-from logging import WARNING
+from logging import DEBUG, WARNING
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import torch
 from flwr.app import Message, MetricRecord, RecordDict
@@ -523,11 +524,20 @@ class Replies:
         updates, invalid = self.validate_replies(fresh)
         updates, oversized = self.screen_update_sizes(updates, current)
         dropped = invalid + oversized + dropped
+        said = _REFUSALS_SAID.setdefault(self.method, set())
         for reason in dropped:
-            log(WARNING, "round %d: dropped a reply: %s", server_round, reason)
+            # a node's refusal repeated word for word in a later round: DEBUG
+            level = DEBUG if reason in said else WARNING
+            if "client error: " in reason:
+                said.add(reason)
+            log(level, "round %d: dropped a reply: %s", server_round, reason)
         if len(updates) < min_replies:
             raise NoValidRepliesError(server_round, len(updates), min_replies, dropped)
         return updates, dropped
+
+
+_REFUSALS_SAID: WeakKeyDictionary[Any, set[str]] = WeakKeyDictionary()
+"""Per strategy (one run), the nodes' refusals already logged at WARNING."""
 
 
 @functools.cache

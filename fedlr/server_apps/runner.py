@@ -298,17 +298,21 @@ def run_server(
 
 
 def epsilon_text(privacy: PrivacyConfig, row: Mapping[str, Any]) -> str:
-    """`` dp-epsilon 1.88 client-dp-epsilon 12.3`` for the DP mechanisms on
-    (``n/a`` for a round that reported none, e.g. every node refused)."""
+    """`` dp-epsilon 1.88 (largest node ledger, every run) client-dp-epsilon
+    12.3 (this run)`` for the DP mechanisms on (``n/a`` for a round that
+    reported none, e.g. every node refused): DP-SGD's is the largest ε a node
+    reported over its whole ledger, earlier runs included (each reply also
+    carries the run's own, ``dp-epsilon-run``)."""
     parts = []
-    for key, on in (
-        (DP_EPSILON, privacy.dp_sgd is not None),
-        (CLIENT_DP_EPSILON, privacy.client_dp is not None),
+    for key, on, counts in (
+        (DP_EPSILON, privacy.dp_sgd is not None, "largest node ledger, every run"),
+        (CLIENT_DP_EPSILON, privacy.client_dp is not None, "this run"),
     ):
         if on:
             value = row.get(key)
             finite = isinstance(value, (int, float)) and math.isfinite(value)
-            parts.append(f"{key} {value:.3g}" if finite else f"{key} n/a")
+            shown = f"{value:.3g} ({counts})" if finite else "n/a"
+            parts.append(f"{key} {shown}")
     return "".join(f" {p}" for p in parts)
 
 
