@@ -473,7 +473,7 @@ class RunConfig(Options):
 
     dp_max_grad_norm: float = option(
         0.0,
-        "sample-level DP-SGD on every client (LoRA methods): per-example "
+        "sample-level DP-SGD on every client (LoRA and vision methods): per-example "
         "gradient clip C, finite and ≥ 0; `0` turns DP-SGD off; see "
         "[privacy.md](privacy.md#sample-level-dp-sgd)",
         bad=[(-1.0, "finite and >= 0")],

@@ -25,8 +25,10 @@ an error reply naming ``dp-epsilon``).
 
 The feature is a *common* client feature (:func:`fedlr.client.features.common_feature`):
 every method gets it when its instruction carries ``dp-max-grad-norm`` > 0.
-It serves LoRA models only (VeRA and SORF-VeRA are refused with
-:class:`~fedlr.errors.PrivacyUnsupportedError`).
+It serves LoRA models (VeRA and SORF-VeRA are refused with
+:class:`~fedlr.errors.PrivacyUnsupportedError`); the vision payloads run the
+same loop (:func:`private_loop`, :func:`fedlr.tasks.image.train_sgd`), and a
+layer that mixes a batch's examples (BatchNorm) is refused by name.
 
 Loss terms that read no data. A client feature's loss term that is a function
 of the parameters and of what the node received or kept, not of its examples
