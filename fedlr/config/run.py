@@ -129,7 +129,7 @@ class RunConfig(Options):
         "",
         "comma-separated LoRA ranks (each ≥ 1) cycled over the partitions "
         "(partition p trains rank `ranks[p % len]`), for `flexlora`, `hetlora`, "
-        "`flora`, `fedspec` and `fedex-lora`; the server's adapters have the "
+        "`flora`, `ilora`, `fedspec` and `fedex-lora`; the server's adapters have the "
         "largest of them, and `lora-rank` is not used (a `hetlora` client may "
         "then lower its own rank: `hetlora-prune-gamma`); empty: every client "
         "trains `lora-rank` (methods with one rank refuse a non-empty value)",

@@ -251,10 +251,22 @@ def _personalised(summary: dict[str, Any], results: pd.DataFrame, method: str) -
 
 
 def _folds_base(summary: dict[str, Any], method: str) -> bool:
-    """``summary.json``'s ``folds-base``, else the registry's trait."""
-    if "folds-base" in summary:
-        return bool(summary["folds-base"])
-    return _trait(method, "folds_base")
+    """Whether the run folds each round's gap into the base weights (the gap
+    panel's "before the fold"): ``summary.json``'s ``folds-base``, else the
+    registry's trait, and not for a method whose fold is its initialisation
+    only (its strategy's ``folds_gap``: ILoRA, whose W is unchanged after
+    it and whose gap is what the clients receive)."""
+    folds = (
+        bool(summary["folds-base"])
+        if "folds-base" in summary
+        else _trait(method, "folds_base")
+    )
+    registry = sys.modules.get("fedlr.strategies.registry")
+    try:
+        strategy = registry.get_method(method).strategy if registry else None
+    except (KeyError, LookupError, ValueError):
+        strategy = None
+    return folds and bool(getattr(strategy, "folds_gap", True))
 
 
 def differing_keys(configs: Sequence[dict[str, Any]]) -> list[str]:

@@ -210,6 +210,11 @@ class FactoredDownlink(FedLRStrategy):
     replies_type: ClassVar[type[Replies]] = DownlinkReplies
 
     folds_base: ClassVar[bool] = True
+    folds_gap: ClassVar[bool] = True
+    """Whether each round's fold absorbs the round's gap (FedEx-LoRA's
+    residual), so that ``frobenius-gap`` is the gap before the fold, not an
+    error of the model; ``False`` for a method whose fold is its
+    initialisation only (ILoRA)."""
     options_type: ClassVar[type[Options]] = DownlinkOptions
 
     extra_columns: tuple[str, ...] = ("dense-base-sends",)

@@ -172,7 +172,9 @@ class HeteroRankLoRA(LoraStrategy):
             *(f"bytes-down-rank-{r}" for r in ranks),
             *(f"bytes-up-rank-{r}" for r in ranks),
         )
-        self._down_by_rank: dict[int, list[int]] = {}
+        self._down_by_node: dict[int, tuple[int, int]] = {}
+        """This round's train instruction to each node: the rank it was sent
+        at and its bytes."""
 
     @classmethod
     def strategy_kwargs(cls, config: RunConfig) -> dict[str, Any]:
@@ -272,7 +274,13 @@ class HeteroRankLoRA(LoraStrategy):
             report.metrics[f"gap-rank-{r}"] = math.sqrt(
                 sum(gaps[r] ** 2 for gaps, _ in layers.values())
             )
-            sent = self._down_by_rank.get(r, [])
+            # by the node's rank as its reply declared it (round 1: every node
+            # is sent rank R, the rank-r ones too), else the rank it was sent
+            sent = [
+                nbytes
+                for node, (at, nbytes) in self._down_by_node.items()
+                if self.node_ranks.get(node, at) == r
+            ]
             report.metrics[f"bytes-down-rank-{r}"] = (
                 float(sum(sent)) / len(sent) if sent else 0.0
             )
@@ -346,7 +354,7 @@ class HeteroRankLoRA(LoraStrategy):
         messages = super().instructions(server_round, messages, arrays, train=train)
         if not train:
             return messages
-        self._down_by_rank = {}
+        self._down_by_node = {}
         out: list[Message] = []
         for message in messages:
             node = int(message.metadata.dst_node_id)
@@ -369,7 +377,7 @@ class HeteroRankLoRA(LoraStrategy):
             nbytes = sum(
                 record_nbytes(r) for r in message.content.array_records.values()
             )
-            self._down_by_rank.setdefault(rank, []).append(nbytes)
+            self._down_by_node[node] = (rank, nbytes)
             out.append(message)
         return out
 

@@ -208,6 +208,7 @@ class ILoRA(HeteroFoldLoRA):
         Role.HEAD,
         Role.BASE,
     )
+    folds_gap: ClassVar[bool] = False  # W moves once, at initialisation
 
     def initial_global_state(
         self, state: Mapping[str, torch.Tensor]

@@ -64,6 +64,10 @@ def test_every_rank_trains_and_reports(tmp_path, method):
         # W0: dense every round (factored changes: the next test).
         assert frame["dense-base-sends"].tolist() == [4, 4, 4]
     else:
+        # Round 1: the server does not know the nodes' ranks yet and sends
+        # every node rank 16; each rank's column is what its nodes received.
+        first = frame.loc[0, [f"bytes-down-rank-{r}" for r in RANKS]].to_numpy()
+        assert (first == frame.loc[0, "bytes-down"] / 4).all(), first
         # Round 2: each node is sent only its own rank's components.
         down = frame.loc[1, [f"bytes-down-rank-{r}" for r in RANKS]].to_numpy()
         assert (down[1:] > down[:-1]).all(), down

@@ -218,6 +218,18 @@ def test_a_folding_methods_gap_says_it_is_the_gap_before_the_fold(
     assert ax.get_title().startswith("Frobenius gap")
 
 
+def test_iloras_gap_is_not_called_folded(tmp_path: Path) -> None:
+    """ILoRA moves W once, at initialisation (docs/methods/ilora.md: W
+    unchanged by aggregation): its gap is what the clients receive, so the
+    title makes no claim of a fold that makes the model exact."""
+    from fedlr.strategies.registry import available_methods
+
+    available_methods()  # the registry loaded, as in the ServerApp
+    run = _run_dir(tmp_path, "ilora", "ilora", {}, summary={"folds-base": True})
+    ax = figures([load_run(run)])["gap.png"].axes[0]
+    assert ax.get_title().startswith("Frobenius gap") and "exact" not in ax.get_title()
+
+
 # ----------------------------------------------------------------- epsilon
 
 
