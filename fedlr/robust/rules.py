@@ -33,6 +33,13 @@ weight*, in the method's own update space, before the method's kernel runs:
     drawn from the operating system's secure source so that no client can
     know its bucket, and the buckets are clipped.
 
+Each extra record a method aggregates (``space.records``: FOT's sketches,
+FedLEASE's router, SCAFFOLD-LoRA's control delta) is bounded by the same rule
+in its own space (:class:`~fedlr.robust.spaces.RecordSpace`): clipped at
+``clip-ratio`` times the round's median norm of that record, moved towards its
+reference by its geometric-median share, trimmed, or centred-clipped; the
+client's arrays keep what the rule gave them.
+
 and, with any rule, ``max-client-weight`` caps each client's share of the
 total weight (water-filling), so no claimed example count buys the model.
 
@@ -70,7 +77,7 @@ from fedlr.robust.estimators import (
     distances,
     geometric_median_weights,
 )
-from fedlr.robust.spaces import UpdateSpace
+from fedlr.robust.spaces import RecordSpace, UpdateSpace
 
 if TYPE_CHECKING:
     from fedlr.wire.updates import ClientUpdate
@@ -289,6 +296,12 @@ def robust_aggregate(
         weights, ratio_reasons = _cap_at_median(kept, weights, config.max_weight_ratio)
         reasons += ratio_reasons
         metrics["robust-capped"] += len(ratio_reasons)
+    # each record in its own space, over every update the rule sees (a rule
+    # that leaves clients out must not leave too few to judge the records)
+    kept, record_reasons = _robust_records(kept, space, config)
+    reasons += record_reasons
+    if space.records:
+        metrics["robust-records-moved"] = float(len(record_reasons))
     if config.rule == "norm-clip":
         kept, clip_reasons = _clip(kept, space, config.clip_norm, config.clip_ratio)
         reasons += clip_reasons
@@ -328,6 +341,75 @@ def robust_aggregate(
         replace(u, weight=float(s) * total) for u, s in zip(kept, shares, strict=True)
     ]
     return RobustOutcome(new, reasons, metrics)
+
+
+def _robust_records(
+    updates: list[ClientUpdate], space: UpdateSpace, config: RobustConfig
+) -> tuple[list[ClientUpdate], list[str]]:
+    """Each extra record of ``space.records`` bounded by the rule, in its own
+    space: moved towards its reference by the factor :func:`_record_factors`
+    gives it (a reason per record moved, naming its node)."""
+    out = list(updates)
+    reasons: list[str] = []
+    for record in space.records:
+        if not out or not all(record.name in u.extras for u in out):
+            continue
+        if config.rule == "norm-clip" and not record.by_norm_clip:
+            continue  # the method clips it after moving it with the arrays
+        factors, why = _record_factors(out, record, config)
+        for i, g in enumerate(factors):
+            if g < 1.0:
+                out[i] = record.shrink(out[i], g)
+                reasons.append(
+                    f"node {out[i].node_id}: record '{record.name}' moved towards "
+                    f"its reference by {g:.4g} ({why[i]})"
+                )
+    return out, reasons
+
+
+def _record_factors(
+    updates: list[ClientUpdate], record: RecordSpace, config: RobustConfig
+) -> tuple[list[float], list[str]]:
+    """The factor ``g_i`` (1: untouched) the rule gives each update's record
+    in the record's own space, and why.
+
+    ``norm-clip``: ``min(1, tau / ||r_i||)``, ``tau`` ``clip-ratio`` times the
+    round's median norm of that record; ``median``: ``k alpha_i`` where the
+    geometric median's weight ``alpha_i`` is below half a plain share
+    (``1 / 2k``: far from the median), else 1; ``trimmed-mean``: 0 for the
+    ``trim-fraction`` farthest from the geometric median; ``centred-clip``:
+    the clip factor at the centred-clipping fixed point. Non-finite norms
+    were dropped by the screen; a round whose records do not meet that is
+    left as it is.
+    """
+    k = len(updates)
+    ones = [1.0] * k
+    why = [""] * k
+    if config.rule == "norm-clip":
+        norms = [record.norm(u) for u in updates]
+        tau = config.clip_ratio * float(
+            torch.tensor(norms, dtype=torch.float64).median()
+        )
+        factors = [tau / n if n > tau * (1 + 1e-9) else 1.0 for n in norms]
+        return factors, [f"norm {n:.4g} above {tau:.4g}" for n in norms]
+    if k < 2 or config.rule not in ("median", "trimmed-mean", "centred-clip"):
+        return ones, why
+    gram = record.gram(updates)
+    if not bool(torch.isfinite(gram).all()):
+        return ones, why
+    if config.rule == "centred-clip":
+        _, tau, clip = centred_clip_weights(gram, ones, ratio=config.clip_ratio)
+        return [float(c) for c in clip], [f"farther than {tau:.4g} from the centre"] * k
+    alpha = geometric_median_weights(gram, ones)
+    if config.rule == "median":
+        factors = [float(k * a) if float(k * a) < 0.5 else 1.0 for a in alpha]
+        return factors, ["far from the record's geometric median"] * k
+    dist = distances(gram, alpha)
+    n_trim = min(math.ceil(config.trim_fraction * k - 1e-9), (k - 1) // 2)
+    order = sorted(range(k), key=lambda i: (-float(dist[i]), i))
+    trimmed = set(order[:n_trim])
+    factors = [0.0 if i in trimmed else 1.0 for i in range(k)]
+    return factors, [f"among the {n_trim} farthest from the record's median"] * k
 
 
 def _median(

@@ -6,7 +6,17 @@ its bases), of each adapted layer's product ``B_i A_i - B A`` from the
 factors' r x r Gram blocks, never a dense d_out x d_in matrix
 (:class:`ProductSpace`), or, for clients at their own LoRA ranks, the scaled
 product change against the factors each was sent
-(:class:`RankedProductSpace`).
+(:class:`RankedProductSpace`), or their factors' change against the factors
+each was sent (:class:`RankedFactorSpace`).
+
+A LoRA method declares which of the two its aggregation works in
+(:data:`AGGREGATION_SPACES`): a method that averages ``A`` and ``B`` apart
+(:data:`FACTORS`) publishes ``mean(B) mean(A)``, which is not invariant under
+the gauge ``(c A, B / c)`` of a factor pair, so it is measured on the factors
+(a rebalanced reply has the same product, and a huge factor change); a method
+whose aggregate is a function of the products alone (:data:`PRODUCT`: an SVD
+of the mean of products) is measured on the products
+(docs/reliability.md, "Measured where it is aggregated").
 """
 
 from __future__ import annotations
@@ -22,7 +32,29 @@ import torch
 if TYPE_CHECKING:
     from fedlr.wire.updates import ClientUpdate
 
-__all__ = ["ParameterSpace", "ProductSpace", "RankedProductSpace", "UpdateSpace"]
+__all__ = [
+    "AGGREGATION_SPACES",
+    "FACTORS",
+    "PRODUCT",
+    "ParameterSpace",
+    "ProductSpace",
+    "RankedFactorSpace",
+    "RankedProductSpace",
+    "RecordSpace",
+    "SumSpace",
+    "UpdateSpace",
+]
+
+FACTORS = "factors"
+"""A LoRA method that averages (or otherwise combines linearly) ``A`` and
+``B`` apart: its replies are measured as the change of every array sent,
+factors included (:class:`ParameterSpace`, :class:`RankedFactorSpace`)."""
+PRODUCT = "product"
+"""A LoRA method whose aggregate depends on each client's factors only
+through its products ``B_i A_i``: measured on the products
+(:class:`ProductSpace`, :class:`RankedProductSpace`)."""
+AGGREGATION_SPACES = (FACTORS, PRODUCT)
+"""What a LoRA strategy's ``aggregation_space`` may declare."""
 
 
 _GRAM_CHUNK_BYTES = 64 * 2**20
@@ -51,6 +83,11 @@ class UpdateSpace(ABC):
 
     linear: bool = True
     """Whether ``norm(shrink(u, g)) == g * norm(u)`` (else clipping bisects)."""
+
+    records: tuple[RecordSpace, ...] = ()
+    """The extra reply records the method aggregates, each in its own space:
+    the robust rules bound each record's influence as they bound the arrays'
+    (:func:`fedlr.robust.rules.robust_aggregate`). Empty: no such record."""
 
 
 def _arrays_towards(
@@ -319,6 +356,182 @@ class RankedProductSpace(UpdateSpace):
     def shrink(self, update: ClientUpdate, factor: float) -> ClientUpdate:
         moved = _arrays_towards(update.arrays, self.start(update), factor)
         return replace(update, arrays=moved)
+
+
+class RankedFactorSpace(UpdateSpace):
+    """Updates of clients at their own ranks as the change of every array
+    against what each was sent: ``x_i - x0_i`` over all the reply's keys.
+
+    The factor-space counterpart of :class:`RankedProductSpace` for methods
+    that combine the factors themselves (HetLoRA's zero-padded means): a
+    reply's factors, not only their product, are what the method publishes.
+    Linear: clipping scales.
+
+    Parameters
+    ----------
+    start : callable
+        ``start(update) -> arrays``: the arrays the client started from, at
+        its rank, by key; a key it lacks (or of another shape) counts from
+        zero.
+    """
+
+    def __init__(
+        self, start: Callable[[ClientUpdate], Mapping[str, torch.Tensor]]
+    ) -> None:
+        self.start = start
+
+    def deltas(self, update: ClientUpdate) -> dict[str, torch.Tensor]:
+        """Each key's change against the start, float64."""
+        start = self.start(update)
+        out = {}
+        for key, x in update.arrays.items():
+            ref = start.get(key)
+            x64 = x.to(torch.float64)
+            fits = ref is not None and ref.shape == x.shape
+            out[key] = x64 - ref.to(torch.float64) if ref is not None and fits else x64
+        return out
+
+    def vector(self, update: ClientUpdate) -> torch.Tensor:
+        """The update as one float64 vector (keys in sorted order)."""
+        deltas = self.deltas(update)
+        if not deltas:
+            return torch.zeros(0, dtype=torch.float64)
+        return torch.cat([deltas[k].reshape(-1) for k in sorted(deltas)])
+
+    def gram(self, updates: Sequence[ClientUpdate]) -> torch.Tensor:
+        """Inner products of the zero-padded changes (ranks may differ: two
+        arrays of one key meet on their leading rows and columns)."""
+        deltas = [self.deltas(u) for u in updates]
+        k = len(deltas)
+        out = torch.zeros(k, k, dtype=torch.float64)
+        for i in range(k):
+            for j in range(i, k):
+                total = 0.0
+                for key in deltas[i].keys() & deltas[j].keys():
+                    x, y = deltas[i][key], deltas[j][key]
+                    if x.dim() != y.dim():
+                        continue
+                    common = tuple(
+                        slice(0, min(a, b))
+                        for a, b in zip(x.shape, y.shape, strict=True)
+                    )
+                    total += float((x[common] * y[common]).sum())
+                out[i, j] = out[j, i] = total
+        return out
+
+    def norm(self, update: ClientUpdate) -> float:
+        return float(torch.linalg.vector_norm(self.vector(update)))
+
+    def shrink(self, update: ClientUpdate, factor: float) -> ClientUpdate:
+        moved = _arrays_towards(update.arrays, self.start(update), factor)
+        return replace(update, arrays=moved)
+
+
+class SumSpace(UpdateSpace):
+    """The direct sum of spaces that move an update alike: ``<u, v> = sum_p
+    <u, v>_p``.
+
+    For a method that publishes both what is measured in one space and what
+    is measured in another: a factor method that folds the mean of the
+    products into the base weights (FedEx-LoRA) publishes the factors and
+    the products' mean, so a reply is measured on both, and a rule bounds it
+    in each. Every part must move an update the same way (towards the same
+    reference: :class:`ParameterSpace` and :class:`ProductSpace` of one
+    state, or :class:`RankedFactorSpace` and :class:`RankedProductSpace` of
+    one start); the first one's is used. Clipping bisects.
+
+    Parameters
+    ----------
+    parts : sequence of UpdateSpace
+    """
+
+    linear = False
+
+    def __init__(self, parts: Sequence[UpdateSpace]) -> None:
+        if not parts:
+            raise ValueError("a sum of spaces needs at least one space")
+        self.parts = list(parts)
+
+    def gram(self, updates: Sequence[ClientUpdate]) -> torch.Tensor:
+        grams = [p.gram(updates) for p in self.parts]
+        return torch.stack(grams).sum(0)
+
+    def norm(self, update: ClientUpdate) -> float:
+        return math.sqrt(sum(p.norm(update) ** 2 for p in self.parts))
+
+    def shrink(self, update: ClientUpdate, factor: float) -> ClientUpdate:
+        return self.parts[0].shrink(update, factor)
+
+
+class RecordSpace:
+    """An extra reply record as an update: ``r_i - ref_i`` over its arrays.
+
+    The robust rules measure a record (FOT's sketches, FedLEASE's router,
+    SCAFFOLD-LoRA's control delta) in this space, apart from the arrays, and
+    move it towards its reference (``ref + g (r - ref)``) by the factor ``g``
+    the rule gives it there.
+
+    Parameters
+    ----------
+    name : str
+        The record's name in :attr:`ClientUpdate.extras`.
+    reference : callable, optional
+        ``reference(update) -> arrays``: what the record would be had the
+        client not moved it (FedLEASE: its cluster's current router); a key
+        it lacks counts from zero. Default: zero (a record that is itself a
+        change, or a description summed over the clients).
+    by_norm_clip : bool, default True
+        Whether ``norm-clip`` clips the record here; False where the method
+        clips it after moving it with the arrays (SCAFFOLD-LoRA's control
+        delta, :meth:`~fedlr.round.replies.Replies.clips_record`).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        reference: Callable[[ClientUpdate], Mapping[str, torch.Tensor]] | None = None,
+        *,
+        by_norm_clip: bool = True,
+    ) -> None:
+        self.name = name
+        self.reference = reference
+        self.by_norm_clip = by_norm_clip
+
+    def _ref(self, update: ClientUpdate) -> Mapping[str, torch.Tensor]:
+        return {} if self.reference is None else self.reference(update)
+
+    def vector(self, update: ClientUpdate) -> torch.Tensor:
+        """The record's change as one float64 vector (keys sorted)."""
+        record = update.extras[self.name]
+        ref = self._ref(update)
+        parts = []
+        for key in sorted(record):
+            x = record[key].to(torch.float64)
+            r = ref.get(key)
+            fits = r is not None and r.shape == x.shape
+            parts.append(
+                (x - r.to(torch.float64) if r is not None and fits else x).reshape(-1)
+            )
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+    def gram(self, updates: Sequence[ClientUpdate]) -> torch.Tensor:
+        """``G[i, j] = <r_i - ref_i, r_j - ref_j>``, (k, k) float64."""
+        vectors = torch.stack([self.vector(u) for u in updates])
+        return vectors @ vectors.T
+
+    def norm(self, update: ClientUpdate) -> float:
+        return float(torch.linalg.vector_norm(self.vector(update)))
+
+    def shrink(self, update: ClientUpdate, factor: float) -> ClientUpdate:
+        """The record moved to ``ref + factor (r - ref)``, its factor kept in
+        :attr:`ClientUpdate.record_factors` (multiplied)."""
+        moved = _arrays_towards(update.extras[self.name], self._ref(update), factor)
+        g = update.record_factors.get(self.name, 1.0) * factor
+        return replace(
+            update,
+            extras={**update.extras, self.name: moved},
+            record_factors={**update.record_factors, self.name: g},
+        )
 
 
 def _inner(

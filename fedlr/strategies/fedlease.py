@@ -76,6 +76,7 @@ from fedlr.config.options import NoOptions, option
 from fedlr.errors import ProtocolError
 from fedlr.flower.records import config_int, record_to_state
 from fedlr.linalg import stacked_residual
+from fedlr.robust.spaces import RecordSpace, UpdateSpace
 from fedlr.round.instructions import with_records
 from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
@@ -475,6 +476,21 @@ class FedLeaseReplies(PersonalReplies):
     def clip_extras(self, update: ClientUpdate) -> ClientUpdate:
         """The router is no linear function of the update: it stays as sent."""
         return update
+
+    def space(self, current: Mapping[str, torch.Tensor]) -> UpdateSpace:
+        """The arrays' space, and (after the allocation) ``fedlease-router`` as
+        a record of its own, its change against the router the node's cluster
+        was sent: a robust rule bounds it there."""
+        space = super().space(current)
+        method = self.method
+        if method.mixture_sent:
+            space.records = (
+                RecordSpace(
+                    FEDLEASE_ROUTER,
+                    lambda u: method.routers[method.expert_of(u.node_id)],
+                ),
+            )
+        return space
 
 
 @dataclass(frozen=True)

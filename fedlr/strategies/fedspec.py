@@ -88,6 +88,7 @@ from fedlr.linalg import (
     svd_of_mean,
     truncate,
 )
+from fedlr.robust.spaces import PRODUCT
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.hetero import HeteroRankLoRA, layout_at_rank
 from fedlr.strategies.lora_svd import SeededLoraStrategy
@@ -170,6 +171,8 @@ class FedSpec(SvdSolverChoice, SeededLoraStrategy):
     **kwargs
         Other parameters: see :class:`~fedlr.strategies.lora_svd.SeededLoraStrategy`.
     """
+
+    aggregation_space: ClassVar[str] = PRODUCT  # an SVD / fold of the products
 
     method_options: FedSpecOptions
 

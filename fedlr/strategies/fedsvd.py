@@ -30,6 +30,7 @@ import torch
 
 from fedlr.adapters.roles import Role
 from fedlr.linalg import factored_svd, pad_factors
+from fedlr.robust.spaces import PRODUCT
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.lora_svd import SeededLoraStrategy
 from fedlr.strategies.registration import ClientContract, register_method
@@ -53,6 +54,8 @@ class FedSVD(SeededLoraStrategy):
 
     Parameters: see :class:`~fedlr.strategies.lora_svd.SeededLoraStrategy`.
     """
+
+    aggregation_space: ClassVar[str] = PRODUCT  # an SVD / fold of the products
 
     send_roles: ClassVar[tuple[Role, ...]] = (Role.LORA_A, Role.LORA_B, Role.HEAD)
     train_roles: ClassVar[tuple[Role, ...]] = (Role.LORA_B, Role.HEAD)

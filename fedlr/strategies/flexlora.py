@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 
 from fedlr.linalg import (
     flexlora_factors,
 )
+from fedlr.robust.spaces import PRODUCT
 from fedlr.strategies.hetero import (
     HeteroRankLoRA,
     LayerResult,
@@ -44,6 +46,8 @@ class FlexLoRA(HeteroRankLoRA):
 
     Parameters: see :class:`HeteroRankLoRA`.
     """
+
+    aggregation_space: ClassVar[str] = PRODUCT  # an SVD / fold of the products
 
     def aggregate_layer(
         self,

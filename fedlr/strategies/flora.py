@@ -19,6 +19,7 @@ from fedlr.linalg import (
     factored_frobenius_norm,
     stacked_update,
 )
+from fedlr.robust.spaces import PRODUCT
 from fedlr.strategies.base import ClientUpdate
 from fedlr.strategies.fedex_downlink import DownlinkOptions
 from fedlr.strategies.hetero import (
@@ -55,6 +56,8 @@ class FLoRA(HeteroFoldLoRA):
 
     Parameters: see :class:`HeteroRankLoRA` and ``fedex_downlink``.
     """
+
+    aggregation_space: ClassVar[str] = PRODUCT  # an SVD / fold of the products
 
     send_roles: ClassVar[tuple[Role, ...]] = (Role.HEAD, Role.BASE)
 

@@ -61,7 +61,7 @@ from fedlr.linalg.fot import (
     project_update,
     weighted_residual_fraction,
 )
-from fedlr.robust.spaces import ParameterSpace, UpdateSpace
+from fedlr.robust.spaces import ParameterSpace, RecordSpace, UpdateSpace
 from fedlr.round.describe import app_arguments
 from fedlr.round.replies import Replies
 from fedlr.strategies.base import (
@@ -258,7 +258,11 @@ class FotReplies(Replies):
                 return project_update(delta, self.method.bases.get(layer))
             return delta
 
-        return ParameterSpace(current, transform=project)
+        space = ParameterSpace(current, transform=project)
+        # at a boundary, each client's sketches: bounded by the rule in their
+        # own space (scaled towards zero: less of that client in the sum)
+        space.records = tuple(RecordSpace(name) for name in self.records())
+        return space
 
 
 @register_method(

@@ -50,6 +50,7 @@ from fedlr.linalg import (
     pad_factors,
     updates_svd,
 )
+from fedlr.robust.spaces import PRODUCT
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.lora_svd import PersonalArrays, PersonalLoraStrategy
 from fedlr.strategies.registration import ClientContract, register_method
@@ -123,6 +124,8 @@ class GlobalSVD(SvdSolverChoice, PersonalLoraStrategy):
 
     Parameters: see :class:`~fedlr.strategies.lora_svd.PersonalLoraStrategy`.
     """
+
+    aggregation_space: ClassVar[str] = PRODUCT  # an SVD / fold of the products
 
     method_options: SvdSolverOptions
 

@@ -19,8 +19,14 @@ from flwr.app import Message
 
 from fedlr.adapters.roles import AdapterLayout
 from fedlr.errors import ReplyValidationError
-from fedlr.robust.spaces import RankedProductSpace, UpdateSpace
-from fedlr.strategies.lora import LoraReplies
+from fedlr.robust.spaces import (
+    FACTORS,
+    RankedFactorSpace,
+    RankedProductSpace,
+    SumSpace,
+    UpdateSpace,
+)
+from fedlr.strategies.lora import LoraReplies, aggregation_space
 from fedlr.wire.protocol import PARTITION_ID
 from fedlr.wire.updates import ClientUpdate
 
@@ -45,13 +51,22 @@ class HeteroReplies(LoraReplies):
 
         Client ``i`` of rank ``r_i`` is measured as ``s_i (B_i A_i - B0_i
         A0_i)`` (:class:`~fedlr.robust.spaces.RankedProductSpace`), ``B0_i``,
-        ``A0_i`` its start (:meth:`start_of`); the head as parameters.
+        ``A0_i`` its start (:meth:`start_of`); the head as parameters. A
+        method that combines the factors apart (``aggregation_space`` =
+        ``factors``, HetLoRA's zero-padded means) measures every array's
+        change against that start instead
+        (:class:`~fedlr.robust.spaces.RankedFactorSpace`), and one that also
+        folds the products into the base weights (``folds_base``) both.
         """
-        return RankedProductSpace(
+        product = RankedProductSpace(
             [(m.a_key, m.b_key) for m in self.method.layout.modules],
             start=lambda update: self.method.start_of(update, current),
             scaling=lambda update: self.method.scalings([update])[0],
         )
+        if aggregation_space(self.method) != FACTORS:
+            return product
+        factors = RankedFactorSpace(lambda u: self.method.start_of(u, current))
+        return SumSpace([factors, product]) if self.method.folds_base else factors
 
     def validate_reply(
         self, message: Message, expected: Mapping[str, tuple[int, ...]]

@@ -63,6 +63,7 @@ import torch
 from fedlr.adapters.roles import LoraModule, Role
 from fedlr.errors import ShapeMismatchError
 from fedlr.linalg import factored_frobenius_norm, stacked_update
+from fedlr.robust.spaces import PRODUCT
 from fedlr.strategies.base import RoundReport
 from fedlr.strategies.fedex_downlink import DownlinkOptions
 from fedlr.strategies.hetero import HeteroFoldLoRA, LayerResult, LayerUpdates
@@ -201,6 +202,8 @@ class ILoRA(HeteroFoldLoRA):
     ``fedex_downlink``
     (:class:`~fedlr.strategies.fedex_downlink.FactoredDownlink`).
     """
+
+    aggregation_space: ClassVar[str] = PRODUCT  # an SVD / fold of the products
 
     send_roles: ClassVar[tuple[Role, ...]] = (
         Role.LORA_A,

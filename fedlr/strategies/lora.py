@@ -31,7 +31,14 @@ from fedlr.linalg import (
     gap_summary,
     stacked_residual,
 )
-from fedlr.robust.spaces import ProductSpace, UpdateSpace
+from fedlr.robust.spaces import (
+    AGGREGATION_SPACES,
+    FACTORS,
+    ParameterSpace,
+    ProductSpace,
+    SumSpace,
+    UpdateSpace,
+)
 from fedlr.round.describe import app_arguments
 from fedlr.round.instructions import bind_model, check_bound_model
 from fedlr.round.replies import Replies
@@ -47,14 +54,41 @@ class LoraReplies(Replies):
     method: LoraStrategy
 
     def space(self, current: Mapping[str, torch.Tensor]) -> UpdateSpace:
-        """Each adapted layer's product change ``B_i A_i - B A``, from the factors.
+        """The method's declared space (:attr:`LoraStrategy.aggregation_space`).
 
-        A factor the client does not send (FFA-LoRA's A, FedSA's B) is the
-        global one; the head's change is measured as parameters.
+        ``factors``: the change of every array sent, ``A`` and ``B`` apart
+        (:class:`~fedlr.robust.spaces.ParameterSpace`), and, for a method
+        that folds the mean of the products into the base weights
+        (``folds_base``: FedEx-LoRA), the product change too (their direct
+        sum, :class:`~fedlr.robust.spaces.SumSpace`). ``product``: each
+        adapted layer's product change ``B_i A_i - B A``, from the factors; a
+        factor the client does not send is the global one, the head's change
+        is measured as parameters.
         """
-        return ProductSpace(
+        product = ProductSpace(
             current, [(m.a_key, m.b_key) for m in self.method.layout.modules]
         )
+        if aggregation_space(self.method) != FACTORS:
+            return product
+        factors = ParameterSpace(current)
+        return SumSpace([factors, product]) if self.method.folds_base else factors
+
+
+def aggregation_space(method: object) -> str:
+    """The ``aggregation_space`` a LoRA strategy declares, checked.
+
+    Raises
+    ------
+    TypeError
+        If it is none of :data:`~fedlr.robust.spaces.AGGREGATION_SPACES`.
+    """
+    space = getattr(method, "aggregation_space", None)
+    if space not in AGGREGATION_SPACES:
+        raise TypeError(
+            f"{type(method).__name__}.aggregation_space must be one of "
+            f"{list(AGGREGATION_SPACES)}, got {space!r}"
+        )
+    return str(space)
 
 
 class LoraStrategy(FedLRStrategy):
@@ -73,6 +107,15 @@ class LoraStrategy(FedLRStrategy):
     """
 
     replies_type: ClassVar[type[Replies]] = LoraReplies
+
+    aggregation_space: ClassVar[str] = FACTORS
+    """Where the method's aggregation works, so where the screen, the robust
+    rules and the server-update clip measure a reply
+    (:data:`~fedlr.robust.spaces.AGGREGATION_SPACES`): ``factors`` (the
+    default, and every method that combines ``A`` and ``B`` apart: a
+    rebalanced pair ``(c A, B / c)`` is a large factor change) or ``product``
+    (a method whose aggregate depends on a client's factors only through
+    ``B_i A_i``)."""
 
     send_roles: ClassVar[tuple[Role, ...]] = (Role.LORA_A, Role.LORA_B, Role.HEAD)
     train_roles: ClassVar[tuple[Role, ...]] = (Role.LORA_A, Role.LORA_B, Role.HEAD)

@@ -43,6 +43,7 @@ from fedlr.client.method_features import record_method_features
 from fedlr.config.options import Options, declaration
 from fedlr.config.run import RunConfig
 from fedlr.privacy.refusals import PrivacyTraits
+from fedlr.robust.spaces import AGGREGATION_SPACES
 from fedlr.strategies.base import FedLRStrategy
 from fedlr.wire.payload_kind import PayloadKind
 
@@ -87,6 +88,13 @@ class Traits:
         read each client's factors).
     plugin : bool
         A user's own model and ClientApp can run it (the payload kind's).
+    aggregation_space : str or None
+        A LoRA method's declared space (its strategy's ``aggregation_space``,
+        one of :data:`~fedlr.robust.spaces.AGGREGATION_SPACES`): ``factors``
+        where it combines ``A`` and ``B`` apart, ``product`` where only the
+        products reach its aggregate; the screen, the robust rules and the
+        server-update clip measure a reply there. None: not a LoRA method
+        (its reply step's own space).
     """
 
     personalised: bool = False
@@ -94,6 +102,7 @@ class Traits:
     folds_base: bool = False
     sum_only: bool = False
     plugin: bool = False
+    aggregation_space: str | None = None
 
 
 @dataclass(frozen=True)
@@ -208,6 +217,7 @@ class MethodSpec:
             folds_base=cls.folds_base,
             sum_only=self.sum_only,
             plugin=self.payload.plugin,
+            aggregation_space=getattr(cls, "aggregation_space", None),
         )
 
     def strategy_for(self, client_ranks: bool) -> type[FedLRStrategy]:
@@ -249,6 +259,12 @@ class MethodSpec:
             raise ValueError(
                 f"method '{self.name}': options redeclare common run-config keys "
                 f"{shadowed}"
+            )
+        space = getattr(self.strategy, "aggregation_space", None)
+        if space is not None and space not in AGGREGATION_SPACES:
+            raise TypeError(
+                f"method '{self.name}': aggregation_space {space!r} is none of "
+                f"{list(AGGREGATION_SPACES)}"
             )
         contract = self.client_contract
         if contract is not None and not isinstance(contract, ClientContract):

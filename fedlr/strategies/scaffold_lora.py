@@ -84,6 +84,7 @@ from fedlr.config.run import RunConfig
 from fedlr.errors import ConfigError, InstructionError, ProtocolError
 from fedlr.flower.records import config_float, config_int, record_to_state
 from fedlr.robust.screen import record_norm
+from fedlr.robust.spaces import RecordSpace, UpdateSpace
 from fedlr.round.instructions import with_records
 from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, RoundReport
@@ -493,6 +494,14 @@ class ScaffoldReplies(LoraReplies):
         if name == CONTROL_DELTA:
             return record_norm(self.method.control)
         return super().record_floor(name, current)
+
+    def space(self, current: Mapping[str, torch.Tensor]) -> UpdateSpace:
+        """The factors' change, and ``scaffold-delta`` as a record of its own:
+        the weighting rules bound it there (``norm-clip`` clips it after
+        :meth:`clip_extras`, :meth:`clips_record`)."""
+        space = super().space(current)
+        space.records = (RecordSpace(CONTROL_DELTA, by_norm_clip=False),)
+        return space
 
     def clips_record(self, name: str) -> bool:
         """``scaffold-delta`` is an update: a clipping rule clips it too."""
