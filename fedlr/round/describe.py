@@ -24,9 +24,10 @@ def settings(strategy: Any) -> dict[str, Any]:
         "lr_decay": strategy.lr_decay,
         "robust": robust.rule,
     }
-    if robust.rule == "norm-clip":
+    if robust.rule == "norm-clip":  # the bound's reference, as the start-up line
+        ref = "server update" if robust.clip_reference == "server" else "median"
         out["clip_norm"] = robust.clip_norm or (
-            "median" if robust.clip_ratio == 1.0 else f"{robust.clip_ratio:g} x median"
+            ref if robust.clip_ratio == 1.0 else f"{robust.clip_ratio:g} x {ref}"
         )
     if robust.rule == "centred-clip":
         out["clip_norm"] = robust.clip_norm or (
