@@ -30,7 +30,7 @@ Configs: the tests' tiny BERT on polarity for the text methods (3 clients,
 MLP on permuted MNIST for the continual ones (3 tasks of 1 round: FOT's bases
 need a task boundary and a round after it); the per-method overrides follow
 ``tests/strategies/test_every_method.py``. The heterogeneous-rank methods run
-with ``client-ranks``. All 27 entries take 3 to 4 minutes on 2 CPU cores.
+with ``client-ranks``. All 41 entries take about 6 minutes on 2 CPU cores.
 """
 
 from __future__ import annotations
@@ -143,6 +143,37 @@ METHOD_ENTRIES: dict[str, Entry] = {
         Entry("flexlora", "flexlora", TEXT, HETERO),
         Entry("hetlora", "hetlora", TEXT, HETERO),
         Entry("flora", "flora", TEXT, HETERO),
+        Entry("fedrot-lora", "fedrot-lora", TEXT),
+        Entry("fedadam-lora", "fedadam-lora", TEXT),
+        Entry("fedyogi-lora", "fedyogi-lora", TEXT),
+        Entry("fedadagrad-lora", "fedadagrad-lora", TEXT),
+        Entry("feddyn-lora", "feddyn-lora", TEXT),
+        Entry("ravan", "ravan", TEXT),
+        Entry("rolora", "rolora", TEXT),
+        # two warm-up rounds (stage 1, the switch), then a LoRA round
+        Entry(
+            "slora",
+            "slora",
+            TEXT,
+            {"slora-warmup-rounds": 2, "slora-density": 0.05, "num-server-rounds": 3},
+        ),
+        Entry("feddpa", "feddpa", TEXT),
+        # round 1 warms up and allocates the experts; rounds 2, 3 mix them
+        Entry("fedlease", "fedlease", TEXT, {"num-server-rounds": 3}),
+        # one round per stage: root, cluster, leaf
+        Entry(
+            "hilora",
+            "hilora",
+            TEXT,
+            {
+                "hilora-root-rounds": 1,
+                "hilora-cluster-rounds": 1,
+                "num-server-rounds": 3,
+            },
+        ),
+        Entry("fedbuff-lora", "fedbuff-lora", TEXT),
+        Entry("fedasync-lora", "fedasync-lora", TEXT),
+        Entry("ilora", "ilora", TEXT),
         Entry("fedavg-vera", "fedavg-vera", TEXT, VERA_RANKS),
         Entry("vera-fedex", "vera-fedex", TEXT, VERA_RANKS),
         Entry("sorf-vera", "sorf-vera", TEXT, VERA_RANKS),
