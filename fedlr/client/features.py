@@ -49,7 +49,7 @@ A feature owns its surface, declared on its class:
   DP-SGD adds the gradient of a term that does not after its per-example
   clipping and noise, and refuses one that does;
 * its rows in docs/reliability.md and docs/privacy.md, generated from these
-  declarations (:mod:`fedlr.featuredoc`).
+  declarations (:mod:`fedlr.configdoc.features`).
 
 Hooks, each optional, at the three moments of a round:
 

@@ -135,7 +135,7 @@ class ContractVariant:
 class ClientContract:
     """What a plug-in ClientApp relies on for a method: one row of the
     generated table of ``docs/plugin.md`` ("What each method needs from the
-    client", :func:`fedlr.configdoc.render_plugin`).
+    client", :func:`fedlr.configdoc.generate.render_plugin`).
 
     Attributes
     ----------

@@ -43,7 +43,7 @@ MetricRecord ``metrics``    ``num-examples`` (the client's weight),
 
 docs/architecture.md ("The record contract") has the full table;
 docs/reliability.md lists every key a node checks and every feature's
-records (generated, :mod:`fedlr.featuredoc`).
+records (generated, :mod:`fedlr.configdoc.features`).
 """
 
 from __future__ import annotations

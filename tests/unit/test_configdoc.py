@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from fedlr import configdoc
 from fedlr.config.options import option
 from fedlr.config.run import RunConfig
+from fedlr.configdoc import generate as configdoc
 from fedlr.strategies.registry import option_defaults, registered_methods
 from tests.conftest import ROOT
 
@@ -34,7 +34,7 @@ def copy(tmp_path: Path) -> Path:
         "pyproject.toml",
         "docs/configuration.md",
         "README.md",
-        "docs/reliability.md",  # the client features' rows (fedlr.featuredoc)
+        "docs/reliability.md",  # the features' rows (configdoc.features)
         "docs/privacy.md",
         "docs/plugin.md",  # what each method needs from the client
     ):

@@ -25,11 +25,12 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from peft import LoraConfig, get_peft_model
 
-from fedlr import apply_round, featuredoc
+from fedlr import apply_round
 from fedlr.adapters.plugin import adapted
 from fedlr.adapters.roles import Role
 from fedlr.client.features import Bound, ClientFeature, Record, RoundJob
 from fedlr.client.pruning import PRUNE_GAMMA, RANK_STATE, RoundRank, round_rank
+from fedlr.configdoc import features as featuredoc
 from fedlr.errors import InstructionError, PrivacyUnsupportedError, ProtocolError
 from fedlr.flower.records import state_to_record
 from fedlr.strategies.registry import client_features, get_method, resolve
@@ -281,7 +282,7 @@ def test_the_committed_docs_rows_are_generated_from_the_declarations():
 
 
 def test_a_stale_row_is_found_by_the_check(tmp_path: Path):
-    from fedlr import configdoc
+    from fedlr.configdoc import generate as configdoc
 
     for name in (
         "pyproject.toml",

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import pytest
 
-from fedlr import configdoc
 from fedlr.config.options import (
     METHOD_DEFAULT,
     NoOptions,
@@ -26,6 +25,7 @@ from fedlr.config.options import (
     option,
     redeclare,
 )
+from fedlr.configdoc import generate as configdoc
 from fedlr.errors import ConfigError
 from fedlr.strategies import registration
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
