@@ -57,7 +57,7 @@ setup-llm: setup
 	@HF_HUB_OFFLINE=1 $(PY) -m fedlr.models.causal
 
 run: setup
-	$(PY) -m fedlr.flower.launch --flwr-home $(FLWR_HOME) \
+	$(PY) -m fedlr.launch --flwr-home $(FLWR_HOME) \
 		--num-supernodes $(NUM_SUPERNODES) --client-gpus $(CLIENT_GPUS) \
 		--run-config 'output-dir="$(CURDIR)/outputs" $(RUN_CONFIG)' $(if $(VERBOSE),--verbose) \
 		$(if $(NODE_CONFIG),--node-config-file $(NODE_CONFIG))
@@ -89,7 +89,7 @@ bench: setup
 # Methods x seeds through `flwr run` (ENGINE=inprocess: same apps in one process),
 # then table.md / table.csv / comparison.png in OUT.
 compare: setup
-	HF_HUB_OFFLINE=1 FLWR_HOME=$(FLWR_HOME) $(PY) -m fedlr.runs.compare run --conf $(CONF) \
+	HF_HUB_OFFLINE=1 FLWR_HOME=$(FLWR_HOME) $(PY) -m fedlr.launch.compare run --conf $(CONF) \
 		--methods $(METHODS) --seeds $(SEEDS) --out $(OUT) --engine $(ENGINE) \
 		--client-gpus $(CLIENT_GPUS) $(if $(SET),--set '$(SET)') $(if $(VERBOSE),--verbose)
 

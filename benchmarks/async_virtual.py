@@ -37,7 +37,7 @@ import pandas as pd
 import torch
 
 from fedlr.flower.virtual_clock import generated_trace
-from fedlr.server_apps.local import run_in_process
+from fedlr.launch.local import run_in_process
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "results" / "async"
 SPREAD = 10.0

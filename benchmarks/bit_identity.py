@@ -4,7 +4,7 @@ A refactor that claims "no behaviour change" should leave every method's
 final global arrays the same, bit for bit. This tool runs each registered
 method (:func:`fedlr.strategies.registry.available_methods`) and a few
 feature variants as tiny, seeded, in-process federations
-(:func:`fedlr.server_apps.local.run_in_process`: no SuperLink, no Ray) and
+(:func:`fedlr.launch.local.run_in_process`: no SuperLink, no Ray) and
 records, per entry, the SHA-256 of every final global array (the tensors of
 the run's ``final_arrays.pt``, hashed as dtype, shape and raw bytes, not as
 pickle bytes), one digest over all of them, a digest of every array the
@@ -371,7 +371,7 @@ def _checkpoint(run_dir: Path) -> dict[str, str | None]:
 
 def run_entry(name: str, config: Mapping[str, Any], output_dir: Path) -> dict[str, Any]:
     """Run one entry; return its record (digests, metrics row, seconds)."""
-    from fedlr.server_apps.local import run_in_process
+    from fedlr.launch.local import run_in_process
 
     run_config = {**config, "output-dir": str(output_dir.resolve())}
     log = MessageLog()
@@ -444,7 +444,7 @@ def record(
     """Run ``configs`` (name -> run config) one after another; write ``out``."""
     import fedlr
     from fedlr.data.assets import ensure_assets
-    from fedlr.server_apps.local import run_in_process  # noqa: F401
+    from fedlr.launch.local import run_in_process  # noqa: F401
 
     # (imported before the log levels are set: importing Flower sets its own)
 

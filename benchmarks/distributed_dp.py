@@ -6,7 +6,7 @@
 The private-regime task (``benchmarks/conf/privacy.toml`` without its
 ``dp-*`` keys: MiniLM, polarity, 4 clients Dirichlet 0.5, 5 local steps,
 lr 0.003 decaying by 0.85, rank 8) with ``method = fedavg-lora``, run in
-process (:func:`fedlr.server_apps.local.run_in_process`, the same round path
+process (:func:`fedlr.launch.local.run_in_process`, the same round path
 as ``flwr run``). Per seed, with one node dropping every round in every run
 (partition ``(round - 1) mod 4``; under SecAgg+ after its keys, at the
 masked-vector stage, so the sum has ``k = 3`` survivors, SecAgg+'s threshold
@@ -247,7 +247,7 @@ def run_one(
     mode: str, base: dict[str, Any], privacy: dict[str, Any], runs: Path
 ) -> dict[str, Any]:
     """One run of ``mode``; its row of the table."""
-    from fedlr.server_apps.local import run_in_process
+    from fedlr.launch.local import run_in_process
 
     config = {**base, "output-dir": str(runs / mode.replace(" ", "-"))}
     if mode == "central":

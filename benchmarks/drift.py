@@ -12,7 +12,7 @@ working session; the planned one (local steps 5, 20 and 80, 6 rounds:
 estimate of any subset from :data:`COST`). The settings every run shares
 are ``benchmarks/conf/drift.toml``, a run config (``flwr run .
 --run-config benchmarks/conf/drift.toml`` runs one cell). Every run goes
-through :func:`fedlr.server_apps.local.run_in_process` (the same round path
+through :func:`fedlr.launch.local.run_in_process` (the same round path
 as ``flwr run``, without the Ray start-up) and lands in
 ``<runs>/<dataset>-steps<S>-rank<R>/<method>-seed<K>/``; a run whose
 ``results.csv`` already has every round (and whose ``drift-rounds.csv`` is
@@ -76,9 +76,9 @@ from scipy import stats
 from fedlr.adapters.roles import Role
 from fedlr.config.run import RunConfig
 from fedlr.flower.records import record_to_state
+from fedlr.launch.compare import quiet_in_process
+from fedlr.launch.local import run_in_process
 from fedlr.robust.spaces import ProductSpace
-from fedlr.runs.compare import quiet_in_process
-from fedlr.server_apps.local import run_in_process
 from fedlr.tasks.text import text_task
 from fedlr.wire.protocol import ARRAYS, CONFIG, METRICS, NUM_EXAMPLES, SERVER_ROUND
 from fedlr.wire.updates import ClientUpdate

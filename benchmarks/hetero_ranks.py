@@ -22,7 +22,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from fedlr.server_apps.local import run_in_process
+from fedlr.launch.local import run_in_process
 
 METHODS = ("flexlora", "hetlora", "flora", "fedspec", "fedex-lora")
 RANKS = (2, 4, 8, 16)

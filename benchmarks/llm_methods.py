@@ -2,7 +2,7 @@
 
 Runs each method of the ``lora``, ``vera`` and ``sorf-vera`` payload kinds
 for 3 rounds of ``benchmarks/conf/llm-offline.toml`` through the real
-``flwr run`` (``python -m fedlr.runs.compare run --engine flwr``), then writes
+``flwr run`` (``python -m fedlr.launch.compare run --engine flwr``), then writes
 ``docs/results/llm/methods.csv`` and ``methods.md``: per method, the exact
 match and the response perplexity of the base model before round 1 and of
 the global model after round 3 (for the personalised methods, the clients'
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         command = [
             sys.executable,
             "-m",
-            "fedlr.runs.compare",
+            "fedlr.launch.compare",
             "run",
             "--conf",
             str(CONF),

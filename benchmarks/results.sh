@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduce every comparison table in docs/results/ (offline, CPU, about 1.5 h on
-# 2 cores). Each sweep runs methods x seeds with `python -m fedlr.runs.compare run`;
+# 2 cores). Each sweep runs methods x seeds with `python -m fedlr.launch.compare run`;
 # the runs land in outputs/results/NAME/runs/, and table.md, table.csv,
 # comparison.png (and FOT's seed-0 accuracy matrices) are copied to
 # docs/results/NAME/. `privacy` runs the lora-family task under DP-SGD at
@@ -30,7 +30,7 @@ sweep() {  # NAME CONF METHODS SEEDS [SET]
                 --out "$OUT/$name" --engine "$ENGINE")
     [[ -n $set ]] && args+=(--set "$set")
     echo "== $name: $methods x seeds $seeds ${set:+($set)}"
-    "$PY" -m fedlr.runs.compare "${args[@]}" || echo "== $name: some runs failed (see table.md)"
+    "$PY" -m fedlr.launch.compare "${args[@]}" || echo "== $name: some runs failed (see table.md)"
 }
 
 publish() {  # NAME: copy the sweep's table and plots into docs/results/NAME/
@@ -63,7 +63,7 @@ run_one() {
             sweep "svd-rank$r" benchmarks/conf/global-local-svd.toml \
                 global-svd,local-svd 0 "lora-rank=$r lora-alpha=$((2 * r)).0"
         done
-        "$PY" -m fedlr.runs.compare table "$OUT"/svd-rank*/runs/*/*/ \
+        "$PY" -m fedlr.launch.compare table "$OUT"/svd-rank*/runs/*/*/ \
             --by lora-rank --out "$OUT/svd" >/dev/null ;;
     frontier)  # the methods of issue 36 on lora-dirichlet's task, beside FedIT
         # HiLoRA's default stages (15 root, 20 cluster rounds) would leave a
@@ -79,7 +79,7 @@ run_one() {
         sweep frontier-fedasync benchmarks/conf/lora-family.toml fedasync-lora 0,1,2 \
             'num-server-rounds=24 lr-decay=0.9602'
         [[ -d $OUT/lora-dirichlet/runs ]] || run_one lora-dirichlet
-        "$PY" -m fedlr.runs.compare table "$OUT"/lora-dirichlet/runs/fedavg-lora-seed*/*/ \
+        "$PY" -m fedlr.launch.compare table "$OUT"/lora-dirichlet/runs/fedavg-lora-seed*/*/ \
             "$OUT"/frontier*/runs/*/*/ \
             --out "$OUT/frontier" >/dev/null ;;
     privacy)  # DP-SGD at each epsilon; the no-DP runs are lora-dirichlet's

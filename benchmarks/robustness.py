@@ -6,7 +6,7 @@ table [--out DIR]``.
 
 The default task (fedex-lora, MiniLM with LoRA r = 8 on polarity, Dirichlet
 0.5) with five clients, in process
-(:func:`fedlr.server_apps.local.run_in_process`), under each rule of
+(:func:`fedlr.launch.local.run_in_process`), under each rule of
 :data:`fedlr.robust.rules.ROBUST_RULES`. Each run is one of:
 
 * ``clean``: five honest clients (the accuracy a rule costs without attack);
@@ -77,13 +77,13 @@ from flwr.app import Message, MessageType, MetricRecord, RecordDict
 from matplotlib.figure import Figure
 
 from fedlr.flower.records import config_int, record_to_state, state_to_record
+from fedlr.launch.compare import parse_overrides
+from fedlr.launch.local import run_in_process
 from fedlr.robust.screen import DEFAULT_SCREEN_RATIO
 from fedlr.robust.spaces import ProductSpace
 from fedlr.round.protect import HeldOutStep
 from fedlr.round.state import method_state
-from fedlr.runs.compare import parse_overrides
 from fedlr.server_apps.builtin_plans import build_plan
-from fedlr.server_apps.local import run_in_process
 from fedlr.strategies.registry import resolve
 from fedlr.wire import protocol
 from fedlr.wire.updates import ClientUpdate

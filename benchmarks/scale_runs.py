@@ -14,7 +14,7 @@ min-partition-size=3``.
 
 Engines:
 
-* ``inprocess``: :func:`fedlr.server_apps.local.run_in_process` in a child
+* ``inprocess``: :func:`fedlr.launch.local.run_in_process` in a child
   process (clients one after another, each with every core);
 * ``ray``: ``flwr run`` on Flower's simulation engine (local SuperLink, one Ray
   actor per ``--client-cpus`` cores, Flower's default 2), with a fresh
@@ -295,7 +295,7 @@ def _child(config_file: Path) -> None:
     """``--child``: one in-process run; print its directory and peak RSS."""
     import resource
 
-    from fedlr.server_apps.local import run_in_process
+    from fedlr.launch.local import run_in_process
 
     config = json.loads(config_file.read_text())
     run_dir = run_in_process(config)
@@ -328,7 +328,7 @@ def run_ray(
     """
     import psutil
 
-    from fedlr.flower.launch import flwr_run, stop_local_superlinks
+    from fedlr.launch.flwr_run import flwr_run, stop_local_superlinks
 
     others = _superlink_pids()
     if others:

@@ -44,8 +44,8 @@ from benchmarks.robustness import (
 from fedlr.adapters import Role
 from fedlr.client.train import TrainSettings, train_steps
 from fedlr.flower.records import config_float, config_int
+from fedlr.launch.local import run_in_process
 from fedlr.robust.spaces import ProductSpace
-from fedlr.server_apps.local import run_in_process
 from fedlr.strategies.registry import resolve
 from fedlr.tasks.text import text_task
 from fedlr.wire import protocol

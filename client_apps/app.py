@@ -7,6 +7,6 @@ The app object and its payload handlers are in the installed package
 
 from __future__ import annotations
 
-from fedlr.client_apps.app import app
+from fedlr.launch.client_app import app
 
 __all__ = ["app"]

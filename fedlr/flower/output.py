@@ -5,7 +5,7 @@ accelerator FutureWarning, weight-loading progress bars, Flower's per-round
 INFO lines) is kept out of the echo unless ``verbose``
 (:func:`is_noise`); fedlr's lines, warnings and errors stay, without ANSI
 colour codes when stdout is not a terminal (:class:`OutputStream`). Used by
-:func:`fedlr.flower.launch.flwr_run` and the comparison runner.
+:func:`fedlr.launch.flwr_run.flwr_run` and the comparison runner.
 """
 
 from __future__ import annotations

@@ -232,7 +232,7 @@ def load_run(run_dir: Path | str) -> RunData:
 
 def _trait(method: str, name: str) -> bool:
     """A registered method's trait, when the registry is loaded already
-    (the ServerApp, ``fedlr.runs.compare``); plotting alone does not load it."""
+    (the ServerApp, ``fedlr.launch.compare``); plotting alone does not load it."""
     registry = sys.modules.get("fedlr.strategies.registry")
     if registry is None:
         return False

@@ -25,7 +25,7 @@
 
 :func:`collect`, :func:`summarise`, :func:`to_markdown`,
 :func:`comparison_figure` and :func:`summary_figure` are its steps.
-``python -m fedlr.runs.compare table`` is its command line.
+``python -m fedlr.launch.compare table`` is its command line.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ rank of a cached model, ``context.state``, its base weights) it checks
 
 A value or array outside these bounds raises :class:`InstructionError`
 naming the key; fedlr's ClientApp answers it with an error reply
-(:func:`fedlr.client_apps.app.refuse_bad_instructions`) and the node serves
+(:func:`fedlr.launch.client_app.refuse_bad_instructions`) and the node serves
 the next honest round as before. docs/reliability.md ("A client that checks
 the server") lists the bounds (generated: :mod:`fedlr.configdoc.features`).
 """

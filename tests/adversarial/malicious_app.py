@@ -1,6 +1,6 @@
 """A malicious ClientApp: fedlr's own client, with one partition attacking.
 
-Every node runs fedlr's real ClientApp (``fedlr.client_apps.app``); the node
+Every node runs fedlr's real ClientApp (``fedlr.launch.client_app``); the node
 whose ``partition-id`` is ``ATTACKER_PARTITION`` then replaces its honest
 train reply by the payload ``ATTACK`` of :mod:`tests.adversarial.payloads`
 (its first message). Evaluate replies stay honest.
@@ -15,8 +15,8 @@ from __future__ import annotations
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from fedlr.client_apps.app import app as honest_app
 from fedlr.flower.records import record_to_state
+from fedlr.launch.client_app import app as honest_app
 from fedlr.wire import protocol
 
 try:  # in the repository

@@ -257,7 +257,7 @@ def test_a_boosted_client_is_dropped_every_round_of_a_fedex_run(tmp_path):
     import pandas as pd
 
     from fedlr.data.assets import ensure_assets
-    from fedlr.server_apps.local import run_in_process
+    from fedlr.launch.local import run_in_process
     from tests.strategies.test_every_method import ASSETS, run_config
 
     ensure_assets(ASSETS["text"], quiet=True)

@@ -119,7 +119,7 @@ def test_the_checks_tries_leave_the_method_as_it_was(tmp_path, method):
     """With a margin nothing exceeds, a run with the check publishes exactly
     the arrays of the run without it: every try's state was restored
     (FedAvgM-LoRA's momentum, FedEx-LoRA's folded base)."""
-    from fedlr.server_apps.local import run_in_process
+    from fedlr.launch.local import run_in_process
 
     config = tiny_run_config(tmp_path / "plain", method=method, **{"num-partitions": 4})
     plain = run_in_process(config)
@@ -145,7 +145,7 @@ def test_a_flipped_client_under_the_screen_is_left_out_every_round(tmp_path):
     first every round, and then decides on the honest four exactly as in the
     run in which its replies were lost (same arrays at the end, one more
     reply left out per round)."""
-    from fedlr.server_apps.local import run_in_process
+    from fedlr.launch.local import run_in_process
 
     flip = _scaled(-8.0)
 

@@ -40,10 +40,10 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 from fedlr.client_apps import gpse, lora, qrmix, vera
-from fedlr.client_apps.app import app
 from fedlr.errors import ConfigError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
+from fedlr.launch.client_app import app
 from fedlr.server_apps.builtin_plans import build_plan
 from fedlr.strategies.registry import client_features, resolve
 from fedlr.wire import protocol

@@ -22,13 +22,14 @@ import time
 import pytest
 from flwr.app import Context, Message, RecordDict
 
-from fedlr.client_apps.app import app as client_app
 from fedlr.errors import (
     CheckpointStateError,
     ConfigError,
     PrivacyUnsupportedError,
 )
-from fedlr.flower import InProcessGrid, launch
+from fedlr.flower import InProcessGrid
+from fedlr.launch import flwr_run as launch
+from fedlr.launch.client_app import app as client_app
 from fedlr.privacy.settings import ClientDpSettings, PrivacyConfig
 from fedlr.runs.checkpoint import (
     check_checkpoint_state,

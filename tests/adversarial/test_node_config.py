@@ -23,15 +23,15 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from fedlr.errors import ConfigError, NodeConfigError, NoValidRepliesError
-from fedlr.flower import launch
-from fedlr.flower.run_config import check_nodes, check_run_config, node_policies
+from fedlr.launch import flwr_run as launch
+from fedlr.launch.local import run_in_process
+from fedlr.launch.run_config import check_nodes, check_run_config, node_policies
 from fedlr.privacy.budget import PrivacyLedger
 from fedlr.privacy.node_policy import (
     NODE_CONFIG_ENV,
     NODE_CONFIG_KEYS,
     node_policy,
 )
-from fedlr.server_apps.local import run_in_process
 from tests.conftest import ROOT, tiny_run_config
 
 #: Seconds within which the launcher answers (the registry included).
@@ -41,7 +41,7 @@ DP = 'dp-max-grad-norm=1.0 dp-noise-multiplier=1.0 robust="none"'
 
 
 def _launch(tmp_path: Path, capfd: Any, *args: str) -> tuple[int, list[str], float]:
-    """``python -m fedlr.flower.launch`` in this process: exit code, the
+    """``python -m fedlr.launch`` in this process: exit code, the
     non-empty stderr lines and the seconds it took."""
     capfd.readouterr()
     home = tmp_path / "flwr-home"

@@ -33,11 +33,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.app.message_type import MessageType
 
 from fedlr.client_apps import qrmix
-from fedlr.client_apps.app import app
 from fedlr.client_apps.gate import ACCESS, DP_SGD
 from fedlr.config.run import RunConfig
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
+from fedlr.launch.client_app import app
 from fedlr.privacy.accounting import epsilon
 from fedlr.privacy.budget import PrivacyLedger
 from fedlr.privacy.node_policy import NODE_CONFIG_ENV

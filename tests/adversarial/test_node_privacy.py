@@ -21,12 +21,12 @@ from flwr.app import RecordDict
 
 from fedlr.client.train import TrainSettings, train_steps
 from fedlr.errors import ConfigError, NoValidRepliesError
+from fedlr.launch.local import run_in_process
 from fedlr.privacy.accounting import epsilon, noise_multiplier_for
 from fedlr.privacy.budget import PrivacyLedger, data_key
 from fedlr.privacy.dp_sgd import PrivateLoop
 from fedlr.privacy.node_policy import NODE_CONFIG_ENV, NodePolicy, node_policy
 from fedlr.privacy.settings import DpSgdSettings
-from fedlr.server_apps.local import run_in_process
 from tests.conftest import tiny_run_config
 
 BUDGET = 3.0
@@ -292,7 +292,7 @@ def test_the_launcher_checks_the_node_config_file_before_anything_starts(
     import argparse
     import time
 
-    from fedlr.flower import launch
+    from fedlr.launch import flwr_run as launch
 
     bad = tmp_path / "bad.toml"
     bad.write_text("dp-epsilon-budget = -1.0\n")

@@ -20,8 +20,8 @@ import pytest
 from fedlr.client_apps import gate
 from fedlr.errors import NoValidRepliesError
 from fedlr.flower.output import is_noise
+from fedlr.launch.local import run_in_process
 from fedlr.privacy.node_policy import NODE_CONFIG_ENV
-from fedlr.server_apps.local import run_in_process
 from tests.conftest import tiny_run_config
 
 NODES = """dp-required = true

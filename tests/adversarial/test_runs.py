@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 import torch
 
-from fedlr.server_apps.local import run_in_process
+from fedlr.launch.local import run_in_process
 from tests.adversarial.malicious_app import malicious_app
 from tests.strategies.test_every_method import ASSETS, CASES, run_config
 

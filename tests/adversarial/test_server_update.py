@@ -216,7 +216,7 @@ def test_every_method_auto_turns_on_runs_with_it(tmp_path, method):
     """Each method that ``robust = auto`` gives the server's update runs a
     two-round federation with it: both rounds aggregate it at share 0.5,
     nothing is dropped, and the model stays finite."""
-    from fedlr.server_apps.local import run_in_process
+    from fedlr.launch.local import run_in_process
 
     config = tiny_run_config(
         tmp_path,
@@ -291,7 +291,7 @@ def test_the_published_arrays_are_the_weighted_mean_with_the_servers_share(
     each client's update is first clipped by the norm-clip rule at the
     server's update norm in the method's update space; ``robust = auto``
     (the default) is that, at share 0.5."""
-    from fedlr.server_apps.local import run_in_process
+    from fedlr.launch.local import run_in_process
     from fedlr.wire.updates import ClientUpdate
 
     recorder = _Recorder()
@@ -351,7 +351,7 @@ def test_the_servers_examples_are_not_held_to_the_clients_cap(tmp_path):
     """Eight IID clients of 400 examples under a cap of 400, the server with
     600 validation examples: its update is aggregated at its share (the cap
     bounds what a client's claim buys, not the server's fixed share)."""
-    from fedlr.server_apps.local import run_in_process
+    from fedlr.launch.local import run_in_process
 
     config = tiny_run_config(
         tmp_path,

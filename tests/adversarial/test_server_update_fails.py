@@ -222,8 +222,8 @@ def test_a_run_whose_server_training_fails_completes(tmp_path, monkeypatch, capl
     training raises a budget error in round 1 and returns NaN arrays in
     round 2; the run completes with every client in both rounds and the
     server at share 0, with one warning a round naming the server."""
+    from fedlr.launch.local import run_in_process
     from fedlr.server_apps import lora
-    from fedlr.server_apps.local import run_in_process
 
     real = lora.train_reply
 
@@ -282,7 +282,7 @@ def test_dp_sgd_with_auto_and_a_nodes_file_leaves_the_nodes_ledgers_theirs(
     nodes spend their own budget only (ε < 1.5), and the nodes' state
     directory holds the three nodes' ledgers, each of this run's rounds 1
     and 2 (run id 1), and nothing else."""
-    from fedlr.server_apps.local import run_in_process
+    from fedlr.launch.local import run_in_process
 
     nodes = tmp_path / "nodes.toml"
     nodes.write_text("dp-required = true\ndp-epsilon-budget = 1.5\n")

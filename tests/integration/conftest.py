@@ -1,8 +1,8 @@
 """Fixtures of the integration tests: a fresh FLWR_HOME per `flwr run` test.
 
-Each `flwr run` of these tests goes through :func:`fedlr.flower.launch.flwr_run`,
+Each `flwr run` of these tests goes through :func:`fedlr.launch.flwr_run.flwr_run`,
 which starts a SuperLink of its own (free ports, ``FLWR_HOME/local/<port>/``,
-:class:`fedlr.flower.launch.LocalSuperLink`), as ``make run`` does: another
+:class:`fedlr.launch.flwr_run.LocalSuperLink`), as ``make run`` does: another
 ``flower-superlink`` on the machine (a user's own run, another test session)
 is neither used nor waited for, nor stopped.
 """
@@ -38,9 +38,9 @@ def local_superlink_home(home: Path) -> Iterator[Path]:
     ``flwr_run`` gives each run a SuperLink of its own under
     ``home/local/<port>/``, so SuperLinks elsewhere on the machine do not
     matter; after the block, only those whose files live under ``home`` are
-    stopped (:func:`fedlr.flower.launch.stop_local_superlinks`).
+    stopped (:func:`fedlr.launch.flwr_run.stop_local_superlinks`).
     """
-    from fedlr.flower.launch import stop_local_superlinks
+    from fedlr.launch.flwr_run import stop_local_superlinks
 
     try:
         yield home

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from flwr.app import Message
 
-from fedlr.server_apps.local import run_in_process
+from fedlr.launch.local import run_in_process
 
 
 def main() -> None:

@@ -4,7 +4,7 @@
 app as ``ray_probe.py`` (``clientapp = "ray_probe:app"``). Every train and
 evaluate message first writes one JSON file to ``<output-dir>/ray-probe/``
 with the Ray node id, the process id and the partition, then goes to fedlr's
-dispatching ClientApp (:mod:`fedlr.client_apps.app`) unchanged.
+dispatching ClientApp (:mod:`fedlr.launch.client_app`) unchanged.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
-from fedlr.client_apps.app import evaluate as fedlr_evaluate
-from fedlr.client_apps.app import train as fedlr_train
+from fedlr.launch.client_app import evaluate as fedlr_evaluate
+from fedlr.launch.client_app import train as fedlr_train
 
 app = ClientApp()
 

@@ -47,13 +47,13 @@ def simulate(config: dict[str, Any], num_supernodes: int) -> Path:
 
     @client.train()
     def train(message: Message, context: Context) -> Message:
-        from fedlr.client_apps.app import train as dispatch
+        from fedlr.launch.client_app import train as dispatch
 
         return dispatch(message, _local(context))
 
     @client.evaluate()
     def evaluate(message: Message, context: Context) -> Message:
-        from fedlr.client_apps.app import evaluate as dispatch
+        from fedlr.launch.client_app import evaluate as dispatch
 
         return dispatch(message, _local(context))
 

@@ -25,7 +25,7 @@ NODES = 3
 def test_an_asynchronous_method_runs_under_flwr_run(
     method, versions, extra, tmp_path, assets, flwr_home
 ):
-    from fedlr.flower.launch import flwr_run
+    from fedlr.launch.flwr_run import flwr_run
 
     output = tmp_path / method
     config = tiny_run_config(

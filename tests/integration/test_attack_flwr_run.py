@@ -79,8 +79,8 @@ def _lose_partition_0(partition, instruction, reply):
 
 @pytest.mark.parametrize("method", ["fedex-lora", "fedspec", "fot", "qrmix"])
 def test_one_malicious_client_among_five(method, tmp_path, flwr_home):  # noqa: F811
-    from fedlr.flower.launch import flwr_run
-    from fedlr.server_apps.local import run_in_process
+    from fedlr.launch.flwr_run import flwr_run
+    from fedlr.launch.local import run_in_process
 
     app = _app_dir(tmp_path / "app")
     assert ROOT.resolve() not in app.resolve().parents

@@ -26,7 +26,7 @@ import psutil
 import pytest
 
 from fedlr.flower.certs import generate_supernode_keys, generate_tls_certificates
-from fedlr.flower.launch import (
+from fedlr.launch.flwr_run import (
     FlwrRunError,
     flwr_env,
     flwr_run,

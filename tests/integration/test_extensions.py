@@ -71,7 +71,7 @@ def test_register_model_refuses_a_taken_name_and_a_builder_of_no_vision_model():
 
 
 def test_registered_data_and_model_train_in_process(tmp_path):
-    from fedlr.server_apps.local import run_in_process
+    from fedlr.launch.local import run_in_process
 
     run = run_in_process(_config(tmp_path), num_nodes=2)
     frame = pd.read_csv(run / "results.csv")
@@ -83,7 +83,7 @@ def test_registered_data_and_model_train_in_process(tmp_path):
 @pytest.mark.slow
 def test_registered_data_and_model_run_under_flwr_run(tmp_path, flwr_home):
     """Server and SuperNodes are other processes: each imports the module."""
-    from fedlr.flower.launch import flwr_run
+    from fedlr.launch.flwr_run import flwr_run
 
     config = _config(tmp_path)
     config.pop("num-partitions")  # the node config says how many

@@ -26,7 +26,7 @@ def test_every_heterogeneous_rank_method_runs_under_flwr_run(
     method's numbers are checked in process
     (tests/strategies/test_hetero_ranks.py::test_every_rank_trains_and_reports).
     """
-    from fedlr.flower.launch import flwr_run
+    from fedlr.launch.flwr_run import flwr_run
 
     for method in ("flexlora", "fedex-lora"):
         output = tmp_path / method

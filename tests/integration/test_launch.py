@@ -1,4 +1,4 @@
-"""`python -m fedlr.flower.launch` as users run it: concurrent launches, Ctrl-C.
+"""`python -m fedlr.launch` as users run it: concurrent launches, Ctrl-C.
 
 Three launches start at once with the same ``--flwr-home`` (the tiny BERT,
 two clients). Two run one round each and must each report their own run;
@@ -32,7 +32,7 @@ import pandas as pd
 import psutil
 import pytest
 
-from fedlr.flower.launch import format_run_config
+from fedlr.launch.flwr_run import format_run_config
 from tests.conftest import ROOT, tiny_run_config
 
 pytestmark = pytest.mark.slow
@@ -49,7 +49,7 @@ more than 120 s."""
 
 @dataclass
 class Launch:
-    """One ``python -m fedlr.flower.launch`` process and what it printed."""
+    """One ``python -m fedlr.launch`` process and what it printed."""
 
     name: str
     proc: subprocess.Popen[str]
@@ -99,7 +99,7 @@ def _start(name: str, home: Path, output: Path, rounds: int) -> Launch:
     cmd = [
         sys.executable,
         "-m",
-        "fedlr.flower.launch",
+        "fedlr.launch.flwr_run",
         "--app",
         str(ROOT),
         "--flwr-home",

@@ -49,7 +49,7 @@ LM = {
     ],
 )
 def test_causal_lm_task_runs_under_flwr_run(method, model, tmp_path, flwr_home):
-    from fedlr.flower.launch import flwr_run
+    from fedlr.launch.flwr_run import flwr_run
 
     output = tmp_path / "out"
     config = {**LM, "method": method, "model": model, "output-dir": str(output)}

@@ -52,7 +52,7 @@ def app_dir(tmp_path_factory) -> Path:
 
 
 def _run(app_dir: Path, flwr_home: Path, tmp_path: Path, method: str, **config):
-    from fedlr.flower.launch import flwr_run
+    from fedlr.launch.flwr_run import flwr_run
 
     result_file = tmp_path / f"{method}.json"
     run_config = {

@@ -286,7 +286,7 @@ def probe_app(tmp_path) -> Path:
 def test_simulation_runs_clients_on_both_ray_nodes(
     tmp_path, assets, ray_cluster, flwr_home, probe_app, monkeypatch
 ):
-    from fedlr.flower.launch import flwr_run, stop_local_superlinks
+    from fedlr.launch.flwr_run import flwr_run, stop_local_superlinks
 
     address, nodes = ray_cluster
     head = [n["id"] for n in nodes if n["head"]]

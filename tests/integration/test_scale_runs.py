@@ -43,7 +43,7 @@ def _check_results(run_dir: Path) -> pd.DataFrame:
 
 
 def test_thousand_clients_in_process(tmp_path, assets):
-    from fedlr.server_apps.local import run_in_process
+    from fedlr.launch.local import run_in_process
     from fedlr.wire import protocol
 
     config = scale_config(tmp_path, rounds=2, extra=SHORT)
@@ -68,7 +68,7 @@ def test_thousand_clients_in_process(tmp_path, assets):
 
 
 def test_thousand_clients_on_the_ray_engine(tmp_path, assets, flwr_home):
-    from fedlr.flower.launch import flwr_run
+    from fedlr.launch.flwr_run import flwr_run
 
     output = tmp_path / "out"
     config = scale_config(output, rounds=2, extra=SHORT)

@@ -34,7 +34,7 @@ from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import ClientAppCallable
 
-from fedlr.client_apps.app import refuse_bad_instructions, train as fedlr_train
+from fedlr.launch.client_app import refuse_bad_instructions, train as fedlr_train
 from fedlr.client_apps.secagg import secagg_mod
 
 
@@ -84,7 +84,7 @@ def _gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float,
 
 
 def test_secure_fedavg_lora_equals_plain_within_the_bound(tmp_path, assets, flwr_home):
-    from fedlr.flower.launch import flwr_run
+    from fedlr.launch.flwr_run import flwr_run
 
     runs: dict[bool, Path] = {}
     for secure in (False, True):
@@ -167,8 +167,8 @@ def _lose_partition_0(partition, instruction, reply):
 
 
 def test_a_node_failing_after_sharing_keys_is_tolerated(tmp_path, assets, flwr_home):
-    from fedlr.flower.launch import flwr_run
-    from fedlr.server_apps.local import run_in_process
+    from fedlr.launch.flwr_run import flwr_run
+    from fedlr.launch.local import run_in_process
 
     app = _failing_app(tmp_path / "app")
     config = _config(tmp_path / "out", True)
@@ -204,8 +204,8 @@ def test_distributed_dp_with_a_node_failing_after_its_keys(tmp_path, assets, flw
     round sums the 2 survivors' noised updates, and the epsilon is the one an
     in-process run with the same dropout reports (the Skellam accountant for
     k = 2 survivors of threshold 2)."""
-    from fedlr.flower.launch import flwr_run
-    from fedlr.server_apps.local import run_in_process
+    from fedlr.launch.flwr_run import flwr_run
+    from fedlr.launch.local import run_in_process
 
     app = _failing_app(tmp_path / "app")
     config = _config(tmp_path / "out", True)

@@ -35,7 +35,7 @@ from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common import bytes_to_ndarray, ndarray_to_bytes
 
-from fedlr.client_apps.app import refuse_bad_instructions, train as fedlr_train
+from fedlr.launch.client_app import refuse_bad_instructions, train as fedlr_train
 from fedlr.client_apps.secagg import secagg_mod
 
 
@@ -97,7 +97,7 @@ def _arrays(path: Path) -> dict[str, torch.Tensor]:
 def test_a_poisoned_masked_vector_is_rejected_under_flwr_run(
     tmp_path, assets, flwr_home
 ):
-    from fedlr.flower.launch import flwr_run
+    from fedlr.launch.flwr_run import flwr_run
 
     app = _poison_app(tmp_path / "app")
     config = tiny_run_config(

@@ -28,9 +28,9 @@ def test_ray_simulation_two_rounds_three_clients(tmp_path, assets):
     assert (frame["dropped"] == 0).all()
     assert (frame["frobenius-gap"] > 0).all()
     assert frame["accuracy"].between(0, 1).all()
-    # The in-process engine (fedlr.runs.compare --engine inprocess) runs the same
+    # The in-process engine (fedlr.launch.compare --engine inprocess) runs the same
     # ServerApp and ClientApp: the same numbers as the Ray engine.
-    from fedlr.server_apps.local import run_in_process
+    from fedlr.launch.local import run_in_process
 
     local = pd.read_csv(run_in_process(config, num_nodes=3) / "results.csv")
     for column in ("accuracy", "loss", "frobenius-gap", "train-loss", "bytes-up"):
@@ -43,7 +43,7 @@ def test_flwr_run_smoke(tmp_path, assets, flwr_home):
     """`flwr run` through the real CLI: completed status, one CSV row per round."""
     import psutil
 
-    from fedlr.flower.launch import flwr_run, stop_local_superlinks
+    from fedlr.launch.flwr_run import flwr_run, stop_local_superlinks
 
     output = tmp_path / "out"
     config = tiny_run_config(output, **{"num-server-rounds": 2})
@@ -73,7 +73,7 @@ def test_flwr_run_smoke(tmp_path, assets, flwr_home):
 
 def test_flwr_run_failure_is_reported_not_hidden(tmp_path, assets, flwr_home):
     """A failing ServerApp makes `flwr run --stream` exit 0; we read the status."""
-    from fedlr.flower.launch import FlwrRunError, flwr_run
+    from fedlr.launch.flwr_run import FlwrRunError, flwr_run
 
     config = tiny_run_config(tmp_path, method="no-such-method")
     with pytest.raises(FlwrRunError, match="finished:failed"):

@@ -23,7 +23,6 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid
 
-from fedlr.client_apps.app import app as fedlr_app
 from fedlr.errors import ConfigError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_nbytes, state_to_record
@@ -35,10 +34,11 @@ from fedlr.flower.virtual_clock import (
     read_trace,
     write_trace,
 )
+from fedlr.launch.client_app import app as fedlr_app
+from fedlr.launch.local import run_in_process
 from fedlr.runs.results import read_results
 from fedlr.server_apps.asynchronous import UPDATE_COLUMNS
 from fedlr.server_apps.builtin_plans import build_plan
-from fedlr.server_apps.local import run_in_process
 from fedlr.server_apps.runner import run_server
 from fedlr.strategies.async_lora import (
     StaleUpdate,

@@ -21,8 +21,8 @@ import torch
 from flwr.app import Message
 
 from fedlr.flower.records import record_to_state
+from fedlr.launch.local import run_in_process
 from fedlr.runs.checkpoint import load_checkpoint
-from fedlr.server_apps.local import run_in_process
 from fedlr.strategies.registry import get_method, registered_methods, resolve
 from fedlr.tasks.text import text_task
 from fedlr.wire import protocol

@@ -20,6 +20,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 
 from fedlr.config.run import RunConfig
+from fedlr.launch.local import run_in_process
 from fedlr.runs.export import (
     BASE_WEIGHTS,
     BASE_WEIGHTS_MARKER,
@@ -28,7 +29,6 @@ from fedlr.runs.export import (
     MissingBaseWeightsError,
     load_adapter,
 )
-from fedlr.server_apps.local import run_in_process
 from fedlr.tasks.text import text_task
 from tests.conftest import tiny_run_config
 

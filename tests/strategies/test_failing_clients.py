@@ -11,10 +11,10 @@ import pytest
 import torch
 from flwr.app import Context, Error, Message, RecordDict
 
-from fedlr.client_apps.app import app as client_app
 from fedlr.errors import NoValidRepliesError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
+from fedlr.launch.client_app import app as client_app
 from fedlr.server_apps.runner import run_server
 from tests.conftest import tiny_run_config
 

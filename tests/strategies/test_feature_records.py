@@ -26,7 +26,7 @@ from fedlr import apply_round
 from fedlr.client.features import ClientFeature
 from fedlr.client_apps import lora
 from fedlr.errors import FeatureRecordError
-from fedlr.server_apps.local import run_in_process
+from fedlr.launch.local import run_in_process
 from fedlr.strategies.registry import client_features, registered_methods
 from fedlr.wire import protocol
 from tests.conftest import tiny_run_config

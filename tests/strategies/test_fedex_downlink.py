@@ -16,8 +16,8 @@ import pytest
 import torch
 from flwr.app import Context, Message, RecordDict
 
-from fedlr.client_apps.app import app as client_app
 from fedlr.flower import InProcessGrid
+from fedlr.launch.client_app import app as client_app
 from fedlr.server_apps.runner import run_server
 from fedlr.wire import protocol
 from tests.conftest import tiny_run_config

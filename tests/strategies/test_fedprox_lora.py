@@ -8,10 +8,10 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
-from fedlr.client_apps.app import app as client_app
 from fedlr.errors import ConfigError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state
+from fedlr.launch.client_app import app as client_app
 from fedlr.round.instructions import prepare_round
 from fedlr.server_apps.builtin_plans import build_plan
 from fedlr.strategies import FedAvgLoRA

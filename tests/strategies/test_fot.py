@@ -13,9 +13,9 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedlr.client_apps.app import app as client_app
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
+from fedlr.launch.client_app import app as client_app
 from fedlr.linalg.fot import expand_basis, residualise, sketch_residual
 from fedlr.server_apps.runner import run_server
 from fedlr.strategies import FOT, FedAvgContinual, get_method

@@ -21,7 +21,7 @@ from fedlr.config.run import RunConfig
 from fedlr.errors import ConfigError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
-from fedlr.server_apps.local import run_in_process
+from fedlr.launch.local import run_in_process
 from fedlr.strategies.fedex_downlink import DownlinkOptions
 from fedlr.strategies.fedex_lora import FedExLoRA, HeteroFedExLoRA
 from fedlr.strategies.fedspec import FedSpec, HeteroFedSpec, layout_at_rank

@@ -28,8 +28,8 @@ from fedlr.client.round import RankPruning, apply_round, tail_norm
 from fedlr.errors import ConfigError, ProtocolError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
+from fedlr.launch.local import run_in_process
 from fedlr.round.instructions import prepare_round
-from fedlr.server_apps.local import run_in_process
 from fedlr.strategies.fedprox_lora import PROXIMAL_MU
 from fedlr.strategies.hetero import layout_at_rank
 from fedlr.strategies.hetlora import HetLoRA

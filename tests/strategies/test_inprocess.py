@@ -11,13 +11,13 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 
 from fedlr.adapters import Role, adapter_state
-from fedlr.client_apps.app import app as client_app
 from fedlr.config.run import RunConfig
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state
+from fedlr.launch.client_app import app as client_app
+from fedlr.launch.local import run_in_process
 from fedlr.runs.checkpoint import load_checkpoint
 from fedlr.runs.results import COLUMNS
-from fedlr.server_apps.local import run_in_process
 from fedlr.server_apps.runner import run_server
 from fedlr.strategies import FedExLoRA
 from fedlr.tasks.text import TextTask
@@ -218,7 +218,7 @@ def test_run_in_process_keeps_the_method_options(tmp_path, assets):
     Also: after the rank grows, the one model of the process serves every node
     at the new rank (round 2 dropped no reply).
     """
-    from fedlr.server_apps.local import run_in_process
+    from fedlr.launch.local import run_in_process
 
     config = tiny_run_config(
         tmp_path,

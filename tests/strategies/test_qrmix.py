@@ -11,11 +11,11 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedlr.client_apps.app import app as client_app
 from fedlr.config.run import RunConfig
 from fedlr.errors import ConfigError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
+from fedlr.launch.client_app import app as client_app
 from fedlr.linalg.qrmix import ClientEigen, fc_flatten, fc_unflatten, qrmix_update
 from fedlr.robust.rules import RobustConfig, robust_aggregate
 from fedlr.server_apps.runner import run_server

@@ -14,9 +14,9 @@ from flwr.clientapp import ClientApp
 from fedlr.adapters import Role
 from fedlr.adapters.sorf_vera import SorfVeraLayout, SorfVeraModule, layer_signs
 from fedlr.adapters.vera import VeraLayout, VeraModule
-from fedlr.client_apps.app import app as client_app
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state
+from fedlr.launch.client_app import app as client_app
 from fedlr.linalg.sorf import build_lambda_d_rot
 from fedlr.runs.results import COLUMNS
 from fedlr.server_apps.runner import run_server

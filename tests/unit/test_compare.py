@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from fedlr.errors import ConfigError
-from fedlr.runs.compare import main, parse_overrides, read_conf
+from fedlr.launch.compare import main, parse_overrides, read_conf
 from fedlr.runs.results import ResultsWriter
 from fedlr.runs.table import collect, summarise, to_markdown
 
@@ -185,7 +185,7 @@ def test_inprocess_sweep_runs_every_cell_and_tabulates(tmp_path, assets):
     [({"engine": "ray"}, "--engine"), ({"client_gpus": -1.0}, "--client-gpus")],
 )
 def test_bad_sweep_options_are_refused_before_any_run(tmp_path, kwargs, key):
-    from fedlr.runs.compare import run_sweep
+    from fedlr.launch.compare import run_sweep
 
     conf = tmp_path / "c.toml"
     conf.write_text('method = "fedex-lora"\n')
@@ -272,8 +272,8 @@ def test_comparison_figure_has_legends_everywhere_and_no_band_for_one_seed(tmp_p
 
 def test_flwr_engine_passes_the_gpu_share_and_nodes_to_flwr_run(tmp_path, monkeypatch):
     """`--client-gpus 0.25` reaches `flwr run` as the clients' num-gpus."""
-    import fedlr.runs.compare as compare
-    from fedlr.runs.compare import run_sweep
+    import fedlr.launch.compare as compare
+    from fedlr.launch.compare import run_sweep
 
     calls = []
 
@@ -361,7 +361,7 @@ class _Lines(logging.Handler):
 
 def test_sweep_resumes_skipping_finished_cells(tmp_path, assets, monkeypatch, capfd):
     """Ctrl-C stops the sweep; a rerun skips finished cells, resumes the rest."""
-    import fedlr.runs.compare as compare
+    import fedlr.launch.compare as compare
 
     conf, out = _tiny_conf(tmp_path), tmp_path / "sweep"
     argv = ["run", "--conf", str(conf), "--methods", "fedavg-lora", "--seeds", "0,1"]
@@ -441,7 +441,7 @@ def test_in_process_runs_print_flower_lines_once_and_drop_library_noise(recwarn)
     import logging
     import warnings
 
-    from fedlr.runs.compare import quiet_in_process
+    from fedlr.launch.compare import quiet_in_process
 
     def noise() -> None:
         logging.getLogger("flwr").info("round 7: aggregated 4 replies")
@@ -484,7 +484,7 @@ def test_in_process_runs_keep_fedlr_lines_and_drop_flowers_round_lines_without_c
     import io
     import logging
 
-    from fedlr.runs.compare import quiet_in_process
+    from fedlr.launch.compare import quiet_in_process
 
     flower = logging.getLogger("flwr")
     console = next(h for h in flower.handlers if hasattr(h, "colored"))

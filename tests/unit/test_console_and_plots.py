@@ -320,7 +320,7 @@ def _round_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
 def test_a_dp_run_shows_its_guarantee_and_epsilon_every_round(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from fedlr.server_apps.local import run_in_process
+    from fedlr.launch.local import run_in_process
 
     config = tiny_run_config(
         tmp_path,
@@ -356,7 +356,7 @@ def test_a_dp_run_shows_its_guarantee_and_epsilon_every_round(
 def test_a_causal_lm_runs_last_line_names_exact_match(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from fedlr.server_apps.local import run_in_process
+    from fedlr.launch.local import run_in_process
 
     config = {
         "method": "fedavg-lora",

@@ -26,7 +26,7 @@ from fedlr.flower.certs import (
     generate_tls_certificates,
     main,
 )
-from fedlr.flower.launch import write_superlink_connection
+from fedlr.launch.flwr_run import write_superlink_connection
 
 
 def _load(path: Path) -> x509.Certificate:

@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from fedlr.server_apps.local import run_in_process
+from fedlr.launch.local import run_in_process
 from tests.conftest import ROOT
 
 _TIMES = re.compile(r" \d+(\.\d+)?s elapsed \S+( eta \S+)?")

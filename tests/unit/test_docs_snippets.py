@@ -20,7 +20,7 @@ import textwrap
 
 import pytest
 
-from fedlr.server_apps.local import run_in_process
+from fedlr.launch.local import run_in_process
 from tests.conftest import ROOT, tiny_run_config
 
 PSEUDO = "<!-- pseudo-code -->"

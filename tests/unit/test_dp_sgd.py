@@ -41,11 +41,11 @@ from fedlr.errors import (
     PrivacyBudgetError,
     PrivacyUnsupportedError,
 )
+from fedlr.launch.local import run_in_process
 from fedlr.privacy.accounting import epsilon
 from fedlr.privacy.dp_sgd import PrivateLoop, node_history, sample_mean_loss
 from fedlr.privacy.node_policy import NodePolicy
 from fedlr.privacy.settings import DpSgdSettings, PrivacyConfig, default_delta
-from fedlr.server_apps.local import run_in_process
 from fedlr.strategies.registry import resolve
 from tests.conftest import ROOT, tiny_run_config
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from benchmarks import drift
-from fedlr.server_apps.local import run_in_process
+from fedlr.launch.local import run_in_process
 from fedlr.strategies.registry import resolve
 from fedlr.wire.updates import ClientUpdate
 

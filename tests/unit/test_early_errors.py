@@ -1,6 +1,6 @@
 """Mistakes that used to fail after the SuperLink and Ray started fail first.
 
-Each case runs the launcher CLI (``python -m fedlr.flower.launch``, what
+Each case runs the launcher CLI (``python -m fedlr.launch``, what
 ``make run`` calls) as a subprocess: exit code 2, one line on stderr that
 names the key, within the time limit, and no SuperLink started (no
 ``FLWR_HOME/local/`` and no ``flower-superlink`` under that home). Also: the
@@ -35,7 +35,7 @@ _ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 def _launch(home: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], float]:
     started = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "fedlr.flower.launch", "--flwr-home", str(home), *args],
+        [sys.executable, "-m", "fedlr.launch", "--flwr-home", str(home), *args],
         cwd=ROOT,
         env=_ENV,
         capture_output=True,
@@ -59,7 +59,7 @@ def limit() -> float:
         [
             sys.executable,
             "-c",
-            "import fedlr.flower.launch; from fedlr.strategies.registry import "
+            "import fedlr.launch.flwr_run; from fedlr.strategies.registry import "
             "available_methods; available_methods()",
         ],
         cwd=ROOT,
@@ -129,7 +129,7 @@ def test_mistake_is_one_line_before_anything_starts(tmp_path, limit, args, key):
 
 
 def test_a_valid_value_of_the_same_keys_passes_the_checks():
-    from fedlr.flower.run_config import check_before_start, check_run_config
+    from fedlr.launch.run_config import check_before_start, check_run_config
 
     method = check_run_config(ROOT, 'dataset="sst2" method="fedavg-lora"')
     check_before_start(method, num_supernodes=4, client_gpus=0.0)  # no error
@@ -142,7 +142,7 @@ def test_resume_from_is_checked_before_the_superlink_starts(tmp_path):
     """A directory without checkpoints, and a checkpoint of other settings,
     are refused by name before anything starts; a matching one passes."""
     from fedlr.errors import ConfigError
-    from fedlr.flower.run_config import check_before_start, check_run_config
+    from fedlr.launch.run_config import check_before_start, check_run_config
     from fedlr.runs.checkpoint import save_checkpoint
 
     empty = tmp_path / "empty"
@@ -172,7 +172,7 @@ def test_a_checkpoint_older_than_a_key_resumes_while_the_key_is_at_its_default(
     """A checkpoint written before ``heldout-check`` existed (its config lacks
     the key) resumes with the key at its default and is refused with it on."""
     from fedlr.errors import ConfigError
-    from fedlr.flower.run_config import check_before_start, check_run_config
+    from fedlr.launch.run_config import check_before_start, check_run_config
     from fedlr.runs.checkpoint import save_checkpoint
 
     saved = check_run_config(ROOT, "").to_mapping()
@@ -188,7 +188,7 @@ def test_a_checkpoint_older_than_a_key_resumes_while_the_key_is_at_its_default(
 
 
 def test_a_deployment_skips_the_node_count_and_gpu_checks():
-    from fedlr.flower.run_config import check_before_start, check_run_config
+    from fedlr.launch.run_config import check_before_start, check_run_config
 
     method = check_run_config(ROOT, "min-replies=5")
     check_before_start(method, num_supernodes=None, client_gpus=0.25)

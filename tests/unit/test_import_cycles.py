@@ -113,10 +113,10 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "apps",
         (
             "fedlr.server_apps.",
-            "fedlr.client_apps.app",
-            "fedlr.flower.launch",
-            "fedlr.flower.run_config",
-            "fedlr.runs.compare",
+            "fedlr.launch.client_app",
+            "fedlr.launch.flwr_run",
+            "fedlr.launch.run_config",
+            "fedlr.launch.compare",
             "fedlr.configdoc.",
             "fedlr.runs.export",
         ),
@@ -546,7 +546,7 @@ def test_an_upward_import_is_found_and_named(tmp_path: Path) -> None:
     assert upward_imports(edges, floors) == {("pkg.low", "pkg.high")}
     with pytest.raises(LookupError, match=r"pkg\.side is on no floor"):
         floor_of("pkg.side", floors[1:])
-    assert floor_of("fedlr.client_apps.app", FLOORS) > floor_of(
+    assert floor_of("fedlr.launch.client_app", FLOORS) > floor_of(
         "fedlr.client_apps.lora", FLOORS
     )
 

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from fedlr.errors import ConfigError, UnknownMethodError
-from fedlr.flower.launch import (
+from fedlr.launch.flwr_run import (
     LocalSuperLink,
     check_run_config,
     flwr_env,

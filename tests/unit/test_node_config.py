@@ -76,7 +76,7 @@ def test_an_unknown_key_names_the_closest_and_the_error_says_node_config():
 
 
 def test_resuming_with_another_method_names_the_method_first(tmp_path):
-    from fedlr.flower.run_config import check_before_start, check_run_config
+    from fedlr.launch.run_config import check_before_start, check_run_config
     from fedlr.runs.checkpoint import check_resumable, save_checkpoint
 
     saved = check_run_config(ROOT, 'method="fedex-lora"').to_mapping()

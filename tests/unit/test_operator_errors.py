@@ -165,8 +165,8 @@ def test_output_dir_that_is_a_file_or_a_dangling_link_is_named(tmp_path):
 def test_a_run_into_a_bad_output_dir_fails_before_the_model_is_built(
     tmp_path, monkeypatch
 ):
+    from fedlr.launch.local import run_in_process
     from fedlr.server_apps import runner
-    from fedlr.server_apps.local import run_in_process
 
     def no_plan(*args, **kwargs):
         raise AssertionError("the plan must not be built")
@@ -215,7 +215,7 @@ def _resaved(run_dir: Path, change) -> None:
 
 def test_resuming_from_arrays_of_another_model_is_refused_before_round_1(tmp_path):
     """Vision FedAvg (no declared roles): the layout is the built model's."""
-    from fedlr.server_apps.local import run_in_process
+    from fedlr.launch.local import run_in_process
 
     config = {
         "method": "fedavg",
@@ -249,7 +249,7 @@ def test_resuming_from_arrays_of_another_model_is_refused_before_round_1(tmp_pat
 def test_a_fedspec_run_resumes_at_its_grown_rank_and_another_rank_is_refused(
     tmp_path, assets
 ):
-    from fedlr.server_apps.local import run_in_process
+    from fedlr.launch.local import run_in_process
     from tests.conftest import tiny_run_config
 
     config = tiny_run_config(

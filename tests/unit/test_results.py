@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from fedlr.errors import CheckpointError
-from fedlr.flower.launch import format_run_config
+from fedlr.launch.flwr_run import format_run_config
 from fedlr.runs.results import COLUMNS, ResultsWriter, read_results
 
 

@@ -30,8 +30,8 @@ from benchmarks.robustness import (
     plan,
 )
 from fedlr.flower.records import record_to_state
+from fedlr.launch.local import run_in_process
 from fedlr.robust.screen import DEFAULT_SCREEN_RATIO
-from fedlr.server_apps.local import run_in_process
 from fedlr.wire import protocol
 from tests.conftest import tiny_run_config
 

@@ -432,7 +432,7 @@ def test_the_run_refuses_what_secure_aggregation_cannot_serve(overrides, message
 
 
 def test_run_in_process_refuses_a_method_that_is_not_sum_only(tmp_path):
-    from fedlr.server_apps.local import run_in_process
+    from fedlr.launch.local import run_in_process
     from tests.conftest import tiny_run_config
 
     config = tiny_run_config(
@@ -450,9 +450,9 @@ def test_a_resumed_secure_run_keeps_the_aggregate_checks_history(tmp_path, asset
     """The check's median travels in the checkpoint: round 3 of a resumed run
     is held to the same reference as round 3 of the uninterrupted one (with
     no history it would be compared with the global norm instead)."""
+    from fedlr.launch.local import run_in_process
     from fedlr.privacy.secagg import CHECK_HISTORY
     from fedlr.runs.checkpoint import load_checkpoint
-    from fedlr.server_apps.local import run_in_process
     from tests.conftest import tiny_run_config
 
     def config(out: str, rounds: int, **extra: object) -> dict[str, object]:

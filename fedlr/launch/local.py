@@ -8,7 +8,7 @@ engine for the same run config (the simulation tests check this); what is
 saved is the start-up of a SuperLink and a Ray cluster per run, about 40 s on
 a 2-core machine. Clients train one after another, each with every core.
 
-Used by ``python -m fedlr.runs.compare run --engine inprocess`` for sweeps on a
+Used by ``python -m fedlr.launch.compare run --engine inprocess`` for sweeps on a
 small machine, and by the kill-and-resume tests.
 """
 
@@ -21,9 +21,9 @@ from typing import Any
 from flwr.app import Context, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedlr.client_apps.app import app as fedlr_app
 from fedlr.flower.grid import InProcessGrid, ReplyHook, RoundHook
-from fedlr.flower.run_config import check_consent, node_policies
+from fedlr.launch.client_app import app as fedlr_app
+from fedlr.launch.run_config import check_consent, node_policies
 from fedlr.server_apps.runner import run_server
 from fedlr.strategies.base import FedLRStrategy
 from fedlr.strategies.registry import resolve
@@ -63,7 +63,7 @@ def run_in_process(
         attackers).
     client_app : flwr.clientapp.ClientApp, optional
         The app every node runs; default fedlr's own
-        (:mod:`fedlr.client_apps.app`).
+        (:mod:`fedlr.launch.client_app`).
     node_config : mapping, optional
         Node-config values of every node (its operator's settings, declared
         in :mod:`fedlr.privacy.node_policy`), passed on as they are, over the

@@ -3,15 +3,15 @@
 Two sub-commands::
 
     # run every (method, seed) of a config through `flwr run`, then tabulate
-    python -m fedlr.runs.compare run --conf benchmarks/conf/lora-family.toml \\
+    python -m fedlr.launch.compare run --conf benchmarks/conf/lora-family.toml \\
         --methods fedavg-lora,fedex-lora --seeds 0,1,2 --out docs/results/lora
 
     # tabulate and plot finished runs
-    python -m fedlr.runs.compare table RUN_DIR [RUN_DIR ...] --out DIR
+    python -m fedlr.launch.compare table RUN_DIR [RUN_DIR ...] --out DIR
 
 ``run`` reads the TOML run config (the same file ``flwr run . --run-config
 FILE`` takes), sets ``method``, ``seed`` and ``output-dir`` per cell, runs it
-with :func:`fedlr.flower.launch.flwr_run` and keeps going when one cell fails
+with :func:`fedlr.launch.flwr_run.flwr_run` and keeps going when one cell fails
 (the failure is listed in the table). Every cell's run config is resolved
 before the first cell starts (a typo is one line, in seconds). A cell whose
 directory already holds a finished run (``summary.json``) is skipped, and an
@@ -46,13 +46,13 @@ matplotlib.use("Agg")
 from transformers.utils import logging as hf_logging
 
 from fedlr.errors import ConfigError, FedLRError
-from fedlr.flower.launch import RunInterrupted, cli_logging, flwr_run
 from fedlr.flower.output import is_noise
-from fedlr.flower.run_config import check_run_config
 from fedlr.flower.superlink import FlwrRunError
+from fedlr.launch.flwr_run import RunInterrupted, cli_logging, flwr_run
+from fedlr.launch.local import run_in_process
+from fedlr.launch.run_config import check_run_config
 from fedlr.privacy.node_policy import STATE_DIR_ENV
 from fedlr.runs.table import to_markdown, write_table
-from fedlr.server_apps.local import run_in_process
 from fedlr.strategies.registry import resolve
 
 __all__ = [
@@ -179,7 +179,7 @@ def run_sweep(
         ``flwr``: each cell through the real ``flwr run`` (a local SuperLink of
         its own, Ray simulation engine, ``num_supernodes`` nodes,
         ``client_gpus`` of a GPU per client). ``inprocess``: each cell through
-        :func:`fedlr.server_apps.local.run_in_process` (same ServerApp and
+        :func:`fedlr.launch.local.run_in_process` (same ServerApp and
         ClientApp, same numbers, no SuperLink or Ray start-up per cell).
     client_gpus : float
         ``client-resources-num-gpus`` (federation config) for the ``flwr``

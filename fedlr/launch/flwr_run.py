@@ -6,20 +6,20 @@ own SuperLink (:class:`~fedlr.flower.superlink.LocalSuperLink`), reads the
 status of its own run id only and raises :class:`FlwrRunError` unless it is
 ``finished:completed``; on Ctrl-C it stops the run (``flwr stop``) and every
 process it started, then raises :class:`RunInterrupted` with a one-line
-message. ``python -m fedlr.flower.launch`` (what ``make run`` calls) checks the
-run config first (:mod:`fedlr.flower.run_config`), then runs it, echoing the
+message. ``python -m fedlr.launch`` (what ``make run`` calls) checks the
+run config first (:mod:`fedlr.launch.run_config`), then runs it, echoing the
 output without Flower's noise (:mod:`fedlr.flower.output`).
 
 The launch's public names live here for its users: the SuperLink helpers of
 :mod:`fedlr.flower.superlink` (:func:`write_superlink_connection`,
 :func:`register_supernode`, :func:`stop_local_superlinks`, ...) and the
-run-config checks of :mod:`fedlr.flower.run_config` are importable from this
+run-config checks of :mod:`fedlr.launch.run_config` are importable from this
 module too.
 
 Command line::
 
-    python -m fedlr.flower.launch --num-supernodes 4 --run-config "lr=0.001"
-    python -m fedlr.flower.launch --superlink my-link --run-config "lr=0.001"
+    python -m fedlr.launch --num-supernodes 4 --run-config "lr=0.001"
+    python -m fedlr.launch --superlink my-link --run-config "lr=0.001"
 """
 
 from __future__ import annotations
@@ -43,17 +43,6 @@ import psutil
 
 from fedlr.errors import ConfigError, FedLRError
 from fedlr.flower.output import OutputStream, is_noise, strip_ansi
-from fedlr.flower.run_config import (
-    app_run_config,
-    check_before_start,
-    check_cuda,
-    check_nodes,
-    check_run_config,
-    format_run_config,
-    is_fedlr_app,
-    node_policies,
-    parse_run_config,
-)
 from fedlr.flower.superlink import (
     FlwrRunError,
     LocalSuperLink,
@@ -65,6 +54,17 @@ from fedlr.flower.superlink import (
     superlink_arg,
     superlinks_under,
     write_superlink_connection,
+)
+from fedlr.launch.run_config import (
+    app_run_config,
+    check_before_start,
+    check_cuda,
+    check_nodes,
+    check_run_config,
+    format_run_config,
+    is_fedlr_app,
+    node_policies,
+    parse_run_config,
 )
 from fedlr.privacy.node_policy import NODE_CONFIG_ENV, check_node_config_file
 from fedlr.strategies.registry import MethodConfig
@@ -499,7 +499,7 @@ def _check_nodes(
     args: argparse.Namespace, method: MethodConfig | None, path: str
 ) -> None:
     """The refusals the simulated nodes would make of every round, from
-    their own settings (:func:`~fedlr.flower.run_config.check_nodes`)."""
+    their own settings (:func:`~fedlr.launch.run_config.check_nodes`)."""
     environ = {**os.environ, NODE_CONFIG_ENV: path}
     if method is not None:
         check_nodes(method, node_policies(args.num_supernodes, environ=environ))
