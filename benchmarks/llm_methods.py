@@ -91,7 +91,6 @@ def main(argv: list[str] | None = None) -> None:
         command = [
             sys.executable,
             "-m",
-            "fedlr.launch.compare",
             "run",
             "--conf",
             str(CONF),

@@ -161,7 +161,7 @@ class InstructionError(ProtocolError):
     """A node refuses an instruction: a value or array outside what it accepts.
 
     Raised before the node changes anything (its model, its ``context.state``)
-    by :mod:`fedlr.wire.checks`; fedlr's ClientApp answers it with an
+    by :mod:`fedlr.client.checks`; fedlr's ClientApp answers it with an
     error reply naming the key, and the node serves the next round as before.
 
     Parameters
@@ -206,7 +206,7 @@ class SecAggGuardError(InstructionError):
 class FeatureRecordError(InstructionError):
     """A node refuses an extra record a client feature reads, before training.
 
-    Raised by :func:`fedlr.wire.checks.check_records` against the record's
+    Raised by :func:`fedlr.client.checks.check_records` against the record's
     declaration (:attr:`fedlr.client.features.ClientFeature.receives`): the
     record is absent when the instruction needs it, or one of its arrays is
     missing, unknown, of another shape or dtype, or not finite. Nothing of

@@ -33,10 +33,10 @@ sends ``proximal-mu`` gets the proximal term on any node.
 A feature owns its surface, declared on its class:
 
 * its **wire keys** (:attr:`ClientFeature.keys`), each a
-  :class:`~fedlr.wire.checks.Bound`: creating the class registers
+  :class:`~fedlr.client.checks.Bound`: creating the class registers
   them with the node's instruction check
-  (:func:`fedlr.wire.checks.declare_bounds`), so a new key needs no
-  edit of :mod:`fedlr.wire.checks` or :mod:`fedlr.wire.protocol`;
+  (:func:`fedlr.client.checks.declare_bounds`), so a new key needs no
+  edit of :mod:`fedlr.client.checks` or :mod:`fedlr.wire.protocol`;
 * its **node state** (:attr:`~ClientFeature.node_state`: what it keeps in
   ``context.state``), the **extra records** it receives in instructions and
   sends in replies (:attr:`~ClientFeature.receives`,
@@ -44,7 +44,7 @@ A feature owns its surface, declared on its class:
   (:attr:`~ClientFeature.metrics`), each a :class:`Record`: a user's own
   metrics may not reuse those names, and a method whose features send
   records cannot have client-level DP (refused at configuration,
-  :func:`fedlr.privacy.refusals.check_privacy`);
+  :func:`fedlr.strategies.refusals.check_privacy`);
 * whether its loss term **reads the data** (:attr:`~ClientFeature.loss_reads_data`):
   DP-SGD adds the gradient of a term that does not after its per-example
   clipping and noise, and refuses one that does;
@@ -85,7 +85,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeVar
 
 import torch
 
-from fedlr.wire.checks import (
+from fedlr.client.checks import (
     Bound,
     Expected,
     Incoming,
@@ -131,7 +131,7 @@ class Record:
         For a record the feature receives (:attr:`ClientFeature.receives`),
         required there: ``expects(incoming)`` gives the keys and shapes the
         record must hold in this instruction
-        (:class:`~fedlr.wire.checks.Expected`), or ``None`` when the feature
+        (:class:`~fedlr.client.checks.Expected`), or ``None`` when the feature
         does not read it then. The node checks it before anything changes
         (:func:`check_received`): absent, missing or unknown keys, other
         shapes or dtypes, NaN or Inf are refused by name.
@@ -215,11 +215,11 @@ class ClientFeature:
     ----------------
     keys : tuple of Bound or str
         The instruction's ConfigRecord keys the feature reads, each with what
-        a node accepts (:class:`~fedlr.wire.checks.Bound`); defining
+        a node accepts (:class:`~fedlr.client.checks.Bound`); defining
         the class registers them with every node's instruction check. A plain
         ``str`` is a key the feature checks itself when it builds its
         settings (DP-SGD's). A key of the common round
-        (:data:`fedlr.wire.checks.BOUNDS`: ``leading-rank``,
+        (:data:`fedlr.client.checks.BOUNDS`: ``leading-rank``,
         ``keep-roles``...) is read, not declared.
     node_state : tuple of Record
         What the feature keeps in the node's ``context.state``.
@@ -283,7 +283,7 @@ class ClientFeature:
         """What the feature adds to local training under the method's
         options (a loss term, a gradient transform), in words, or ``None``.
 
-        Read at configuration time (:func:`fedlr.privacy.refusals.check_privacy`):
+        Read at configuration time (:func:`fedlr.strategies.refusals.check_privacy`):
         sample-level DP-SGD clips each example's gradient of the loss alone;
         it adds a loss term's gradient after the clipping and noise when the
         term does not read the data (:attr:`loss_reads_data`), and refuses a
@@ -370,7 +370,7 @@ class ClientFeature:
 
 def check_received(features: Iterable[type[ClientFeature]], incoming: Incoming) -> None:
     """Check every record the ``features`` declare they receive, before the
-    node acts on the instruction (:func:`fedlr.wire.checks.check_records`).
+    node acts on the instruction (:func:`fedlr.client.checks.check_records`).
 
     Raises
     ------

@@ -118,6 +118,7 @@ from fedlr.adapters.ranks import leading_rank
 from fedlr.adapters.roles import AdaptedModel, AdapterLayout, Role, RoleLayout
 from fedlr.adapters.sorf_vera import SorfVeraLayout
 from fedlr.adapters.vera import VeraLayout, check_projection
+from fedlr.client.checks import check_model_instruction
 from fedlr.client.features import ClientFeature, Incoming, check_received
 from fedlr.client.method_features import client_features
 from fedlr.client.pruning import RankPruning, RoundRank, keep_rank, tail_norm
@@ -130,7 +131,6 @@ from fedlr.flower.records import (
     state_to_record,
 )
 from fedlr.wire import protocol
-from fedlr.wire.checks import check_model_instruction
 from fedlr.wire.fingerprint import check_instruction
 
 __all__ = ["ClientRound", "RankPruning", "apply_round", "tail_norm"]
@@ -433,7 +433,7 @@ def apply_round(
     ------
     InstructionError
         Before anything changes, naming the key: a ConfigRecord value or an
-        array outside what the node accepts (:mod:`fedlr.wire.checks`).
+        array outside what the node accepts (:mod:`fedlr.client.checks`).
     UnsupportedModelError
         If ``model`` is not a LoRA or VeRA peft model or an AdaptedModel.
     ProjectionMismatchError

@@ -16,6 +16,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.app import MetricRecordValues as Values
 from torch import nn
 
+from fedlr.client.checks import NodeLimits, check_value
 from fedlr.client.round import ClientRound
 from fedlr.client.train import (
     LOCAL_OPTIMIZER,
@@ -37,7 +38,6 @@ from fedlr.privacy.node_policy import node_policy
 from fedlr.tasks.image import ImageRows, evaluate_images, image_scores
 from fedlr.tasks.lm import EncodedInstructions
 from fedlr.wire import protocol
-from fedlr.wire.checks import NodeLimits, check_value
 
 __all__ = [
     "image_evaluate_reply",
@@ -89,7 +89,7 @@ def train_settings(
     """Local training settings of a round: the ConfigRecord's, else the run config's.
 
     The values used, wherever they come from, are within the node's
-    ``limits`` (:data:`fedlr.wire.checks.BOUNDS`). The local solver is the
+    ``limits`` (:data:`fedlr.client.checks.BOUNDS`). The local solver is the
     ConfigRecord's ``local-optimizer``, else the run config's, else AdamW
     (``auto`` in the run config: the method's own, which its server sends).
 

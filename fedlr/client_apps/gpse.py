@@ -26,6 +26,7 @@ import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.app import MetricRecordValues as Values
 
+from fedlr.client.checks import NodeLimits, check_config, decode_checked
 from fedlr.client.train import client_seed, pick_device
 from fedlr.client_apps.common import (
     image_evaluate_reply,
@@ -52,7 +53,6 @@ from fedlr.tasks.continual import (
 )
 from fedlr.tasks.image import train_sgd
 from fedlr.wire import protocol
-from fedlr.wire.checks import NodeLimits, check_config, decode_checked
 
 __all__ = ["evaluate_message", "train_message"]
 
@@ -105,7 +105,7 @@ def _checked(
     """The instruction's weights and bases, checked before anything is decoded.
 
     The ConfigRecord (if any) against :data:`BOUNDS
-    <fedlr.wire.checks.BOUNDS>` (``sketch-dim`` at most the widest
+    <fedlr.client.checks.BOUNDS>` (``sketch-dim`` at most the widest
     projected layer's ``d``, tasks within the run's); ``arrays`` exactly the
     model's state; ``bases`` one ``(d, k)`` basis, ``1 <= k <= d``, per
     projected layer at most.

@@ -25,6 +25,7 @@ import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.app import MetricRecordValues as Values
 
+from fedlr.client.checks import NodeLimits, check_config, decode_checked
 from fedlr.client.train import client_seed, pick_device
 from fedlr.client_apps.common import (
     image_evaluate_reply,
@@ -44,7 +45,6 @@ from fedlr.models.vision import VisionModel
 from fedlr.privacy.dp_sgd import private_loop
 from fedlr.tasks.image import EigenOptions, ImageTask, train_sgd
 from fedlr.wire import protocol
-from fedlr.wire.checks import NodeLimits, check_config, decode_checked
 
 __all__ = ["evaluate_message", "head_features", "train_message"]
 
@@ -97,7 +97,7 @@ def _checked_state(
     """The instruction's parameters, checked against the model before decoding.
 
     The ConfigRecord (if any) is checked against :data:`BOUNDS
-    <fedlr.wire.checks.BOUNDS>`; ``arrays`` must hold exactly the
+    <fedlr.client.checks.BOUNDS>`; ``arrays`` must hold exactly the
     model's parameters, with their shapes.
     """
     limits = NodeLimits.of_node(context.node_config)

@@ -10,14 +10,14 @@ from those declarations, between markers
 ``<!-- end generated -->``:
 
 - ``docs/reliability.md``, ``instruction-keys``: every ConfigRecord key a
-  node checks (the common round's :data:`~fedlr.wire.checks.BOUNDS`,
+  node checks (the common round's :data:`~fedlr.client.checks.BOUNDS`,
   then each feature's), what it accepts and who reads it;
 - ``docs/reliability.md``, ``client-features``: each feature's methods, node
   state, records and metrics;
 - ``docs/privacy.md``, ``method-privacy``: for every registered method, what
   its clients add to training, the extra records its replies carry, and
   whether DP-SGD and client-level DP serve it, decided by the same check the
-  run config goes through (:func:`fedlr.privacy.refusals.check_privacy`).
+  run config goes through (:func:`fedlr.strategies.refusals.check_privacy`).
 
 ``python -m fedlr.configdoc write`` rewrites these blocks with the run-config
 tables and ``check`` fails when one is stale (:func:`generated` is one of
@@ -29,13 +29,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from fedlr.client.checks import BOUNDS, declared_keys
 from fedlr.client.features import ClientFeature, Record, common_features
 from fedlr.client_apps.gate import trains_with_dp_sgd
 from fedlr.errors import PrivacyUnsupportedError
-from fedlr.privacy.refusals import check_privacy, dp_sgd_conflict, reply_records
 from fedlr.privacy.settings import ClientDpSettings, DpSgdSettings, PrivacyConfig
+from fedlr.strategies.refusals import check_privacy, dp_sgd_conflict, reply_records
 from fedlr.strategies.registry import MethodSpec, client_features, registered_methods
-from fedlr.wire.checks import BOUNDS, declared_keys
 
 __all__ = [
     "END",
@@ -90,7 +90,7 @@ def render_keys() -> str:
     features = {f"{f.__module__}.{f.__qualname__}": f for f in client_features()}
     users = _users(features.values())
     lines = [
-        *_do_not_edit("fedlr/wire/checks.py's BOUNDS and the client features' keys"),
+        *_do_not_edit("fedlr/client/checks.py's BOUNDS and the client features' keys"),
         "| key | accepted | read by |",
         "|---|---|---|",
     ]

@@ -45,11 +45,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fedlr.client_apps.payloads import PAYLOADS
 from fedlr.config.options import METHOD_DEFAULT, Options, Range
 from fedlr.config.run import RunConfig
 from fedlr.configdoc import features as featuredoc
 from fedlr.strategies.registry import MethodSpec, method_defaults, registered_methods
-from fedlr.wire.payloads import PAYLOADS
 
 __all__ = [
     "BEGIN",
@@ -143,7 +143,7 @@ def _kind_order(specs: Sequence[MethodSpec]) -> list[str]:
 def method_keys() -> list[Key]:
     """Every registered method option, once, grouped by payload kind.
 
-    Kinds come in :data:`fedlr.wire.payloads.PAYLOADS` order; within a kind, the
+    Kinds come in :data:`fedlr.client_apps.payloads.PAYLOADS` order; within a kind, the
     kind's own keys, then each method's (methods by name), each in
     declaration order. A key read by several kinds is listed under the first.
     The declarations of one key are one setting up to their defaults (the

@@ -2,7 +2,7 @@
 
 ``[tool.flwr.app.components] clientapp = "client_apps.app:app"`` names it. The
 run config's ``method`` is looked up in the registry; its payload kind
-(:mod:`fedlr.wire.payloads`) holds the ``train`` and ``evaluate`` handlers.
+(:mod:`fedlr.client_apps.payloads`) holds the ``train`` and ``evaluate`` handlers.
 Every message the node receives, of any type, first passes the node's policy
 gate (:mod:`fedlr.client_apps.gate`); a message it refuses, and a refusal of
 the handlers behind it, is answered with an error reply naming the key.

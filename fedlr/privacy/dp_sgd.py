@@ -47,7 +47,7 @@ quantities (``w_g`` from the server, the node's previous iterate), so the
 step is post-processing of the Gaussian mechanism and the accountant's
 ``(sigma, q, steps)`` are unchanged. A term that reads the data, or a
 gradient transform (SCAFFOLD's correction), is refused: the clipping would
-not bound it (at configuration, :func:`fedlr.privacy.refusals.check_privacy`,
+not bound it (at configuration, :func:`fedlr.strategies.refusals.check_privacy`,
 and again on the node, :meth:`fedlr.client.round.ClientRound.loop_control`).
 
 References

@@ -6,7 +6,7 @@ median, weight caps, in the method's update space), the held-out check
 (:class:`HeldOutStep`: leave out a reply that raises the server's
 validation loss, :mod:`fedlr.robust.heldout`) and client-level DP
 (:class:`ClientDpStep`: each update clipped, the mean noised; refused beside
-a robust rule at construction, :func:`fedlr.privacy.refusals.check_robust`).
+a robust rule at construction, :func:`fedlr.strategies.refusals.check_robust`).
 Each step returns the updates the method aggregates, the updates it left out
 and its metrics; :func:`protection_steps` composes them for a strategy.
 """

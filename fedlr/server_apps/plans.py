@@ -1,7 +1,7 @@
 """Server plans: what the ServerApp builds for a method.
 
 A method's registry entry names its payload kind
-(:class:`~fedlr.wire.payload_kind.PayloadKind`); the plan builder of that
+(:class:`~fedlr.client_apps.payload_kind.PayloadKind`); the plan builder of that
 kind (``plan(method_config) -> ServerPlan``) is registered here under the
 kind's name (:func:`register_plan`), in the plan's own module, and
 :func:`fedlr.server_apps.builtin_plans.build_plan` builds a method's plan.

@@ -28,7 +28,6 @@ from fedlr.adapters.roles import Role
 from fedlr.config.options import NoOptions, Options, coerce, kebab
 from fedlr.linalg import weighted_mean
 from fedlr.privacy.client_dp import ClientDpLedger, keep_ledger
-from fedlr.privacy.refusals import PrivacyTraits, check_robust
 from fedlr.privacy.settings import PrivacyConfig
 from fedlr.robust.heldout import HeldOutCheck
 from fedlr.robust.rules import RobustConfig
@@ -43,6 +42,7 @@ from fedlr.round.instructions import evaluate_instructions, train_instructions
 from fedlr.round.pipeline import aggregate_round
 from fedlr.round.publish import RoundReport
 from fedlr.round.replies import Replies, reply_step_type
+from fedlr.strategies.refusals import PrivacyTraits, check_robust
 from fedlr.wire.fingerprint import BaseFingerprint
 from fedlr.wire.updates import ClientUpdate
 
@@ -153,7 +153,7 @@ class FedLRStrategy(FedAvg):
     """What the configuration-time privacy refusals read of the method's
     registration (set by :func:`~fedlr.strategies.registration.register_method`;
     a subclass inherits its method's): the constructor refuses a ``privacy``
-    the method cannot have (:func:`fedlr.privacy.refusals.check_privacy`)."""
+    the method cannot have (:func:`fedlr.strategies.refusals.check_privacy`)."""
     options_type: ClassVar[type[Options]] = NoOptions
     """The method's options class: the ``options`` it is registered with
     (:func:`~fedlr.strategies.registry.register_method` sets it), or declared

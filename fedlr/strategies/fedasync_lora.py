@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fedlr.client_apps.payloads import LORA
 from fedlr.config.options import option
 from fedlr.strategies.async_lora import (
     AsyncLoraStrategy,
@@ -39,7 +40,6 @@ from fedlr.strategies.async_lora import (
 )
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.registration import ClientContract, register_method
-from fedlr.wire.payloads import LORA
 
 __all__ = ["FedAsyncLoRA", "FedAsyncOptions", "mixing_weight"]
 

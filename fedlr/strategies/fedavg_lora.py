@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
+from fedlr.client_apps.payloads import LORA
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.lora import LoraStrategy
 from fedlr.strategies.registration import ClientContract, register_method
-from fedlr.wire.payloads import LORA
 
 __all__ = ["FedAvgLoRA"]
 

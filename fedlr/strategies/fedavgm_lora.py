@@ -36,12 +36,12 @@ from typing import Any
 
 import torch
 
+from fedlr.client_apps.payloads import LORA
 from fedlr.config.options import NoOptions, option
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
 from fedlr.strategies.lora import saved_tensors
 from fedlr.strategies.registration import ClientContract, register_method
-from fedlr.wire.payloads import LORA
 
 __all__ = ["FedAvgMLoRA", "ServerMomentumOptions"]
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fedlr.client_apps.payloads import LORA
 from fedlr.config.options import option, redeclare
 from fedlr.linalg import normalise_weights
 from fedlr.strategies.async_lora import (
@@ -52,7 +53,6 @@ from fedlr.strategies.async_lora import (
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.fedavgm_lora import ServerMomentumOptions
 from fedlr.strategies.registration import ClientContract, register_method
-from fedlr.wire.payloads import LORA
 
 __all__ = ["FedBuffLoRA", "FedBuffOptions", "fedbuff_coefficients"]
 

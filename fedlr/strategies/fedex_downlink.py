@@ -20,6 +20,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
 from fedlr.adapters.roles import AdaptedModel, Role
 from fedlr.adapters.vera import VeraModel
+from fedlr.client.checks import base_delta_expected
 from fedlr.client.features import Bound, ClientFeature, Record, RoundJob
 from fedlr.config.options import NoOptions, Options, option, require
 from fedlr.errors import ReplyValidationError
@@ -28,7 +29,6 @@ from fedlr.round.ledger import BaseLedger
 from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
 from fedlr.wire import protocol
-from fedlr.wire.checks import base_delta_expected
 from fedlr.wire.downlink import BaseDelta, Projections, encode_steps, receive_base
 
 __all__ = [

@@ -52,6 +52,7 @@ from fedlr.adapters.lora import LoraModel
 from fedlr.adapters.ranks import fold_tail
 from fedlr.adapters.roles import Role
 from fedlr.client.features import Bound, ClientFeature, RoundJob
+from fedlr.client_apps.payloads import LORA
 from fedlr.config.options import Options, option
 from fedlr.errors import ConfigError
 from fedlr.linalg import (
@@ -75,7 +76,6 @@ from fedlr.strategies.registration import (
 )
 from fedlr.wire import protocol
 from fedlr.wire.downlink import lowrank_delta
-from fedlr.wire.payloads import LORA
 
 __all__ = ["FOLD_TAIL", "FedExLoRA", "FedExOptions", "FoldTail", "HeteroFedExLoRA"]
 

@@ -72,6 +72,7 @@ from fedlr.client.features import (
     RoundJob,
     StepTogether,
 )
+from fedlr.client_apps.payloads import LORA
 from fedlr.config.options import NoOptions, option
 from fedlr.errors import ProtocolError
 from fedlr.flower.records import config_int, record_to_state
@@ -83,7 +84,6 @@ from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.lora_svd import PersonalLoraStrategy, PersonalReplies
 from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.wire import protocol
-from fedlr.wire.payloads import LORA
 
 __all__ = [
     "FEDLEASE_EXPERT",

@@ -73,6 +73,7 @@ import torch
 from flwr.supercore import log
 
 from fedlr.adapters.roles import AdapterLayout, Role
+from fedlr.client_apps.payloads import LORA
 from fedlr.config.options import option, require
 from fedlr.errors import ConfigError
 from fedlr.linalg import (
@@ -95,7 +96,6 @@ from fedlr.strategies.lora_svd import SeededLoraStrategy
 from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.strategies.svd_solver import SvdSolverChoice, SvdSolverOptions
 from fedlr.wire import protocol
-from fedlr.wire.payloads import LORA
 
 __all__ = [
     "ENERGY_RULES",

@@ -29,12 +29,12 @@ from typing import ClassVar
 import torch
 
 from fedlr.adapters.roles import Role
+from fedlr.client_apps.payloads import LORA
 from fedlr.linalg import factored_svd, pad_factors
 from fedlr.robust.spaces import PRODUCT
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.lora_svd import SeededLoraStrategy
 from fedlr.strategies.registration import ClientContract, register_method
-from fedlr.wire.payloads import LORA
 
 __all__ = ["FedSVD"]
 

@@ -38,10 +38,10 @@ from dataclasses import dataclass
 
 import torch
 
+from fedlr.client_apps.payloads import LORA
 from fedlr.config.options import NoOptions, redeclare
 from fedlr.strategies.fedadam_lora import AdaptiveServerLoRA, FedAdamOptions, ServerStep
 from fedlr.strategies.registration import ClientContract, register_method
-from fedlr.wire.payloads import LORA
 
 __all__ = ["FedYogiLoRA", "FedYogiOptions"]
 

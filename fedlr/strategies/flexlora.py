@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import torch
 
+from fedlr.client_apps.payloads import LORA
 from fedlr.linalg import (
     flexlora_factors,
 )
@@ -24,7 +25,6 @@ from fedlr.strategies.hetero import (
     LayerUpdates,
 )
 from fedlr.strategies.registration import ClientContract, register_method
-from fedlr.wire.payloads import LORA
 
 __all__ = ["FlexLoRA"]
 

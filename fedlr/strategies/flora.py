@@ -15,6 +15,7 @@ from typing import ClassVar
 import torch
 
 from fedlr.adapters.roles import Role
+from fedlr.client_apps.payloads import LORA
 from fedlr.linalg import (
     factored_frobenius_norm,
     stacked_update,
@@ -29,7 +30,6 @@ from fedlr.strategies.hetero import (
 )
 from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.wire.downlink import lowrank_delta
-from fedlr.wire.payloads import LORA
 
 __all__ = ["FLoRA"]
 

@@ -53,6 +53,7 @@ from flwr.app import ArrayRecord, Message
 from flwr.supercore import log
 
 from fedlr.client.features import Record
+from fedlr.client_apps.payloads import GPSE
 from fedlr.config.options import Options, option
 from fedlr.config.run import RunConfig
 from fedlr.errors import ReplyValidationError
@@ -73,7 +74,6 @@ from fedlr.strategies.base import (
 from fedlr.strategies.registration import register_method
 from fedlr.tasks.continual import ContinualOptions
 from fedlr.wire import protocol
-from fedlr.wire.payloads import GPSE
 
 __all__ = ["FOT", "FOTOptions", "FedAvgContinual"]
 

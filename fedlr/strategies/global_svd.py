@@ -43,6 +43,7 @@ import torch
 
 from fedlr.adapters.roles import AdapterLayout, Role
 from fedlr.client.features import Bound, ClientFeature, RoundJob
+from fedlr.client_apps.payloads import LORA
 from fedlr.errors import ProtocolError
 from fedlr.linalg import (
     DEFAULT_COST_MODEL,
@@ -55,7 +56,6 @@ from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.lora_svd import PersonalArrays, PersonalLoraStrategy
 from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.strategies.svd_solver import SvdSolverChoice, SvdSolverOptions
-from fedlr.wire.payloads import LORA
 
 __all__ = ["CLIENT_SVD", "ClientSvd", "GlobalSVD", "LocalSVD"]
 

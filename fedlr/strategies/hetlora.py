@@ -29,6 +29,7 @@ from fedlr.client.pruning import (
     round_pruning,
     tail_norm,
 )
+from fedlr.client_apps.payloads import LORA
 from fedlr.config.options import NoOptions, option
 from fedlr.errors import ReplyValidationError
 from fedlr.linalg import (
@@ -47,7 +48,6 @@ from fedlr.strategies.registration import (
     register_method,
 )
 from fedlr.wire import protocol
-from fedlr.wire.payloads import LORA
 
 _LOG = getLogger("fedlr")
 

@@ -69,6 +69,7 @@ from fedlr.client.features import (
     Record,
     RoundJob,
 )
+from fedlr.client_apps.payloads import LORA
 from fedlr.config.options import NoOptions, option
 from fedlr.errors import ProtocolError
 from fedlr.flower.records import config_float, config_int, record_to_state
@@ -80,7 +81,6 @@ from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.lora_svd import PersonalLoraStrategy, PersonalReplies
 from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.wire import protocol
-from fedlr.wire.payloads import LORA
 
 __all__ = [
     "HILORA_GAMMA_CLUSTER",

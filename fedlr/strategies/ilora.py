@@ -61,6 +61,7 @@ from typing import ClassVar
 import torch
 
 from fedlr.adapters.roles import LoraModule, Role
+from fedlr.client_apps.payloads import LORA
 from fedlr.errors import ShapeMismatchError
 from fedlr.linalg import factored_frobenius_norm, stacked_update
 from fedlr.robust.spaces import PRODUCT
@@ -68,7 +69,6 @@ from fedlr.strategies.base import RoundReport
 from fedlr.strategies.fedex_downlink import DownlinkOptions
 from fedlr.strategies.hetero import HeteroFoldLoRA, LayerResult, LayerUpdates
 from fedlr.strategies.registration import ClientContract, register_method
-from fedlr.wire.payloads import LORA
 
 __all__ = ["ILoRA", "concatenated_qr", "qr_init", "signed_qr"]
 

@@ -34,6 +34,7 @@ from fedlr.adapters.plugin import adapted
 from fedlr.adapters.roles import AdaptedModel, AdapterLayout, Role
 from fedlr.adapters.sorf_vera import SorfVeraLayout
 from fedlr.adapters.vera import VeraLayout
+from fedlr.client.checks import role_groups
 from fedlr.client.features import (
     ClientFeature,
     Expected,
@@ -56,7 +57,6 @@ from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.lora import LoraReplies, LoraStrategy
 from fedlr.wire import protocol
-from fedlr.wire.checks import role_groups
 
 __all__ = [
     "PERSONAL_GRAM",

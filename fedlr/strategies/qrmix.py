@@ -33,6 +33,7 @@ from flwr.app import ArrayRecord, Message
 from flwr.supercore import log
 
 from fedlr.client.features import Record
+from fedlr.client_apps.payloads import QRMIX
 from fedlr.config.options import Options, option, require
 from fedlr.config.run import RunConfig
 from fedlr.errors import ReplyValidationError
@@ -49,7 +50,6 @@ from fedlr.strategies.base import (
 from fedlr.strategies.registration import register_method
 from fedlr.tasks.image import EigenOptions
 from fedlr.wire import protocol
-from fedlr.wire.payloads import QRMIX
 
 __all__ = ["QRMix", "QRMixOptions", "VisionFedAvg"]
 

@@ -56,6 +56,7 @@ from fedlr.adapters.lora import LoraModel
 from fedlr.adapters.plugin import lora_layers
 from fedlr.adapters.roles import AdapterLayout, Role
 from fedlr.client.features import Bound, ClientFeature, Record, RoundJob
+from fedlr.client_apps.payloads import LORA
 from fedlr.config.options import NoOptions, option
 from fedlr.errors import ConfigError, ProtocolError
 from fedlr.flower.records import config_int
@@ -64,7 +65,6 @@ from fedlr.robust.spaces import UpdateSpace
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.lora_svd import SeededLoraStrategy, SeededReplies
 from fedlr.strategies.registration import ClientContract, register_method
-from fedlr.wire.payloads import LORA
 
 __all__ = [
     "RAVAN_CORES",

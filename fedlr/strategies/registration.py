@@ -3,7 +3,7 @@
 A method is one unit: its name, its strategy class, its options (a frozen
 :class:`~fedlr.config.options.Options` dataclass of its own run-config keys) and its
 payload kind (:class:`PayloadKind`: the run-config keys and the ClientApp
-handlers of one kind of payload, see :mod:`fedlr.wire.payloads`; the ServerApp
+handlers of one kind of payload, see :mod:`fedlr.client_apps.payloads`; the ServerApp
 finds the kind's server plan by its name, :mod:`fedlr.server_apps.plans`). A
 strategy module registers its method once, with the class decorator::
 
@@ -40,12 +40,12 @@ from typing import Any, TypeVar
 
 from fedlr.client.features import ClientFeature, Record
 from fedlr.client.method_features import record_method_features
+from fedlr.client_apps.payload_kind import PayloadKind
 from fedlr.config.options import Options, declaration
 from fedlr.config.run import RunConfig
-from fedlr.privacy.refusals import PrivacyTraits
 from fedlr.robust.spaces import AGGREGATION_SPACES
 from fedlr.strategies.base import FedLRStrategy
-from fedlr.wire.payload_kind import PayloadKind
+from fedlr.strategies.refusals import PrivacyTraits
 
 __all__ = [
     "ClientContract",
@@ -189,7 +189,7 @@ class MethodSpec:
         kind's handler sends them: FOT's ``sketches``, QR-Mix's ``eigen``);
         with the features' (:attr:`ClientFeature.sends`), what the
         configuration-time privacy check sees
-        (:func:`fedlr.privacy.refusals.check_privacy`).
+        (:func:`fedlr.strategies.refusals.check_privacy`).
     client_contract : ClientContract or None
         What a plug-in ClientApp relies on (its row in ``docs/plugin.md``);
         every method of a plug-in payload kind (``payload.plugin``: the LoRA

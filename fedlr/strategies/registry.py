@@ -24,12 +24,12 @@ import fedlr.strategies as builtin
 from fedlr.client.features import ClientFeature
 from fedlr.client.method_features import client_features as recorded_features
 from fedlr.client.method_features import mark_builtin_loaded
+from fedlr.client_apps.payload_kind import PayloadKind
 from fedlr.config.discovery import import_submodules
 from fedlr.config.options import METHOD_DEFAULT, Options
 from fedlr.config.run import RunConfig, load_extensions
 from fedlr.errors import ConfigError, UnknownMethodError
 from fedlr.privacy import dp_sgd  # noqa: F401  (registers the common DP-SGD feature)
-from fedlr.privacy.refusals import check_privacy, reply_records
 from fedlr.robust.heldout import check_heldout_method
 from fedlr.robust.rules import ROBUST_AUTO
 from fedlr.robust.server_update import (
@@ -37,6 +37,7 @@ from fedlr.robust.server_update import (
     refuse_server_update,
     server_update_refusal,
 )
+from fedlr.strategies.refusals import check_privacy, reply_records
 from fedlr.strategies.registration import (
     MethodSpec,
     OptionClashError,
@@ -44,7 +45,6 @@ from fedlr.strategies.registration import (
     register_method,
     registered,
 )
-from fedlr.wire.payload_kind import PayloadKind
 
 __all__ = [
     "MethodConfig",

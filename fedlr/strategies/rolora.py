@@ -38,12 +38,12 @@ import torch
 from flwr.app import ArrayRecord, Message
 
 from fedlr.adapters.roles import Role
+from fedlr.client_apps.payloads import LORA
 from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.lora_svd import SeededLoraStrategy, SeededReplies
 from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.wire import protocol
-from fedlr.wire.payloads import LORA
 
 __all__ = ["RoLoRA", "trained_factor"]
 

@@ -79,6 +79,7 @@ from fedlr.client.features import (
     RoundJob,
 )
 from fedlr.client.train import LOCAL_OPTIMIZER, OPTIMIZERS, default_optimizer
+from fedlr.client_apps.payloads import LORA
 from fedlr.config.options import NoOptions, option
 from fedlr.config.run import RunConfig
 from fedlr.errors import ConfigError, InstructionError, ProtocolError
@@ -92,7 +93,6 @@ from fedlr.strategies.fedavg_lora import FedAvgLoRA
 from fedlr.strategies.lora import LoraReplies, saved_tensors
 from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.wire import protocol
-from fedlr.wire.payloads import LORA
 
 __all__ = [
     "APPLIED_CLIP",

@@ -55,6 +55,7 @@ from flwr.app import ArrayRecord, Message
 from fedlr.adapters.lora import LoraModel, parameters_by_key
 from fedlr.adapters.roles import Role
 from fedlr.client.features import Bound, ClientFeature, RoundJob
+from fedlr.client_apps.payloads import LORA
 from fedlr.config.options import NoOptions, option
 from fedlr.errors import CheckpointStateError, ProtocolError
 from fedlr.flower.records import config_float, record_to_state
@@ -64,7 +65,6 @@ from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.lora_svd import SeededLoraStrategy, SeededReplies
 from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.wire import protocol
-from fedlr.wire.payloads import LORA
 
 __all__ = [
     "SLORA_DENSITY",

@@ -47,6 +47,7 @@ from fedlr.adapters.plugin import (
 )
 from fedlr.adapters.roles import AdaptedModel, Role, RoleLayout
 from fedlr.adapters.vera import VeraLayout, VeraModel
+from fedlr.client_apps.payloads import VERA
 from fedlr.config.options import Options, option
 from fedlr.config.run import RunConfig
 from fedlr.errors import ReplyValidationError
@@ -68,7 +69,6 @@ from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.tasks.vera import VeraOptions
 from fedlr.wire import protocol
 from fedlr.wire.downlink import vera_delta
-from fedlr.wire.payloads import VERA
 
 __all__ = [
     "FedAvgVeRA",

@@ -39,6 +39,14 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
+from fedlr.client.checks import (
+    BOUNDS,
+    MAX_BATCH_SIZE,
+    MAX_LOCAL_STEPS,
+    Bound,
+    bound_of,
+    declared_keys,
+)
 from fedlr.client_apps import gpse, lora, qrmix, vera
 from fedlr.errors import ConfigError
 from fedlr.flower import InProcessGrid
@@ -47,14 +55,6 @@ from fedlr.launch.client_app import app
 from fedlr.server_apps.builtin_plans import build_plan
 from fedlr.strategies.registry import client_features, resolve
 from fedlr.wire import protocol
-from fedlr.wire.checks import (
-    BOUNDS,
-    MAX_BATCH_SIZE,
-    MAX_LOCAL_STEPS,
-    Bound,
-    bound_of,
-    declared_keys,
-)
 from tests.conftest import ROOT, tiny_run_config
 
 ALLOC_BOUND = 16 * 2**20

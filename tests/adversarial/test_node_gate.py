@@ -34,6 +34,7 @@ from flwr.app.message_type import MessageType
 
 from fedlr.client_apps import qrmix
 from fedlr.client_apps.gate import ACCESS, DP_SGD
+from fedlr.client_apps.payloads import PAYLOADS
 from fedlr.config.run import RunConfig
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
@@ -44,7 +45,6 @@ from fedlr.privacy.node_policy import NODE_CONFIG_ENV
 from fedlr.server_apps.builtin_plans import build_plan
 from fedlr.strategies.registry import resolve
 from fedlr.wire import protocol
-from fedlr.wire.payloads import PAYLOADS
 from tests.conftest import tiny_run_config
 
 NODE = 1000

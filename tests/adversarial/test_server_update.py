@@ -17,7 +17,6 @@ from hypothesis import strategies as st
 from fedlr.config.run import RunConfig
 from fedlr.errors import ConfigError
 from fedlr.flower.records import record_to_state
-from fedlr.privacy.refusals import reply_records
 from fedlr.robust.rules import RobustConfig, robust_aggregate
 from fedlr.robust.server_update import (
     AUTO_SHARE,
@@ -26,6 +25,7 @@ from fedlr.robust.server_update import (
     server_update_refusal,
     server_weight,
 )
+from fedlr.strategies.refusals import reply_records
 from fedlr.strategies.registry import available_methods, resolve
 from fedlr.wire import protocol
 from tests.conftest import tiny_run_config

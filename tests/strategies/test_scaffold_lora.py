@@ -17,6 +17,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
+from fedlr.client.checks import NodeLimits
 from fedlr.client.train import TrainSettings, train_steps
 from fedlr.client_apps.common import train_settings
 from fedlr.config.run import RunConfig
@@ -36,7 +37,6 @@ from fedlr.strategies.scaffold_lora import (
     applied_change,
 )
 from fedlr.wire import protocol
-from fedlr.wire.checks import NodeLimits
 from tests.plugin_app.client_app import app as plugin_client
 from tests.plugin_app.task import build_model
 from tests.strategies.conftest import instruction, reply

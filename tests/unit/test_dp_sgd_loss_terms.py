@@ -38,9 +38,9 @@ from fedlr.flower.records import state_to_record
 from fedlr.privacy.accounting import epsilon
 from fedlr.privacy.dp_sgd import DP_EPSILON_RUN, DP_EPSILON_SPENT, sample_mean_loss
 from fedlr.privacy.randomness import seeded_generator
-from fedlr.privacy.refusals import check_privacy
 from fedlr.privacy.settings import DpSgdSettings, PrivacyConfig, default_delta
 from fedlr.strategies.fedprox_lora import PROXIMAL_MU, ProximalTerm
+from fedlr.strategies.refusals import check_privacy
 from fedlr.strategies.registry import get_method, resolve
 from fedlr.wire import protocol
 

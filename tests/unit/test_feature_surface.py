@@ -2,7 +2,7 @@
 
 * A feature's wire keys and their bounds are declared on its class; the
   node's instruction check covers them with no edit of
-  ``fedlr/wire/checks.py`` or ``fedlr/wire/protocol.py`` (a feature defined
+  ``fedlr/client/checks.py`` or ``fedlr/wire/protocol.py`` (a feature defined
   here, with a key of its own, is checked by the node);
 * the traits the features declare drive the configuration-time refusals:
   scaffold-lora's ``scaffold-delta`` and fot's ``sketches`` with client-level
@@ -28,14 +28,7 @@ from peft import LoraConfig, get_peft_model
 from fedlr import apply_round
 from fedlr.adapters.plugin import adapted
 from fedlr.adapters.roles import Role
-from fedlr.client.features import Bound, ClientFeature, Record, RoundJob
-from fedlr.client.pruning import PRUNE_GAMMA, RANK_STATE, RoundRank, round_rank
-from fedlr.configdoc import features as featuredoc
-from fedlr.errors import InstructionError, PrivacyUnsupportedError, ProtocolError
-from fedlr.flower.records import state_to_record
-from fedlr.strategies.registry import client_features, get_method, resolve
-from fedlr.wire import protocol
-from fedlr.wire.checks import (
+from fedlr.client.checks import (
     BOUNDS,
     NodeLimits,
     bound_of,
@@ -43,6 +36,13 @@ from fedlr.wire.checks import (
     declare_bounds,
     declared_keys,
 )
+from fedlr.client.features import Bound, ClientFeature, Record, RoundJob
+from fedlr.client.pruning import PRUNE_GAMMA, RANK_STATE, RoundRank, round_rank
+from fedlr.configdoc import features as featuredoc
+from fedlr.errors import InstructionError, PrivacyUnsupportedError, ProtocolError
+from fedlr.flower.records import state_to_record
+from fedlr.strategies.registry import client_features, get_method, resolve
+from fedlr.wire import protocol
 from tests.conftest import ROOT
 
 LABEL_SMOOTHING = "test-label-smoothing"

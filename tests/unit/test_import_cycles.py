@@ -34,10 +34,10 @@ from pathlib import Path
 
 import pytest
 
+from fedlr.client_apps.payloads import PAYLOADS
 from fedlr.server_apps import gpse, lora, qrmix, vera
 from fedlr.server_apps.builtin_plans import plan_builder
 from fedlr.server_apps.plans import register_plan
-from fedlr.wire.payloads import PAYLOADS
 from tests.conftest import ROOT
 
 Graph = dict[str, set[str]]
@@ -89,17 +89,17 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "fedlr.client.features",
             "fedlr.client.method_features",
             "fedlr.client.pruning",
-            "fedlr.wire.checks",
+            "fedlr.client.checks",
             "fedlr.wire.fingerprint",
             "fedlr.wire.downlink",
             "fedlr.client.round",
             "fedlr.client_apps.",
             "fedlr.privacy.dp_sgd",
             "fedlr.privacy.client_dp",
-            "fedlr.privacy.refusals",
+            "fedlr.strategies.refusals",
             "fedlr.privacy.distributed_dp",
-            "fedlr.wire.payload_kind",
-            "fedlr.wire.payloads",
+            "fedlr.client_apps.payload_kind",
+            "fedlr.client_apps.payloads",
         ),
     ),
     (
@@ -113,10 +113,7 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "apps",
         (
             "fedlr.server_apps.",
-            "fedlr.launch.client_app",
-            "fedlr.launch.flwr_run",
-            "fedlr.launch.run_config",
-            "fedlr.launch.compare",
+            "fedlr.launch.",
             "fedlr.configdoc.",
             "fedlr.runs.export",
         ),
@@ -391,7 +388,7 @@ def test_the_run_config_and_the_client_import_no_strategy() -> None:
         "fedlr.config.run",
         "fedlr.config.options",
         "fedlr.robust.rules",
-        "fedlr.wire.payloads",
+        "fedlr.client_apps.payloads",
         "fedlr.client.round",
         "fedlr.client.method_features",
     ):

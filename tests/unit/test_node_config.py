@@ -45,9 +45,9 @@ def test_a_field_added_to_a_declaration_is_a_known_typed_key():
 
 
 def test_each_reader_uses_the_declared_default():
+    from fedlr.client.checks import NODE_LIMIT_KEYS
     from fedlr.client_apps.secagg_guard import DEFAULT_MAX_SHARES, MAX_SHARES_KEY
     from fedlr.strategies.scaffold_lora import CONTROL_LIMIT, DEFAULT_CONTROL_LIMIT
-    from fedlr.wire.checks import NODE_LIMIT_KEYS
 
     defaults = NodeSettings.defaults()
     for key, default in NODE_LIMIT_KEYS.items():

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from fedlr.client_apps.payloads import LORA, VERA
 from fedlr.config.options import (
     METHOD_DEFAULT,
     NoOptions,
@@ -39,7 +40,6 @@ from fedlr.strategies.registry import (
 )
 from fedlr.strategies.vera import VeraStrategy
 from fedlr.tasks.vera import VeraOptions
-from fedlr.wire.payloads import LORA, VERA
 
 STEP = ServerMomentumOptions.option_fields()["server-lr"].metadata["help"]
 

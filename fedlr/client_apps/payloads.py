@@ -1,6 +1,6 @@
 """The payload kinds: what travels for each family of methods, both sides.
 
-A :class:`~fedlr.wire.payload_kind.PayloadKind` bundles the run-config keys
+A :class:`~fedlr.client_apps.payload_kind.PayloadKind` bundles the run-config keys
 both sides read and the ClientApp handlers (:mod:`fedlr.client_apps`) of one
 kind of payload. A method names its kind in its registration
 (``@register_method(..., payload=LORA)``); the ClientApp calls
@@ -13,11 +13,11 @@ the strategies, whose modules import this one.
 from __future__ import annotations
 
 from fedlr.client_apps import gpse, lora, qrmix, sorf_vera, vera
+from fedlr.client_apps.payload_kind import PayloadKind
 from fedlr.config.options import NoOptions
 from fedlr.tasks.continual import ContinualOptions
 from fedlr.tasks.image import EigenOptions
 from fedlr.tasks.vera import SorfVeraOptions, VeraOptions
-from fedlr.wire.payload_kind import PayloadKind
 
 __all__ = ["GPSE", "LORA", "PAYLOADS", "QRMIX", "SORF_VERA", "VERA"]
 

@@ -1,7 +1,7 @@
 """What a family of methods sends, both sides: :class:`PayloadKind`.
 
-The kinds themselves (``LORA``, ``VERA``, ...) are in :mod:`fedlr.wire.payloads`; a
-method names its kind when it registers
+The kinds themselves (``LORA``, ``VERA``, ...) are in
+:mod:`fedlr.client_apps.payloads`; a method names its kind when it registers
 (:func:`fedlr.strategies.registry.register_method`). The class lives below
 both, so neither the payload kinds nor the registry import the other's layer.
 """

@@ -436,7 +436,7 @@ def declare_bounds(owner: str, keys: Iterable[Bound | str]) -> None:
         if key in _BY_KEY:
             raise ValueError(
                 f"{owner} declares '{key}', a key of the common round "
-                "(fedlr.wire.checks.BOUNDS); read it, do not redeclare it"
+                "(fedlr.client.checks.BOUNDS); read it, do not redeclare it"
             )
         known = _DECLARED.get(key)
         if known is not None and known.owner != owner and known.bound != bound:
