@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from fedlr.adapters.lora import LoraModel
 from fedlr.client_apps.text import TextClient
-from fedlr.config.options import NoOptions
 from fedlr.config.run import RunConfig
+from fedlr.options import NoOptions
 from fedlr.tasks.text import text_task
 
 __all__ = ["CLIENT", "evaluate_message", "train_message"]

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from fedlr.config.options import Options
+from fedlr.options import Options
 
 if TYPE_CHECKING:
     from flwr.app import Context, Message

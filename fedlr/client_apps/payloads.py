@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from fedlr.client_apps import gpse, lora, qrmix, sorf_vera, vera
 from fedlr.client_apps.payload_kind import PayloadKind
-from fedlr.config.options import NoOptions
+from fedlr.options import NoOptions
 from fedlr.tasks.continual import ContinualOptions
 from fedlr.tasks.image import EigenOptions
 from fedlr.tasks.vera import SorfVeraOptions, VeraOptions

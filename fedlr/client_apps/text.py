@@ -27,9 +27,9 @@ from fedlr.adapters.roles import AdaptedModel
 from fedlr.client.round import ClientRound, apply_round
 from fedlr.client.train import EncodedText, client_seed, in_batches, pick_device
 from fedlr.client_apps.common import partition_of, private_evaluation, train_reply
-from fedlr.config.options import Options
 from fedlr.config.run import RunConfig
 from fedlr.errors import InstructionError, PrivacyUnsupportedError
+from fedlr.options import Options
 from fedlr.privacy.budget import raw_data_key
 from fedlr.privacy.node_policy import node_policy
 from fedlr.tasks.lm import EncodedInstructions

@@ -4,7 +4,7 @@ The run config is read once at the app boundary (ServerApp and ClientApp) and
 turned into this frozen dataclass; per-round values travel to clients in the
 ``ConfigRecord``. ``RunConfig`` holds the keys every method shares; the keys of
 one method or payload kind (FedSpec's threshold, VeRA's projection rank, ...)
-are that method's :class:`~fedlr.config.options.Options`, registered with it
+are that method's :class:`~fedlr.options.Options`, registered with it
 (:mod:`fedlr.strategies.registry`). ``pyproject.toml``'s run config and
 ``docs/configuration.md`` list both; they are generated from these
 declarations (``python -m fedlr.configdoc write``, checked by the tests).
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fedlr.config.discovery import ExtensionImportError, import_extensions
-from fedlr.config.options import Options, option
+from fedlr.discovery import ExtensionImportError, import_extensions
 from fedlr.errors import ConfigError, did_you_mean
+from fedlr.options import Options, option
 from fedlr.privacy.secagg import SecAggSettings
 from fedlr.privacy.settings import PrivacyConfig
 from fedlr.robust.rules import (
@@ -30,13 +30,14 @@ from fedlr.robust.rules import (
     RobustConfig,
 )
 from fedlr.robust.screen import DEFAULT_SCREEN_RATIO
-from fedlr.runs.tracking import TRACKERS
 
 __all__ = ["PARTITIONERS", "RunConfig", "load_extensions"]
 
 PARTITIONERS = ("iid", "dirichlet", "pathological")
 PRECISIONS = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "8bit", "4bit")
+TRACKERS = ("none", "tensorboard", "mlflow", "wandb")
+"""Values of the run-config key ``tracker`` (:mod:`fedlr.runs.tracking`)."""
 _DEVICE = re.compile(r"auto|cpu|mps|cuda(:[0-9]+)?")
 
 
@@ -45,7 +46,7 @@ class RunConfig(Options):
     """Every run setting, validated.
 
     Build it with :meth:`from_mapping` from a Flower ``run_config``. Each field
-    is declared with :func:`~fedlr.config.options.option`: its default, its help text
+    is declared with :func:`~fedlr.options.option`: its default, its help text
     (its row in ``docs/configuration.md``) and the values :meth:`check` refuses
     (``python -m fedlr.configdoc write`` renders the docs and the pyproject
     table from these declarations).
@@ -544,7 +545,7 @@ class RunConfig(Options):
         """Parse the common keys of a Flower ``run_config`` (kebab-case keys).
 
         The other keys are the method's: they are left to its
-        :class:`~fedlr.config.options.Options`, which the method registry parses
+        :class:`~fedlr.options.Options`, which the method registry parses
         (:func:`fedlr.strategies.registry.resolve`). The run config does not
         know the methods (they are above it); the registry passes every
         registered method's keys as ``method_keys``, and then a key that is
@@ -579,7 +580,7 @@ class RunConfig(Options):
     # --------------------------------------------------------------- validation
     def check(self) -> None:
         """What the declared ranges and choices cannot say (those are checked
-        first, :meth:`~fedlr.config.options.Options.check_declared`)."""
+        first, :meth:`~fedlr.options.Options.check_declared`)."""
         if not _DEVICE.fullmatch(self.device):
             raise ConfigError(
                 "device",

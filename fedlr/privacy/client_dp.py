@@ -37,10 +37,10 @@ reported per round as ``client-dp-epsilon``. Flower samples ``m`` nodes
 uniformly without replacement; the accountant treats it as Poisson sampling
 at the same rate, as DP-FedAvg's analysis does.
 
-The noise comes from :func:`~fedlr.privacy.randomness.secure_generator` (OS
+The noise comes from :func:`~fedlr.randomness.secure_generator` (OS
 seeded): nobody who knows the run config can recompute and subtract it. With
 ``reproducible-noise`` it comes from the run seed and the round instead
-(:func:`~fedlr.privacy.randomness.seeded_generator`), the round's metrics
+(:func:`~fedlr.randomness.seeded_generator`), the round's metrics
 carry ``client-dp-reproducible = 1`` and the epsilon is no guarantee.
 
 Where this is well-defined: the *sum-only* methods (the registry's
@@ -82,8 +82,8 @@ import torch
 
 from fedlr.errors import CheckpointError, PrivacyUnsupportedError
 from fedlr.privacy.accounting import History, epsilon
-from fedlr.privacy.randomness import secure_generator, seeded_generator
 from fedlr.privacy.settings import ClientDpSettings, PrivacyConfig, default_delta
+from fedlr.randomness import secure_generator, seeded_generator
 from fedlr.robust.spaces import ParameterSpace
 from fedlr.wire.updates import ClientUpdate
 
@@ -193,7 +193,7 @@ def gaussian_noise(
 def noise_generator(settings: ClientDpSettings, server_round: int) -> torch.Generator:
     """The generator of round ``server_round``'s noise.
 
-    :func:`~fedlr.privacy.randomness.secure_generator` (OS-seeded: nobody
+    :func:`~fedlr.randomness.secure_generator` (OS-seeded: nobody
     can replay it), or with ``settings.reproducible`` a generator of the run
     seed, the round and this mechanism's stream tag (the same noise in every
     run of the seed: anyone who knows it can subtract the noise).

@@ -63,9 +63,9 @@ from fedlr.privacy.client_dp import (
     CLIENT_DP_REPRODUCIBLE,
     ClientDpLedger,
 )
-from fedlr.privacy.randomness import os_seed
 from fedlr.privacy.secagg import rounding_bound
 from fedlr.privacy.settings import ClientDpSettings, default_delta
+from fedlr.randomness import os_seed
 
 __all__ = [
     "DP_CLIPPED",

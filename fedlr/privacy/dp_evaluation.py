@@ -18,7 +18,7 @@ each example contributes
 
 (``l_i >= 0`` its cross-entropy, ``C`` = :data:`LOSS_CLIP` nats), and the
 node releases ``sum_i u_i + N(0, sigma^2 I)`` drawn from the OS's secure
-source (:func:`fedlr.privacy.randomness.secure_generator`): the Gaussian
+source (:func:`fedlr.randomness.secure_generator`): the Gaussian
 mechanism with L2 sensitivity 1 under adding or removing one example, the
 same mechanism as one DP-SGD step at sampling rate 1. It is charged to the
 ledger as the entry ``(sigma, 1, 1)`` at the node's delta, so the
@@ -38,7 +38,7 @@ from fedlr.errors import PrivacyBudgetError
 from fedlr.privacy.accounting import History, epsilon
 from fedlr.privacy.budget import PrivacyLedger
 from fedlr.privacy.node_policy import NodePolicy
-from fedlr.privacy.randomness import secure_generator
+from fedlr.randomness import secure_generator
 
 __all__ = ["LOSS_CLIP", "noised_metrics", "reserve"]
 

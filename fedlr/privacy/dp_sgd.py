@@ -80,8 +80,8 @@ from fedlr.privacy.backend import opacus_api
 from fedlr.privacy.budget import data_key
 from fedlr.privacy.dp_evaluation import reserve
 from fedlr.privacy.node_policy import NodePolicy, node_policy
-from fedlr.privacy.randomness import secure_generator, seeded_generator
 from fedlr.privacy.settings import DpSgdSettings
+from fedlr.randomness import secure_generator, seeded_generator
 from fedlr.wire.protocol import SERVER_ROUND
 
 __all__ = [
@@ -272,7 +272,7 @@ class PrivateLoop:
         ``q = min(1, batch-size / n)``; ``sigma`` is the instruction's, or
         derived from ``dp-epsilon`` for ``dp-rounds`` x local steps. The noise
         and the Poisson batches come from OS-seeded generators
-        (:func:`fedlr.privacy.randomness.secure_generator`), unless the
+        (:func:`fedlr.randomness.secure_generator`), unless the
         instruction asks for reproducible noise *and* the node's policy allows
         it (then from ``seed`` and ``seed + 1``).
 

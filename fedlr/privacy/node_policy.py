@@ -9,7 +9,7 @@ never loosen it; a refusal is a :class:`~fedlr.errors.NodePolicyError`
 naming the key and the node's limit.
 
 Every node-config key is declared here, as a run-config option is
-(:func:`fedlr.config.options.option`: default, help, range or choices): the
+(:func:`fedlr.options.option`: default, help, range or choices): the
 privacy limits are the fields of :class:`NodePolicy`, the node's other keys
 (Flower's ``partition-id`` and ``num-partitions``, the limits other parts of
 fedlr read) the fields of :class:`NodeSettings`. The declarations are the
@@ -52,8 +52,8 @@ from dataclasses import Field, dataclass
 from pathlib import Path
 from typing import Any, Self
 
-from fedlr.config.options import Options, coerce, option
 from fedlr.errors import ConfigError, NodeConfigError, NodePolicyError, did_you_mean
+from fedlr.options import Options, coerce, option
 from fedlr.privacy.settings import ACCOUNTANTS, DpSgdSettings, default_delta
 
 __all__ = [

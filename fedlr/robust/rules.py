@@ -69,7 +69,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fedlr.errors import ConfigError
-from fedlr.privacy.randomness import secure_generator
+from fedlr.randomness import secure_generator
 from fedlr.robust.estimators import (
     bucket_matrix,
     cap_shares,

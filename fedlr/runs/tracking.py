@@ -46,10 +46,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
+from fedlr.config.run import TRACKERS
 from fedlr.errors import ConfigError
 
 __all__ = [
-    "TRACKERS",
     "MlflowTracker",
     "NoTracker",
     "TensorBoardTracker",
@@ -60,9 +60,6 @@ __all__ = [
     "numeric_metrics",
     "open_tracker",
 ]
-
-TRACKERS = ("none", "tensorboard", "mlflow", "wandb")
-"""Values of the run-config key ``tracker``."""
 
 TRACKER_PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
 """The package each tracker imports when it is opened (``none`` needs none)."""

@@ -36,9 +36,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from fedlr.config.options import NoOptions, option
 from fedlr.errors import ConfigError
 from fedlr.linalg.lowrank import MEAN_CHUNK_BYTES
+from fedlr.options import NoOptions, option
 from fedlr.strategies.base import ClientUpdate
 from fedlr.strategies.lora import LoraStrategy
 

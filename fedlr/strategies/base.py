@@ -25,8 +25,8 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from fedlr.adapters.roles import Role
-from fedlr.config.options import NoOptions, Options, coerce, kebab
 from fedlr.linalg import weighted_mean
+from fedlr.options import NoOptions, Options, coerce, kebab
 from fedlr.privacy.client_dp import ClientDpLedger, keep_ledger
 from fedlr.privacy.settings import PrivacyConfig
 from fedlr.robust.heldout import HeldOutCheck

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from fedlr.client_apps.payloads import LORA
-from fedlr.config.options import NoOptions, redeclare
+from fedlr.options import NoOptions, redeclare
 from fedlr.strategies.fedadam_lora import AdaptiveServerLoRA, FedAdamOptions, ServerStep
 from fedlr.strategies.registration import ClientContract, register_method
 

@@ -44,8 +44,8 @@ from typing import Any
 import torch
 
 from fedlr.client_apps.payloads import LORA
-from fedlr.config.options import NoOptions, option, redeclare
 from fedlr.linalg import weighted_mean
+from fedlr.options import NoOptions, option, redeclare
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.fedavgm_lora import ServerMomentumOptions
 from fedlr.strategies.lora import LoraStrategy, saved_tensors

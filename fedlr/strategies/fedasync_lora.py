@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from fedlr.client_apps.payloads import LORA
-from fedlr.config.options import option
+from fedlr.options import option
 from fedlr.strategies.async_lora import (
     AsyncLoraStrategy,
     AsyncOptions,

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from fedlr.client_apps.payloads import LORA
-from fedlr.config.options import NoOptions, option
+from fedlr.options import NoOptions, option
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
 from fedlr.strategies.lora import saved_tensors

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 import torch
 
 from fedlr.client_apps.payloads import LORA
-from fedlr.config.options import option, redeclare
 from fedlr.linalg import normalise_weights
+from fedlr.options import option, redeclare
 from fedlr.strategies.async_lora import (
     AsyncLoraStrategy,
     AsyncOptions,

@@ -63,9 +63,9 @@ from fedlr.client.features import (
     StepTogether,
 )
 from fedlr.client_apps.payloads import LORA
-from fedlr.config.options import NoOptions, option
 from fedlr.errors import ProtocolError
 from fedlr.flower.records import config_float, config_int, record_to_state
+from fedlr.options import NoOptions, option
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.lora_svd import PersonalLoraStrategy
 from fedlr.strategies.registration import ClientContract, register_method

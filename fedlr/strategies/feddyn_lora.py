@@ -49,10 +49,10 @@ from flwr.app import ArrayRecord, MetricRecordValues, RecordDict
 from fedlr.adapters.lora import LoraModel, parameters_by_key
 from fedlr.client.features import Bound, ClientFeature, Record, RoundJob
 from fedlr.client_apps.payloads import LORA
-from fedlr.config.options import NoOptions, option
 from fedlr.errors import ProtocolError
 from fedlr.flower.records import config_float, record_to_state
 from fedlr.linalg import weighted_mean
+from fedlr.options import NoOptions, option
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.lora import LoraStrategy, saved_tensors
 from fedlr.strategies.registration import ClientContract, register_method

@@ -22,9 +22,9 @@ from fedlr.adapters.roles import AdaptedModel, Role
 from fedlr.adapters.vera import VeraModel
 from fedlr.client.checks import base_delta_expected
 from fedlr.client.features import Bound, ClientFeature, Record, RoundJob
-from fedlr.config.options import NoOptions, Options, option, require
 from fedlr.errors import ReplyValidationError
 from fedlr.flower.records import record_views
+from fedlr.options import NoOptions, Options, option, require
 from fedlr.round.ledger import BaseLedger
 from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport

@@ -53,7 +53,6 @@ from fedlr.adapters.ranks import fold_tail
 from fedlr.adapters.roles import Role
 from fedlr.client.features import Bound, ClientFeature, RoundJob
 from fedlr.client_apps.payloads import LORA
-from fedlr.config.options import Options, option
 from fedlr.errors import ConfigError
 from fedlr.linalg import (
     StackedResidual,
@@ -61,6 +60,7 @@ from fedlr.linalg import (
     flexlora_factors,
     stacked_update,
 )
+from fedlr.options import Options, option
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
 from fedlr.strategies.fedex_downlink import (

@@ -73,10 +73,10 @@ from fedlr.client.features import (
     StepTogether,
 )
 from fedlr.client_apps.payloads import LORA
-from fedlr.config.options import NoOptions, option
 from fedlr.errors import ProtocolError
 from fedlr.flower.records import config_int, record_to_state
 from fedlr.linalg import stacked_residual
+from fedlr.options import NoOptions, option
 from fedlr.robust.spaces import RecordSpace, UpdateSpace
 from fedlr.round.instructions import with_records
 from fedlr.round.replies import Replies

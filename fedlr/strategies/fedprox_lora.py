@@ -24,9 +24,9 @@ import torch
 
 from fedlr.client.features import Bound, ClientFeature, RoundJob
 from fedlr.client_apps.payloads import LORA
-from fedlr.config.options import NoOptions, option
 from fedlr.errors import ProtocolError
 from fedlr.flower.records import config_float
+from fedlr.options import NoOptions, option
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
 from fedlr.strategies.registration import ClientContract, register_method
 

@@ -74,7 +74,6 @@ from flwr.supercore import log
 
 from fedlr.adapters.roles import AdapterLayout, Role
 from fedlr.client_apps.payloads import LORA
-from fedlr.config.options import option, require
 from fedlr.errors import ConfigError
 from fedlr.linalg import (
     DEFAULT_COST_MODEL,
@@ -89,6 +88,7 @@ from fedlr.linalg import (
     svd_of_mean,
     truncate,
 )
+from fedlr.options import option, require
 from fedlr.robust.spaces import PRODUCT
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.hetero import HeteroRankLoRA, layout_at_rank

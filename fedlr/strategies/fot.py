@@ -54,7 +54,6 @@ from flwr.supercore import log
 
 from fedlr.client.features import Record
 from fedlr.client_apps.payloads import GPSE
-from fedlr.config.options import Options, option
 from fedlr.config.run import RunConfig
 from fedlr.errors import ReplyValidationError
 from fedlr.linalg.fot import (
@@ -62,6 +61,7 @@ from fedlr.linalg.fot import (
     project_update,
     weighted_residual_fraction,
 )
+from fedlr.options import Options, option
 from fedlr.robust.spaces import ParameterSpace, RecordSpace, UpdateSpace
 from fedlr.round.describe import app_arguments
 from fedlr.round.replies import Replies

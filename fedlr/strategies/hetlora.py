@@ -30,7 +30,6 @@ from fedlr.client.pruning import (
     tail_norm,
 )
 from fedlr.client_apps.payloads import LORA
-from fedlr.config.options import NoOptions, option
 from fedlr.errors import ReplyValidationError
 from fedlr.linalg import (
     factored_frobenius_norm,
@@ -38,6 +37,7 @@ from fedlr.linalg import (
     received_gap,
     stacked_update,
 )
+from fedlr.options import NoOptions, option
 from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.hetero import HeteroRankLoRA, LayerResult, LayerUpdates

@@ -70,11 +70,11 @@ from fedlr.client.features import (
     RoundJob,
 )
 from fedlr.client_apps.payloads import LORA
-from fedlr.config.options import NoOptions, option
 from fedlr.errors import ProtocolError
 from fedlr.flower.records import config_float, config_int, record_to_state
 from fedlr.linalg import normalise_weights
 from fedlr.linalg.svd import truncated_svd_of_mean
+from fedlr.options import NoOptions, option
 from fedlr.round.instructions import with_records
 from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means

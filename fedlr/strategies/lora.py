@@ -18,7 +18,6 @@ from fedlr.adapters.plugin import (
     load_from_initial,
 )
 from fedlr.adapters.roles import AdaptedModel, AdapterLayout, Role
-from fedlr.config.options import Options
 from fedlr.config.run import RunConfig
 from fedlr.errors import ConfigError, UnsupportedModelError
 from fedlr.flower.records import record_to_state, state_to_record
@@ -31,6 +30,7 @@ from fedlr.linalg import (
     gap_summary,
     stacked_residual,
 )
+from fedlr.options import Options
 from fedlr.robust.spaces import (
     AGGREGATION_SPACES,
     FACTORS,

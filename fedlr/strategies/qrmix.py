@@ -34,11 +34,11 @@ from flwr.supercore import log
 
 from fedlr.client.features import Record
 from fedlr.client_apps.payloads import QRMIX
-from fedlr.config.options import Options, option, require
 from fedlr.config.run import RunConfig
 from fedlr.errors import ReplyValidationError
 from fedlr.flower.records import record_to_state
 from fedlr.linalg.qrmix import ClientEigen, fc_flatten, fc_unflatten, qrmix_update
+from fedlr.options import Options, option, require
 from fedlr.round.describe import app_arguments
 from fedlr.round.replies import Replies
 from fedlr.strategies.base import (

@@ -57,10 +57,10 @@ from fedlr.adapters.plugin import lora_layers
 from fedlr.adapters.roles import AdapterLayout, Role
 from fedlr.client.features import Bound, ClientFeature, Record, RoundJob
 from fedlr.client_apps.payloads import LORA
-from fedlr.config.options import NoOptions, option
 from fedlr.errors import ConfigError, ProtocolError
 from fedlr.flower.records import config_int
 from fedlr.linalg import normalise_weights
+from fedlr.options import NoOptions, option
 from fedlr.robust.spaces import UpdateSpace
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.lora_svd import SeededLoraStrategy, SeededReplies

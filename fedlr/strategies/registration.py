@@ -1,7 +1,7 @@
 """Registering a method: :class:`MethodSpec` and :func:`register_method`.
 
 A method is one unit: its name, its strategy class, its options (a frozen
-:class:`~fedlr.config.options.Options` dataclass of its own run-config keys) and its
+:class:`~fedlr.options.Options` dataclass of its own run-config keys) and its
 payload kind (:class:`PayloadKind`: the run-config keys and the ClientApp
 handlers of one kind of payload, see :mod:`fedlr.client_apps.payloads`; the ServerApp
 finds the kind's server plan by its name, :mod:`fedlr.server_apps.plans`). A
@@ -23,11 +23,11 @@ Each registration also records the method's client features in
 :mod:`fedlr.client.method_features`, a table below the client side.
 
 A run-config key two methods declare is one setting: the same type, help
-text, range, choices and bad values (:func:`fedlr.config.options.redeclare` copies a
+text, range, choices and bad values (:func:`fedlr.options.redeclare` copies a
 declaration); only the default may differ between methods, for a key of the
 methods' own (not a payload kind's, which the clients read without knowing the
 method) that is not a string (``""`` in ``pyproject.toml`` stands for "each
-method's own default", :data:`fedlr.config.options.METHOD_DEFAULT`).
+method's own default", :data:`fedlr.options.METHOD_DEFAULT`).
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from typing import Any, TypeVar
 from fedlr.client.features import ClientFeature, Record
 from fedlr.client.method_features import record_method_features
 from fedlr.client_apps.payload_kind import PayloadKind
-from fedlr.config.options import Options, declaration
 from fedlr.config.run import RunConfig
+from fedlr.options import Options, declaration
 from fedlr.robust.spaces import AGGREGATION_SPACES
 from fedlr.strategies.base import FedLRStrategy
 from fedlr.strategies.refusals import PrivacyTraits
@@ -369,7 +369,7 @@ def check_shared_keys(spec: MethodSpec, others: Iterable[MethodSpec]) -> None:
     text, range, choices and bad values. The defaults may differ, but only for
     a key of the methods' own that is not a string: a payload kind's key is
     read by the clients without knowing the method, and a string key's
-    ``""`` (:data:`fedlr.config.options.METHOD_DEFAULT`) could be a value.
+    ``""`` (:data:`fedlr.options.METHOD_DEFAULT`) could be a value.
 
     Raises
     ------
@@ -385,7 +385,7 @@ def check_shared_keys(spec: MethodSpec, others: Iterable[MethodSpec]) -> None:
             if declaration(f) != declaration(g):
                 reason = (
                     "one key is one setting: declare it with the same type, help, "
-                    "range, choices and bad values (fedlr.config.options.redeclare "
+                    "range, choices and bad values (fedlr.options.redeclare "
                     "copies a declaration), or name the new setting differently"
                 )
             elif f.default != g.default:

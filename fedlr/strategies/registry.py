@@ -25,10 +25,10 @@ from fedlr.client.features import ClientFeature
 from fedlr.client.method_features import client_features as recorded_features
 from fedlr.client.method_features import mark_builtin_loaded
 from fedlr.client_apps.payload_kind import PayloadKind
-from fedlr.config.discovery import import_submodules
-from fedlr.config.options import METHOD_DEFAULT, Options
 from fedlr.config.run import RunConfig, load_extensions
+from fedlr.discovery import import_submodules
 from fedlr.errors import ConfigError, UnknownMethodError
+from fedlr.options import METHOD_DEFAULT, Options
 from fedlr.privacy import dp_sgd  # noqa: F401  (registers the common DP-SGD feature)
 from fedlr.robust.heldout import check_heldout_method
 from fedlr.robust.rules import ROBUST_AUTO
@@ -145,7 +145,7 @@ def all_option_keys() -> dict[str, dataclasses.Field[Any]]:
 def method_defaults() -> dict[str, dict[str, Any]]:
     """The keys whose default differs between methods: key -> {method: default}.
 
-    ``pyproject.toml`` holds :data:`fedlr.config.options.METHOD_DEFAULT` (``""``)
+    ``pyproject.toml`` holds :data:`fedlr.options.METHOD_DEFAULT` (``""``)
     for them, which :func:`resolve` reads as "not set": each method then uses
     its own default.
     """
@@ -274,7 +274,7 @@ def resolve_auto(run: RunConfig, spec: MethodSpec) -> tuple[RunConfig, str]:
 
 def option_defaults() -> dict[str, Any]:
     """Each method option's value in the pyproject table: its default, or
-    :data:`~fedlr.config.options.METHOD_DEFAULT` where methods declare
+    :data:`~fedlr.options.METHOD_DEFAULT` where methods declare
     different ones."""
     per_method = method_defaults()
     return {

@@ -80,10 +80,10 @@ from fedlr.client.features import (
 )
 from fedlr.client.train import LOCAL_OPTIMIZER, OPTIMIZERS, default_optimizer
 from fedlr.client_apps.payloads import LORA
-from fedlr.config.options import NoOptions, option
 from fedlr.config.run import RunConfig
 from fedlr.errors import ConfigError, InstructionError, ProtocolError
 from fedlr.flower.records import config_float, config_int, record_to_state
+from fedlr.options import NoOptions, option
 from fedlr.robust.screen import record_norm
 from fedlr.robust.spaces import RecordSpace, UpdateSpace
 from fedlr.round.instructions import with_records

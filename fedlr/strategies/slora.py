@@ -56,10 +56,10 @@ from fedlr.adapters.lora import LoraModel, parameters_by_key
 from fedlr.adapters.roles import Role
 from fedlr.client.features import Bound, ClientFeature, RoundJob
 from fedlr.client_apps.payloads import LORA
-from fedlr.config.options import NoOptions, option
 from fedlr.errors import CheckpointStateError, ProtocolError
 from fedlr.flower.records import config_float, record_to_state
 from fedlr.linalg import weighted_mean
+from fedlr.options import NoOptions, option
 from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.lora_svd import SeededLoraStrategy, SeededReplies

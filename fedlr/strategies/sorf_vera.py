@@ -44,10 +44,10 @@ from fedlr.adapters.roles import Role, RoleLayout
 from fedlr.adapters.sorf_vera import SorfVeraLayout, SorfVeraModule, layer_signs
 from fedlr.adapters.vera import VeraModel
 from fedlr.client_apps.payloads import SORF_VERA
-from fedlr.config.options import Options
 from fedlr.config.run import RunConfig
 from fedlr.linalg import mean_lambda_d_rot, refit_layer, weighted_mean
 from fedlr.linalg.sorf_pair_signs import SIGN_RULES
+from fedlr.options import Options
 from fedlr.round.describe import app_arguments
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.registration import ClientContract, register_method

@@ -26,8 +26,8 @@ from logging import INFO
 
 from flwr.supercore import log
 
-from fedlr.config.options import NoOptions, option, require
 from fedlr.linalg import SVD_SOLVERS, TruncatedSVD
+from fedlr.options import NoOptions, option, require
 
 __all__ = ["SvdSolverChoice", "SvdSolverOptions"]
 

@@ -48,12 +48,12 @@ from fedlr.adapters.plugin import (
 from fedlr.adapters.roles import AdaptedModel, Role, RoleLayout
 from fedlr.adapters.vera import VeraLayout, VeraModel
 from fedlr.client_apps.payloads import VERA
-from fedlr.config.options import Options, option
 from fedlr.config.run import RunConfig
 from fedlr.errors import ReplyValidationError
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.linalg import weighted_mean
 from fedlr.linalg.vera import fold_vera_residual, vera_gap_norms
+from fedlr.options import Options, option
 from fedlr.round.describe import app_arguments
 from fedlr.round.instructions import bind_model, check_bound_model
 from fedlr.round.replies import Replies

@@ -35,7 +35,6 @@ import pandas as pd
 import torch
 from torch import nn
 
-from fedlr.config.options import option, require
 from fedlr.config.run import RunConfig
 from fedlr.data.continual import STREAMS, ContinualStream
 from fedlr.data.images import ImageData
@@ -43,6 +42,7 @@ from fedlr.data.splits import partition_config
 from fedlr.errors import ConfigError, ShapeMismatchError
 from fedlr.linalg.fot import ResidualSketch, conv_activations, dense_activations
 from fedlr.models.vision import VisionModel, build_vision_model, vision_models
+from fedlr.options import option, require
 from fedlr.tasks.image import VisionOptions
 
 __all__ = [

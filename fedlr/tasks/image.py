@@ -22,7 +22,6 @@ import torch
 from numpy.typing import NDArray
 
 from fedlr.client.train import LoopControl, TrainSettings, in_batches
-from fedlr.config.options import Options, option, require
 from fedlr.config.run import RunConfig
 from fedlr.data import DATASETS, dataset_info, load_dataset
 from fedlr.data.images import NORMALISATION, ImageData, to_image_data
@@ -30,6 +29,7 @@ from fedlr.data.partition import FederatedSplit
 from fedlr.data.splits import dataset_split
 from fedlr.errors import ConfigError
 from fedlr.models.vision import VisionModel, build_vision_model, vision_models
+from fedlr.options import Options, option, require
 
 __all__ = [
     "NORMALISATION",

@@ -15,8 +15,8 @@ from typing import Any
 
 from fedlr.adapters.sorf_vera import SorfVeraSettings, build_sorf_vera_model
 from fedlr.adapters.vera import VeraModel, VeraSettings, build_vera_model
-from fedlr.config.options import Options, option, require, require_positive
 from fedlr.config.run import RunConfig
+from fedlr.options import Options, option, require, require_positive
 from fedlr.tasks.text import text_task
 
 __all__ = [

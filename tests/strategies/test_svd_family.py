@@ -15,12 +15,12 @@ from flwr.clientapp import ClientApp
 from fedlr.adapters import AdapterLayout, LoraModule, Role, adapter_state
 from fedlr.client.round import apply_round
 from fedlr.client_apps import lora as lora_client
-from fedlr.config.options import NoOptions
 from fedlr.config.run import RunConfig
 from fedlr.errors import ConfigError, RankMismatchError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.launch.client_app import app as client_app
+from fedlr.options import NoOptions
 from fedlr.runs.results import COLUMNS
 from fedlr.server_apps.lora import lora_plan
 from fedlr.server_apps.runner import run_server

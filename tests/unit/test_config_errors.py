@@ -4,7 +4,7 @@
 (``option(default, help, range=..., choices=..., bad=[(value, message
 regex), ...])`` in ``RunConfig`` and the registered methods' options: a value
 just outside each bound of the range, one outside the choices, and each
-``bad`` value, :func:`fedlr.config.options.bad_values`): each is parsed, a method
+``bad`` value, :func:`fedlr.options.bad_values`): each is parsed, a method
 option with a method that declares it, and must be refused with its message.
 ``AT_START`` holds the keys whose validity depends on a registry or the model
 (checked when the ServerApp builds its plan, before round 1). A new key
@@ -19,10 +19,10 @@ import math
 import pytest
 from flwr.app import Context, RecordDict
 
-from fedlr.config.options import bad_values
 from fedlr.config.run import RunConfig
 from fedlr.errors import ConfigError, FedLRError
 from fedlr.flower import InProcessGrid
+from fedlr.options import bad_values
 from fedlr.strategies.registry import all_option_keys, registered_methods, resolve
 from tests.conftest import tiny_run_config
 

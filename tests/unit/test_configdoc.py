@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from fedlr.config.options import option
 from fedlr.config.run import RunConfig
 from fedlr.configdoc import generate as configdoc
+from fedlr.options import option
 from fedlr.strategies.registry import option_defaults, registered_methods
 from tests.conftest import ROOT
 

@@ -10,7 +10,7 @@ the per-example clipping and noise, so one local step moves the parameters by
 noise of standard deviation ``sigma C``. Checked here in float64 on a tiny
 peft LoRA model against that formula computed by hand, with the same Poisson
 draw and the same noise (the reproducible-noise path: both come from the
-seeded generators of :func:`fedlr.privacy.randomness.seeded_generator`). The
+seeded generators of :func:`fedlr.randomness.seeded_generator`). The
 term changes nothing the accountant sees: the epsilon a node reports is the one
 without it. A term that reads the data stays refused, at configuration and on
 the node.
@@ -37,8 +37,8 @@ from fedlr.errors import PrivacyUnsupportedError, ProtocolError
 from fedlr.flower.records import state_to_record
 from fedlr.privacy.accounting import epsilon
 from fedlr.privacy.dp_sgd import DP_EPSILON_RUN, DP_EPSILON_SPENT, sample_mean_loss
-from fedlr.privacy.randomness import seeded_generator
 from fedlr.privacy.settings import DpSgdSettings, PrivacyConfig, default_delta
+from fedlr.randomness import seeded_generator
 from fedlr.strategies.fedprox_lora import PROXIMAL_MU, ProximalTerm
 from fedlr.strategies.refusals import check_privacy
 from fedlr.strategies.registry import get_method, resolve

@@ -51,8 +51,8 @@ FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "foundation",
         (
             "fedlr.errors",
-            "fedlr.config.options",
-            "fedlr.config.discovery",
+            "fedlr.options",
+            "fedlr.discovery",
             "fedlr.linalg.",
             "fedlr.client.train",
             "fedlr.runs.tracking",
@@ -386,7 +386,7 @@ def test_the_run_config_and_the_client_import_no_strategy() -> None:
     edges = import_graph(ROOT / "fedlr")
     for low in (
         "fedlr.config.run",
-        "fedlr.config.options",
+        "fedlr.options",
         "fedlr.robust.rules",
         "fedlr.client_apps.payloads",
         "fedlr.client.round",

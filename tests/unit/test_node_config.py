@@ -7,8 +7,8 @@ from dataclasses import dataclass, fields
 
 import pytest
 
-from fedlr.config.options import kebab, option
 from fedlr.errors import ConfigError, NodeConfigError
+from fedlr.options import kebab, option
 from fedlr.privacy.node_policy import (
     NODE_CONFIG_KEYS,
     NODE_POLICY_KEYS,

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 import pytest
 
 from fedlr.client_apps.payloads import LORA, VERA
-from fedlr.config.options import (
+from fedlr.configdoc import generate as configdoc
+from fedlr.errors import ConfigError
+from fedlr.options import (
     METHOD_DEFAULT,
     NoOptions,
     Range,
@@ -26,8 +28,6 @@ from fedlr.config.options import (
     option,
     redeclare,
 )
-from fedlr.configdoc import generate as configdoc
-from fedlr.errors import ConfigError
 from fedlr.strategies import registration
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
 from fedlr.strategies.fedavgm_lora import ServerMomentumOptions

@@ -16,11 +16,10 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fedlr.config.run import RunConfig
+from fedlr.config.run import TRACKERS, RunConfig
 from fedlr.errors import ConfigError
 from fedlr.runs.results import ResultsWriter
 from fedlr.runs.tracking import (
-    TRACKERS,
     MlflowTracker,
     NoTracker,
     TensorBoardTracker,
