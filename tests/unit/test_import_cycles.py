@@ -1,4 +1,5 @@
-"""No import cycles between the modules of fedlr, and no import runs up a floor.
+"""No import cycles between the modules of fedlr, none between its folders,
+and no import runs up a floor.
 
 Every import counts: imports inside functions and under ``TYPE_CHECKING``
 (they hide a cycle from Python's import machinery, not from the reader), and
@@ -20,8 +21,11 @@ each cut to the longest module it starts with; a package's ``__init__`` is
 left out of the graph (it re-exports, resolving names lazily), and so is a
 module's import of its own submodules.
 
-:data:`FLOORS` declares the layers of fedlr once, bottom first; a module may
-import its own floor and those below, never one above.
+:data:`FLOORS` declares the layers of fedlr once, bottom first, as folders
+(each subpackage of ``fedlr``, plus ``fedlr`` for its own top-level modules):
+a folder sits on exactly one floor, a module imports from its folder's floor
+or below, never from one above, and no two folders import each other, around
+a loop or on one floor. A failure names each offending import by file:line.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import ast
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -42,82 +47,32 @@ from tests.conftest import ROOT
 
 Graph = dict[str, set[str]]
 
-#: The floors of fedlr, bottom first: (name, modules). A module is named
-#: exactly, or by its package with a trailing dot; the longest match places it.
+#: The floors of fedlr, bottom first: (name, folders). A folder is a
+#: subpackage of ``fedlr`` by name; ``fedlr`` is its own top-level modules.
 FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    (
-        # kernels, options, errors, the wire format and the mechanisms the
-        # run config names (robust rules, privacy), the results writer
-        "foundation",
-        (
-            "fedlr.errors",
-            "fedlr.options",
-            "fedlr.discovery",
-            "fedlr.linalg.",
-            "fedlr.client.train",
-            "fedlr.runs.tracking",
-            "fedlr.runs.checkpoint",
-            "fedlr.runs.results",
-            "fedlr.runs.plots",
-            "fedlr.runs.table",
-            "fedlr.flower.records",
-            "fedlr.flower.certs",
-            "fedlr.flower.grid",
-            "fedlr.flower.output",
-            "fedlr.flower.superlink",
-            "fedlr.flower.virtual_clock",
-            "fedlr.adapters.roles",
-            "fedlr.wire.protocol",
-            "fedlr.wire.updates",
-            "fedlr.robust.",
-            "fedlr.privacy.",
-        ),
-    ),
-    ("config", ("fedlr.config.run",)),
-    ("data, models, adapters", ("fedlr.data.", "fedlr.models.", "fedlr.adapters.")),
-    (
-        "tasks",
-        ("fedlr.tasks.",),
-    ),
-    (
-        # the client's round, its features and handlers, the payload kinds
-        # (whose handlers they hold), the methods' client features table, and
-        # the privacy steps that read the features (DP-SGD, client-level and
-        # distributed DP)
-        "client side",
-        (
-            "fedlr.client.features",
-            "fedlr.client.method_features",
-            "fedlr.client.pruning",
-            "fedlr.client.checks",
-            "fedlr.wire.fingerprint",
-            "fedlr.wire.downlink",
-            "fedlr.client.round",
-            "fedlr.client_apps.",
-            "fedlr.privacy.dp_sgd",
-            "fedlr.privacy.client_dp",
-            "fedlr.strategies.refusals",
-            "fedlr.privacy.distributed_dp",
-            "fedlr.client_apps.payload_kind",
-            "fedlr.client_apps.payloads",
-        ),
-    ),
-    (
-        "strategies and registry",
-        ("fedlr.strategies.", "fedlr.round."),
-    ),
-    (
-        # what a process runs: the ServerApp and its plans, the dispatching
-        # ClientApp (it looks the method up, so it sits above every method's
-        # client feature), the launcher and the tools
-        "apps",
-        (
-            "fedlr.server_apps.",
-            "fedlr.launch.",
-            "fedlr.configdoc.",
-            "fedlr.runs.export",
-        ),
-    ),
+    # errors, the option declarations, discovery, the random generators;
+    # the kernels; the data sets
+    ("foundation", ("fedlr", "linalg", "data")),
+    # records, grids, the SuperLink processes and the CLI's output
+    ("Flower glue", ("flower",)),
+    ("adapters", ("adapters",)),
+    # what travels: record names and keys, updates, the factored downlink
+    ("wire", ("wire",)),
+    # a node's round: its checks, features, pruning, training loops
+    ("client", ("client",)),
+    # what the run config names: robust rules, privacy mechanisms
+    ("mechanisms", ("robust", "privacy")),
+    ("config", ("config",)),
+    ("models and tasks", ("models", "tasks")),
+    # the payload kinds and their handlers
+    ("client apps", ("client_apps",)),
+    ("round and strategies", ("round", "strategies")),
+    # results, trackers, checkpoints, the exported adapter
+    ("runs", ("runs",)),
+    ("server apps", ("server_apps",)),
+    # what a process starts (the dispatching ClientApp, run_in_process,
+    # the flwr run launcher, sweeps) and the generated docs
+    ("launch", ("launch", "configdoc")),
 )
 
 #: Imports that run up a floor and are known: (importer, imported).
@@ -205,8 +160,9 @@ def _string(node: ast.AST, module: str) -> str | None:
 
 def importlib_targets(
     module: str, is_package: bool, tree: ast.AST, files: dict[str, Path]
-) -> set[str]:
-    """The fedlr modules a module imports through :mod:`importlib`.
+) -> dict[str, int]:
+    """The fedlr modules a module imports through :mod:`importlib` (each
+    with the line of the call).
 
     ``importlib.import_module(name)`` imports ``name`` (a name ending in a
     package and a dot, the start of an f-string, imports any module of that
@@ -214,10 +170,10 @@ def importlib_targets(
     given a package imports every module of it.
     """
     aliases = _aliases(module, is_package, tree)
-    found: set[str] = set()
+    found: dict[str, int] = {}
 
-    def package_modules(package: str) -> set[str]:
-        return {m for m in files if m.startswith(package + ".")}
+    def package_modules(package: str) -> dict[str, int]:
+        return {m: node.lineno for m in files if m.startswith(package + ".")}
 
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
@@ -231,7 +187,7 @@ def importlib_targets(
             if text.endswith("."):
                 found |= package_modules(text[:-1])
             else:
-                found.add(text)
+                found[text] = node.lineno
         elif name in DISCOVERY_CALLS and node.args:
             package = _dotted(node.args[0], aliases)
             if package is not None:
@@ -239,25 +195,28 @@ def importlib_targets(
     return found
 
 
-def import_graph(root: Path, *, with_importlib: bool = True) -> Graph:
-    """Module -> the package's modules it imports, package ``__init__``s left out."""
+Sites = dict[tuple[str, str], str]
+
+
+def import_sites(root: Path, *, with_importlib: bool = True) -> Sites:
+    """(module, imported module) -> ``path:line`` of its first import, for
+    every module of the package, package ``__init__``s left out."""
     files = {module_name(root, p): p for p in sorted(root.rglob("*.py"))}
     packages = {m for m, p in files.items() if p.name == "__init__.py"}
-    edges: Graph = {}
+    sites: Sites = {}
     for module, path in files.items():
         if module in packages:
             continue
-        is_package = path.name == "__init__.py"
         tree = ast.parse(path.read_text(), str(path))
         names = [
-            name
+            (name, node.lineno)
             for node in ast.walk(tree)
-            for name in imported_names(module, is_package, node)
+            for name in imported_names(module, False, node)
         ]
         if with_importlib:
-            names += sorted(importlib_targets(module, is_package, tree, files))
-        targets: set[str] = set()
-        for name in names:
+            names += sorted(importlib_targets(module, False, tree, files).items())
+        sites.setdefault((module, module), "")  # every module is a node
+        for name, line in sorted(names, key=lambda pair: pair[1]):
             while name and name not in files:  # the longest module it names
                 name = name.rpartition(".")[0]
             if (
@@ -266,8 +225,19 @@ def import_graph(root: Path, *, with_importlib: bool = True) -> Graph:
                 and not name.startswith(module + ".")
                 and name not in packages
             ):
-                targets.add(name)
-        edges[module] = targets
+                sites.setdefault(
+                    (module, name), f"{path.relative_to(root.parent)}:{line}"
+                )
+    return sites
+
+
+def import_graph(root: Path, *, with_importlib: bool = True) -> Graph:
+    """Module -> the package's modules it imports, package ``__init__``s left out."""
+    edges: Graph = {}
+    for module, target in import_sites(root, with_importlib=with_importlib):
+        edges.setdefault(module, set())
+        if target != module:
+            edges[module].add(target)
     return edges
 
 
@@ -316,30 +286,40 @@ def describe(edges: Graph, found: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def floor_of(module: str, floors: tuple[tuple[str, tuple[str, ...]], ...]) -> int:
-    """The index of ``module``'s floor (the longest pattern that places it).
+Floors = tuple[tuple[str, tuple[str, ...]], ...]
+
+
+def folder_of(module: str) -> str:
+    """``pkg.folder.mod`` -> ``folder``; a top-level ``pkg.mod`` -> ``pkg``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 else parts[0]
+
+
+def floor_of(module: str, floors: Floors) -> int:
+    """The index of the floor of ``module``'s folder.
 
     Raises
     ------
     LookupError
-        If no floor names it.
+        If no floor names the folder.
     """
-    best: tuple[int, int] | None = None
-    for level, (_, patterns) in enumerate(floors):
-        for pattern in patterns:
-            hit = module == pattern or (
-                pattern.endswith(".") and module.startswith(pattern)
-            )
-            if hit and (best is None or len(pattern) > best[0]):
-                best = (len(pattern), level)
-    if best is None:
-        raise LookupError(f"{module} is on no floor: add it to FLOORS")
-    return best[1]
+    folder = folder_of(module)
+    for level, (_, folders) in enumerate(floors):
+        if folder in folders:
+            return level
+    raise LookupError(f"{folder} (of {module}) is on no floor: add it to FLOORS")
 
 
-def upward_imports(
-    edges: Graph, floors: tuple[tuple[str, tuple[str, ...]], ...]
-) -> set[tuple[str, str]]:
+def folder_graph(edges: Graph) -> Graph:
+    """Folder -> the other folders its modules import."""
+    folders: Graph = {}
+    for module, targets in edges.items():
+        mine = folders.setdefault(folder_of(module), set())
+        mine |= {folder_of(t) for t in targets} - {folder_of(module)}
+    return folders
+
+
+def upward_imports(edges: Graph, floors: Floors) -> set[tuple[str, str]]:
     """Every (importer, imported) whose imported module is on a higher floor."""
     return {
         (m, w)
@@ -347,6 +327,10 @@ def upward_imports(
         for w in targets
         if floor_of(w, floors) > floor_of(m, floors)
     }
+
+
+def _where(sites: Sites, pairs: Iterable[tuple[str, str]]) -> str:
+    return "\n".join(f"  {sites[m, w]}: {m} -> {w}" for m, w in sorted(pairs))
 
 
 # ------------------------------------------------------------------ fedlr
@@ -357,22 +341,42 @@ def test_fedlr_has_no_import_cycles_counting_importlib() -> None:
     assert not found, f"{len(found)} import cycles in fedlr:\n{report}"
 
 
-def test_every_module_of_fedlr_is_on_a_floor() -> None:
-    unplaced = []
-    for module in import_graph(ROOT / "fedlr"):
-        try:
-            floor_of(module, FLOORS)
-        except LookupError:
-            unplaced.append(module)
-    assert not unplaced, f"modules on no floor (add them to FLOORS): {unplaced}"
+def test_every_folder_of_fedlr_is_on_one_floor() -> None:
+    listed = [folder for _, folders in FLOORS for folder in folders]
+    twice = sorted({f for f in listed if listed.count(f) > 1})
+    assert not twice, f"folders on more than one floor: {twice}"
+    found = {folder_of(m) for m in import_graph(ROOT / "fedlr")}
+    assert not found - set(listed), (
+        f"folders on no floor: {sorted(found - set(listed))}"
+    )
+    assert not set(listed) - found, (
+        f"floors name no folder: {sorted(set(listed) - found)}"
+    )
+
+
+def test_fedlr_has_no_folder_cycles() -> None:
+    """No two folders import each other, directly or around a loop (on one
+    floor too); each import of a loop is named by file:line."""
+    sites = import_sites(ROOT / "fedlr")
+    edges = import_graph(ROOT / "fedlr")
+    found = cycles(folder_graph(edges))
+    loops = [
+        (m, w)
+        for m, targets in edges.items()
+        for w in targets
+        for group in found
+        if folder_of(m) != folder_of(w) and {folder_of(m), folder_of(w)} <= set(group)
+    ]
+    assert not found, f"folder cycles {found}, through:\n{_where(sites, loops)}"
 
 
 def test_no_import_runs_up_a_floor() -> None:
-    edges = import_graph(ROOT / "fedlr")
-    upward = upward_imports(edges, FLOORS)
+    sites = import_sites(ROOT / "fedlr")
+    upward = upward_imports(import_graph(ROOT / "fedlr"), FLOORS)
     names = [name for name, _ in FLOORS]
     lines = [
-        f"  {m} ({names[floor_of(m, FLOORS)]}) -> {w} ({names[floor_of(w, FLOORS)]})"
+        f"  {sites[m, w]}: {m} ({names[floor_of(m, FLOORS)]}) -> "
+        f"{w} ({names[floor_of(w, FLOORS)]})"
         for m, w in sorted(upward - KNOWN_UPWARD)
     ]
     assert not lines, "imports that run up a floor:\n" + "\n".join(lines)
@@ -528,21 +532,37 @@ def test_the_counter_finds_nothing_in_a_layered_package(tmp_path: Path) -> None:
     assert cycles(import_graph(root)) == []
 
 
-def test_an_upward_import_is_found_and_named(tmp_path: Path) -> None:
+def test_an_upward_import_and_a_folder_loop_are_found_and_named(
+    tmp_path: Path,
+) -> None:
+    """A function-level import from a lower folder into a higher one runs up a
+    floor and closes a folder loop, though the modules form none."""
     root = _write(
         tmp_path,
         {
             "pkg/__init__.py": "",
-            "pkg/low.py": "def f():\n    from pkg.high import g\n",
-            "pkg/high.py": "from pkg.low import f\n",
-            "pkg/side.py": "",
+            "pkg/errors.py": "",
+            "pkg/low/__init__.py": "",
+            "pkg/low/a.py": (
+                "import pkg.errors\n\ndef f():\n    from pkg.high.c import g\n"
+            ),
+            "pkg/low/b.py": "",
+            "pkg/high/__init__.py": "",
+            "pkg/high/c.py": "from pkg.low.b import x\n",
+            "pkg/side/__init__.py": "",
+            "pkg/side/d.py": "",
         },
     )
-    floors = (("bottom", ("pkg.low", "pkg.side")), ("top", ("pkg.high",)))
+    floors = (("bottom", ("pkg", "low", "side")), ("top", ("high",)))
     edges = import_graph(root)
-    assert upward_imports(edges, floors) == {("pkg.low", "pkg.high")}
-    with pytest.raises(LookupError, match=r"pkg\.side is on no floor"):
-        floor_of("pkg.side", floors[1:])
+    sites = import_sites(root)
+    assert cycles(edges) == []
+    assert cycles(folder_graph(edges)) == [["high", "low"]]
+    assert upward_imports(edges, floors) == {("pkg.low.a", "pkg.high.c")}
+    assert sites["pkg.low.a", "pkg.high.c"] == "pkg/low/a.py:4"
+    assert sites["pkg.low.a", "pkg.errors"] == "pkg/low/a.py:1"
+    with pytest.raises(LookupError, match=r"side \(of pkg\.side\.d\) is on no floor"):
+        floor_of("pkg.side.d", floors[1:])
     assert floor_of("fedlr.launch.client_app", FLOORS) > floor_of(
         "fedlr.client_apps.lora", FLOORS
     )
