@@ -381,8 +381,9 @@ class Options:
 
     @classmethod
     def option_fields(cls) -> dict[str, dataclasses.Field[Any]]:
-        """Run-config key (kebab-case) -> dataclass field, for every option."""
-        return {kebab(f.name): f for f in fields(cls)}
+        """Run-config key (kebab-case) -> dataclass field, for every option (a
+        field not declared with :func:`option` is no key)."""
+        return {kebab(f.name): f for f in fields(cls) if "help" in f.metadata}
 
     @classmethod
     def from_run_config(
@@ -434,12 +435,12 @@ class Options:
 
     def to_mapping(self) -> dict[str, Any]:
         """Run-config form (kebab-case keys) of every option."""
-        return {kebab(f.name): getattr(self, f.name) for f in fields(self)}
+        return {key: getattr(self, f.name) for key, f in self.option_fields().items()}
 
     @classmethod
     def defaults(cls) -> dict[str, Any]:
         """Run-config key (kebab-case) -> this group's declared default."""
-        return {kebab(f.name): f.default for f in fields(cls)}
+        return {key: f.default for key, f in cls.option_fields().items()}
 
     def replace(self, **changes: Any) -> Self:
         """A copy with ``changes`` (snake_case names), validated again."""

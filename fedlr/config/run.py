@@ -12,6 +12,7 @@ declarations (``python -m fedlr.configdoc write``, checked by the tests).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -23,11 +24,13 @@ from fedlr.errors import ConfigError, did_you_mean
 from fedlr.options import Options, option
 from fedlr.privacy.secagg import SecAggSettings
 from fedlr.privacy.settings import PrivacyConfig
+from fedlr.robust.registration import RobustRule, rule_keys
 from fedlr.robust.rules import (
     CLIP_REFERENCES,
     ROBUST_AUTO,
-    ROBUST_RULES,
     RobustConfig,
+    registered_rules,
+    rule_named,
 )
 from fedlr.robust.screen import DEFAULT_SCREEN_RATIO
 
@@ -303,10 +306,9 @@ class RunConfig(Options):
     )
     robust: str = option(
         ROBUST_AUTO,
-        "robust aggregation in the method's update space: `auto`, `none`, "
-        "`norm-clip`, `trimmed-mean` (client-level, by distance to the "
-        "geometric median), `median` (geometric median) or `centred-clip` "
-        "(centred clipping at its fixed point). `auto`: where the server can "
+        "robust aggregation in the method's update space: `auto` or a "
+        "registered rule ([the rules](reliability.md#robust-aggregation), a "
+        "page each in [robust/](robust/)). `auto`: where the server can "
         "train the method's round (a `lora` method with one global model, no "
         "extra reply records, no `client-ranks`, not asynchronous, not under "
         "SecAgg+ or client-level DP), `norm-clip` at `clip-ratio` times the "
@@ -314,7 +316,7 @@ class RunConfig(Options):
         "`server-update-share` (0.5 when left at 0); elsewhere `none`; the "
         "start-up line says which and why; see "
         "[reliability.md](reliability.md#the-default-robust--auto)",
-        bad=[("krum", "must be one of")],
+        bad=[("no-such-rule", "must be one of")],
     )
     clip_norm: float = option(
         0.0,
@@ -533,6 +535,10 @@ class RunConfig(Options):
         "so; see [privacy.md](privacy.md#noise-nobody-can-replay)",
         bad=[("yes", "expected true/false")],
     )
+    rule_options: tuple[Options, ...] = ()
+    """The registered rules' own keys not at their defaults (not a key
+    itself: each rule's :class:`~fedlr.options.Options`, parsed by
+    :meth:`from_mapping`; :meth:`options_of` reads them)."""
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -566,7 +572,7 @@ class RunConfig(Options):
             type or out of range, or an extension that does not import.
         """
         load_extensions(run_config)
-        own = cls.option_fields()
+        own = {**cls.option_fields(), **rule_keys()}
         if method_keys is not None:
             for key in sorted(set(run_config) - set(own) - set(method_keys)):
                 hint = did_you_mean(key, {*own, *method_keys})
@@ -575,7 +581,29 @@ class RunConfig(Options):
                     f"unknown key; {hint or 'no key is close; '}every key is "
                     "listed in docs/configuration.md",
                 )
-        return cls.from_run_config(run_config)
+        classes = dict.fromkeys(rule.options for rule in registered_rules())
+        parsed = [options.from_run_config(run_config) for options in classes]
+        return dataclasses.replace(  # at their defaults, the rules' keys are ()
+            cls.from_run_config(run_config),
+            rule_options=tuple(o for o in parsed if o != type(o)()),
+        )
+
+    def options_of(self, rule: RobustRule) -> Options:
+        """``rule``'s own keys in this run (their defaults if not parsed)."""
+        found = (o for o in self.rule_options if type(o) is rule.options)
+        return next(found, None) or rule.options()
+
+    def to_mapping(self) -> dict[str, Any]:
+        """Every common key and every registered rule's key."""
+        mapping = super().to_mapping()
+        for rule in registered_rules():
+            mapping.update(self.options_of(rule).to_mapping())
+        return mapping
+
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """Every key of :meth:`to_mapping` with its declared default."""
+        return {**super().defaults(), **{k: f.default for k, f in rule_keys().items()}}
 
     # --------------------------------------------------------------- validation
     def check(self) -> None:
@@ -601,11 +629,8 @@ class RunConfig(Options):
             )
         if not self.method:
             raise ConfigError("method", "is empty")
-        if self.robust not in (ROBUST_AUTO, *ROBUST_RULES):
-            raise ConfigError(
-                "robust",
-                f"must be one of {[ROBUST_AUTO, *ROBUST_RULES]}, got {self.robust!r}",
-            )
+        if self.robust != ROBUST_AUTO:
+            rule_named(self.robust, also=(ROBUST_AUTO,))  # unknown: refused
         if self.clip_reference not in CLIP_REFERENCES:
             raise ConfigError(
                 "clip-reference",
@@ -655,8 +680,9 @@ class RunConfig(Options):
         resolved by :func:`fedlr.strategies.registry.resolve`, which knows the
         method; a config not resolved yet has no rule."""
         auto = self.robust == ROBUST_AUTO
+        rule = rule_named("none" if auto else self.robust)
         return RobustConfig(
-            rule="none" if auto else self.robust,
+            rule=rule.name,
             clip_norm=self.clip_norm,
             trim_fraction=self.trim_fraction,
             max_client_weight=self.max_client_weight,
@@ -664,6 +690,7 @@ class RunConfig(Options):
             max_weight_ratio=self.max_weight_ratio,
             bucket_size=self.bucket_size,
             clip_reference="median" if auto else self.clip_reference,
+            options=self.options_of(rule),
         )
 
     @property

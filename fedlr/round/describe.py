@@ -9,6 +9,7 @@ from typing import Any
 from flwr.supercore import log
 
 from fedlr.config.run import RunConfig
+from fedlr.robust.rules import rule_named
 
 __all__ = ["app_arguments", "log_summary", "settings"]
 
@@ -24,21 +25,7 @@ def settings(strategy: Any) -> dict[str, Any]:
         "lr_decay": strategy.lr_decay,
         "robust": robust.rule,
     }
-    if robust.rule == "norm-clip":  # the bound's reference, as the start-up line
-        ref = "server update" if robust.clip_reference == "server" else "median"
-        out["clip_norm"] = robust.clip_norm or (
-            ref if robust.clip_ratio == 1.0 else f"{robust.clip_ratio:g} x {ref}"
-        )
-    if robust.rule == "centred-clip":
-        out["clip_norm"] = robust.clip_norm or (
-            "median distance"
-            if robust.clip_ratio == 1.0
-            else f"{robust.clip_ratio:g} x median distance"
-        )
-        if robust.bucket_size > 1:
-            out["bucket_size"] = robust.bucket_size
-    if robust.rule == "trimmed-mean":
-        out["trim_fraction"] = robust.trim_fraction
+    out.update(rule_named(robust.rule).settings(robust))
     if robust.max_client_weight < 1.0:
         out["max_client_weight"] = robust.max_client_weight
     if robust.max_weight_ratio > 0:

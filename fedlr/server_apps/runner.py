@@ -42,6 +42,7 @@ from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.privacy.client_dp import CLIENT_DP_EPSILON, DP_EPSILON
 from fedlr.privacy.secagg import CHECK_HISTORY
 from fedlr.privacy.settings import PrivacyConfig, default_delta
+from fedlr.robust.rules import rule_named
 from fedlr.round.instructions import expected_arrays
 from fedlr.round.pipeline import run_round
 from fedlr.runs.checkpoint import (
@@ -202,33 +203,7 @@ def guarantee_lines(
         )
     robust = config.robust_config
     if robust.active:
-        median = (
-            "the norm of the server's own update"
-            if robust.clip_reference == "server"
-            else "the round's median update norm"
-        )
-        detail = {
-            "norm-clip": "norm-clip at "
-            + (
-                _g(robust.clip_norm)
-                if robust.clip_norm
-                else median
-                if robust.clip_ratio == 1.0
-                else f"{_g(robust.clip_ratio)} x {median}"
-            ),
-            "trimmed-mean": f"trimmed-mean leaving out {_g(robust.trim_fraction)} "
-            "of the clients",
-            "median": "geometric median",
-            "centred-clip": "centred clipping at "
-            + (
-                _g(robust.clip_norm)
-                if robust.clip_norm
-                else f"{_g(robust.clip_ratio)} x the median distance to the "
-                "geometric median"
-            )
-            + (f", buckets of {robust.bucket_size}" if robust.bucket_size > 1 else ""),
-            "none": "no rule",
-        }[robust.rule]
+        detail = rule_named(robust.rule).startup(robust)
         cap = (
             f", max client weight {_g(robust.max_client_weight)}"
             if robust.max_client_weight < 1.0

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.optimize import minimize
 
-import fedlr.robust.rules as rules
+import fedlr.robust.builtin_rules.centred_clip as centred_clip
 from fedlr.errors import ConfigError
 from fedlr.robust.estimators import (
     bucket_matrix,
@@ -143,7 +143,7 @@ def test_buckets_are_drawn_from_the_secure_source(monkeypatch):
         drawn.append(generator)
         return generator
 
-    monkeypatch.setattr(rules, "secure_generator", spy)
+    monkeypatch.setattr(centred_clip, "secure_generator", spy)
     points, _ = _points(1, 6, 3, 1.0)
     updates = [
         _update(i, {"x": torch.as_tensor(p, dtype=F64)}, 10)
@@ -162,7 +162,7 @@ def test_bucketed_weights_are_the_buckets_clipped(seed, monkeypatch):
     points, weights = _points(seed, 7, 4, 30.0)
     generator_seed = 100 + seed
     monkeypatch.setattr(
-        rules,
+        centred_clip,
         "secure_generator",
         lambda device=None: torch.Generator().manual_seed(generator_seed),
     )

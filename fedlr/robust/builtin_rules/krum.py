@@ -1,0 +1,109 @@
+"""``krum``: the one client whose update is closest to its neighbours
+(Blanchard et al., 2017), Flower's ``Krum``.
+
+Each client's score is the sum of its squared distances to its ``k - f - 2``
+nearest other clients (at least one), ``f`` the ``krum-byzantine`` clients
+the rule assumes; the client with the lowest score is the round's update
+(:func:`krum_select`, Flower's ``select_multikrum`` on the Gram matrix of the
+method's update space: ``||u_i - u_j||^2 = G_ii + G_jj - 2 G_ij``). A record
+of a client that Krum does not select on the record's own Gram matrix is set
+to its reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fedlr.options import NoOptions, option
+from fedlr.robust.registration import (
+    RobustConfig,
+    RuleResult,
+    gram_rule,
+    keep_only,
+    register_rule,
+    selected_records,
+)
+
+if TYPE_CHECKING:
+    from fedlr.wire.updates import ClientUpdate
+
+__all__ = ["KrumOptions", "krum_select"]
+
+
+@dataclass(frozen=True)
+class KrumOptions(NoOptions):
+    """The keys of ``krum`` (and of the rules built on it)."""
+
+    krum_byzantine: int = option(
+        0,
+        "`krum`, `multi-krum`, `bulyan`: the number f of Byzantine clients the "
+        "rule assumes (Flower's `num_malicious_nodes`)",
+        range=">= 0",
+    )
+
+
+def krum_select(gram: torch.Tensor, byzantine: int, keep: int) -> list[int]:
+    """The ``keep`` clients of lowest Krum score, lowest first: Flower's
+    ``select_multikrum`` (``flwr.serverapp.strategy.multikrum``) on the
+    updates' Gram matrix.
+
+    Parameters
+    ----------
+    gram : torch.Tensor
+        (k, k) Gram matrix of the updates.
+    byzantine : int
+        ``f``: each score sums the squared distances to the
+        ``max(1, k - f - 2)`` nearest others (the nearest point in each row,
+        the client itself, is skipped as Flower skips it).
+    keep : int
+        How many clients to return (all of them when ``keep >= k``).
+    """
+    g = gram.to(torch.float64)
+    norms = torch.diagonal(g)
+    squared = norms[:, None] + norms[None, :] - 2 * g
+    closest = max(1, len(g) - byzantine - 2)
+    scores = torch.stack(
+        [row[torch.argsort(row, stable=True)[1 : closest + 1]].sum() for row in squared]
+    )
+    return [int(i) for i in torch.argsort(scores, stable=True)[:keep]]
+
+
+def _byzantine(config: RobustConfig) -> int:
+    return KrumOptions.of(config.options).krum_byzantine
+
+
+def _choose(
+    kept: list[ClientUpdate],
+    weights: torch.Tensor,
+    gram: torch.Tensor,
+    config: RobustConfig,
+) -> RuleResult:
+    f = _byzantine(config)
+    return keep_only(
+        kept, weights, krum_select(gram, f, 1), f"not Krum's choice, f={f}"
+    )
+
+
+def _settings(config: RobustConfig) -> dict[str, Any]:
+    return {"krum_byzantine": _byzantine(config)}
+
+
+register_rule(
+    "krum",
+    summary="the one client whose summed squared distance to its `k - f - 2` "
+    "nearest others is the lowest is the round's update (Flower's `Krum`), "
+    "`f` = `krum-byzantine`",
+    defends="up to `f` Byzantine clients of `k > 2f + 2` (Blanchard et al., "
+    "2017); one client's data per round, so it costs accuracy without an attack",
+    startup=lambda config: f"Krum selecting 1 client, f = {_byzantine(config)}",
+    apply=gram_rule(_choose),
+    records=selected_records(
+        lambda gram, config: krum_select(gram, _byzantine(config), 1),
+        "not Krum's choice on the record",
+    ),
+    options=KrumOptions,
+    settings=_settings,
+)
