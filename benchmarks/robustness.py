@@ -357,11 +357,14 @@ class CheckProbe:
         s = self.strategy
         if s is None:
             raise RuntimeError("CheckProbe.attach was not called (observe=)")
-        current = record_to_state(s._current)
+        sent = s.round
+        if sent is None:
+            raise RuntimeError("CheckProbe.loss called before the round began")
+        current = record_to_state(sent.arrays)
         # Replies.accept's checks but screen_replies, which would use up the
         # round's record of instructed nodes before the server's own round
-        updates, _ = s.replies.validate_replies(replies)
-        updates, _ = s.replies.screen_update_sizes(updates, current)
+        updates, _ = s.replies.validate_replies(replies, sent.arrays)
+        updates, *_ = s.replies.screen_update_sizes(updates, current)
         step = HeldOutStep(s.heldout_check, s)
         return step.loss(server_round, updates, current, method_state(s))
 

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from logging import INFO, WARNING
-from typing import Any
 
 from flwr.app import Message, MetricRecord, RecordDict
 from flwr.supercore import log
 
 from fedlr.errors import ReplyValidationError
-from fedlr.round.pipeline import merged_metrics
-from fedlr.round.publish import without_helper_metrics
+from fedlr.round.contract import RoundStrategy
+from fedlr.round.publish import merged_metrics, without_helper_metrics
 from fedlr.wire import protocol
 
 __all__ = [
@@ -33,10 +32,14 @@ NO_EVALUATE_HANDLER = "No evaluate function registered"
 """Flower's error reason when a ClientApp has no ``@app.evaluate()``."""
 
 
-def no_evaluate_handler(strategy: Any, replies: list[Message]) -> bool:
+def no_evaluate_handler(
+    strategy: RoundStrategy, server_round: int, replies: list[Message]
+) -> bool:
     """Whether ``replies`` show that the ClientApp has no evaluate function
-    (all of them Flower's error for it), when ``evaluate`` was not given."""
-    return (
+    (all of them Flower's error for it), when ``evaluate`` was not given;
+    if so, one warning says that federated evaluation is off from now on
+    (the strategy sets its ``fraction_evaluate`` to 0)."""
+    missing = (
         strategy.client_evaluates is None
         and bool(replies)
         and all(
@@ -44,28 +47,7 @@ def no_evaluate_handler(strategy: Any, replies: list[Message]) -> bool:
             for m in replies
         )
     )
-
-
-def aggregate_evaluation(
-    strategy: Any, server_round: int, replies: Iterable[Message]
-) -> MetricRecord | None:
-    """A strategy's ``aggregate_evaluate``: the replies' metrics by
-    ``evaluate_metrics_aggr_fn``.
-
-    A reply carries a MetricRecord only (no arrays needed); an error reply
-    or one without exactly one MetricRecord and a positive integer weight
-    is dropped with a logged reason. ``None`` when no reply is valid. The
-    helpers' ids and flags (:data:`fedlr.wire.protocol.HELPER_METRICS`) are not
-    averaged.
-
-    When ``evaluate`` was not given and every reply is Flower's ``No
-    evaluate function registered`` error, the ClientApp cannot evaluate:
-    one warning says so and ``fraction_evaluate`` becomes 0 for the rest
-    of the run.
-    """
-    contents: list[RecordDict] = []
-    replies = list(replies)
-    if no_evaluate_handler(strategy, replies):
+    if missing:
         log(
             WARNING,
             "round %d: the ClientApps have no @app.evaluate() (%d replies: "
@@ -76,9 +58,22 @@ def aggregate_evaluation(
             len(replies),
             NO_EVALUATE_HANDLER,
         )
-        strategy.fraction_evaluate = 0.0
-        strategy.min_evaluate_nodes = 0
-        return None
+    return missing
+
+
+def aggregate_evaluation(
+    strategy: RoundStrategy, server_round: int, replies: list[Message]
+) -> MetricRecord | None:
+    """A strategy's ``aggregate_evaluate``: the replies' metrics by
+    ``evaluate_metrics_aggr_fn``.
+
+    A reply carries a MetricRecord only (no arrays needed); an error reply
+    or one without exactly one MetricRecord and a positive integer weight
+    is dropped with a logged reason. ``None`` when no reply is valid. The
+    helpers' ids and flags (:data:`fedlr.wire.protocol.HELPER_METRICS`) are not
+    averaged.
+    """
+    contents: list[RecordDict] = []
     for message in replies:
         node = int(message.metadata.src_node_id)
         try:
@@ -100,20 +95,18 @@ def aggregate_evaluation(
 
 
 def aggregate_personal_evaluation(
-    strategy: Any, server_round: int, replies: Iterable[Message]
-) -> MetricRecord | None:
+    strategy: RoundStrategy, server_round: int, replies: Iterable[Message]
+) -> tuple[MetricRecord | None, dict[str, float]]:
     """A personalised method's ``aggregate_evaluate``: each client evaluates
     its own model on its held-out part; the mean and spread of the clients'
-    accuracies, kept in ``strategy.last_evaluation``.
+    accuracies (the round's ``evaluation``, also returned).
 
     Beside them, the clients' own metrics as ``evaluate_metrics_aggr_fn``
     aggregates them (replies with a valid ``num-examples``); fedlr's
     ``accuracy`` and ``loss`` (unweighted means over clients) replace
     the aggregation function's values of those keys.
     """
-    accuracies: list[float] = []
-    losses: list[float] = []
-    extras: dict[str, list[float]] = {k: [] for k in protocol.TASK_EVAL_METRICS}
+    scores: list[Mapping[str, float]] = []
     contents: list[RecordDict] = []
     for message in replies:
         if message.has_error():
@@ -129,37 +122,60 @@ def aggregate_personal_evaluation(
             contents.append(without_helper_metrics(message.content))
         except ReplyValidationError as exc:
             log(WARNING, "round %d: evaluate reply: %s", server_round, exc)
-        acc, loss = metrics.get("accuracy"), metrics.get("loss")
-        if not isinstance(acc, (int, float)) or not isinstance(loss, (int, float)):
-            log(
-                INFO,
-                "round %d: evaluate reply without scalar accuracy and loss",
-                server_round,
-            )
-            continue
-        if math.isfinite(acc) and math.isfinite(loss):
-            accuracies.append(float(acc))
-            losses.append(float(loss))
-            for key, values in extras.items():
-                value = metrics.get(key)
-                if isinstance(value, (int, float)) and math.isfinite(value):
-                    values.append(float(value))
+        score = client_scores(server_round, metrics)
+        if score is not None:
+            scores.append(score)
     clients = (
         strategy.evaluate_metrics_aggr_fn(contents, strategy.weighted_by_key)
         if contents
         else None
     )
-    if not accuracies:
-        strategy.last_evaluation = {}
-        return clients
-    strategy.last_evaluation = {
+    if not scores:
+        return clients, {}
+    evaluation = spread(scores)
+    quiet = ("accuracy", "loss", *protocol.TASK_EVAL_METRICS)
+    merged = merged_metrics(
+        strategy, clients, evaluation, strategy.weighted_by_key, quiet=quiet
+    )
+    return merged, evaluation
+
+
+def client_scores(server_round: int, metrics: MetricRecord) -> dict[str, float] | None:
+    """A client's finite ``accuracy``, ``loss`` and task metrics
+    (:data:`~fedlr.wire.protocol.TASK_EVAL_METRICS`); ``None`` without a
+    finite scalar accuracy and loss."""
+    acc, loss = metrics.get("accuracy"), metrics.get("loss")
+    if not isinstance(acc, (int, float)) or not isinstance(loss, (int, float)):
+        log(
+            INFO,
+            "round %d: evaluate reply without scalar accuracy and loss",
+            server_round,
+        )
+        return None
+    if not (math.isfinite(acc) and math.isfinite(loss)):
+        return None
+    out = {"accuracy": float(acc), "loss": float(loss)}
+    for key in protocol.TASK_EVAL_METRICS:
+        value = metrics.get(key)
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            out[key] = float(value)
+    return out
+
+
+def spread(scores: list[Mapping[str, float]]) -> dict[str, float]:
+    """The clients' mean and spread: ``accuracy`` and ``loss`` (unweighted
+    means), ``accuracy-std``, ``-min``, ``-max``, ``evaluated-clients``
+    and the mean of each task metric over the clients that report it."""
+    accuracies = [s["accuracy"] for s in scores]
+    extras = {
+        key: [s[key] for s in scores if key in s] for key in protocol.TASK_EVAL_METRICS
+    }
+    return {
         "accuracy": statistics.fmean(accuracies),
-        "loss": statistics.fmean(losses),
+        "loss": statistics.fmean(s["loss"] for s in scores),
         "accuracy-std": statistics.pstdev(accuracies),
         "accuracy-min": min(accuracies),
         "accuracy-max": max(accuracies),
         "evaluated-clients": float(len(accuracies)),
         **{k: statistics.fmean(v) for k, v in extras.items() if v},
     }
-    quiet = ("accuracy", "loss", *protocol.TASK_EVAL_METRICS)
-    return merged_metrics(strategy, clients, strategy.last_evaluation, quiet=quiet)

@@ -1,15 +1,16 @@
-"""The round's instructions: check the global arrays, sample, build per node.
+"""The round's instructions: check the global arrays, the round's values,
+each node's instruction.
 
-:func:`train_instructions` is the whole of a strategy's ``configure_train``:
-the global arrays checked against what the strategy sends
-(:func:`check_arrays`), remembered with the round's values
-(:func:`prepare_round`: ``lr`` decayed, the method's ``round_config``),
-Flower's sampling (``FedAvg.configure_train``), then the method's one
-per-node hook (``strategy.instructions``: per-node base weights, personal
-factors, a control variate...). The round's ``bytes-down`` is what the
-instructions carry: every ArrayRecord of every message. The evaluate
-instructions (:func:`evaluate_instructions`) carry the same round values and
-go through the same hook.
+A strategy's ``configure_train`` checks the global arrays against what the
+strategy sends (:func:`check_arrays`), adds the round's values
+(:func:`train_config`: ``lr`` decayed, the method's ``round_config``), lets
+Flower's ``FedAvg`` sample, then passes the instructions through the
+method's one per-node hook (:func:`train_round`: per-node base weights,
+personal factors, a control variate...), which begins the round's value
+(:class:`~fedlr.round.value.Round`): the arrays sent, to whom, and
+``bytes-down``, every ArrayRecord of every message. The evaluate
+instructions carry the same round values (:func:`with_round_values`) and go
+through the same hook.
 """
 
 from __future__ import annotations
@@ -18,32 +19,37 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
-from flwr.serverapp import Grid
-from flwr.serverapp.strategy import FedAvg
 
 from fedlr.adapters.plugin import warn_unsaved_heads
 from fedlr.adapters.roles import AdaptedModel, RoleLayout
 from fedlr.errors import InitialArraysError
 from fedlr.flower.records import record_nbytes
-from fedlr.wire.fingerprint import check_model, fingerprint_roles, model_fingerprint
+from fedlr.round.contract import RoundStrategy
+from fedlr.round.value import Round
+from fedlr.wire.fingerprint import (
+    BaseFingerprint,
+    check_model,
+    fingerprint_roles,
+    model_fingerprint,
+)
 from fedlr.wire.protocol import LR, encode_roles
 
 __all__ = [
-    "bind_model",
     "check_arrays",
     "check_bound_model",
-    "evaluate_instructions",
     "expected_arrays",
+    "fingerprint_model",
     "instruction_config",
     "message_nbytes",
-    "note_sent",
-    "prepare_round",
-    "train_instructions",
+    "rejected_rounds",
+    "train_config",
+    "train_round",
     "with_records",
+    "with_round_values",
 ]
 
 
-def expected_arrays(strategy: Any) -> dict[str, tuple[int, ...]] | None:
+def expected_arrays(strategy: RoundStrategy) -> dict[str, tuple[int, ...]] | None:
     """Keys and shapes of the global arrays ``strategy`` sends, if fixed.
 
     A strategy with a ``layout`` (:class:`~fedlr.adapters.roles.RoleLayout`)
@@ -57,7 +63,7 @@ def expected_arrays(strategy: Any) -> dict[str, tuple[int, ...]] | None:
     return None
 
 
-def initial_arrays_hint(strategy: Any) -> str:
+def initial_arrays_hint(strategy: RoundStrategy) -> str:
     """What to pass as ``initial_arrays``, for :class:`InitialArraysError`."""
     roles = encode_roles(strategy.send_roles)
     ways = ["ArrayRecord(adapter_state(model, layout, strategy.send_roles))"]
@@ -69,7 +75,7 @@ def initial_arrays_hint(strategy: Any) -> str:
     )
 
 
-def check_arrays(strategy: Any, arrays: ArrayRecord) -> None:
+def check_arrays(strategy: RoundStrategy, arrays: ArrayRecord) -> None:
     """Check the global arrays' keys and shapes against :func:`expected_arrays`.
 
     Raises
@@ -99,7 +105,7 @@ def check_arrays(strategy: Any, arrays: ArrayRecord) -> None:
         )
 
 
-def instruction_config(strategy: Any, server_round: int) -> dict[str, Any]:
+def instruction_config(strategy: RoundStrategy, server_round: int) -> dict[str, Any]:
     """The method's ``round_config`` plus the base fingerprint (when bound):
     the values every train and evaluate instruction of the round carries."""
     config: dict[str, Any] = strategy.round_config(server_round)
@@ -108,39 +114,33 @@ def instruction_config(strategy: Any, server_round: int) -> dict[str, Any]:
     return config
 
 
-def prepare_round(
-    strategy: Any, server_round: int, arrays: ArrayRecord, config: ConfigRecord
+def with_round_values(
+    strategy: RoundStrategy, server_round: int, config: ConfigRecord
 ) -> ConfigRecord:
-    """Remember the round's global arrays; return the round's ConfigRecord.
+    """A copy of ``config`` with :func:`instruction_config`'s values: an
+    evaluate instruction's ConfigRecord (so a client rebuilds its adapter
+    at the shape of the arrays it is sent)."""
+    out = ConfigRecord(dict(config))
+    for key, value in instruction_config(strategy, server_round).items():
+        out[key] = value
+    return out
 
-    The ConfigRecord is ``config`` with ``lr`` decayed for the round
-    (``lr * lr_decay ** (t - 1)``), :func:`instruction_config`'s values
-    and the clients' DP-SGD settings added. :func:`train_instructions`
-    calls it; so does the legacy-API
-    adapter (:mod:`fedlr.strategies.legacy`), whose server reports lost
-    replies as failures itself: the nodes sent to are forgotten here and only
-    :func:`train_instructions` records them.
-    """
-    strategy._current = arrays
-    strategy._sent = strategy.instructed = None
+
+def train_config(
+    strategy: RoundStrategy, server_round: int, config: ConfigRecord
+) -> ConfigRecord:
+    """The round's train ConfigRecord: ``config`` with ``lr`` decayed for the
+    round (``lr * lr_decay ** (t - 1)``), :func:`instruction_config`'s values
+    and the clients' DP-SGD settings added."""
     round_config = ConfigRecord(dict(config))
     if LR in round_config:
         lr = float(cast(float, round_config[LR]))
         round_config[LR] = lr * strategy.lr_decay ** (server_round - 1)
-    for key, value in instruction_config(strategy, server_round).items():
-        round_config[key] = value
+    round_config = with_round_values(strategy, server_round, round_config)
     if strategy.privacy.dp_sgd is not None:  # the clients' DP-SGD settings
         for key, value in strategy.privacy.dp_sgd.instruction().items():
             round_config[key] = value
     return round_config
-
-
-def note_sent(strategy: Any, arrays: ArrayRecord, count: int) -> None:
-    """Count the round's downlink as ``count`` copies of ``arrays`` and
-    remember how many nodes were sent an instruction (``instructed``,
-    client-level DP's denominator ``m``, kept whatever the replies)."""
-    strategy._bytes_down = record_nbytes(arrays) * count
-    strategy.instructed = int(count)
 
 
 def message_nbytes(message: Message) -> int:
@@ -148,59 +148,35 @@ def message_nbytes(message: Message) -> int:
     return sum(record_nbytes(r) for r in message.content.array_records.values())
 
 
-def train_instructions(
-    strategy: Any,
+def train_round(
+    strategy: RoundStrategy,
     server_round: int,
     arrays: ArrayRecord,
-    config: ConfigRecord,
-    grid: Grid,
-) -> list[Message]:
-    """A strategy's ``configure_train``: check, remember, sample, build per node.
-
-    The sampled node ids are remembered: the reply step reports the ones
-    that do not reply as dropped. ``bytes-down`` is the ArrayRecords of
-    every instruction sent.
-
-    Raises
-    ------
-    InitialArraysError
-        If ``arrays`` are not the ones the strategy sends, before any
-        instruction goes out.
-    """
-    check_arrays(strategy, arrays)
-    round_config = prepare_round(strategy, server_round, arrays, config)
-    strategy.nodes_sampled_from = len(list(grid.get_node_ids()))
-    messages = list(
-        FedAvg.configure_train(strategy, server_round, arrays, round_config, grid)
+    sampled: list[Message],
+    population: int,
+) -> tuple[list[Message], Round]:
+    """The sampled train instructions through the method's per-node hook,
+    and the round they begin: the global ``arrays``, the nodes sent an
+    instruction (the reply step reports the ones that do not reply as
+    dropped), how many (client-level DP's ``m``, whatever replies), the
+    ``population`` sampled from and ``bytes-down``, the ArrayRecords of
+    every instruction sent."""
+    messages = list(strategy.instructions(server_round, sampled, arrays, train=True))
+    return messages, Round(
+        server_round,
+        arrays,
+        sent=tuple(int(m.metadata.dst_node_id) for m in messages),
+        instructed=len(sampled),
+        population=population,
+        bytes_down=sum(message_nbytes(m) for m in messages),
+        instruction=messages[0] if messages else None,
+        rejected_before=rejected_rounds(strategy),
     )
-    strategy.instructed = len(messages)  # client-level DP's m, whatever replies
-    messages = list(strategy.instructions(server_round, messages, arrays, train=True))
-    strategy._bytes_down = sum(message_nbytes(m) for m in messages)
-    strategy._sent = [int(m.metadata.dst_node_id) for m in messages]
-    strategy.server_instruction = messages[0] if messages else None
-    return messages
 
 
-def evaluate_instructions(
-    strategy: Any,
-    server_round: int,
-    arrays: ArrayRecord,
-    config: ConfigRecord,
-    grid: Grid,
-) -> list[Message]:
-    """A strategy's ``configure_evaluate``: FedAvg's evaluate instructions
-    with the round's values (:func:`instruction_config`, so a client rebuilds
-    its adapter at the shape of ``arrays``), through the method's per-node
-    hook. Nothing is sent when ``fraction_evaluate`` is 0."""
-    eval_config = ConfigRecord(dict(config))
-    for key, value in instruction_config(strategy, server_round).items():
-        eval_config[key] = value
-    messages = list(
-        FedAvg.configure_evaluate(strategy, server_round, arrays, eval_config, grid)
-    )
-    if not messages:
-        return messages
-    return list(strategy.instructions(server_round, messages, arrays, train=False))
+def rejected_rounds(strategy: RoundStrategy) -> int:
+    """The rejected rounds of the run so far (its latest round's count)."""
+    return strategy.round.rejected_rounds if strategy.round is not None else 0
 
 
 def with_records(message: Message, records: Mapping[str, Any]) -> Message:
@@ -216,13 +192,13 @@ def with_records(message: Message, records: Mapping[str, Any]) -> Message:
     )
 
 
-def bind_model(strategy: Any, view: AdaptedModel) -> None:
-    """Plug-in use (``for_model``): fingerprint the server's model.
+def fingerprint_model(strategy: RoundStrategy, view: AdaptedModel) -> BaseFingerprint:
+    """Plug-in use (``for_model``): the strategy's ``base_fingerprint`` of the
+    server's model.
 
-    Sets ``strategy.base_fingerprint``, the frozen base weights of every
-    adapted layer and the adapter factors that never travel, as built
-    (:mod:`fedlr.wire.fingerprint`), sent with every instruction, and warns about
-    a task head fedlr would never send
+    The frozen base weights of every adapted layer and the adapter factors
+    that never travel, as built (:mod:`fedlr.wire.fingerprint`), sent with
+    every instruction; warns about a task head fedlr would never send
     (:func:`~fedlr.adapters.plugin.warn_unsaved_heads`).
     """
     roles = fingerprint_roles(
@@ -231,11 +207,14 @@ def bind_model(strategy: Any, view: AdaptedModel) -> None:
         strategy.train_roles,
         getattr(strategy, "keep_roles", ()),
     )
-    strategy.base_fingerprint = model_fingerprint(view, roles)
+    fingerprint = model_fingerprint(view, roles)
     warn_unsaved_heads(view)
+    return fingerprint
 
 
-def check_bound_model(strategy: Any, view: AdaptedModel, *, what: str) -> None:
+def check_bound_model(
+    strategy: RoundStrategy, view: AdaptedModel, *, what: str
+) -> None:
     """Plug-in use (``initial_arrays``, ``load_into``): ``view`` was built
     like the model ``strategy`` was made for.
 

@@ -19,9 +19,10 @@ strategy's settings every round; the method contributes its reply step
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
+from dataclasses import replace
 from logging import INFO, WARNING
-from typing import Any
+from typing import Protocol
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -29,25 +30,29 @@ from flwr.serverapp import Grid
 from flwr.supercore import log
 
 from fedlr.flower.records import record_to_state, state_to_record
+from fedlr.round.contract import RoundStrategy
 from fedlr.round.protect import Protected, protection_steps
 from fedlr.round.publish import (
     RoundReport,
     check_new_state,
     client_metrics,
-    merge_metrics,
+    merged_metrics,
     round_metrics,
 )
 from fedlr.round.replies import short
 from fedlr.round.state import NUMERIC_FAULTS, method_state, restore_method_state
-from fedlr.wire.protocol import NUM_EXAMPLES, TRAIN_LOSS_ALIASES
+from fedlr.round.value import Round
+from fedlr.wire.updates import ClientUpdate
 
 __all__ = [
     "NUMERIC_FAULTS",
     "Exchange",
+    "RoundHooks",
     "aggregate_accepted",
     "aggregate_round",
-    "merged_metrics",
+    "method_result",
     "method_state",
+    "publish",
     "restore_method_state",
     "run_round",
 ]
@@ -56,59 +61,12 @@ Exchange = Callable[[Grid, Iterable[Message], float | None], Iterable[Message]]
 """Sends a round's train instructions and returns the replies (``run_round``)."""
 
 
-# ------------------------------------------------------------------ metrics
-def merged_metrics(
-    strategy: Any,
-    clients: MetricRecord | None,
-    own: Mapping[str, float],
-    *,
-    quiet: Iterable[str] = (),
-) -> MetricRecord:
-    """The clients' aggregated metrics with fedlr's own on top; a clash is
-    logged once per key (``num-examples``, the training loss, the weight key
-    and the keys of ``quiet`` are replaced silently)."""
-
-    def warn(clashes: list[str]) -> None:
-        log(
-            WARNING,
-            "the clients' aggregated metrics %s clash with fedlr's own; "
-            "fedlr's values are reported (rename them in the ClientApp or "
-            "the metrics aggregation fn)",
-            clashes,
-        )
-
-    return merge_metrics(
-        clients,
-        own,
-        warned=strategy._warned_clashes,
-        quiet={NUM_EXAMPLES, strategy.weighted_by_key, *TRAIN_LOSS_ALIASES, *quiet},
-        warn=warn,
-    )
-
-
-def _reject(
-    strategy: Any, server_round: int, rejection: str, metrics: dict[str, float]
-) -> None:
-    """Count and log a rejected round (the previous state was restored)."""
-    strategy.rejected_rounds += 1
-    strategy.last_rejection = rejection
-    metrics["rejected-rounds"] = float(strategy.rejected_rounds)
-    strategy.last_report = RoundReport(metrics=dict(metrics))
-    log(
-        WARNING,
-        "round %d rejected: %s; the previous global model is kept and the "
-        "run goes on (%d rejected so far)",
-        server_round,
-        rejection,
-        strategy.rejected_rounds,
-    )
-
-
 # -------------------------------------------------------------------- round
 def aggregate_round(
-    strategy: Any, server_round: int, replies: Iterable[Message]
-) -> tuple[ArrayRecord | None, MetricRecord | None]:
-    """A strategy's ``aggregate_train``: the round's steps in order.
+    strategy: RoundStrategy, server_round: int, replies: Iterable[Message]
+) -> tuple[ArrayRecord | None, MetricRecord | None, Round]:
+    """A strategy's ``aggregate_train``: the round's steps in order, on the
+    round ``configure_train`` began (``strategy.round``).
 
     Dropped, each with a logged reason and counted in ``dropped``: replies
     that fail validation, updates far larger than the round's median
@@ -129,49 +87,63 @@ def aggregate_round(
     metrics : MetricRecord
         The clients' own metrics aggregated by ``train_metrics_aggr_fn``
         beside fedlr's; fedlr's win on a clash.
+    round : Round
+        The finished round (its drops, each step's result, its report).
     """
-    if strategy._current is None:
+    if strategy.round is None:
         raise RuntimeError(
             "aggregate_train called before configure_train: the strategy does "
             "not know the current global arrays"
         )
-    current = record_to_state(strategy._current)
+    sent = replace(strategy.round, number=server_round)  # the hook's number
+    current = record_to_state(sent.arrays)
     # 1. decode, validate, screen
-    updates, dropped = strategy.replies.accept(
-        server_round, replies, current, strategy.min_replies
+    updates, accepted = strategy.replies.accept(
+        sent, replies, current, strategy.min_replies
     )
-    strategy.last_dropped = dropped
-    return aggregate_accepted(strategy, server_round, updates, dropped, current)
+    return aggregate_accepted(strategy, accepted, updates, current)
 
 
 def aggregate_accepted(
-    strategy: Any,
-    server_round: int,
-    updates: list[Any],
-    dropped: list[str],
+    strategy: RoundStrategy,
+    accepted: Round,
+    updates: list[ClientUpdate],
     current: dict[str, torch.Tensor],
-) -> tuple[ArrayRecord | None, MetricRecord | None]:
+) -> tuple[ArrayRecord | None, MetricRecord | None, Round]:
     """Steps 2-4 of :func:`aggregate_round` on updates already accepted by
-    ``strategy.replies`` (``dropped``: the reasons of the others): protection,
-    the method (its state restored if the result is refused), publish.
+    ``strategy.replies`` (``accepted.dropped``: the reasons of the others):
+    protection, the method (its state restored if the result is refused),
+    publish.
 
     The asynchronous engine (:mod:`fedlr.server_apps.asynchronous`) accepts
     each reply as it arrives and calls this on a buffer of them.
     """
-    valid = len(updates)
     # 2. protection: the robust rule | client-level DP
-    strategy.last_robust = []
-    done = Protected(updates, [], {})
-    for step in protection_steps(strategy):
-        done = step(server_round, done, current)
-    updates = done.updates
-    # 3. the method (the clients' updates and the server's own, if any), its
-    # state restored if the result is refused
+    done = Protected(updates)
+    for step in protection_steps(strategy, accepted):
+        done = step(accepted.number, done, current)
+    # 3. the method (the clients' updates and the server's own, if any)
+    state, report, rejection = method_result(strategy, accepted.number, done, current)
+    # 4. publish
+    finished = replace(accepted, robust=done.robust, rejection=rejection)
+    return publish(strategy, finished, done, len(updates), state, report)
+
+
+def method_result(
+    strategy: RoundStrategy,
+    server_round: int,
+    done: Protected,
+    current: dict[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], RoundReport, str | None]:
+    """The method's ``aggregate_updates`` on the protected updates (the
+    clients' and the server's own), and why its result is refused (``None``:
+    accepted); when refused, the method's explicit state is restored."""
     snapshot = method_state(strategy)
+    state: dict[str, torch.Tensor] = {}
     report = RoundReport()
     try:
         state, report = strategy.aggregate_updates(
-            server_round, updates + done.trusted, current
+            server_round, done.updates + done.trusted, current
         )
     except NUMERIC_FAULTS as exc:
         rejection: str | None = (
@@ -182,42 +154,85 @@ def aggregate_accepted(
         check = getattr(strategy, "aggregate_check", None)  # SecAgg+'s
         if rejection is None and check is not None:
             rejection = check.check(state, current)
-    # 4. publish
+    if rejection is not None:
+        restore_method_state(strategy, snapshot)
+    return state, report, rejection
+
+
+def publish(
+    strategy: RoundStrategy,
+    finished: Round,
+    done: Protected,
+    valid: int,
+    state: dict[str, torch.Tensor],
+    report: RoundReport,
+) -> tuple[ArrayRecord | None, MetricRecord, Round]:
+    """The round's metrics and report (of the ``valid`` updates, ``done``
+    protected); the new global arrays unless the round was rejected (then
+    counted and logged, and ``None``)."""
     metrics = round_metrics(
-        updates,
+        done.updates,
         valid=valid,
-        dropped=len(dropped),
-        bytes_down=strategy._bytes_down,
-        rejected=rejection is not None,
+        dropped=len(finished.dropped),
+        bytes_down=finished.bytes_down,
+        rejected=finished.rejection is not None,
         protection=done.metrics,
     )
     clients = client_metrics(
         strategy.train_metrics_aggr_fn,
         strategy.weighted_by_key,
-        updates,
+        done.updates,
         done.left_out,
     )
-    if rejection is not None:
-        restore_method_state(strategy, snapshot)
-        _reject(strategy, server_round, rejection, metrics)
-        return None, merged_metrics(strategy, clients, metrics)
-    strategy.last_rejection = None
-    metrics["rejected-rounds"] = float(strategy.rejected_rounds)
-    metrics.update(report.metrics)
-    strategy.last_report = RoundReport(metrics=dict(metrics), layers=report.layers)
-    log(
-        INFO,
-        "round %d: aggregated %d replies (%d dropped)",
-        server_round,
-        len(updates),
-        len(dropped),
-    )
-    return state_to_record(state), merged_metrics(strategy, clients, metrics)
+    metrics["rejected-rounds"] = float(finished.rejected_rounds)
+    if finished.rejection is not None:
+        log(
+            WARNING,
+            "round %d rejected: %s; the previous global model is kept and the "
+            "run goes on (%d rejected so far)",
+            finished.number,
+            finished.rejection,
+            finished.rejected_rounds,
+        )
+        report = RoundReport(metrics=dict(metrics))
+    else:
+        metrics.update(report.metrics)
+        log(
+            INFO,
+            "round %d: aggregated %d replies (%d dropped)",
+            finished.number,
+            len(done.updates),
+            len(finished.dropped),
+        )
+        report = RoundReport(metrics=dict(metrics), layers=report.layers)
+    published = merged_metrics(strategy, clients, metrics, strategy.weighted_by_key)
+    arrays = None if finished.rejection is not None else state_to_record(state)
+    return arrays, published, replace(finished, report=report)
 
 
 # ------------------------------------------------------------------- driver
+class RoundHooks(Protocol):
+    """A strategy as :func:`run_round` drives it: Flower's four hooks, and its
+    latest round (the driver adds the round's timing)."""
+
+    round: Round | None
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]: ...
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]: ...
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]: ...
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None: ...
+
+
 def run_round(
-    strategy: Any,
+    strategy: RoundHooks,
     grid: Grid,
     server_round: int,
     arrays: ArrayRecord,
@@ -234,7 +249,8 @@ def run_round(
     instruction but did not reply within ``timeout`` are reported as
     dropped (``no reply``) either way.
 
-    ``strategy.last_timing`` holds the round's wall-clock seconds:
+    The round's ``timing`` (``strategy.last_timing``) holds its wall-clock
+    seconds:
     ``train-seconds`` (instructions out, replies in), ``aggregate-seconds``
     (validation and the kernel) and ``federated-eval-seconds``.
 
@@ -267,9 +283,11 @@ def run_round(
     if messages:
         evaluations = grid.send_and_receive(messages=messages, timeout=timeout)
         strategy.aggregate_evaluate(server_round, evaluations)
-    strategy.last_timing = {
+    timing = {
         "train-seconds": trained - start,
         "aggregate-seconds": aggregated - trained,
         "federated-eval-seconds": time.perf_counter() - aggregated,
     }
+    if strategy.round is not None:
+        strategy.round = replace(strategy.round, timing=timing)
     return arrays

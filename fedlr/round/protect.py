@@ -28,8 +28,11 @@ from fedlr.robust.heldout import HeldOutCheck, leave_one_out
 from fedlr.robust.rules import RobustConfig, robust_aggregate
 from fedlr.robust.screen import record_norm
 from fedlr.robust.server_update import SERVER_NODE, ServerUpdate, server_weight
+from fedlr.robust.spaces import UpdateSpace
+from fedlr.round.contract import RoundStrategy
 from fedlr.round.replies import Replies, conform_dtypes, short
 from fedlr.round.state import NUMERIC_FAULTS, method_state, restore_method_state
+from fedlr.round.value import Round
 from fedlr.wire.protocol import TRAIN_LOSS
 from fedlr.wire.updates import ClientUpdate
 
@@ -48,9 +51,9 @@ __all__ = [
 ]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Protected:
-    """What a protection step passes on.
+    """What the protection steps pass on.
 
     Attributes
     ----------
@@ -59,17 +62,20 @@ class Protected:
     left_out : list of ClientUpdate
         Updates a robust rule left out (their metrics are reported apart).
     metrics : dict of str to float
-        The step's round metrics (``robust-trimmed``, ``client-dp-epsilon``...).
+        The steps' round metrics (``robust-trimmed``, ``client-dp-epsilon``...).
     trusted : list of ClientUpdate
         Updates that are not clients' (the server's own,
-        :class:`ServerUpdateStep`): the method aggregates them with
-        ``updates``; the clients' metrics do not count them.
+        :class:`ServerUpdateStep`): the method aggregates
+        them with ``updates``; the clients' metrics do not count them.
+    robust : list of str
+        Why the robust rule clipped or left out an update (one per node).
     """
 
     updates: list[ClientUpdate]
-    left_out: list[ClientUpdate]
-    metrics: dict[str, float]
+    left_out: list[ClientUpdate] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
     trusted: list[ClientUpdate] = field(default_factory=list)
+    robust: list[str] = field(default_factory=list)
 
 
 class ProtectionStep(Protocol):
@@ -89,14 +95,13 @@ class RobustStep:
 
     The kept updates' extra records follow their arrays
     (:meth:`~fedlr.round.replies.Replies.clip_extras`); the reasons are logged
-    and kept in the strategy's ``last_robust``. With ``clip-reference =
+    and kept in :attr:`Protected.robust`. With ``clip-reference =
     "server"`` the round's bound is ``clip-ratio`` times the norm of the
     server's own update (:func:`own_update`) in that space.
     """
 
     config: RobustConfig
     replies: Replies
-    strategy: Any
     own: OwnUpdate | None = None
 
     def __call__(
@@ -134,16 +139,16 @@ class RobustStep:
                             reason,
                         )
                     outcome.reasons.extend(more)
-        self.strategy.last_robust = outcome.reasons
         return replace(
             done,
             updates=kept,
             left_out=done.left_out + left_out,
             metrics={**done.metrics, **outcome.metrics},
+            robust=outcome.reasons,
         )
 
     def server_bound(
-        self, server_round: int, space: Any, config: RobustConfig
+        self, server_round: int, space: UpdateSpace, config: RobustConfig
     ) -> RobustConfig:
         """The round's rule at ``clip-ratio`` times the norm of the server's
         own update in ``space``; without a valid server update this round
@@ -217,7 +222,7 @@ class HeldOutStep:
     """
 
     check: HeldOutCheck
-    strategy: Any
+    strategy: RoundStrategy
 
     def __call__(
         self, server_round: int, done: Protected, current: Mapping[str, torch.Tensor]
@@ -282,10 +287,10 @@ SERVER = "the server's own update"
 """How logs and errors name the server's update (never by a node id)."""
 
 
-def own_update(strategy: Any) -> ClientUpdate:
-    """The server's own update of this round (its :data:`SERVER_NODE`).
+def own_update(strategy: RoundStrategy, sent: Round) -> ClientUpdate:
+    """The server's own update of round ``sent`` (its :data:`SERVER_NODE`).
 
-    The round's train instruction (``strategy.server_instruction``) trained
+    The round's train instruction (``sent.instruction``) trained
     by ``strategy.server_update`` (once per instruction: asking again is
     free; its reply comes from :data:`SERVER_NODE`), checked by the
     strategy's reply step like any reply, but for the ``max-num-examples``
@@ -301,7 +306,7 @@ def own_update(strategy: Any) -> ClientUpdate:
         non-finite array...) or its training loss is not finite.
     """
     update: ServerUpdate | None = strategy.server_update
-    instruction = strategy.server_instruction
+    instruction = sent.instruction
     if update is None or instruction is None:
         raise ServerUpdateError(
             "there is no round instruction to train (configure_train keeps it)"
@@ -315,9 +320,8 @@ def own_update(strategy: Any) -> ClientUpdate:
     replies: Replies = strategy.replies
     try:
         checked = replies.validate_reply(reply, strategy.reply_shapes())
-        own = replace(
-            conform_dtypes(checked, replies.layout_dtypes()), node_id=SERVER_NODE
-        )
+        dtypes = replies.layout_dtypes(sent.arrays)
+        own = replace(conform_dtypes(checked, dtypes), node_id=SERVER_NODE)
     except ReplyValidationError as exc:
         raise ServerUpdateError(f"its reply is not valid: {exc.reason}") from exc
     except Exception as exc:
@@ -343,7 +347,8 @@ class OwnUpdate:
     (:meth:`RobustStep.server_bound`).
     """
 
-    strategy: Any
+    strategy: RoundStrategy
+    sent: Round
     _update: ClientUpdate | None = field(default=None, init=False, repr=False)
     _tried: bool = field(default=False, init=False, repr=False)
 
@@ -352,7 +357,7 @@ class OwnUpdate:
         if not self._tried:
             self._tried = True
             try:
-                self._update = own_update(self.strategy)
+                self._update = own_update(self.strategy, self.sent)
             except ServerUpdateError as exc:
                 self.fail(server_round, exc.reason)
         return self._update
@@ -384,13 +389,12 @@ class ServerUpdateStep:
     """
 
     update: ServerUpdate
-    strategy: Any
-    own: OwnUpdate | None = None
+    own: OwnUpdate
 
     def __call__(
         self, server_round: int, done: Protected, current: Mapping[str, torch.Tensor]
     ) -> Protected:
-        own = (self.own or OwnUpdate(self.strategy)).get(server_round)
+        own = self.own.get(server_round)
         if own is None:
             metrics = {"server-update-weight": 0.0, "server-update-loss": math.nan}
             return replace(done, metrics={**done.metrics, **metrics})
@@ -415,7 +419,7 @@ class ClientDpStep:
     ``client_dp_ledger``.
     """
 
-    strategy: Any
+    strategy: RoundStrategy
 
     def __call__(
         self, server_round: int, done: Protected, current: Mapping[str, torch.Tensor]
@@ -424,8 +428,8 @@ class ClientDpStep:
         return replace(done, updates=updates, metrics={**done.metrics, **metrics})
 
 
-def protection_steps(strategy: Any) -> list[ProtectionStep]:
-    """The protection steps of ``strategy``'s round, from its settings.
+def protection_steps(strategy: RoundStrategy, sent: Round) -> list[ProtectionStep]:
+    """The protection steps of ``strategy``'s round ``sent``, from its settings.
 
     The robust rule when one is active, the held-out check and the server's
     own update when the server plan set them, then client-level DP (which
@@ -433,12 +437,13 @@ def protection_steps(strategy: Any) -> list[ProtectionStep]:
     """
     steps: list[ProtectionStep] = []
     # set by the server plan; trained at most once this round
-    own = OwnUpdate(strategy) if strategy.server_update is not None else None
+    server = strategy.server_update
+    own = OwnUpdate(strategy, sent) if server is not None else None
     if strategy.robust.active:
-        steps.append(RobustStep(strategy.robust, strategy.replies, strategy, own))
+        steps.append(RobustStep(strategy.robust, strategy.replies, own))
     if strategy.heldout_check is not None:  # set by the server plan
         steps.append(HeldOutStep(strategy.heldout_check, strategy))
-    if strategy.server_update is not None:
-        steps.append(ServerUpdateStep(strategy.server_update, strategy, own))
+    if server is not None and own is not None:
+        steps.append(ServerUpdateStep(server, own))
     steps.append(ClientDpStep(strategy))
     return steps

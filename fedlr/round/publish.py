@@ -13,10 +13,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from logging import WARNING
+from weakref import WeakKeyDictionary
 
 import torch
 from flwr.app import MetricRecord, MetricRecordValues, RecordDict
+from flwr.supercore import log
 
 from fedlr.wire.protocol import (
     HELPER_METRICS,
@@ -32,7 +34,7 @@ __all__ = [
     "check_new_state",
     "client_metrics",
     "mean_train_loss",
-    "merge_metrics",
+    "merged_metrics",
     "round_metrics",
     "with_trimmed",
     "without_helper_metrics",
@@ -213,27 +215,40 @@ def client_metrics(
     return clients
 
 
-def merge_metrics(
+def merged_metrics(
+    owner: object,
     clients: MetricRecord | None,
     own: Mapping[str, float],
+    weighted_by_key: str,
     *,
-    warned: set[str],
     quiet: Iterable[str] = (),
-    warn: Callable[[list[str]], Any],
 ) -> MetricRecord:
     """The clients' aggregated metrics with fedlr's own on top.
 
     A key of the clients' that fedlr also reports is replaced by fedlr's
-    value; ``warn`` is called once per new clashing key (kept in ``warned``),
-    except for the keys of ``quiet``, replaced silently.
+    value; a clash is logged once per key and ``owner`` (a strategy: one
+    run), except for ``num-examples``, the training loss, the weight key and
+    the keys of ``quiet``, replaced silently.
     """
     values: dict[str, MetricRecordValues] = dict(clients or {})
-    clashes = sorted((set(values) & set(own)) - set(quiet) - warned)
+    silent = {NUM_EXAMPLES, weighted_by_key, *TRAIN_LOSS_ALIASES, *quiet}
+    warned = _CLASHES_WARNED.setdefault(owner, set())
+    clashes = sorted((set(values) & set(own)) - silent - warned)
     if clashes:
         warned.update(clashes)
-        warn(clashes)
+        log(
+            WARNING,
+            "the clients' aggregated metrics %s clash with fedlr's own; "
+            "fedlr's values are reported (rename them in the ClientApp or "
+            "the metrics aggregation fn)",
+            clashes,
+        )
     values.update(own)
     return MetricRecord(values)
+
+
+_CLASHES_WARNED: WeakKeyDictionary[object, set[str]] = WeakKeyDictionary()
+"""Per strategy (one run), the clients' metric keys already warned of."""
 
 
 def without_helper_metrics(content: RecordDict) -> RecordDict:

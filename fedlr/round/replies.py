@@ -25,18 +25,21 @@ import functools
 import math
 from collections.abc import Iterable, Mapping
 from logging import DEBUG, WARNING
-from typing import Any
+from typing import Protocol
 from weakref import WeakKeyDictionary
 
 import torch
-from flwr.app import Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 from flwr.supercore import log
 
+from fedlr.adapters.roles import Role
 from fedlr.errors import NoValidRepliesError, ProtocolError, ReplyValidationError
 from fedlr.flower.records import record_nbytes
+from fedlr.privacy.settings import PrivacyConfig
 from fedlr.robust.screen import ScreenOutcome, screen_record_sizes, screen_sizes
 from fedlr.robust.server_update import SERVER_NODE
 from fedlr.robust.spaces import ParameterSpace, UpdateSpace
+from fedlr.round.value import Round
 from fedlr.wire.protocol import (
     PARTITION_ID,
     TRAIN_ROLES,
@@ -48,6 +51,7 @@ from fedlr.wire.updates import ClientUpdate
 __all__ = [
     "ClientUpdate",
     "Replies",
+    "ReplyMethod",
     "conform_dtypes",
     "node_of",
     "reply_step_type",
@@ -112,6 +116,18 @@ def conform_dtypes(
     )
 
 
+def joined(outcomes: list[ScreenOutcome]) -> ScreenOutcome:
+    """Screen outcomes of groups of one round's updates, as one."""
+    if len(outcomes) == 1:
+        return outcomes[0]
+    return ScreenOutcome(
+        [u for o in outcomes for u in o.updates],
+        [r for o in outcomes for r in o.reasons],
+        [x for o in outcomes for x in o.ratios],
+        max((o.bound for o in outcomes), default=math.inf),
+    )
+
+
 def _cast(
     node: int,
     arrays: Mapping[str, torch.Tensor],
@@ -136,6 +152,24 @@ def _cast(
     return cast
 
 
+class ReplyMethod(Protocol):
+    """What the reply step reads of its strategy: settings and the reply shapes."""
+
+    @property
+    def arrayrecord_key(self) -> str: ...
+    @property
+    def weighted_by_key(self) -> str: ...
+    @property
+    def max_num_examples(self) -> int | None: ...
+    @property
+    def screen_ratio(self) -> float: ...
+    @property
+    def privacy(self) -> PrivacyConfig: ...
+    @property
+    def train_roles(self) -> tuple[Role, ...]: ...
+    def reply_shapes(self) -> dict[str, tuple[int, ...]]: ...
+
+
 class Replies:
     """The decode, validate and screen steps of a strategy's round.
 
@@ -144,32 +178,31 @@ class Replies:
     method : FedLRStrategy
         The strategy whose replies this step checks; its settings
         (``arrayrecord_key``, ``weighted_by_key``, ``max_num_examples``,
-        ``screen_ratio``, ``privacy``), the nodes instructed this round and
-        :meth:`reply_shapes` are read when a round is checked.
+        ``screen_ratio``, ``privacy``) and :meth:`reply_shapes` are read when
+        a round is checked; the round (:class:`~fedlr.round.value.Round`)
+        says who was sent an instruction and what.
     """
 
-    def __init__(self, method: Any) -> None:
+    def __init__(self, method: ReplyMethod) -> None:
         self.method = method
 
-    def screen_replies(self, replies: list[Message]) -> tuple[list[Message], list[str]]:
+    @staticmethod
+    def screen_replies(
+        replies: list[Message], sent: tuple[int, ...] | None
+    ) -> tuple[list[Message], list[str]]:
         """Keep each instructed node's first reply; name the others and the silent.
 
         Returns
         -------
         kept : list of Message
             One reply per node (every node when no instruction was recorded,
-            e.g. under the legacy API).
+            ``sent`` is ``None``, e.g. under the legacy API).
         dropped : list of str
             Reasons for a node's second reply, a reply from a node that was not
             sent an instruction this round, and each instructed node without a
-            reply. The recorded instruction is used once (the count of
-            nodes sent one, client-level DP's ``m``, is kept apart:
-            ``instructed``, set by ``note_sent``).
+            reply.
         """
-        sent = (
-            None if self.method._sent is None else set(self.method._sent)
-        )  # O(1) lookups
-        self.method._sent = None
+        instructed = None if sent is None else set(sent)  # O(1) lookups
         kept: list[Message] = []
         dropped: list[str] = []
         seen: set[int] = set()
@@ -177,29 +210,27 @@ class Replies:
             node = int(message.metadata.src_node_id)
             if node in seen:
                 reason = "duplicate reply (the node's first reply is kept)"
-            elif sent is not None and node not in sent:
+            elif instructed is not None and node not in instructed:
                 reason = "the node was not sent an instruction this round"
             else:
                 seen.add(node)
                 kept.append(message)
                 continue
             dropped.append(str(ReplyValidationError(node, reason)))
-        if sent is not None:
+        if instructed is not None:
             dropped += [
                 f"node {node}: no reply (timed out or lost)"
-                for node in sorted(set(sent) - seen)
+                for node in sorted(instructed - seen)
             ]
         return kept, dropped
 
-    def layout_dtypes(self) -> dict[str, torch.dtype]:
-        """The dtype of each global array sent this round, by key.
+    @staticmethod
+    def layout_dtypes(current: ArrayRecord) -> dict[str, torch.dtype]:
+        """The dtype of each global array sent this round (``current``), by key.
 
         Replies are cast to these (:func:`conform_dtypes`): the global arrays
         keep their dtype whatever a client sends.
         """
-        current = self.method._current
-        if current is None:
-            return {}
         out: dict[str, torch.dtype] = {}
         for key in current:
             dtype = _WIRE_TORCH_DTYPES.get(str(current[key].dtype))
@@ -208,16 +239,17 @@ class Replies:
         return out
 
     def validate_replies(
-        self, replies: list[Message]
+        self, replies: list[Message], current: ArrayRecord
     ) -> tuple[list[ClientUpdate], list[str]]:
-        """Split replies into valid updates and reasons for the dropped ones.
+        """Split replies into valid updates and reasons for the dropped ones
+        (each update cast to the dtypes of ``current``, the arrays sent).
 
         Nothing a client sends escapes this: a reply that makes any check
         fail unexpectedly (an error other than :class:`ReplyValidationError`)
         is dropped too, with the error named, and the round goes on.
         """
         expected = self.method.reply_shapes()
-        dtypes = self.layout_dtypes()
+        dtypes = self.layout_dtypes(current)
         updates: list[ClientUpdate] = []
         dropped: list[str] = []
         for message in replies:
@@ -242,12 +274,11 @@ class Replies:
 
     def screen_update_sizes(
         self, updates: list[ClientUpdate], current: Mapping[str, torch.Tensor]
-    ) -> tuple[list[ClientUpdate], list[str]]:
+    ) -> tuple[list[ClientUpdate], list[str], ScreenOutcome]:
         """Drop validated updates far larger than the round's median update.
 
         :func:`fedlr.robust.screen.screen_sizes` in the method's update space
-        (:meth:`robust_space` of ``current``) with :attr:`screen_ratio` (0:
-        off). Kept in :attr:`last_screen` (every update's ratio).
+        (:meth:`space` of ``current``) with ``screen_ratio`` (0: off).
 
         Under client-level DP each update is screened on its own, against
         ``screen_ratio`` times the current state's norm (what
@@ -263,38 +294,29 @@ class Replies:
         dropped : list of str
             One reason per dropped update, naming its node, its norm, its
             ratio to the round's median and the ``screen-ratio``.
+        outcome : ScreenOutcome
+            The arrays' screen (every update's ratio), the round's ``screen``.
         """
-        space = self.space(current)
-        if self.method.privacy.client_dp is None:
-            outcome = screen_sizes(updates, space, self.method.screen_ratio)
-        else:  # each on its own: kept or not whatever the others sent
-            each = [screen_sizes([u], space, self.method.screen_ratio) for u in updates]
-            outcome = ScreenOutcome(
-                [u for o in each for u in o.updates],
-                [r for o in each for r in o.reasons],
-                [x for o in each for x in o.ratios],
-                max((o.bound for o in each), default=math.inf),
-            )
-        self.method.last_screen = outcome
+        space, ratio = self.space(current), self.method.screen_ratio
+        outcome = joined([screen_sizes(g, space, ratio) for g in self.apart(updates)])
         kept, reasons = outcome.updates, list(outcome.reasons)
         for name in self.records():
             floor = self.record_floor(name, current)
-            if self.method.privacy.client_dp is None:
-                screened = screen_record_sizes(
-                    kept, name, self.method.screen_ratio, floor
-                )
-                kept, more = screened.updates, screened.reasons
-            else:
-                each = [
-                    screen_record_sizes([u], name, self.method.screen_ratio, floor)
-                    for u in kept
-                ]
-                kept = [u for o in each for u in o.updates]
-                more = [r for o in each for r in o.reasons]
-            reasons += more
-        return kept, [
-            str(ReplyValidationError(node, reason)) for node, reason in reasons
-        ]
+            screened = joined(
+                [screen_record_sizes(g, name, ratio, floor) for g in self.apart(kept)]
+            )
+            kept = screened.updates
+            reasons += screened.reasons
+        dropped = [str(ReplyValidationError(node, r)) for node, r in reasons]
+        return kept, dropped, outcome
+
+    def apart(self, updates: list[ClientUpdate]) -> list[list[ClientUpdate]]:
+        """The groups the size screen compares: the round's updates together,
+        or under client-level DP each on its own (kept or not whatever the
+        others sent)."""
+        if self.method.privacy.client_dp is None:
+            return [updates]
+        return [[u] for u in updates]
 
     def reply_weight(self, node: int, content: RecordDict) -> tuple[MetricRecord, int]:
         """A reply's one MetricRecord and its weight (``weighted_by_key``).
@@ -395,6 +417,24 @@ class Replies:
             )
         except ProtocolError as exc:
             raise ReplyValidationError(node, str(exc)) from None
+        update = ClientUpdate(
+            node_id=node,
+            arrays=arrays,
+            num_examples=num,
+            metrics=self.scalars(node, metrics),
+            content=content,
+            nbytes=record_nbytes(record),
+        )
+        return self.with_extras(update)
+
+    def scalars(self, node: int, metrics: MetricRecord) -> dict[str, float]:
+        """A reply's scalar metrics but its weight, as floats.
+
+        Raises
+        ------
+        ReplyValidationError
+            If a ``partition-id`` is not a non-negative integer.
+        """
         scalars = {
             k: float(v)
             for k, v in metrics.items()
@@ -410,14 +450,11 @@ class Replies:
                 node,
                 f"'{PARTITION_ID}' must be a non-negative integer, got {partition}",
             )
-        update = ClientUpdate(
-            node_id=node,
-            arrays=arrays,
-            num_examples=num,
-            metrics=scalars,
-            content=content,
-            nbytes=record_nbytes(record),
-        )
+        return scalars
+
+    def with_extras(self, update: ClientUpdate) -> ClientUpdate:
+        """``update`` with the extra records of :meth:`records` checked and
+        decoded into its ``extras`` and counted in its bytes."""
         extra_records = self.records()
         if not extra_records:
             return update
@@ -425,9 +462,8 @@ class Replies:
             name: self.extra_arrays(update, name, shapes)
             for name, shapes in extra_records.items()
         }
-        nbytes = update.nbytes + sum(
-            record_nbytes(content.array_records[name]) for name in extras
-        )
+        records = update.content.array_records
+        nbytes = update.nbytes + sum(record_nbytes(records[name]) for name in extras)
         return dataclasses.replace(update, extras=extras, nbytes=nbytes)
 
     def records(self) -> dict[str, dict[str, tuple[int, ...]]]:
@@ -504,12 +540,13 @@ class Replies:
 
     def accept(
         self,
-        server_round: int,
+        sent: Round,
         replies: Iterable[Message],
         current: Mapping[str, torch.Tensor],
         min_replies: int,
-    ) -> tuple[list[ClientUpdate], list[str]]:
-        """The round's valid updates and why the others were dropped.
+    ) -> tuple[list[ClientUpdate], Round]:
+        """The round's valid updates, and the round with why the others were
+        dropped (``dropped``) and the size screen (``screen``).
 
         In order: who may answer (:meth:`screen_replies`), what the reply holds
         (:meth:`validate_replies`), how large its update is
@@ -520,9 +557,10 @@ class Replies:
         NoValidRepliesError
             With fewer than ``min_replies`` valid updates.
         """
-        fresh, dropped = self.screen_replies(list(replies))
-        updates, invalid = self.validate_replies(fresh)
-        updates, oversized = self.screen_update_sizes(updates, current)
+        server_round = sent.number
+        fresh, dropped = self.screen_replies(list(replies), sent.sent)
+        updates, invalid = self.validate_replies(fresh, sent.arrays)
+        updates, oversized, screen = self.screen_update_sizes(updates, current)
         dropped = invalid + oversized + dropped
         said = _REFUSALS_SAID.setdefault(self.method, set())
         for reason in dropped:
@@ -533,10 +571,10 @@ class Replies:
             log(level, "round %d: dropped a reply: %s", server_round, reason)
         if len(updates) < min_replies:
             raise NoValidRepliesError(server_round, len(updates), min_replies, dropped)
-        return updates, dropped
+        return updates, dataclasses.replace(sent, dropped=dropped, screen=screen)
 
 
-_REFUSALS_SAID: WeakKeyDictionary[Any, set[str]] = WeakKeyDictionary()
+_REFUSALS_SAID: WeakKeyDictionary[ReplyMethod, set[str]] = WeakKeyDictionary()
 """Per strategy (one run), the nodes' refusals already logged at WARNING."""
 
 

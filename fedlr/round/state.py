@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 __all__ = [
     "NUMERIC_FAULTS",
+    "Stateful",
     "method_state",
     "restore_method_state",
     "state_attributes",
@@ -32,6 +33,13 @@ failed SVD, an overflow)."""
 
 
 # ------------------------------------------------------------ method state
+class Stateful(Protocol):
+    """A method's checkpointed state (a strategy's ``state_dict`` pair)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
 def state_attributes(cls: type) -> tuple[str, ...]:
     """Every attribute name the classes of ``cls``'s MRO declare in
     ``round_state`` (what their ``aggregate_updates`` may change)."""
@@ -43,7 +51,7 @@ def state_attributes(cls: type) -> tuple[str, ...]:
     return tuple(names)
 
 
-def method_state(strategy: Any) -> dict[str, Any]:
+def method_state(strategy: Stateful) -> dict[str, Any]:
     """A copy of the method's explicit state: its checkpointed
     ``state_dict()`` and every attribute its classes declare in
     ``round_state``."""
@@ -57,7 +65,7 @@ def method_state(strategy: Any) -> dict[str, Any]:
     }
 
 
-def restore_method_state(strategy: Any, snapshot: Mapping[str, Any]) -> None:
+def restore_method_state(strategy: Stateful, snapshot: Mapping[str, Any]) -> None:
     """Put back what :func:`method_state` copied (a rejected round)."""
     strategy.load_state_dict(snapshot["state_dict"])
     for name, value in snapshot["attributes"].items():

@@ -6,7 +6,7 @@
 
 1. Keep ``async-concurrency`` nodes busy: a free node is sent the current
    global arrays (version ``t``) at once, through the strategy's own
-   instruction steps (:func:`fedlr.round.instructions.prepare_round`, the
+   instruction steps (:func:`fedlr.round.instructions.train_config`, the
    method's per-node hook); its ``server-round`` is the node's own job
    count, so its training seed differs from job to job (and equals the
    synchronous round's when every node trains once per version).
@@ -14,15 +14,18 @@
    a reply staler than ``max-staleness`` is dropped with the reason logged;
    the others go through the synchronous round's reply step,
    ``strategy.replies.accept`` (decode, validate, size screen, against the
-   arrays the node was sent), and are buffered with their staleness
+   arrays the node was sent: a :class:`~fedlr.round.value.Round` of that
+   one instruction), and are buffered with their staleness
    (:class:`~fedlr.strategies.async_lora.StaleUpdate`).
 3. Every ``buffer_size`` updates (1 for FedAsync, ``K`` for FedBuff) the
    synchronous round's remaining steps run on the buffer
-   (:func:`fedlr.round.pipeline.aggregate_accepted`: the method, the publish
-   check, metrics); an accepted step is a new global version and a results
-   row (``virtual-time``, ``staleness-mean``, ``staleness-max``,
-   ``dropped-stale``), evaluated every ``eval-every`` versions. The run ends
-   at version ``num-server-rounds``.
+   (:func:`fedlr.round.pipeline.aggregate_accepted` on the version's
+   :class:`~fedlr.round.value.Round`: the method, the publish check,
+   metrics), which becomes the strategy's ``round``; an accepted step is
+   a new global version and a results row (``virtual-time``,
+   ``staleness-mean``, ``staleness-max``, ``dropped-stale``), evaluated
+   every ``eval-every`` versions. The run ends at version
+   ``num-server-rounds``.
 
 Every reply is a row of ``updates.csv`` in the run directory (node,
 partition, the version it was trained from and applied to, staleness,
@@ -41,7 +44,7 @@ import csv
 import random
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
@@ -60,8 +63,10 @@ from fedlr.flower.virtual_clock import (
     generated_trace,
     read_trace,
 )
-from fedlr.round.instructions import message_nbytes, prepare_round
+from fedlr.round.instructions import message_nbytes, rejected_rounds, train_config
 from fedlr.round.pipeline import aggregate_accepted
+from fedlr.round.publish import RoundReport
+from fedlr.round.value import Round
 from fedlr.strategies.async_lora import (
     AsyncLoraStrategy,
     StaleUpdate,
@@ -249,9 +254,7 @@ class AsyncEngine:
         while self.idle and len(self.in_flight) + len(messages) < self.concurrency:
             node = self.idle.popleft()
             self.jobs[node] += 1
-            config = prepare_round(
-                strategy, self.version + 1, self.arrays, self.train_config
-            )
+            config = train_config(strategy, self.version + 1, self.train_config)
             config[SERVER_ROUND] = self.jobs[node]
             content = RecordDict(
                 {
@@ -339,12 +342,11 @@ class AsyncEngine:
             )
             return
         strategy = self.strategy
-        strategy._current = self.records[job.version]
-        strategy._sent = [job.node]
+        sent = Round(self.version + 1, self.records[job.version], sent=(job.node,))
         base = self.states[job.version]
-        updates, reasons = strategy.replies.accept(self.version + 1, [reply], base, 0)
+        updates, checked = strategy.replies.accept(sent, [reply], base, 0)
         if not updates:
-            self.drop(job, staleness, "; ".join(reasons), logged=True)
+            self.drop(job, staleness, "; ".join(checked.dropped), logged=True)
             return
         self.dropped_in_a_row = 0
         update = with_staleness(
@@ -405,62 +407,61 @@ class AsyncEngine:
 
     # ----------------------------------------------------------------- apply
     def apply(self) -> None:
-        """Run the buffer through the method and publish a new version."""
+        """Run the buffer through the method and publish a new version: the
+        synchronous round's steps on a :class:`~fedlr.round.value.Round` of
+        the buffer (``m`` = its updates), which becomes the strategy's
+        ``round``."""
         strategy = self.strategy
         updates = sorted(self.buffer, key=lambda u: (u.partition_id, u.node_id))
         self.buffer = []
-        strategy._current = self.arrays
-        strategy._bytes_down = self.bytes_down
-        strategy.instructed = len(updates)
-        strategy.last_dropped = list(self.dropped)
-        started = time.perf_counter()
-        new, _ = aggregate_accepted(
-            strategy,
+        strategy.round = Round(
             self.version + 1,
-            list(updates),
-            list(self.dropped),
-            self.states[self.version],
+            self.arrays,
+            instructed=len(updates),
+            bytes_down=self.bytes_down,
+            rejected_before=rejected_rounds(strategy),
+            dropped=list(self.dropped),
+        )  # the round in progress: client-level DP reads its m
+        started = time.perf_counter()
+        new, _, done = aggregate_accepted(
+            strategy, strategy.round, list(updates), self.states[self.version]
         )
         aggregated = time.perf_counter() - started
         self.dropped, self.bytes_down = [], 0
         if new is None:  # rejected: the version stays, the replies are spent
-            for u in updates:
-                sent, arrived = self.arrivals.pop(id(u), (float("nan"),) * 2)
-                self.write_event(
-                    "dropped",
-                    u.node_id,
-                    u.partition_id,
-                    u.version,
-                    -1,
-                    u.staleness,
-                    sent,
-                    f"rejected: {strategy.last_rejection}",
-                    arrived,
-                )
+            strategy.round = done
+            self.write_applied(updates, -1, f"rejected: {done.rejection}")
             return
         self.version += 1
         self.arrays = new
         self.records[self.version] = new
         self.states[self.version] = record_to_state(new)
+        self.write_applied(updates, self.version)
+        metrics = {"virtual-time": self.now, "dropped-stale": float(self.dropped_stale)}
+        report = RoundReport({**done.report.metrics, **metrics}, done.report.layers)
+        timing = {"aggregate-seconds": aggregated}
+        strategy.round = replace(done, report=report, timing=timing)
+        self.run_.evaluate_round(self.version, self.arrays)
+        self.prune()
+
+    def write_applied(
+        self, updates: list[StaleUpdate], version: int, rejection: str = ""
+    ) -> None:
+        """One ``updates.csv`` row per buffered update: ``applied`` to
+        ``version``, or ``dropped`` with the round's ``rejection``."""
         for u in updates:
             sent, arrived = self.arrivals.pop(id(u), (float("nan"),) * 2)
             self.write_event(
-                "applied",
+                "dropped" if rejection else "applied",
                 u.node_id,
                 u.partition_id,
                 u.version,
-                self.version,
+                version,
                 u.staleness,
                 sent,
-                "",
+                rejection,
                 arrived,
             )
-        strategy.last_report.metrics.update(
-            {"virtual-time": self.now, "dropped-stale": float(self.dropped_stale)}
-        )
-        strategy.last_timing = {"aggregate-seconds": aggregated}
-        self.run_.evaluate_round(self.version, self.arrays)
-        self.prune()
 
     def prune(self) -> None:
         """Forget versions no job in flight was sent (the current one stays)."""

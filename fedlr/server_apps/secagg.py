@@ -38,7 +38,6 @@ keeps ``threshold`` live neighbours; otherwise the round has no replies.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 import time
@@ -124,7 +123,9 @@ def secure_exchange(
     SecureAggregationError
         For a method that is not sum-only, a robust rule (it reads each
         client's update), a federation whose rounds sample fewer than 2
-        nodes, or no known weight scale (``max-num-examples``).
+        nodes, no known weight scale (``max-num-examples``), or, under
+        client-level DP, a strategy that noises too (not built with
+        ``client_dp_on_nodes``).
     PrivacyUnsupportedError, ConfigError
         Client-level DP (distributed then: the nodes clip and add noise,
         :mod:`fedlr.privacy.distributed_dp`) with extra reply records or a
@@ -141,7 +142,12 @@ def secure_exchange(
         ddp.check_secure(
             dp, settings.clipping_range, threshold, strategy.replies.records()
         )
-        strategy.privacy = dataclasses.replace(strategy.privacy, client_dp=None)
+        if strategy.privacy.client_dp is not None:
+            raise SecureAggregationError(
+                "client-level DP under SecAgg+ is distributed: the nodes clip and "
+                "noise, so the strategy must not noise again (build it with "
+                "client_dp_on_nodes=True)"
+            )
     return SecAggPlusExchange(settings, strategy, seed=config.seed, dp=dp)
 
 

@@ -14,7 +14,6 @@ client-level DP, rejected rounds, metrics) is composed steps in
 from __future__ import annotations
 
 import dataclasses
-import math
 from abc import abstractmethod
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
@@ -31,17 +30,25 @@ from fedlr.privacy.client_dp import ClientDpLedger, keep_ledger
 from fedlr.privacy.settings import PrivacyConfig
 from fedlr.robust.heldout import HeldOutCheck
 from fedlr.robust.rules import RobustConfig
-from fedlr.robust.screen import DEFAULT_SCREEN_RATIO, ScreenOutcome
+from fedlr.robust.screen import DEFAULT_SCREEN_RATIO
 from fedlr.robust.server_update import ServerUpdate
-from fedlr.round.describe import log_summary
+from fedlr.round.describe import check_settings, evaluate_arguments, log_summary
 from fedlr.round.evaluation import (
     aggregate_evaluation,
     aggregate_personal_evaluation,
+    no_evaluate_handler,
 )
-from fedlr.round.instructions import evaluate_instructions, train_instructions
+from fedlr.round.instructions import (
+    check_arrays,
+    rejected_rounds,
+    train_config,
+    train_round,
+    with_round_values,
+)
 from fedlr.round.pipeline import aggregate_round
 from fedlr.round.publish import RoundReport
 from fedlr.round.replies import Replies, reply_step_type
+from fedlr.round.value import LatestRound, Round
 from fedlr.strategies.refusals import PrivacyTraits, check_robust
 from fedlr.wire.fingerprint import BaseFingerprint
 from fedlr.wire.updates import ClientUpdate
@@ -49,19 +56,17 @@ from fedlr.wire.updates import ClientUpdate
 __all__ = ["ClientUpdate", "FedLRStrategy", "RoundReport", "weighted_means"]
 
 
-class FedLRStrategy(FedAvg):
+class FedLRStrategy(LatestRound, FedAvg):
     """A method as a Flower Message-API strategy: the method's hooks and
     Flower's, the rest of the round in composed steps (:mod:`fedlr.round`).
 
-    Used as a plug-in in a user's own ServerApp (Flower's ``strategy.start()``)
-    it keeps Flower's conventions: ``FedAvg``'s defaults (``fraction_evaluate``
-    1.0, ``min_*_nodes`` 2), the clients' own metrics aggregated by
-    ``train_metrics_aggr_fn`` / ``evaluate_metrics_aggr_fn`` (by default a
-    weighted average by ``num-examples``) beside fedlr's, and lost replies
-    counted. fedlr's own ServerApp passes its choices explicitly
-    (:func:`fedlr.round.describe.app_arguments`) and drives rounds with
-    :func:`fedlr.round.pipeline.run_round`, which runs the same hooks as
-    ``start()``.
+    As a plug-in (Flower's ``strategy.start()``) it keeps Flower's
+    conventions: ``FedAvg``'s defaults, the clients' own metrics by
+    ``train_metrics_aggr_fn`` / ``evaluate_metrics_aggr_fn`` beside fedlr's,
+    lost replies counted. fedlr's ServerApp passes its choices
+    (:func:`fedlr.round.describe.app_arguments`) and runs the same hooks
+    (:func:`fedlr.round.pipeline.run_round`). Each round is a value
+    (:class:`~fedlr.round.value.Round`), the latest kept as ``round``.
 
     A method overrides :meth:`aggregate_updates` (a pure function of the
     validated updates and the current global state), :meth:`reply_shapes`,
@@ -73,12 +78,10 @@ class FedLRStrategy(FedAvg):
     and further checks are its reply step, ``replies_type``
     (:class:`fedlr.round.replies.Replies`).
 
-    Class attributes: ``send_roles`` and ``train_roles`` are the roles of the
-    global arrays sent to clients and of the arrays a client sends back
-    (empty: the strategy declares its arrays by key, see
-    :meth:`reply_shapes`); ``federated_evaluation``
-    says whether fedlr's own app runs federated evaluation for the method
-    (personalised methods evaluate each client's own model).
+    Class attributes: ``send_roles`` / ``train_roles``, the roles of the
+    global arrays sent and of the arrays a client sends back (empty: by key,
+    :meth:`reply_shapes`); ``federated_evaluation``, whether fedlr's app runs
+    federated evaluation (personalised methods: each client's own model).
 
     Parameters
     ----------
@@ -117,6 +120,9 @@ class FedLRStrategy(FedAvg):
         the clients, client-level DP applied here after validation. Default:
         none. A mechanism the method cannot have is refused here
         (``PrivacyUnsupportedError``, as for a run config: :attr:`privacy_traits`).
+    client_dp_on_nodes : bool, default False
+        Client-level DP is distributed (SecAgg+): the nodes clip and noise,
+        this strategy keeps the ledger and noises nothing.
     options : Options, optional
         The method's options, an instance of :attr:`options_type` (default:
         its defaults); kept as :attr:`method_options`.
@@ -137,9 +143,8 @@ class FedLRStrategy(FedAvg):
     """Run by fedlr's asynchronous engine
     (:class:`~fedlr.strategies.async_lora.AsyncLoraStrategy`)."""
     hetero_variant: ClassVar[type[FedLRStrategy] | None] = None
-    """The class a run with ``client-ranks`` builds instead of this one (set by
-    FedEx-LoRA and FedSpec, whose heterogeneous-rank rounds are another
-    class); read by :meth:`fedlr.strategies.registry.MethodSpec.strategy_for`."""
+    """The class a run with ``client-ranks`` builds instead (FedEx-LoRA's,
+    FedSpec's; :meth:`fedlr.strategies.registry.MethodSpec.strategy_for`)."""
     extra_columns: tuple[str, ...] = ()
     replies_type: ClassVar[type[Replies]] = Replies
     """The method's reply step: its extra records, update space and checks
@@ -171,29 +176,16 @@ class FedLRStrategy(FedAvg):
         privacy: PrivacyConfig | None = None,
         options: Options | None = None,
         evaluate: bool | None = None,
+        client_dp_on_nodes: bool = False,
         **kwargs: Any,
     ) -> None:
         self.method_options: Options = own_options(type(self), options, kwargs)
-        if evaluate is False:
-            kwargs["fraction_evaluate"] = 0.0
-        elif evaluate and kwargs.get("fraction_evaluate", 1.0) == 0.0:
-            raise ValueError(
-                "evaluate=True asks for federated evaluation, but fraction_evaluate "
-                "is 0.0: nothing would be sent to evaluate"
-            )
-        self.client_evaluates = evaluate
-        """Whether the ClientApp evaluates (``None``: not said, see the class)."""
-        if min_replies < 1:
-            raise ValueError(f"min_replies must be >= 1, got {min_replies}")
-        if not 0.0 < lr_decay <= 1.0:
-            raise ValueError(f"lr_decay must be in (0, 1], got {lr_decay}")
-        if max_num_examples is not None and max_num_examples < 1:
-            raise ValueError(f"max_num_examples must be >= 1, got {max_num_examples}")
-        if not (math.isfinite(max_update_ratio) and max_update_ratio >= 0):
-            raise ValueError(f"max_update_ratio must be >= 0, got {max_update_ratio}")
-        if not (math.isfinite(screen_ratio) and screen_ratio >= 0):
-            raise ValueError(f"screen_ratio must be >= 0, got {screen_ratio}")
+        kwargs = evaluate_arguments(evaluate, kwargs)
+        check_settings(
+            min_replies, lr_decay, max_num_examples, max_update_ratio, screen_ratio
+        )
         super().__init__(**kwargs)
+        self.client_evaluates = evaluate  # None: not said (see the class)
         self.lr_decay = lr_decay
         self.min_replies = min_replies
         self.robust = robust if robust is not None else RobustConfig()
@@ -204,39 +196,22 @@ class FedLRStrategy(FedAvg):
         traits = type(self).privacy_traits
         if traits is not None:  # the refusal resolve() makes of a run config
             traits.check(self.privacy, self.method_options)
-        self.screen_ratio = screen_ratio
-        self.last_screen: ScreenOutcome | None = None
-        self.rejected_rounds = 0
-        self.last_rejection: str | None = None
-        self.last_robust: list[str] = []
-        self.heldout_check: HeldOutCheck | None = None
-        """The held-out check (:mod:`fedlr.robust.heldout`), set by the server
-        plan with ``heldout-check = true``; a plug-in user may set one."""
-        self.server_update: ServerUpdate | None = None
-        """The server's own update (:mod:`fedlr.robust.server_update`), set by
-        the server plan with ``server-update-share > 0``; a plug-in user may
-        set one."""
-        self.server_instruction: Message | None = None
-        """The round's first train instruction (what the server's own update
-        trains), kept by :meth:`configure_train`."""
-        self.last_timing: dict[str, float] = {}
-        self._current: ArrayRecord | None = None
-        self._bytes_down = 0
-        self._sent: list[int] | None = None
-        self.instructed: int | None = None  # nodes sent an instruction this round
         self.client_dp_ledger = ClientDpLedger.of(self.privacy)
-        self._warned_clashes: set[str] = set()
-        self.last_report: RoundReport = RoundReport()
+        if client_dp_on_nodes:  # SecAgg+'s distributed DP: no server noise
+            self.privacy = dataclasses.replace(self.privacy, client_dp=None)
+        self.screen_ratio = screen_ratio
+        # Set by the server plan (heldout-check, server-update-share > 0), or
+        # by a plug-in user: fedlr.robust.heldout, fedlr.robust.server_update.
+        self.heldout_check: HeldOutCheck | None = None
+        self.server_update: ServerUpdate | None = None
         self.replies = reply_step_type(type(self))(self)
         """The round's decode, validate and screen steps."""
         for klass in type(self).__mro__:  # client-level DP's releases
             if issubclass(klass, FedLRStrategy):  # checkpointed by every class
                 keep_ledger(klass)
-        self.nodes_sampled_from = 0
-        self.last_dropped: list[str] = []
+        # plug-in use: the server's model's frozen weights, sent with every
+        # instruction (fedlr.round.instructions.fingerprint_model); None: not
         self.base_fingerprint: BaseFingerprint | None = None
-        """Plug-in use: the server's model's frozen weights (:meth:`bind_model`),
-        sent with every instruction; ``None``: not sent, not checked."""
 
     # ------------------------------------------------------------ the method
     @abstractmethod
@@ -250,23 +225,12 @@ class FedLRStrategy(FedAvg):
         updates: list[ClientUpdate],
         current: dict[str, torch.Tensor],
     ) -> tuple[dict[str, torch.Tensor], RoundReport]:
-        """Combine validated updates into the next global state.
+        """Combine validated updates into the next global state (every key
+        to send next round) and the round's :class:`RoundReport`.
 
-        Parameters
-        ----------
-        server_round : int
-        updates : list of ClientUpdate
-            Validated, screened and protected (robust rule or client-level
-            DP), sorted by partition id then node id; weight each by
-            ``u.weight``.
-        current : dict of str to torch.Tensor
-            The global state sent this round.
-
-        Returns
-        -------
-        state : dict of str to torch.Tensor
-            The next global state (every key to send next round).
-        report : RoundReport
+        ``updates`` are validated, screened and protected (robust rule or
+        client-level DP), sorted by partition id then node id; weight each
+        by ``u.weight``. ``current`` is the global state sent this round.
         """
 
     def round_config(self, server_round: int) -> dict[str, Any]:
@@ -282,15 +246,11 @@ class FedLRStrategy(FedAvg):
         *,
         train: bool,
     ) -> list[Message]:
-        """The method's one per-node hook: the round's sampled instructions
-        (train, or evaluate with ``train=False``), each with the global
-        ``arrays`` and the round's values, as they go out.
-
-        A method returns them with per-node records added or replaced (a
-        node's base weights as changes, its personal factors, a control
-        variate). Whatever ArrayRecords they carry count as ``bytes-down``.
-        Default: unchanged.
-        """
+        """The method's one per-node hook: the round's sampled train (or
+        evaluate, ``train=False``) instructions as they go out, with per-node
+        records added or replaced (base weights as changes, personal
+        factors, a control variate); their ArrayRecords count as
+        ``bytes-down``. Default: unchanged."""
         return messages
 
     def state_dict(self) -> dict[str, Any]:
@@ -319,46 +279,71 @@ class FedLRStrategy(FedAvg):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Check and remember the global arrays, sample, build each node's
-        instruction (:func:`fedlr.round.instructions.train_instructions`).
+        """Check the global arrays (``InitialArraysError`` before anything is
+        sent), add the round's values, sample (``FedAvg``), build each node's
+        instruction and begin the round
+        (:func:`fedlr.round.instructions.train_round`)."""
+        check_arrays(self, arrays)
+        round_config = train_config(self, server_round, config)
+        population = len(list(grid.get_node_ids()))
+        sampled = super().configure_train(server_round, arrays, round_config, grid)
+        messages, self.round = train_round(
+            self, server_round, arrays, list(sampled), population
+        )
+        return messages
 
-        Raises
-        ------
-        InitialArraysError
-            If ``arrays`` are not the ones the strategy sends, before any
-            instruction goes out.
-        """
-        return train_instructions(self, server_round, arrays, config, grid)
+    def begin_round(
+        self,
+        server_round: int,
+        arrays: ArrayRecord,
+        config: ConfigRecord | None = None,
+        **sent: Any,
+    ) -> ConfigRecord:
+        """Begin a round on ``arrays`` without sampling (the legacy adapter,
+        replies built by hand; ``sent``: other :class:`Round` fields); its
+        train ConfigRecord (:func:`~fedlr.round.instructions.train_config`)."""
+        before = rejected_rounds(self)
+        self.round = Round(server_round, arrays, rejected_before=before, **sent)
+        return train_config(self, server_round, config or ConfigRecord())
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """The round's steps (:func:`fedlr.round.pipeline.aggregate_round`):
-        decode, validate and screen every reply, the robust rule or
-        client-level DP, :meth:`aggregate_updates`, check and publish.
-
-        Returns ``None`` arrays when the round is rejected (the previous
-        global arrays are kept).
-        """
-        return aggregate_round(self, server_round, replies)
+        """The round's steps (:func:`fedlr.round.pipeline.aggregate_round`);
+        ``None`` arrays when the round is rejected (the previous are kept)."""
+        arrays, metrics, self.round = aggregate_round(self, server_round, replies)
+        return arrays, metrics
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """FedAvg's evaluate instructions with the round's values, through
-        :meth:`instructions`
-        (:func:`fedlr.round.instructions.evaluate_instructions`)."""
-        return evaluate_instructions(self, server_round, arrays, config, grid)
+        """FedAvg's evaluate instructions with the round's values
+        (:func:`~fedlr.round.instructions.with_round_values`), through
+        :meth:`instructions`. Nothing is sent when ``fraction_evaluate`` is 0."""
+        config = with_round_values(self, server_round, config)
+        messages = list(super().configure_evaluate(server_round, arrays, config, grid))
+        if not messages:
+            return messages
+        return list(self.instructions(server_round, messages, arrays, train=False))
 
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
-        """The evaluate replies' metrics by ``evaluate_metrics_aggr_fn``
-        (:func:`fedlr.round.evaluation.aggregate_evaluation`); a personalised
-        method's, the mean and spread of the clients' accuracies on their own
-        models (:func:`~fedlr.round.evaluation.aggregate_personal_evaluation`)."""
+        """The evaluate replies' metrics (:mod:`fedlr.round.evaluation`; a
+        personalised method's: the clients' mean and spread, the round's
+        ``evaluation``); a ClientApp without an evaluate function turns
+        federated evaluation off."""
         if self.personalised:
-            return aggregate_personal_evaluation(self, server_round, replies)
+            metrics, evaluation = aggregate_personal_evaluation(
+                self, server_round, replies
+            )
+            if self.round is not None:
+                self.round = dataclasses.replace(self.round, evaluation=evaluation)
+            return metrics
+        replies = list(replies)
+        if no_evaluate_handler(self, server_round, replies):
+            self.fraction_evaluate, self.min_evaluate_nodes = 0.0, 0
+            return None
         return aggregate_evaluation(self, server_round, replies)
 
     def summary(self) -> None:

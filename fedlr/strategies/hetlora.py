@@ -15,7 +15,7 @@ from logging import DEBUG, INFO, getLogger
 from typing import Any, ClassVar, Self, cast
 
 import torch
-from flwr.app import Message, RecordDict
+from flwr.app import ArrayRecord, Message, RecordDict
 
 from fedlr.adapters.ranks import leading_rank
 from fedlr.adapters.roles import AdapterLayout
@@ -192,10 +192,10 @@ class HetLoRAReplies(HeteroReplies):
     method: HetLoRA
 
     def validate_replies(
-        self, replies: list[Message]
+        self, replies: list[Message], current: ArrayRecord
     ) -> tuple[list[ClientUpdate], list[str]]:
         self.method._shrunk = set()
-        return super().validate_replies(replies)
+        return super().validate_replies(replies, current)
 
     def check_rank(self, node: int, rank: int) -> None:
         """With pruning: any rank ``1 .. R`` not above the node's previous one.

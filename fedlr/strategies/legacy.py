@@ -73,8 +73,8 @@ from flwr.server.client_proxy import ClientProxy
 from flwr.server.strategy import Strategy
 from flwr.supercore import log
 
-from fedlr.flower.records import record_to_state, state_to_record
-from fedlr.round.instructions import check_arrays, note_sent, prepare_round
+from fedlr.flower.records import record_nbytes, record_to_state, state_to_record
+from fedlr.round.instructions import check_arrays
 from fedlr.strategies.base import FedLRStrategy
 from fedlr.wire.protocol import METRICS, SERVER_ROUND
 
@@ -227,9 +227,6 @@ class LegacyStrategy(Strategy):
         """Sample clients like the Message-API strategy; the same round config."""
         state = self._to_state(parameters)
         record = ArrayRecord(state)
-        config = prepare_round(
-            self.strategy, server_round, record, ConfigRecord(dict(self.train_config))
-        )
         available = client_manager.num_available()
         size = max(
             int(available * self.strategy.fraction_train),
@@ -239,7 +236,13 @@ class LegacyStrategy(Strategy):
             num_clients=min(size, available) if available else size,
             min_num_clients=self.strategy.min_available_nodes,
         )
-        note_sent(self.strategy, record, len(clients))
+        config = self.strategy.begin_round(  # no node list: Flower reports failures
+            server_round,
+            record,
+            ConfigRecord(dict(self.train_config)),
+            instructed=len(clients),
+            bytes_down=record_nbytes(record) * len(clients),
+        )
         fit_config: dict[str, Scalar] = {
             k: v for k, v in config.items() if isinstance(v, (int, float, str, bool))
         }

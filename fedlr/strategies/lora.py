@@ -40,7 +40,7 @@ from fedlr.robust.spaces import (
     UpdateSpace,
 )
 from fedlr.round.describe import app_arguments
-from fedlr.round.instructions import bind_model, check_bound_model
+from fedlr.round.instructions import check_bound_model, fingerprint_model
 from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
 from fedlr.wire import protocol
@@ -123,8 +123,6 @@ class LoraStrategy(FedLRStrategy):
     def __init__(self, *, layout: AdapterLayout, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.layout = layout
-        self.last_evaluation: dict[str, float] = {}
-        """Personalised methods: the last federated evaluation's aggregate."""
 
     @classmethod
     def from_run_config(
@@ -299,7 +297,7 @@ class LoraStrategy(FedLRStrategy):
         """
         view = _lora_view(model)
         strategy = cls(layout=view.layout, **kwargs)
-        bind_model(strategy, view)  # fingerprint, head warning (fedlr.wire.fingerprint)
+        strategy.base_fingerprint = fingerprint_model(strategy, view)
         return strategy
 
     def initial_arrays(self, model: torch.nn.Module | AdaptedModel) -> ArrayRecord:

@@ -407,7 +407,6 @@ class PersonalLoraStrategy(SeededLoraStrategy):
     def __init__(self, *, layout: AdapterLayout, **kwargs: Any) -> None:
         kwargs.setdefault("fraction_evaluate", 1.0)
         super().__init__(layout=layout, **kwargs)
-        self.last_evaluation: dict[str, float] = {}
         self.personal: dict[int, dict[str, torch.Tensor]] = {}
 
     def state_dict(self) -> dict[str, Any]:

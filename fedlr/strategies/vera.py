@@ -55,7 +55,7 @@ from fedlr.linalg import weighted_mean
 from fedlr.linalg.vera import fold_vera_residual, vera_gap_norms
 from fedlr.options import Options, option
 from fedlr.round.describe import app_arguments
-from fedlr.round.instructions import bind_model, check_bound_model
+from fedlr.round.instructions import check_bound_model, fingerprint_model
 from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
 from fedlr.strategies.fedex_downlink import (
@@ -168,7 +168,7 @@ class ProjectionChecked(FedLRStrategy):
             projection_b=view.projection_b,
             **kwargs,
         )
-        bind_model(strategy, view)  # fingerprint, head warning (fedlr.wire.fingerprint)
+        strategy.base_fingerprint = fingerprint_model(strategy, view)
         return strategy
 
     def initial_arrays(self, model: torch.nn.Module | AdaptedModel) -> ArrayRecord:

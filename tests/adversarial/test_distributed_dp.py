@@ -30,6 +30,7 @@ from fedlr.privacy import distributed_dp as ddp
 from fedlr.privacy.client_dp import ClientDpLedger
 from fedlr.privacy.secagg import SecAggSettings
 from fedlr.privacy.settings import ClientDpSettings
+from fedlr.round.describe import app_arguments
 from fedlr.server_apps.secagg import SecAggPlusExchange, secure_exchange
 from fedlr.strategies.fot import FedAvgContinual
 from fedlr.strategies.registry import resolve
@@ -196,18 +197,33 @@ def test_two_runs_differ_unless_reproducible():
 
 # ---------------------------------------------------------- configuration
 def test_the_run_accepts_client_dp_for_sum_only_and_refuses_the_rest():
-    strategy = FedAvgContinual(shapes=SHAPES, lr=1.0, max_num_examples=20)
     keys = {"client-dp-clip": CLIP, "client-dp-noise-multiplier": Z}
     on = {"method": "fedavg-lora", "secure-aggregation": True, **keys}
+    method = resolve({**on, "secagg-clipping-range": RANGE})
+    # the app builds the strategy so that the server adds no second noise,
+    # and keeps the ledger the exchange accounts in
+    built = app_arguments(FedAvgContinual, method.run)
+    assert built["client_dp_on_nodes"] is True
+    strategy = FedAvgContinual(
+        shapes=SHAPES,
+        lr=1.0,
+        max_num_examples=20,
+        privacy=method.run.privacy,
+        client_dp_on_nodes=True,
+    )
+    assert strategy.privacy.client_dp is None
+    assert strategy.client_dp_ledger is not None
     with pytest.raises(ConfigError, match="secagg-clipping-range"):
         secure_exchange(resolve(on), strategy, 4)  # default range 8 < 1 + 12 z C/√3
-    exchange = secure_exchange(
-        resolve({**on, "secagg-clipping-range": RANGE}), strategy, 4
-    )
+    exchange = secure_exchange(method, strategy, 4)
     assert exchange is not None and exchange.dp is not None
-    assert strategy.privacy.client_dp is None  # the server adds no second noise
     with pytest.raises(SecureAggregationError, match="robust=none"):
         secure_exchange(resolve({**on, "robust": "median"}), strategy, 4)
+    noising = FedAvgContinual(
+        shapes=SHAPES, lr=1.0, privacy=method.run.privacy, max_num_examples=20
+    )
+    with pytest.raises(SecureAggregationError, match="client_dp_on_nodes"):
+        secure_exchange(method, noising, 4)  # the server would noise again
 
 
 def test_nothing_un_noised_of_the_data_travels_under_distributed_dp(monkeypatch):

@@ -25,7 +25,6 @@ from flwr.app import ArrayRecord, ConfigRecord
 
 from fedlr.flower.records import record_to_state
 from fedlr.robust.rules import RobustConfig
-from fedlr.round.instructions import prepare_round
 from fedlr.strategies.base import FedLRStrategy
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
 from fedlr.strategies.fedavgm_lora import FedAvgMLoRA, ServerMomentumOptions
@@ -79,7 +78,7 @@ def _round(
 ) -> tuple[State, dict[str, float]]:
     """One round: every client replies ``x + its step`` (the attacker adds
     ``hostile``); the new global arrays and the round's metrics."""
-    prepare_round(strategy, server_round, ArrayRecord(dict(x)), ConfigRecord({}))
+    strategy.begin_round(server_round, ArrayRecord(dict(x)), ConfigRecord({}))
     replies = []
     for i, step in enumerate(steps):
         sent = {k: x[k] + step.get(k, 0.0) for k in x}
@@ -218,7 +217,7 @@ def test_a_dropped_reply_never_reaches_the_momentum():
         strategy = make()
         x, _ = _round(strategy, 1, x0, steps[0], None)
         if drop_it:  # the same round without the attacker's reply at all
-            prepare_round(strategy, 2, ArrayRecord(dict(x)), ConfigRecord({}))
+            strategy.begin_round(2, ArrayRecord(dict(x)), ConfigRecord({}))
             replies = [
                 reply(
                     1000 + i,

@@ -158,7 +158,7 @@ def _start(
 def strategy_sent(strategy) -> list[int]:
     """The nodes the strategy (or the one it wraps) instructed this round."""
     inner = getattr(strategy, "strategy", strategy)
-    return list(getattr(inner, "_sent", None) or [])
+    return list(inner.round.sent or []) if inner.round is not None else []
 
 
 def _privacy(

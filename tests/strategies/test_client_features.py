@@ -22,7 +22,6 @@ from fedlr.errors import ProtocolError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state
 from fedlr.robust.rules import RobustConfig, robust_aggregate
-from fedlr.round.instructions import prepare_round
 from fedlr.round.pipeline import run_round
 from fedlr.strategies.fedavgm_lora import FedAvgMLoRA, ServerMomentumOptions
 from fedlr.strategies.feddyn_lora import FedDynLoRA
@@ -169,8 +168,9 @@ def test_scaffold_server_moves_c_by_the_mean_delta_and_drops_a_reply_without_it(
     model = build_model("scaffold-lora")
     strategy = ScaffoldLoRA.for_model(model)
     current = record_to_state(strategy.initial_arrays(model))
-    prepare_round(strategy, 1, ArrayRecord(current), ConfigRecord({}))
-    strategy.nodes_sampled_from = 4  # 3 of 4 nodes reply
+    strategy.begin_round(
+        1, ArrayRecord(current), ConfigRecord({}), population=4
+    )  # 3 of 4 nodes reply
     keys = strategy.layout.keys(*strategy.train_roles)
     g = torch.Generator().manual_seed(0)
     deltas, replies = [], []
@@ -230,8 +230,7 @@ def test_fedavgm_momentum_steps_match_the_formula_over_three_rounds():
     v = {k: torch.zeros_like(x[k]) for k in keys}
     g = torch.Generator().manual_seed(1)
     for server_round in (1, 2, 3):
-        prepare_round(
-            strategy,
+        strategy.begin_round(
             server_round,
             ArrayRecord({k: t.float() for k, t in x.items()}),
             ConfigRecord({}),
@@ -289,7 +288,7 @@ def test_fedavgm_with_zero_momentum_and_unit_step_is_fedavg_bit_for_bit():
     ]
     out = []
     for strategy in (plain, momentum):
-        prepare_round(strategy, 1, ArrayRecord(current), ConfigRecord({}))
+        strategy.begin_round(1, ArrayRecord(current), ConfigRecord({}))
         arrays, _ = strategy.aggregate_train(1, replies)
         out.append(record_to_state(arrays))
     for k in out[0]:
@@ -310,8 +309,7 @@ def test_a_clipped_scaffold_reply_moves_its_control_delta_with_its_step():
         k: 0.1 * torch.randn(v.shape, generator=g) for k, v in strategy.control.items()
     }
     control = {k: v.clone() for k, v in strategy.control.items()}
-    prepare_round(strategy, 1, ArrayRecord(current), ConfigRecord({}))
-    strategy.nodes_sampled_from = 3
+    strategy.begin_round(1, ArrayRecord(current), ConfigRecord({}), population=3)
     replies, deltas = [], []
     # the third is clipped (norm-clip), yet under the default screen's ratio
     for node, scale in enumerate((0.01, 0.01, 0.1)):
@@ -324,7 +322,7 @@ def test_a_clipped_scaffold_reply_moves_its_control_delta_with_its_step():
         message = reply(1000 + node, arrays, {"num-examples": 4})
         message.content[CONTROL_DELTA] = ArrayRecord(delta)
         replies.append(message)
-    updates, _ = strategy.replies.validate_replies(replies)
+    updates, _ = strategy.replies.validate_replies(replies, strategy.round.arrays)
     outcome = robust_aggregate(
         updates, strategy.replies.space(current), strategy.robust
     )

@@ -1370,10 +1370,9 @@ def test_options_are_typed_documented_and_validated(method, plans):
 
 
 # -------------------------------------------------------- 5. rejected rounds
-BOOKKEEPING = frozenset(
-    {"last_report", "last_rejection", "rejected_rounds", "_warned_clashes"}
-)
-"""What a rejected round must change: its count, reason and report."""
+BOOKKEEPING = frozenset({"round"})
+"""What a rejected round must change: the round's value (its rejection, the
+run's count of rejected rounds, its report)."""
 CACHES = frozenset({("BaseLedger", "_source")})
 """Caches a restored state may forget: the ledger's ``_source`` (the objects
 it last checksummed; forgetting it costs one checksum pass)."""

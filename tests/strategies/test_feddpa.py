@@ -22,7 +22,6 @@ from peft import LoraConfig, get_peft_model
 from fedlr import apply_round
 from fedlr.adapters import parameters_by_key
 from fedlr.flower.records import record_to_state
-from fedlr.round.instructions import prepare_round
 from fedlr.strategies.feddpa import (
     FEDDPA_MIX,
     FEDDPA_WEIGHT,
@@ -69,8 +68,8 @@ def _instruction(strategy, model, server_round: int, kind: str = "train"):
         k: v + 0.3 * torch.randn(v.shape, generator=g)
         for k, v in record_to_state(strategy.initial_arrays(model)).items()
     }
-    config = prepare_round(
-        strategy, server_round, ArrayRecord(arrays), ConfigRecord({"lr": 0.1})
+    config = strategy.begin_round(
+        server_round, ArrayRecord(arrays), ConfigRecord({"lr": 0.1})
     )
     config[protocol.SERVER_ROUND] = server_round
     content = RecordDict(

@@ -19,7 +19,6 @@ from sklearn.metrics import silhouette_score
 from fedlr import apply_round
 from fedlr.adapters import Role
 from fedlr.flower.records import record_to_state
-from fedlr.round.instructions import prepare_round
 from fedlr.strategies.fedlease import (
     FEDLEASE_ROUTER,
     FedLease,
@@ -133,7 +132,7 @@ def _allocated(model) -> FedLease:
 
 def _instruction(strategy, model, kind: str = "train"):
     arrays = strategy.initial_arrays(model)
-    config = prepare_round(strategy, 2, arrays, ConfigRecord({"lr": 0.1}))
+    config = strategy.begin_round(2, arrays, ConfigRecord({"lr": 0.1}))
     config[protocol.SERVER_ROUND] = 2
     content = RecordDict({protocol.ARRAYS: arrays, protocol.CONFIG: config})
     (message,) = strategy.instructions(

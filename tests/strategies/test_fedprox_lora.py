@@ -12,7 +12,6 @@ from fedlr.errors import ConfigError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state
 from fedlr.launch.client_app import app as client_app
-from fedlr.round.instructions import prepare_round
 from fedlr.server_apps.builtin_plans import build_plan
 from fedlr.strategies import FedAvgLoRA
 from fedlr.strategies.fedprox_lora import (
@@ -47,7 +46,7 @@ def test_round_config_carries_mu_and_aggregation_is_fedavg():
     replies = [reply(1000 + i, _client(i), {"num-examples": 2 + i}) for i in range(3)]
     results = []
     for strategy in (prox, plain):
-        prepare_round(strategy, 1, ArrayRecord(_global()), ConfigRecord({}))
+        strategy.begin_round(1, ArrayRecord(_global()), ConfigRecord({}))
         arrays, _ = strategy.aggregate_train(1, replies)
         results.append(record_to_state(arrays))
     assert results[0].keys() == results[1].keys()

@@ -20,7 +20,6 @@ from fedlr import apply_round
 from fedlr.adapters import Role, parameters_by_key
 from fedlr.errors import ProtocolError
 from fedlr.flower.records import record_to_state
-from fedlr.round.instructions import prepare_round
 from fedlr.strategies.fedrot_lora import (
     FEDROT_ALIGN,
     FEDROT_STRENGTH,
@@ -161,8 +160,8 @@ def _instruction(strategy: FedRotLoRA, model, server_round: int, seed: int):
         k: v + 0.3 * torch.randn(v.shape, generator=g)
         for k, v in record_to_state(strategy.initial_arrays(model)).items()
     }
-    config = prepare_round(
-        strategy, server_round, ArrayRecord(arrays), ConfigRecord({"lr": 0.1})
+    config = strategy.begin_round(
+        server_round, ArrayRecord(arrays), ConfigRecord({"lr": 0.1})
     )
     config[protocol.SERVER_ROUND] = server_round
     content = RecordDict(

@@ -30,7 +30,7 @@ from fedlr import LegacyStrategy, adapter_state, lora_layout
 from fedlr.config.run import RunConfig
 from fedlr.errors import InitialArraysError
 from fedlr.flower import InProcessGrid
-from fedlr.round.instructions import check_arrays, expected_arrays, prepare_round
+from fedlr.round.instructions import check_arrays, expected_arrays
 from fedlr.round.pipeline import run_round
 from fedlr.strategies import FedAvgLoRA, FedSALoRA, FedSVD
 from fedlr.strategies.qrmix import VisionFedAvg
@@ -199,7 +199,7 @@ def test_flower_train_loss_spelling_is_accepted():
 
 def test_train_loss_is_the_mean_over_the_clients_that_report_one():
     strategy = FedAvgLoRA(layout=LAYOUT)
-    prepare_round(strategy, 1, _initial(strategy), ConfigRecord())
+    strategy.begin_round(1, _initial(strategy), ConfigRecord())
     arrays = adapter_state(MODEL, LAYOUT, strategy.train_roles)
     _, metrics = strategy.aggregate_train(
         1,
@@ -358,7 +358,7 @@ def test_legacy_adapter_checks_its_initial_arrays():
 # ----------------------------------------------------- 6. wrong-keys reason
 def test_wrong_keys_reason_names_train_roles():
     strategy = FedSVD(layout=LAYOUT)  # clients train B and the head only
-    prepare_round(strategy, 1, _initial(strategy), ConfigRecord())
+    strategy.begin_round(1, _initial(strategy), ConfigRecord())
     good = adapter_state(MODEL, LAYOUT, strategy.train_roles)
     everything = adapter_state(MODEL, LAYOUT, FedAvgLoRA.train_roles)
     _, metrics = strategy.aggregate_train(

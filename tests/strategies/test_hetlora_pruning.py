@@ -29,7 +29,6 @@ from fedlr.errors import ConfigError, ProtocolError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.launch.local import run_in_process
-from fedlr.round.instructions import prepare_round
 from fedlr.strategies.fedprox_lora import PROXIMAL_MU
 from fedlr.strategies.hetero import layout_at_rank
 from fedlr.strategies.hetlora import HetLoRA
@@ -116,7 +115,7 @@ def _instruction(
         hetlora_prune_lambda=lam,
     )
     arrays = adapter_state(server, layout, strategy.send_roles)
-    config = prepare_round(strategy, 1, state_to_record(arrays), ConfigRecord())
+    config = strategy.begin_round(1, state_to_record(arrays), ConfigRecord())
     config[protocol.SERVER_ROUND] = 1
     content = RecordDict(
         {protocol.ARRAYS: state_to_record(arrays), protocol.CONFIG: config}

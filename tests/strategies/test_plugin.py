@@ -46,7 +46,6 @@ from fedlr.errors import (
 )
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state
-from fedlr.round.instructions import prepare_round
 from fedlr.strategies import FedAvgLoRA, FedAvgVeRA, FedSALoRA, FedSpec, FedSVD
 from fedlr.strategies.lora_svd import PERSONAL_GRAM
 from fedlr.wire import protocol
@@ -115,8 +114,8 @@ def _context(partition: int = 0) -> Context:
 
 def _instruction(strategy, model, node_id: int = 1000) -> Message:
     """Round 1's train instruction of ``strategy`` for ``model``."""
-    config = prepare_round(
-        strategy, 1, strategy.initial_arrays(model), ConfigRecord({"lr": 0.1})
+    config = strategy.begin_round(
+        1, strategy.initial_arrays(model), ConfigRecord({"lr": 0.1})
     )
     config[protocol.SERVER_ROUND] = 1
     content = RecordDict(
@@ -564,7 +563,7 @@ def test_legacy_aggregate_fit_equals_the_message_api(strategy_cls):
     sizes = [10, 30, 60]
 
     modern = strategy_cls(layout=layout)
-    prepare_round(modern, 1, ArrayRecord(initial), ConfigRecord({}))
+    modern.begin_round(1, ArrayRecord(initial), ConfigRecord({}))
     expected, metrics = modern.aggregate_train(
         1,
         [
@@ -590,7 +589,7 @@ def test_legacy_aggregate_fit_equals_the_message_api(strategy_cls):
         )
         for i, (state, n) in enumerate(zip(states, sizes, strict=True))
     ]
-    prepare_round(legacy.strategy, 1, ArrayRecord(initial), ConfigRecord({}))
+    legacy.strategy.begin_round(1, ArrayRecord(initial), ConfigRecord({}))
     got, legacy_metrics = legacy.aggregate_fit(1, results, [])
     got_arrays = parameters_to_ndarrays(got)
     want = record_to_state(expected)
@@ -608,7 +607,7 @@ def test_legacy_drops_bad_fitres_and_failures_with_reasons(caplog):
     layout = lora_layout(model)
     initial = adapter_state(model, layout, FedAvgLoRA.send_roles)
     legacy = LegacyStrategy(FedAvgLoRA(layout=layout), initial_arrays=initial)
-    prepare_round(legacy.strategy, 1, ArrayRecord(initial), ConfigRecord({}))
+    legacy.strategy.begin_round(1, ArrayRecord(initial), ConfigRecord({}))
     (noise,) = _client_states(layout, 5)[:1]  # a trained-looking step from initial
     good = {k: initial[k] + 0.01 * v for k, v in noise.items()}
     keys = legacy.reply_keys

@@ -34,7 +34,7 @@ from fedlr.errors import BaseMismatchError, NoValidRepliesError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state
 from fedlr.robust.rules import RobustConfig
-from fedlr.round.instructions import instruction_config, prepare_round
+from fedlr.round.instructions import instruction_config
 from fedlr.strategies import FedAvgLoRA
 from fedlr.wire import protocol
 from fedlr.wire.fingerprint import (
@@ -385,7 +385,7 @@ def test_trimmed_clients_are_counted_and_their_metrics_reported_apart():
         model, robust=RobustConfig(rule="trimmed-mean", trim_fraction=0.2)
     )
     initial = strategy.initial_arrays(model)
-    prepare_round(strategy, 1, initial, ConfigRecord({}))
+    strategy.begin_round(1, initial, ConfigRecord({}))
     state = record_to_state(initial)
     g = torch.Generator().manual_seed(0)
     replies = []

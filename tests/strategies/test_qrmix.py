@@ -193,7 +193,7 @@ def test_clipped_stage_two_reply_moves_its_eigen_delta_with_its_head():
         _reply(1000 + i, c, 5, e)
         for i, (c, e) in enumerate(zip(clients, eigens, strict=True))
     ]
-    updates, _ = strategy.replies.validate_replies(replies)
+    updates, _ = strategy.replies.validate_replies(replies, strategy.round.arrays)
     outcome = robust_aggregate(
         updates, strategy.replies.space(current), strategy.robust
     )

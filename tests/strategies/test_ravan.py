@@ -20,7 +20,6 @@ from fedlr.adapters import Role, parameters_by_key
 from fedlr.errors import ConfigError, InstructionError, ProtocolError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state, state_to_record
-from fedlr.round.instructions import prepare_round
 from fedlr.strategies.ravan import (
     RAVAN_CORES,
     RAVAN_HEADS,
@@ -66,7 +65,7 @@ def _cores(strategy: Ravan, seed: int) -> dict[str, torch.Tensor]:
 def _instruction(strategy: Ravan, model, b: dict[str, torch.Tensor]):
     initial = record_to_state(strategy.initial_arrays(model))
     arrays = {**initial, **{k: v.float() for k, v in b.items()}}
-    config = prepare_round(strategy, 1, ArrayRecord(arrays), ConfigRecord({"lr": LR}))
+    config = strategy.begin_round(1, ArrayRecord(arrays), ConfigRecord({"lr": LR}))
     config[protocol.SERVER_ROUND] = 1
     content = RecordDict(
         {protocol.ARRAYS: ArrayRecord(arrays), protocol.CONFIG: config}

@@ -13,7 +13,6 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
 from fedlr.flower.records import record_to_state
-from fedlr.round.instructions import prepare_round
 from fedlr.strategies import FedAvgLoRA, FedExLoRA, FedSVD
 from tests.strategies.conftest import reply
 from tests.strategies.test_lora_strategies import LAYOUT, _client, _global
@@ -22,7 +21,7 @@ STRATEGIES = [FedAvgLoRA, FedExLoRA, FedSVD]
 
 
 def _round(strategy, replies):
-    prepare_round(strategy, 1, ArrayRecord(_global()), ConfigRecord({}))
+    strategy.begin_round(1, ArrayRecord(_global()), ConfigRecord({}))
     return strategy.aggregate_train(1, replies)
 
 

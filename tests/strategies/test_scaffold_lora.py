@@ -24,7 +24,6 @@ from fedlr.config.run import RunConfig
 from fedlr.errors import InstructionError
 from fedlr.flower import InProcessGrid
 from fedlr.flower.records import record_to_state
-from fedlr.round.instructions import prepare_round
 from fedlr.round.pipeline import run_round
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
 from fedlr.strategies.scaffold_lora import (
@@ -77,8 +76,9 @@ def test_c_is_the_mean_of_the_committed_c_i_through_lost_dropped_rejected_rounds
     g = torch.Generator().manual_seed(7)
     checked = 0
     for server_round in (1, 2, 3, 4, 5):
-        prepare_round(strategy, server_round, ArrayRecord(current), ConfigRecord({}))
-        strategy.nodes_sampled_from = 4
+        strategy.begin_round(
+            server_round, ArrayRecord(current), ConfigRecord({}), population=4
+        )
         sent = [instruction(n) for n in nodes]
         messages = strategy.instructions(
             server_round, sent, ArrayRecord(current), train=True
@@ -142,8 +142,7 @@ def test_a_clipped_delta_is_committed_as_the_server_applied_it():
         k: 0.1 * torch.randn(v.shape, generator=g) for k, v in strategy.control.items()
     }
     before = {k: v.clone() for k, v in strategy.control.items()}
-    prepare_round(strategy, 1, ArrayRecord(current), ConfigRecord({}))
-    strategy.nodes_sampled_from = 3
+    strategy.begin_round(1, ArrayRecord(current), ConfigRecord({}), population=3)
     deltas, replies = [], []
     for node, scale in enumerate((0.01, 0.01, 0.1)):
         arrays = {

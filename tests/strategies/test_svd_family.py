@@ -310,6 +310,7 @@ def test_personal_evaluation_reports_mean_and_spread():
         )
         for i, acc in enumerate([0.5, 0.7, 0.9])
     ]
+    strategy.begin_round(1, ArrayRecord())  # the round the evaluation is of
     strategy.aggregate_evaluate(1, replies)
     ev = strategy.last_evaluation
     assert ev["accuracy"] == pytest.approx(0.7)

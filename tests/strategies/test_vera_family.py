@@ -219,7 +219,13 @@ def test_sorf_vera_averages_built_matrices_and_reports_dense_residuals():
         )
         torch.testing.assert_close(
             strategy.averaged_lambda(
-                m, [u for u in strategy.replies.validate_replies(replies)[0]]
+                m,
+                [
+                    u
+                    for u in strategy.replies.validate_replies(
+                        replies, strategy.round.arrays
+                    )[0]
+                ],
             ),
             lam_bar,
         )
