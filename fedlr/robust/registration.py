@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -110,42 +110,9 @@ def _no_settings(config: RobustConfig) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class RobustRule:
-    """One registered rule (:func:`register_rule` says what each field is)."""
+    """One registered rule (a value of the ``robust`` run-config key).
 
-    name: str
-    summary: str
-    defends: str
-    startup: Callable[[RobustConfig], str]
-    apply: Apply | None = None
-    records: RecordFactors | None = None
-    options: type[Options] = NoOptions
-    settings: Callable[[RobustConfig], dict[str, Any]] = _no_settings
-    clipping: bool = False
-
-    @property
-    def page(self) -> str:
-        """The rule's docs page, relative to the repository."""
-        return f"docs/robust/{self.name}.md"
-
-
-_RULES: dict[str, RobustRule] = {}
-
-
-def register_rule(
-    name: str,
-    *,
-    summary: str,
-    defends: str,
-    startup: Callable[[RobustConfig], str],
-    apply: Apply | None = None,
-    records: RecordFactors | None = None,
-    options: type[Options] = NoOptions,
-    settings: Callable[[RobustConfig], dict[str, Any]] = _no_settings,
-    clipping: bool = False,
-) -> RobustRule:
-    """Register a robust rule (a value of the ``robust`` run-config key).
-
-    Parameters
+    Attributes
     ----------
     name : str
         The ``robust`` value; its page is ``docs/robust/<name>.md``.
@@ -164,31 +131,61 @@ def register_rule(
         (:data:`RecordFactors`; :func:`gram_records`). ``None``: untouched.
     options : Options class, optional
         The rule's own run-config keys (:func:`~fedlr.options.option`);
-        the rule reads them as ``options.of(config.options)``. A key two rules
+        the rule reads them as ``options.of(config.options)``, and they are
+        its entries in the strategy's settings summary. A key two rules
         declare must be declared alike.
     settings : callable, optional
-        ``settings(config) -> dict``: the rule's entries in the strategy's
-        settings summary.
+        ``settings(config) -> dict``: its other entries in the settings
+        summary (common keys it reads, e.g. ``trim_fraction``).
     clipping : bool
         Whether the rule has a bound that ``clip-reference = "server"`` sets.
+    """
+
+    name: str
+    summary: str
+    defends: str
+    startup: Callable[[RobustConfig], str]
+    apply: Apply | None = None
+    records: RecordFactors | None = None
+    options: type[Options] = NoOptions
+    settings: Callable[[RobustConfig], dict[str, Any]] = _no_settings
+    clipping: bool = False
+
+    @property
+    def page(self) -> str:
+        """The rule's docs page, relative to the repository."""
+        return f"docs/robust/{self.name}.md"
+
+    def describe(self, config: RobustConfig) -> dict[str, Any]:
+        """The rule's entries in the strategy's settings summary: its own
+        options, then :attr:`settings`."""
+        return {**asdict(self.options.of(config.options)), **self.settings(config)}
+
+
+_RULES: dict[str, RobustRule] = {}
+
+
+def register_rule(name: str, **declared: Any) -> RobustRule:
+    """Register a robust rule: ``name`` and the other fields of
+    :class:`RobustRule` (``summary``, ``defends``, ``startup`` required).
 
     Raises
     ------
     ValueError
         If the name is taken, or a key is declared differently by another rule.
+    TypeError
+        If a field is not one of :class:`RobustRule`'s.
     """
+    rule = RobustRule(name, **declared)
     if name in _RULES or name == ROBUST_AUTO:
         raise ValueError(f"robust rule '{name}' is already registered")
     for other in _RULES.values():
         theirs = other.options.option_fields()
-        for key, f in options.option_fields().items():
+        for key, f in rule.options.option_fields().items():
             if key in theirs and declaration(theirs[key]) != declaration(f):
                 raise ValueError(
                     f"rule '{name}' declares '{key}' unlike rule '{other.name}'"
                 )
-    rule = RobustRule(
-        name, summary, defends, startup, apply, records, options, settings, clipping
-    )
     _RULES[name] = rule
     return rule
 

@@ -18,7 +18,7 @@ matrix.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -78,10 +78,6 @@ def _choose(
     return done
 
 
-def _settings(config: RobustConfig) -> dict[str, Any]:
-    return {"krum_byzantine": _byzantine(config)}
-
-
 register_rule(
     "bulyan",
     summary="Multi-Krum's `k - 2f` clients (`f` = `krum-byzantine`), then the "
@@ -96,5 +92,4 @@ register_rule(
         "not kept by Bulyan on the record",
     ),
     options=KrumOptions,
-    settings=_settings,
 )

@@ -13,7 +13,7 @@ to its reference.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -87,10 +87,6 @@ def _choose(
     )
 
 
-def _settings(config: RobustConfig) -> dict[str, Any]:
-    return {"krum_byzantine": _byzantine(config)}
-
-
 register_rule(
     "krum",
     summary="the one client whose summed squared distance to its `k - f - 2` "
@@ -105,5 +101,4 @@ register_rule(
         "not Krum's choice on the record",
     ),
     options=KrumOptions,
-    settings=_settings,
 )

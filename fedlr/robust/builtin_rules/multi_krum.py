@@ -9,7 +9,7 @@ its reference.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -63,14 +63,6 @@ def _startup(config: RobustConfig) -> str:
     return f"Multi-Krum keeping {keep}, f = {options.krum_byzantine}"
 
 
-def _settings(config: RobustConfig) -> dict[str, Any]:
-    options = MultiKrumOptions.of(config.options)
-    return {
-        "krum_byzantine": options.krum_byzantine,
-        "multi_krum_keep": options.multi_krum_keep,
-    }
-
-
 register_rule(
     "multi-krum",
     summary="the `multi-krum-keep` clients of lowest Krum score (`0`: all but "
@@ -81,5 +73,4 @@ register_rule(
     apply=gram_rule(_choose),
     records=selected_records(_select, "Krum score on the record not kept"),
     options=MultiKrumOptions,
-    settings=_settings,
 )
