@@ -52,7 +52,7 @@ from fedlr.adapters.roles import AdaptedModel
 from fedlr.adapters.vera import VeraModel
 from fedlr.errors import FedLRError, UnknownKeyError
 from fedlr.strategies.registry import MethodConfig
-from fedlr.tasks.text import text_task
+from fedlr.tasks.text import published_rank, server_config, text_task
 from fedlr.tasks.vera import VeraOptions, build_vera_text_model
 
 __all__ = [
@@ -104,12 +104,10 @@ def build_export_model(
         return vm
     if kind != "lora":
         return None
-    if config.rank_list:
-        config = config.replace(lora_rank=config.global_rank)
+    config = server_config(config)
     lm: LoraModel = text_task(config).build_lora_model()
-    a_key = lm.layout.modules[0].a_key
-    if a_key in state and int(state[a_key].shape[0]) != config.lora_rank:
-        rank = int(state[a_key].shape[0])
+    rank = published_rank(lm.layout, state, config.lora_rank)
+    if rank != config.lora_rank:
         lm = text_task(config.replace(lora_rank=rank)).build_lora_model()
     lm.load(state)
     return lm

@@ -12,7 +12,7 @@ rebuilt at the rank of the arrays it receives.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import fields
 from typing import Any, cast
 
@@ -44,8 +44,19 @@ from fedlr.server_apps.plans import (
 )
 from fedlr.strategies.async_lora import AsyncLoraStrategy
 from fedlr.strategies.lora import LoraStrategy
-from fedlr.strategies.registry import MethodConfig, available_methods, get_method
-from fedlr.tasks.text import CausalLMTask, TextTask, text_task
+from fedlr.strategies.registry import (
+    MethodConfig,
+    MethodSpec,
+    available_methods,
+    get_method,
+)
+from fedlr.tasks.text import (
+    CausalLMTask,
+    TextTask,
+    published_rank,
+    server_config,
+    text_task,
+)
 
 __all__ = ["lora_plan", "server_context", "server_update"]
 
@@ -67,22 +78,10 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
         "type[LoraStrategy]", spec.strategy_for(client_ranks=bool(config.rank_list))
     )
     if config.rank_list:
-        if not traits.heterogeneous_ranks:
-            ranked = [
-                name
-                for name in available_methods()
-                if get_method(name).traits.heterogeneous_ranks
-            ]
-            raise ConfigError(
-                "client-ranks",
-                f"method '{spec.name}' trains one rank on every client; "
-                f"heterogeneous ranks need one of {', '.join(ranked)}",
-            )
-        # The server's adapters have the largest client rank.
-        config = config.replace(lora_rank=config.global_rank)
+        _check_heterogeneous(spec)
+    config = server_config(config)
     task = text_task(config)
-    models: dict[int, LoraModel] = {config.lora_rank: task.build_lora_model()}
-    lm = models[config.lora_rank]
+    lm = task.build_lora_model()
     strategy = strategy_cls.from_run_config(config, lm.layout, method.options)
     initial = strategy.initial_global_state(
         adapter_state(lm.model, lm.layout, strategy.send_roles)
@@ -92,22 +91,7 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
     )
     heldout = task.heldout()
     device = pick_device(config.device)
-    first_a = lm.layout.modules[0].a_key
-
-    def model_at(rank: int) -> LoraModel:
-        if rank not in models:
-            models.clear()  # keep one model (and the initial one's rank) in memory
-            models[rank] = text_task(config.replace(lora_rank=rank)).build_lora_model()
-        return models[rank]
-
-    def evaluate_on(state: Mapping[str, torch.Tensor], data: Any) -> dict[str, float]:
-        """The model of the published arrays ``state`` evaluated on ``data``."""
-        rank = int(state[first_a].shape[0]) if first_a in state else config.lora_rank
-        model = model_at(rank)
-        model.load(state)
-        result = task.evaluate(model.model, data, device)
-        model.model.to("cpu")
-        return result
+    evaluate_on = _PublishedModel(task, config, lm, device)
 
     def evaluate_global(
         server_round: int, state: Mapping[str, torch.Tensor]
@@ -125,32 +109,7 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
         if traits.personalised
         else ""
     )
-    checked = task.check_examples()  # None unless the check or the server's update
-    if config.heldout_check:  # personalised methods are refused at configuration
-
-        def validation_loss(state: Mapping[str, torch.Tensor]) -> float:
-            return float(evaluate_on(state, checked)["loss"])
-
-        strategy.heldout_check = HeldOutCheck(
-            validation_loss, config.heldout_check_margin, len(checked)
-        )
-        note += (
-            f"; held-out check on {len(checked)} other examples "
-            f"(margin {config.heldout_check_margin:g})"
-        )
-
-    if config.server_update_share > 0:  # the rest is refused at configuration
-        check_server_update_strategy(
-            spec.name,
-            sorted(strategy.replies.records()),
-            asynchronous=isinstance(strategy, AsyncLoraStrategy),
-        )
-        strategy.server_update = server_update(task, config, checked)
-        note += (
-            f"; the server's own update on {strategy.server_update.examples} "
-            f"other examples (share {config.server_update_share:g})"
-        )
-
+    note += _server_checks(method, strategy, task, evaluate_on)
     return heldout_plan(
         config,
         strategy=strategy,
@@ -166,6 +125,91 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
         ),
         note=note,
     )
+
+
+class _PublishedModel:
+    """The server's LoRA model at the rank of the arrays it published
+    (:func:`fedlr.tasks.text.published_rank`), one model kept in memory."""
+
+    def __init__(
+        self,
+        task: TextTask | CausalLMTask,
+        config: RunConfig,
+        model: LoraModel,
+        device: torch.device,
+    ) -> None:
+        self.task, self.config, self.device = task, config, device
+        self.layout = model.layout
+        self.models = {config.lora_rank: model}
+
+    def model_at(self, rank: int) -> LoraModel:
+        if rank not in self.models:
+            self.models.clear()  # keep one model (and the initial one's rank) in memory
+            rebuilt = text_task(self.config.replace(lora_rank=rank))
+            self.models[rank] = rebuilt.build_lora_model()
+        return self.models[rank]
+
+    def __call__(
+        self, state: Mapping[str, torch.Tensor], data: Any
+    ) -> dict[str, float]:
+        """The model of the published arrays ``state`` evaluated on ``data``."""
+        model = self.model_at(published_rank(self.layout, state, self.config.lora_rank))
+        model.load(state)
+        result = self.task.evaluate(model.model, data, self.device)
+        model.model.to("cpu")
+        return result
+
+
+def _check_heterogeneous(spec: MethodSpec) -> None:
+    """Refuse ``client-ranks`` for a method that trains one rank everywhere."""
+    if not spec.traits.heterogeneous_ranks:
+        ranked = [
+            name
+            for name in available_methods()
+            if get_method(name).traits.heterogeneous_ranks
+        ]
+        raise ConfigError(
+            "client-ranks",
+            f"method '{spec.name}' trains one rank on every client; "
+            f"heterogeneous ranks need one of {', '.join(ranked)}",
+        )
+
+
+def _server_checks(
+    method: MethodConfig,
+    strategy: LoraStrategy,
+    task: TextTask | CausalLMTask,
+    evaluate_on: Callable[[Mapping[str, torch.Tensor], Any], dict[str, float]],
+) -> str:
+    """Attach the held-out check and the server's own update the run config
+    asks for (the rest is refused at configuration, personalised methods
+    too); their part of the plan's note."""
+    config, note = method.run, ""
+    checked = task.check_examples()  # None unless the check or the server's update
+    if config.heldout_check:
+
+        def validation_loss(state: Mapping[str, torch.Tensor]) -> float:
+            return float(evaluate_on(state, checked)["loss"])
+
+        strategy.heldout_check = HeldOutCheck(
+            validation_loss, config.heldout_check_margin, len(checked)
+        )
+        note += (
+            f"; held-out check on {len(checked)} other examples "
+            f"(margin {config.heldout_check_margin:g})"
+        )
+    if config.server_update_share > 0:
+        check_server_update_strategy(
+            method.spec.name,
+            sorted(strategy.replies.records()),
+            asynchronous=isinstance(strategy, AsyncLoraStrategy),
+        )
+        strategy.server_update = server_update(task, config, checked)
+        note += (
+            f"; the server's own update on {strategy.server_update.examples} "
+            f"other examples (share {config.server_update_share:g})"
+        )
+    return note
 
 
 def server_update(

@@ -25,6 +25,7 @@ import torch
 from fedlr.adapters import LoraSettings, apply_lora, lora_layout
 from fedlr.adapters.lora import LoraModel
 from fedlr.adapters.orientation import resolve_targets
+from fedlr.adapters.roles import AdapterLayout
 from fedlr.client.train import EncodedText, encode_text, evaluate
 from fedlr.config.run import RunConfig
 from fedlr.data import DATASETS, dataset_info
@@ -40,7 +41,14 @@ from fedlr.models.causal import (
 from fedlr.tasks.lm import EncodedInstructions, encode_instructions, evaluate_lm
 from fedlr.wire import protocol
 
-__all__ = ["CausalLMTask", "LoraModel", "TextTask", "text_task"]
+__all__ = [
+    "CausalLMTask",
+    "LoraModel",
+    "TextTask",
+    "published_rank",
+    "server_config",
+    "text_task",
+]
 
 
 def _datasets(kind: str) -> list[str]:
@@ -60,6 +68,26 @@ def text_task(config: RunConfig) -> TextTask | CausalLMTask:
     if spec.kind == "instruct":
         return CausalLMTask(config)
     return TextTask(config)
+
+
+def server_config(config: RunConfig) -> RunConfig:
+    """The run config of the server's LoRA model: under ``client-ranks`` its
+    adapters have the largest client rank (:attr:`RunConfig.global_rank`).
+
+    The one decision of the server's rank: the ServerApp's plan
+    (:mod:`fedlr.server_apps.lora`) and the export (:mod:`fedlr.runs.export`)
+    both build from it.
+    """
+    return config.replace(lora_rank=config.global_rank) if config.rank_list else config
+
+
+def published_rank(
+    layout: AdapterLayout, state: Mapping[str, torch.Tensor], default: int
+) -> int:
+    """The rank of the LoRA factors the server published in ``state`` (its
+    first ``A``: FedSpec changes the rank), else ``default``."""
+    a_key = layout.modules[0].a_key
+    return int(state[a_key].shape[0]) if a_key in state else default
 
 
 class _Common:
