@@ -495,10 +495,22 @@ def apply_round(
     )
     active = (feature.for_round(job) for feature in features)
     job.features = tuple(f for f in active if f is not None)
-
-    received = checked.arrays
-    state = initial_state(view)
     check_instruction(view, config)  # built like the server's model (fingerprint)
+    _load_arrays(job, checked.arrays, leading)
+    for param in view.model.parameters():
+        param.requires_grad_(False)
+    if job.is_train:
+        _set_training(job)
+    return job
+
+
+def _load_arrays(
+    job: ClientRound, received: dict[str, torch.Tensor], leading: bool
+) -> None:
+    """Load the instruction's arrays over the model's initial values (cut to
+    the leading rank where the instruction says), as the features edit them."""
+    view = job.adapted
+    state = initial_state(view)
     loaded = received
     if leading and isinstance(view, LoraModel):
         loaded = leading_rank(view.layout, received)
@@ -508,17 +520,16 @@ def apply_round(
         feature.load(job, received, state)
     view.load(state)
 
-    for param in view.model.parameters():
-        param.requires_grad_(False)
-    if job.is_train:
-        view.train_only(roles + keep)
-        for feature in job.features:
-            for param in feature.train_also(job):
-                param.requires_grad_(True)
-        terms = [(feature, feature.loss(job)) for feature in job.features]
-        job._loss_features = tuple(f for f, t in terms if t is not None)
-        job._penalty = _sum_of([t for _, t in terms if t is not None])
-    return job
+
+def _set_training(job: ClientRound) -> None:
+    """Unfreeze what the round trains and collect the features' loss terms."""
+    job.adapted.train_only(job.train_roles + job.keep_roles)
+    for feature in job.features:
+        for param in feature.train_also(job):
+            param.requires_grad_(True)
+    terms = [(feature, feature.loss(job)) for feature in job.features]
+    job._loss_features = tuple(f for f, t in terms if t is not None)
+    job._penalty = _sum_of([t for _, t in terms if t is not None])
 
 
 def _conform_model(

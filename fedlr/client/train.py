@@ -38,6 +38,8 @@ __all__ = [
     "default_optimizer",
     "encode_text",
     "evaluate",
+    "model_loss",
+    "model_output",
     "pad_rows",
     "pick_device",
     "train_steps",
@@ -165,8 +167,10 @@ class TrainSettings:
     max_grad_norm : float
         Gradient clipping threshold (0 disables).
     optimizer : {"adamw", "sgd"}
-        The local solver (:data:`OPTIMIZERS`): AdamW, or plain SGD (no
-        momentum), each with ``lr`` and ``weight_decay``.
+        The local solver (:data:`OPTIMIZERS`): AdamW, or SGD, each with ``lr``
+        and ``weight_decay``.
+    momentum : float
+        SGD's momentum (0: plain SGD; the vision clients' ``momentum``).
     """
 
     local_steps: int
@@ -175,6 +179,7 @@ class TrainSettings:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     optimizer: str = "adamw"
+    momentum: float = 0.0
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -187,28 +192,29 @@ class TrainSettings:
 class LoopControl(Protocol):
     """A client feature that runs :func:`train_steps`' batches, loss and step.
 
-    Sample-level DP-SGD (:class:`fedlr.privacy.dp_sgd.DpSgd`) is one: Poisson
-    batches, a loss whose per-example gradients Opacus can clip, and an
-    optimizer that clips each example's gradient and adds noise.
+    Sample-level DP-SGD (:class:`fedlr.privacy.dp_sgd.PrivateLoop`) is one:
+    Poisson batches, a loss whose per-example gradients Opacus can clip, and
+    an optimizer that clips each example's gradient and adds noise.
     """
 
-    def start(
+    def make_private(
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         data: TrainData,
         settings: TrainSettings,
         seed: int,
-    ) -> torch.optim.Optimizer:
-        """Prepare the loop (hooks on ``model``, over ``data``); the optimizer
-        to step with.
+        *,
+        regulariser: Callable[[], torch.Tensor] | None = None,
+    ) -> tuple[torch.optim.Optimizer, Iterator[list[int]]]:
+        """Prepare the loop (hooks on ``model``, over ``data``), as Opacus's
+        ``make_private``: the optimizer to step with and the example indices
+        of each step (possibly empty).
 
-        May raise to refuse the round (a spent privacy budget).
+        ``regulariser``: the round's loss terms that read no data; the
+        control adds their gradient to each step itself (they are not added
+        to the loss). May raise to refuse the round (a spent privacy budget).
         """
-        ...
-
-    def batches(self) -> Iterator[list[int]]:
-        """The example indices of each step (possibly empty)."""
         ...
 
     def loss(self, output: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -220,8 +226,25 @@ class LoopControl(Protocol):
         ...
 
     def stop(self) -> None:
-        """Undo :meth:`start` (remove hooks) and record the steps taken."""
+        """Undo :meth:`make_private` (remove hooks) and record the steps taken."""
         ...
+
+
+Forward = Callable[[torch.nn.Module, dict[str, torch.Tensor]], Any]
+"""One training batch through a model: its output."""
+
+Loss = Callable[[Any, dict[str, torch.Tensor]], torch.Tensor]
+"""A step's loss from the model's output and the batch."""
+
+
+def model_output(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> Any:
+    """A transformers model's forward on ``batch`` (labels included)."""
+    return model(**batch)
+
+
+def model_loss(output: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A transformers model's own loss (``output.loss``)."""
+    return output.loss
 
 
 def _batches(
@@ -257,10 +280,12 @@ def train_steps(
     wrap_optimizer: Callable[[torch.optim.Optimizer], torch.optim.Optimizer]
     | None = None,
     control: LoopControl | None = None,
+    forward: Forward = model_output,
+    loss: Loss = model_loss,
 ) -> float:
     """Run ``settings.local_steps`` optimiser steps on the trainable parameters.
 
-    The optimiser is ``settings.optimizer``: AdamW (the default) or plain SGD.
+    The optimiser is ``settings.optimizer``: AdamW (the default) or SGD.
 
     Parameters
     ----------
@@ -271,9 +296,10 @@ def train_steps(
         Seed of the batch order and of dropout.
     device : torch.device
     penalty : callable, optional
-        A term added to every step's loss (the round's client features' loss
-        terms, :meth:`fedlr.client.round.ClientRound.penalty`), called after the
-        model moved to ``device``.
+        A term that reads no data, added once per step (the round's client
+        features' loss terms, :meth:`fedlr.client.round.ClientRound.penalty`),
+        called after the model moved to ``device``: to every step's loss, or
+        under ``control`` by the control after its clipping and noise.
     after_backward : callable, optional
         Called after every ``backward`` and before gradient clipping and the
         step (:meth:`fedlr.client.round.ClientRound.after_backward`: gradient
@@ -286,47 +312,40 @@ def train_steps(
         (:meth:`fedlr.client.round.ClientRound.loop_control`: sample-level DP-SGD's
         Poisson batches, per-sample clipping and noise). It replaces the
         ``max_grad_norm`` clipping of the batch gradient.
+    forward, loss : callable, optional
+        The model's output on a batch and the step's loss from it (default
+        :func:`model_output`, :func:`model_loss`: a transformers model's own
+        loss); under ``control`` the loss is the control's, from the output.
 
     Returns
     -------
     float
-        Mean training loss over the steps (without the penalty).
+        Mean training loss over the steps (without the penalty; NaN if every
+        step drew no example).
     """
     if len(data) == 0:
         raise ValueError("cannot train on an empty partition")
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer: torch.optim.Optimizer
-    if settings.optimizer == "sgd":
-        optimizer = torch.optim.SGD(
-            params, lr=settings.lr, weight_decay=settings.weight_decay
-        )
-    else:
-        optimizer = torch.optim.AdamW(
-            params, lr=settings.lr, weight_decay=settings.weight_decay
-        )
-    if wrap_optimizer is not None:
-        optimizer = wrap_optimizer(optimizer)
+    optimizer = _optimizer(params, settings, wrap_optimizer)
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # dropout
     model.to(device).train()
     batches = _batches(len(data), settings.batch_size, generator)
     if control is not None:
-        optimizer = control.start(model, optimizer, data, settings, seed)
-        batches = control.batches()
-    total, counted = 0.0, 0
+        optimizer, batches = control.make_private(
+            model, optimizer, data, settings, seed, regulariser=penalty
+        )
+        penalty = None  # the control adds its gradient, once per step
+    losses: list[float] = []
     try:
         for _ in range(settings.local_steps):
             indices = next(batches)
             if not indices:  # a Poisson draw of no example: the step is noise
-                optimizer.zero_grad(set_to_none=True)
-                if control is not None:
-                    control.empty_step()
-                optimizer.step()
+                _empty_step(optimizer, control)
                 continue
             batch = {k: v.to(device) for k, v in data.batch(indices).items()}
-            output = model(**batch)
-            loss = output.loss if control is None else control.loss(output, batch)
-            objective = loss if penalty is None else loss + penalty()
+            value = _step_loss(model, batch, forward, loss, control)
+            objective = value if penalty is None else value + penalty()
             optimizer.zero_grad(set_to_none=True)
             objective.backward()
             if after_backward is not None:
@@ -334,12 +353,54 @@ def train_steps(
             if settings.max_grad_norm > 0 and control is None:
                 torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
             optimizer.step()
-            total += float(loss.detach())
-            counted += 1
+            losses.append(float(value.detach()))
     finally:
         if control is not None:
             control.stop()
-    return total / counted if counted else math.nan
+    return sum(losses) / len(losses) if losses else math.nan
+
+
+def _optimizer(
+    params: list[torch.nn.Parameter],
+    settings: TrainSettings,
+    wrap: Callable[[torch.optim.Optimizer], torch.optim.Optimizer] | None,
+) -> torch.optim.Optimizer:
+    """The round's local solver over ``params`` (:attr:`TrainSettings.optimizer`),
+    as ``wrap`` wraps it."""
+    optimizer: torch.optim.Optimizer
+    if settings.optimizer == "sgd":
+        optimizer = torch.optim.SGD(
+            params,
+            lr=settings.lr,
+            momentum=settings.momentum,
+            weight_decay=settings.weight_decay,
+        )
+    else:
+        optimizer = torch.optim.AdamW(
+            params, lr=settings.lr, weight_decay=settings.weight_decay
+        )
+    return optimizer if wrap is None else wrap(optimizer)
+
+
+def _step_loss(
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    forward: Forward,
+    loss: Loss,
+    control: LoopControl | None,
+) -> torch.Tensor:
+    """The step's loss from the model's output: ``loss``, or under ``control``
+    the control's (DP-SGD's per-example mean)."""
+    output = forward(model, batch)
+    return loss(output, batch) if control is None else control.loss(output, batch)
+
+
+def _empty_step(optimizer: torch.optim.Optimizer, control: LoopControl | None) -> None:
+    """A step over no example (a Poisson draw of none): under DP-SGD, noise."""
+    optimizer.zero_grad(set_to_none=True)
+    if control is not None:
+        control.empty_step()
+    optimizer.step()
 
 
 @torch.no_grad()

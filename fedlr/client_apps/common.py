@@ -34,8 +34,9 @@ from fedlr.errors import ConfigError, InstructionError, NodePolicyError, RecordT
 from fedlr.flower.records import config_float, config_int, config_str
 from fedlr.privacy.budget import data_key
 from fedlr.privacy.dp_evaluation import noised_metrics, reserve
+from fedlr.privacy.dp_sgd import private_loop
 from fedlr.privacy.node_policy import node_policy
-from fedlr.tasks.image import ImageRows, evaluate_images, image_scores
+from fedlr.tasks.image import ImageRows, evaluate_images, image_scores, train_sgd
 from fedlr.tasks.lm import EncodedInstructions
 from fedlr.wire import protocol
 
@@ -43,6 +44,7 @@ __all__ = [
     "image_evaluate_reply",
     "partition_of",
     "private_evaluation",
+    "train_images",
     "train_reply",
     "train_settings",
 ]
@@ -165,6 +167,48 @@ def train_reply(
     )
     job.model.to("cpu")
     return job.reply(num_examples=len(data), metrics={protocol.TRAIN_LOSS: loss})
+
+
+def train_images(
+    model: nn.Module,
+    data: ImageData,
+    context: Context,
+    round_config: ConfigRecord,
+    config: RunConfig,
+    *,
+    limits: NodeLimits,
+    momentum: float,
+    seed: int,
+) -> dict[str, Values]:
+    """A vision payload's local SGD on ``data``: the reply's training metrics.
+
+    The round's settings come from its ConfigRecord within the node's
+    ``limits`` (:func:`train_settings`); DP-SGD when the instruction asks
+    (:func:`fedlr.privacy.dp_sgd.private_loop`, the same loop as the text
+    payloads'). The metrics: ``num-examples`` (``len(data)``),
+    ``train-loss``, and DP-SGD's (:attr:`fedlr.privacy.dp_sgd.DpSgd.metrics`).
+    """
+    settings = train_settings(round_config, config, default_lr=config.lr, limits=limits)
+    control = private_loop(round_config, context)  # DP-SGD, if asked
+    loss = train_sgd(
+        model,
+        data,
+        steps=settings.local_steps,
+        lr=settings.lr,
+        batch_size=settings.batch_size,
+        seed=seed,
+        momentum=momentum,
+        weight_decay=settings.weight_decay,
+        device=pick_device(config.device),
+        control=control,
+    )
+    metrics: dict[str, Values] = {
+        protocol.NUM_EXAMPLES: len(data),
+        protocol.TRAIN_LOSS: loss,
+    }
+    if control is not None:
+        metrics.update(control.metrics())
+    return metrics
 
 
 def private_evaluation(

@@ -23,18 +23,26 @@ and the task, and never leaves the client.
 from __future__ import annotations
 
 import torch
-from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.app import MetricRecordValues as Values
 
 from fedlr.client.checks import NodeLimits, check_config, decode_checked
-from fedlr.client.train import client_seed, pick_device
+from fedlr.client.train import client_seed
 from fedlr.client_apps.common import (
     image_evaluate_reply,
     partition_of,
-    train_settings,
+    train_images,
 )
 from fedlr.config.run import RunConfig
 from fedlr.data.continual import ContinualStream
+from fedlr.data.images import ImageData
 from fedlr.errors import InstructionError
 from fedlr.flower.records import (
     array_record,
@@ -43,7 +51,6 @@ from fedlr.flower.records import (
     state_to_record,
 )
 from fedlr.models.vision import VisionModel
-from fedlr.privacy.dp_sgd import private_loop
 from fedlr.tasks.continual import (
     ContinualOptions,
     build_continual_model,
@@ -51,7 +58,6 @@ from fedlr.tasks.continual import (
     stream_from_config,
     task_view,
 )
-from fedlr.tasks.image import train_sgd
 from fedlr.wire import protocol
 
 __all__ = ["evaluate_message", "train_message"]
@@ -154,7 +160,6 @@ def train_message(message: Message, context: Context) -> Message:
     model.load_state_dict(state)
     task = config_int(round_config, protocol.TASK, 0)
     gpse_task = config_int(round_config, protocol.GPSE_TASK, -1)
-    device = pick_device(config.device)
     metrics: dict[str, Values] = {protocol.PARTITION_ID: pid}
     content = RecordDict()
 
@@ -162,51 +167,63 @@ def train_message(message: Message, context: Context) -> Message:
     if gpse_task >= 0:
         data = stream.partition(gpse_task, pid)
         data = data.select(range(min(len(data), options.fot_activation_examples)))
-        sketches = sketch_layer_inputs(
-            model,
-            model.projected_layers(),
-            data,
-            bases,
-            sketch_dim=config_int(round_config, protocol.SKETCH_DIM, 0),
-            seed=(config.seed * 1_000_003 + pid) * 1_009 + gpse_task,
-            batch_size=config.eval_batch_size or 256,
+        seed = (config.seed * 1_000_003 + pid) * 1_009 + gpse_task
+        content[protocol.SKETCHES] = _sketches(
+            model, data, bases, round_config, config, seed, metrics
         )
-        sketch_arrays = {}
-        for layer, sketch in sketches.items():
-            if sketch.sketch is None:
-                raise ValueError(f"layer '{layer}' saw no activations")
-            sketch_arrays[layer] = sketch.sketch.to(
-                model.get_parameter(f"{layer}.weight").dtype
-            )
-            metrics[protocol.gpse_fraction_key(layer)] = sketch.fraction
-        metrics[protocol.GPSE_EXAMPLES] = len(data)
-        content[protocol.SKETCHES] = state_to_record(sketch_arrays)
 
     # 2. local SGD on the current task
     server_round = config_int(round_config, protocol.SERVER_ROUND, 0)
     data = stream.partition(task, pid)
     module, view = task_view(model, data, stream.task_classes(task), stream.num_classes)
-    settings = train_settings(round_config, config, default_lr=config.lr, limits=limits)
-    control = private_loop(round_config, context)  # DP-SGD, if asked
-    loss = train_sgd(
+    metrics |= train_images(
         module,
         view,
-        steps=settings.local_steps,
-        lr=settings.lr,
-        batch_size=settings.batch_size,
-        seed=client_seed(config.seed, server_round, pid),
+        context,
+        round_config,
+        config,
+        limits=limits,
         momentum=options.momentum,
-        weight_decay=settings.weight_decay,
-        device=device,
-        control=control,
+        seed=client_seed(config.seed, server_round, pid),
     )
     model.to("cpu")
-    metrics.update({protocol.NUM_EXAMPLES: len(data), protocol.TRAIN_LOSS: loss})
-    if control is not None:
-        metrics.update(control.metrics())
     content[protocol.ARRAYS] = state_to_record(model.state_dict())
     content[protocol.METRICS] = MetricRecord(metrics)
     return Message(content, reply_to=message)
+
+
+def _sketches(
+    model: VisionModel,
+    data: ImageData,
+    bases: dict[str, torch.Tensor],
+    round_config: ConfigRecord,
+    config: RunConfig,
+    seed: int,
+    metrics: dict[str, Values],
+) -> ArrayRecord:
+    """GPSE on ``data`` (the node's examples of the finished task) with the
+    received global model: the random-projected residual activations of each
+    projected layer; each layer's kept fraction and the examples go into
+    ``metrics``."""
+    sketches = sketch_layer_inputs(
+        model,
+        model.projected_layers(),
+        data,
+        bases,
+        sketch_dim=config_int(round_config, protocol.SKETCH_DIM, 0),
+        seed=seed,
+        batch_size=config.eval_batch_size or 256,
+    )
+    sketch_arrays = {}
+    for layer, sketch in sketches.items():
+        if sketch.sketch is None:
+            raise ValueError(f"layer '{layer}' saw no activations")
+        sketch_arrays[layer] = sketch.sketch.to(
+            model.get_parameter(f"{layer}.weight").dtype
+        )
+        metrics[protocol.gpse_fraction_key(layer)] = sketch.fraction
+    metrics[protocol.GPSE_EXAMPLES] = len(data)
+    return state_to_record(sketch_arrays)
 
 
 def evaluate_message(message: Message, context: Context) -> Message:

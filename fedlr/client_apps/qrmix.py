@@ -22,15 +22,14 @@ from __future__ import annotations
 import time
 
 import torch
-from flwr.app import Context, Message, MetricRecord, RecordDict
-from flwr.app import MetricRecordValues as Values
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 
 from fedlr.client.checks import NodeLimits, check_config, decode_checked
-from fedlr.client.train import client_seed, pick_device
+from fedlr.client.train import client_seed
 from fedlr.client_apps.common import (
     image_evaluate_reply,
     partition_of,
-    train_settings,
+    train_images,
 )
 from fedlr.config.run import RunConfig
 from fedlr.data.images import ImageData
@@ -42,8 +41,7 @@ from fedlr.flower.records import (
 )
 from fedlr.linalg.qrmix import fc_flatten, fc_hessian_eigenpairs
 from fedlr.models.vision import VisionModel
-from fedlr.privacy.dp_sgd import private_loop
-from fedlr.tasks.image import EigenOptions, ImageTask, train_sgd
+from fedlr.tasks.image import EigenOptions, ImageTask
 from fedlr.wire import protocol
 
 __all__ = ["evaluate_message", "head_features", "train_message"]
@@ -121,57 +119,59 @@ def train_message(message: Message, context: Context) -> Message:
     data = _partition(config, pid, num)
     server_round = config_int(round_config, protocol.SERVER_ROUND, 0)
     seed = client_seed(config.seed, server_round, pid)
-    device = pick_device(config.device)
-    settings = train_settings(round_config, config, default_lr=config.lr, limits=limits)
-    control = private_loop(round_config, context)  # DP-SGD, if asked
-    loss = train_sgd(
+    metrics = train_images(
         model,
         data,
-        steps=settings.local_steps,
-        lr=settings.lr,
-        batch_size=settings.batch_size,
-        seed=seed,
+        context,
+        round_config,
+        config,
+        limits=limits,
         momentum=options.momentum,
-        weight_decay=settings.weight_decay,
-        device=device,
-        control=control,
+        seed=seed,
     )
+    metrics[protocol.PARTITION_ID] = pid
     model.to("cpu")
     state = model.parameter_state()
-    metrics: dict[str, Values] = {
-        protocol.NUM_EXAMPLES: len(data),
-        protocol.TRAIN_LOSS: loss,
-        protocol.PARTITION_ID: pid,
-    }
-    if control is not None:
-        metrics.update(control.metrics())
     reply = RecordDict({protocol.ARRAYS: state_to_record(state)})
     if config_int(round_config, protocol.QRMIX_STAGE, 1) == 2:
         start = time.perf_counter()
-        head = model.head_layer()
-        values, vectors = fc_hessian_eigenpairs(
-            head_features(model, data),
-            head.weight.detach(),
-            head.bias.detach(),
-            options.qrmix_k,
-            oversample=options.qrmix_oversample,
-            power_iters=options.qrmix_power_iters,
-            seed=seed,
-        )
-        w_key, b_key = f"{model.head}.weight", f"{model.head}.bias"
-        delta = fc_flatten(
-            state[w_key] - global_state[w_key], state[b_key] - global_state[b_key]
-        )
-        eigen = (vectors, values, delta)
-        reply[protocol.EIGEN] = state_to_record(
-            {
-                key: tensor.to(torch.float32)
-                for key, tensor in zip(protocol.EIGEN_KEYS, eigen, strict=True)
-            }
-        )
+        reply[protocol.EIGEN] = _eigen(model, data, state, global_state, options, seed)
         metrics["eigen-seconds"] = time.perf_counter() - start
     reply[protocol.METRICS] = MetricRecord(metrics)
     return Message(reply, reply_to=message)
+
+
+def _eigen(
+    model: VisionModel,
+    data: ImageData,
+    state: dict[str, torch.Tensor],
+    global_state: dict[str, torch.Tensor],
+    options: EigenOptions,
+    seed: int,
+) -> ArrayRecord:
+    """Stage 2's record: the head's Hessian eigenpairs at the trained model
+    and the head's update (trained minus received), flattened."""
+    head = model.head_layer()
+    values, vectors = fc_hessian_eigenpairs(
+        head_features(model, data),
+        head.weight.detach(),
+        head.bias.detach(),
+        options.qrmix_k,
+        oversample=options.qrmix_oversample,
+        power_iters=options.qrmix_power_iters,
+        seed=seed,
+    )
+    w_key, b_key = f"{model.head}.weight", f"{model.head}.bias"
+    delta = fc_flatten(
+        state[w_key] - global_state[w_key], state[b_key] - global_state[b_key]
+    )
+    eigen = (vectors, values, delta)
+    return state_to_record(
+        {
+            key: tensor.to(torch.float32)
+            for key, tensor in zip(protocol.EIGEN_KEYS, eigen, strict=True)
+        }
+    )
 
 
 def evaluate_message(message: Message, context: Context) -> Message:

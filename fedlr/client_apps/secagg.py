@@ -58,6 +58,7 @@ from flwr.app.message_type import MessageType
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
+from numpy.typing import NDArray
 
 from fedlr.client_apps.secagg_guard import secagg_guard
 from fedlr.config.run import RunConfig
@@ -134,10 +135,56 @@ def _as_fit_reply(
     """fedlr's train reply as the summands ``secaggplus_mod`` masks."""
     content = msg.content
     options = content.config_records[FEDLR_RECORD]
-    scale = float(cast(float, options[WEIGHT_SCALE]))
-    weighted = str(options[WEIGHTED_RECORD])
     limit = float(cast(float, options[CLIPPING_RANGE]))
-    # the fedlr handler sees the instruction of a plain round
+    metrics, records = _plain_reply(msg, ctxt, call_next)
+    examples = float(cast(float, metrics[protocol.NUM_EXAMPLES]))
+    config = RunConfig.from_mapping(ctxt.run_config)
+    round_config = content.config_records.get(protocol.CONFIG, ConfigRecord())
+    server_round = int(cast(int, round_config.get(protocol.SERVER_ROUND, 0)))
+    partition = int(cast(int, ctxt.node_config.get(protocol.PARTITION_ID, 0)))
+    weighted = str(options[WEIGHTED_RECORD])
+    cut = 0.0
+    if DP_THRESHOLD in options:  # distributed client DP: the noised update
+        threshold = int(cast(int, options[DP_THRESHOLD]))
+        allow = node_policy(ctxt.node_config).dp_allow_reproducible_noise
+        values, cut = _noised_update(
+            records,
+            content,
+            weighted,
+            config,
+            limit,
+            (threshold, server_round, partition),
+            allow,
+        )
+    else:
+        received = content.array_records.get(weighted)
+        if weighted in records and received is not None:
+            records[weighted], _ = clip_update(
+                records[weighted],
+                {key: received[key].numpy() for key in received},
+                config.secagg.client_clip,
+            )
+        scale = float(cast(float, options[WEIGHT_SCALE]))
+        _, values = flatten_summands(
+            records, weighted=weighted, weight=examples / scale
+        )
+    clipped = int(sum(int((np.abs(v) > limit).sum()) for v in values))
+    values.append(_scalars(options, metrics, clipped, cut))
+
+    saved.append(np.random.get_state())
+    seed = np.random.SeedSequence([config.seed, server_round, partition])
+    np.random.seed(int(seed.generate_state(1)[0]))
+    return Message(_fit_content(values), reply_to=msg)
+
+
+def _plain_reply(
+    msg: Message, ctxt: Context, call_next: ClientAppCallable
+) -> tuple[MetricRecord, dict[str, dict[str, Any]]]:
+    """The fedlr handler's reply to the instruction of a plain round: its one
+    MetricRecord and its arrays (NumPy), its weight checked against the
+    round's ``weight-scale``."""
+    content = msg.content
+    scale = float(cast(float, content.config_records[FEDLR_RECORD][WEIGHT_SCALE]))
     msg.content = RecordDict(
         {
             name: record
@@ -164,67 +211,47 @@ def _as_fit_reply(
         name: {key: record[key].numpy() for key in record}
         for name, record in out.array_records.items()
     }
-    config = RunConfig.from_mapping(ctxt.run_config)
-    round_config = content.config_records.get(protocol.CONFIG, ConfigRecord())
-    server_round = int(cast(int, round_config.get(protocol.SERVER_ROUND, 0)))
-    partition = int(cast(int, ctxt.node_config.get(protocol.PARTITION_ID, 0)))
-    cut = 0.0
-    if DP_THRESHOLD in options:  # distributed client DP: the noised update
-        threshold = int(cast(int, options[DP_THRESHOLD]))
-        allow = node_policy(ctxt.node_config).dp_allow_reproducible_noise
-        values, cut = _noised_update(
-            records,
-            content,
-            weighted,
-            config,
-            limit,
-            (threshold, server_round, partition),
-            allow,
-        )
-    else:
-        received = content.array_records.get(weighted)
-        if weighted in records and received is not None:
-            records[weighted], _ = clip_update(
-                records[weighted],
-                {key: received[key].numpy() for key in received},
-                config.secagg.client_clip,
-            )
-        _, values = flatten_summands(
-            records, weighted=weighted, weight=examples / scale
-        )
-    clipped = int(sum(int((np.abs(v) > limit).sum()) for v in values))
+    return metrics[0], records
+
+
+def _scalars(
+    options: ConfigRecord, metrics: MetricRecord, clipped: int, cut: float
+) -> NDArray[np.float64]:
+    """The reply's scalar metrics, encoded as one more masked summand (under
+    distributed client DP, the clipping counts only)."""
     scalars = SecureScalars(
         tuple(cast(list[str], options.get(SCALAR_KEYS, []))),
         tuple(cast(list[str], options.get(SCALAR_WEIGHTS, []))),
         int(cast(int, options.get(SCALAR_BASE, 2))),
-        limit,
+        float(cast(float, options[CLIPPING_RANGE])),
     )
     plain = {
         key: float(cast(float, value))
-        for key, value in metrics[0].items()
+        for key, value in metrics.items()
         if isinstance(value, (int, float)) and not isinstance(value, bool)
     }
-    loss = protocol.train_loss_of(metrics[0])
+    loss = protocol.train_loss_of(metrics)
+    examples = float(cast(float, metrics[protocol.NUM_EXAMPLES]))
     plain[protocol.TRAIN_LOSS] = loss
     plain[LOSS_EXAMPLES] = examples if np.isfinite(loss) else 0.0
     plain[CLIPPED] = float(clipped)
     plain[ddp.DP_CLIPPED] = cut
     if DP_THRESHOLD in options:  # nothing un-noised of the data: counts only
         plain = {key: plain[key] for key in DP_RELEASED}
-    values.append(scalars.encode(plain))
+    return scalars.encode(plain)
 
-    saved.append(np.random.get_state())
-    seed = np.random.SeedSequence([config.seed, server_round, partition])
-    np.random.seed(int(seed.generate_state(1)[0]))
 
-    fit = RecordDict()  # nothing of the handler's reply in the clear
+def _fit_content(values: list[Any]) -> RecordDict:
+    """The summands as Flower's legacy ``fitres`` records, which
+    ``secaggplus_mod`` masks (nothing of the handler's reply in the clear)."""
+    fit = RecordDict()
     fit["fitres.parameters"] = ArrayRecord(
         {str(i): Array.from_numpy_ndarray(value) for i, value in enumerate(values)}
     )
     fit["fitres.num_examples"] = MetricRecord({"num_examples": 1})
     fit["fitres.metrics"] = ConfigRecord({})
     fit["fitres.status"] = ConfigRecord({"code": 0, "message": "Success"})
-    return Message(fit, reply_to=msg)
+    return fit
 
 
 def _noised_update(

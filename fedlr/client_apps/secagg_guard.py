@@ -469,6 +469,13 @@ class _Book:
                 f"the unmask lists nodes {against[:5]} against the signed "
                 "survivor set (a survivor as dropped, or a dropout as alive)",
             )
+        self._check_signatures(signed, run_id, kept)
+
+    def _check_signatures(
+        self, signed: ConfigRecord, run_id: int, kept: list[int]
+    ) -> None:
+        """At least ``t`` distinct neighbours' valid signatures over the
+        survivor set ``kept`` this node signed."""
         ids = cast(list[Any], signed.get(SIGNERS, []))
         texts = cast(list[Any], signed.get(SIGNATURES, []))
         if len(ids) != len(texts):

@@ -289,6 +289,28 @@ def _train(spec: WarmUp, path: Path, *, progress: bool) -> Path:
         for text in _warm_up_texts()
     ]
     rows = [r[: spec.max_positions] for r in rows]
+    started = time.perf_counter()
+    loss_avg = _warm_up_steps(model, rows, spec, int(tok.pad_token_id), progress)
+    info = {
+        "settings": asdict(spec),
+        "examples": len(rows),
+        "final-loss": loss_avg,
+        "seconds": time.perf_counter() - started,
+    }
+    _save_warm(model, path, info)
+    logger.info("tiny-llama warmed up (loss %.3f), cached at %s", loss_avg, path)
+    return path
+
+
+def _warm_up_steps(
+    model: PreTrainedModel,
+    rows: list[list[int]],
+    spec: WarmUp,
+    pad: int,
+    progress: bool,
+) -> float:
+    """``spec.steps`` AdamW steps on random batches of ``rows`` (linear warm-up,
+    cosine decay); the loss's running average at the end."""
     generator = torch.Generator().manual_seed(spec.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01)
     ramp = max(1, spec.steps // 20)
@@ -303,7 +325,6 @@ def _train(spec: WarmUp, path: Path, *, progress: bool) -> Path:
     model.train()
     started = time.perf_counter()
     loss_avg = float("nan")
-    pad = int(tok.pad_token_id)
     for step in range(spec.steps):
         pick = torch.randint(len(rows), (spec.batch_size,), generator=generator)
         batch = [rows[i] for i in pick.tolist()]
@@ -325,16 +346,16 @@ def _train(spec: WarmUp, path: Path, *, progress: bool) -> Path:
                 loss_avg,
                 time.perf_counter() - started,
             )
+    return loss_avg
+
+
+def _save_warm(model: PreTrainedModel, path: Path, info: dict[str, Any]) -> None:
+    """Write the warmed-up model and ``info`` to ``path`` atomically (a
+    temporary directory beside it, renamed)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
     try:
         model.save_pretrained(str(tmp))
-        info = {
-            "settings": asdict(spec),
-            "examples": len(rows),
-            "final-loss": loss_avg,
-            "seconds": time.perf_counter() - started,
-        }
         (tmp / "fedlr-warm-up.json").write_text(json.dumps(info, indent=2))
         for item in (tmp, *tmp.iterdir()):
             item.chmod(0o755 if item.is_dir() else 0o644)
@@ -345,8 +366,6 @@ def _train(spec: WarmUp, path: Path, *, progress: bool) -> Path:
                 raise  # else a warm-up without the lock (an older fedlr) won
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("tiny-llama warmed up (loss %.3f), cached at %s", loss_avg, path)
-    return path
 
 
 def _check_quantization(quantization: str) -> Any:
@@ -381,6 +400,38 @@ def _check_quantization(quantization: str) -> Any:
         bnb_4bit_quant_type="nf4",
         bnb_4bit_compute_dtype=torch.bfloat16,
     )
+
+
+def _load_decoder(
+    name: str, seed: int, dtype: torch.dtype, quant: Any
+) -> PreTrainedModel:
+    """Decoder ``name``'s weights in ``dtype`` (``quant``: bitsandbytes
+    settings, hub models only)."""
+    model: PreTrainedModel
+    if name in CAUSAL_MODELS and quant is not None:
+        raise ConfigError(
+            "quantization", f"the offline {name} is not quantised; use a hub model"
+        )
+    if name == "tiny-llama":
+        model = LlamaForCausalLM.from_pretrained(str(warm_up()), dtype=dtype)
+    elif name == "tiny-gpt2":
+        torch.manual_seed(seed)
+        model = GPT2LMHeadModel(_gpt2_config(_tokenizer(name)))
+        for param in model.parameters():
+            param.data = param.data.to(dtype)
+    else:
+        kwargs: dict[str, Any] = {"dtype": dtype}
+        if quant is not None:
+            kwargs["quantization_config"] = quant
+        try:
+            model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+        except OSError as exc:
+            raise ConfigError(
+                "model",
+                f"'{name}' is not an offline decoder ({', '.join(CAUSAL_MODELS)}) "
+                f"and could not be loaded as a Hugging Face hub id: {exc}",
+            ) from exc
+    return model
 
 
 def build_causal_lm(
@@ -418,37 +469,7 @@ def build_causal_lm(
         )
     quant = _check_quantization(quantization)
     hf_logging.set_verbosity_error()
-    dtype = _DTYPES[precision]
-    model: PreTrainedModel
-    if name == "tiny-llama":
-        if quant is not None:
-            raise ConfigError(
-                "quantization",
-                "the offline tiny-llama is not quantised; use a hub model",
-            )
-        model = LlamaForCausalLM.from_pretrained(str(warm_up()), dtype=dtype)
-    elif name == "tiny-gpt2":
-        if quant is not None:
-            raise ConfigError(
-                "quantization",
-                "the offline tiny-gpt2 is not quantised; use a hub model",
-            )
-        torch.manual_seed(seed)
-        model = GPT2LMHeadModel(_gpt2_config(_tokenizer(name)))
-        for param in model.parameters():
-            param.data = param.data.to(dtype)
-    else:
-        kwargs: dict[str, Any] = {"dtype": dtype}
-        if quant is not None:
-            kwargs["quantization_config"] = quant
-        try:
-            model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
-        except OSError as exc:
-            raise ConfigError(
-                "model",
-                f"'{name}' is not an offline decoder ({', '.join(CAUSAL_MODELS)}) "
-                f"and could not be loaded as a Hugging Face hub id: {exc}",
-            ) from exc
+    model = _load_decoder(name, seed, _DTYPES[precision], quant)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False}

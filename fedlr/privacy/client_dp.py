@@ -354,6 +354,33 @@ def privatize(
         If a reply carries extra records, or ``sent`` is unknown or smaller
         than the number of replies.
     """
+    denominator = _checked_sent(updates, sent, server_round)
+    space = ParameterSpace(current, list(keys))
+    clipped, count = clip_to_fixed_mean(updates, space, settings.clip, denominator)
+    std = settings.noise_multiplier * settings.clip / denominator
+    shapes = (
+        {key: tuple(clipped[0].arrays[key].shape) for key in keys} if clipped else {}
+    )
+    noise = gaussian_noise(shapes, std, noise_generator(settings, server_round))
+    noised = [_plus(u, noise) for u in clipped]
+    nodes = max(int(population), denominator)
+    ledger.record(settings.noise_multiplier, denominator / nodes)
+    delta = settings.delta or default_delta(nodes)
+    return noised, {
+        "client-dp-clipped": float(count),
+        "client-dp-sent": float(denominator),
+        "client-dp-noise-std": std,
+        CLIENT_DP_EPSILON: ledger.epsilon(delta, settings.accountant),
+        CLIENT_DP_REPRODUCIBLE: 1.0 if settings.reproducible else 0.0,
+    }
+
+
+def _checked_sent(
+    updates: Sequence[ClientUpdate], sent: int | None, server_round: int
+) -> int:
+    """``m``, the noise's denominator: refuses replies with extra records
+    (not clipped or noised) and an unknown number of nodes sent an
+    instruction."""
     extras = sorted({name for u in updates for name in u.extras})
     if extras:
         raise PrivacyUnsupportedError(
@@ -366,37 +393,22 @@ def privatize(
             f"instruction is unknown ({sent}); the noise is calibrated to it, so "
             "aggregate only replies to instructions of configure_train"
         )
-    denominator = int(sent)
-    space = ParameterSpace(current, list(keys))
-    clipped, count = clip_to_fixed_mean(updates, space, settings.clip, denominator)
-    std = settings.noise_multiplier * settings.clip / denominator
-    shapes = (
-        {key: tuple(clipped[0].arrays[key].shape) for key in keys} if clipped else {}
-    )
-    noise = gaussian_noise(shapes, std, noise_generator(settings, server_round))
-    noised = [
-        dataclasses.replace(
-            u,
-            arrays={
-                **u.arrays,
-                **{
-                    k: (u.arrays[k].to(torch.float64) + xi).to(u.arrays[k].dtype)
-                    for k, xi in noise.items()
-                },
+    return int(sent)
+
+
+def _plus(update: ClientUpdate, noise: Mapping[str, torch.Tensor]) -> ClientUpdate:
+    """``update`` with ``noise`` added to its arrays (in float64, cast back)."""
+    arrays = update.arrays
+    return dataclasses.replace(
+        update,
+        arrays={
+            **arrays,
+            **{
+                k: (arrays[k].to(torch.float64) + xi).to(arrays[k].dtype)
+                for k, xi in noise.items()
             },
-        )
-        for u in clipped
-    ]
-    nodes = max(int(population), denominator)
-    ledger.record(settings.noise_multiplier, denominator / nodes)
-    delta = settings.delta or default_delta(nodes)
-    return noised, {
-        "client-dp-clipped": float(count),
-        "client-dp-sent": float(denominator),
-        "client-dp-noise-std": std,
-        CLIENT_DP_EPSILON: ledger.epsilon(delta, settings.accountant),
-        CLIENT_DP_REPRODUCIBLE: 1.0 if settings.reproducible else 0.0,
-    }
+        },
+    )
 
 
 def protect(

@@ -27,7 +27,7 @@ The feature is a *common* client feature (:func:`fedlr.client.features.common_fe
 every method gets it when its instruction carries ``dp-max-grad-norm`` > 0.
 It serves LoRA models (VeRA and SORF-VeRA are refused with
 :class:`~fedlr.errors.PrivacyUnsupportedError`); the vision payloads run the
-same loop (:func:`private_loop`, :func:`fedlr.tasks.image.train_sgd`), and a
+same loop (:func:`private_loop`, :func:`fedlr.tasks.image.train_images`), and a
 layer that mixes a batch's examples (BatchNorm) is refused by name.
 
 Loss terms that read no data. A client feature's loss term that is a function
@@ -41,7 +41,8 @@ composes with DP-SGD: each step's update direction is
 the noised mean of the clipped per-example gradients of the data loss
 (Opacus's ``DPOptimizer``), then the regulariser's gradient at the current
 parameters, added after the noise and before the optimizer's step
-(:class:`PrivateLoop`, Opacus's step hook). Given the released noised
+(:meth:`PrivateLoop.make_private`, Opacus's step hook; the term runs once per
+step, there, and is not added to the loss). Given the released noised
 gradients, ``grad R(w)`` is a function of public and already-released
 quantities (``w_g`` from the server, the node's previous iterate), so the
 step is post-processing of the Gaussian mechanism and the accountant's
@@ -221,13 +222,6 @@ class PrivateLoop:
         state directory).
     run_id, server_round : int
         Recorded with the round's release in the node's ledger.
-    regulariser : callable, optional
-        ``R()``, a scalar function of the trained parameters that reads no
-        data (the round's data-independent loss terms,
-        :meth:`fedlr.client.round.ClientRound.penalty`): its gradient at the
-        current parameters is added to each step's noised gradient, after
-        the clipping and noise, before the optimizer's step (the module
-        docstring). ``None``: none.
     """
 
     def __init__(
@@ -238,10 +232,9 @@ class PrivateLoop:
         *,
         run_id: int = 0,
         server_round: int = 0,
-        regulariser: Callable[[], torch.Tensor] | None = None,
     ) -> None:
         self.settings = settings
-        self.regulariser = regulariser
+        self.regulariser: Callable[[], torch.Tensor] | None = None
         self.state = state
         self.policy = policy or NodePolicy()
         self.run_id = int(run_id)
@@ -258,16 +251,29 @@ class PrivateLoop:
         self._params: list[torch.nn.Parameter] = []
         self._sampler = torch.Generator()
 
-    def start(
+    def make_private(
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         data: TrainData,
         settings: TrainSettings,
         seed: int,
-    ) -> torch.optim.Optimizer:
-        """Check the limits, reserve the round in the ledger, attach Opacus's
-        hooks, wrap the optimizer.
+        *,
+        regulariser: Callable[[], torch.Tensor] | None = None,
+    ) -> tuple[torch.optim.Optimizer, Iterator[list[int]]]:
+        """DP-SGD's entry point, as Opacus's ``make_private``: check the
+        limits, reserve the round in the ledger, attach Opacus's hooks to
+        ``model``; the private optimizer and the Poisson batches over ``data``.
+
+        Every training loop of a node reaches DP-SGD here, through
+        :func:`fedlr.client.train.train_steps` (``control=``).
+
+        ``regulariser``: ``R()``, a scalar function of the trained parameters
+        that reads no data (the round's data-independent loss terms,
+        :meth:`fedlr.client.round.ClientRound.penalty`): its gradient at the
+        current parameters is added to each step's noised gradient, after the
+        clipping and noise, before the optimizer's step (the module
+        docstring); it runs once per step, here only. ``None``: none.
 
         ``q = min(1, batch-size / n)``; ``sigma`` is the instruction's, or
         derived from ``dp-epsilon`` for ``dp-rounds`` x local steps. The noise
@@ -290,12 +296,34 @@ class PrivateLoop:
             (its ledger, every run).
         """
         _check_per_example(model)
+        self._reserve(data, settings.batch_size, settings.local_steps)
+        self._params = [p for group in optimizer.param_groups for p in group["params"]]
+        api = opacus_api()
+        private = api.DPOptimizer(
+            optimizer,
+            noise_multiplier=self.sigma,
+            max_grad_norm=self.settings.max_grad_norm,
+            expected_batch_size=max(1, round(self.sample_rate * self._n)),
+            loss_reduction="mean",
+            generator=self._generators(seed),
+        )
+        self.regulariser = regulariser
+        if regulariser is not None:
+            # after the clipping, the noise and the 1 / (q n) scaling
+            private.attach_step_hook(self._add_regulariser)
+        self._hooks = api.GradSampleHooks(
+            model, batch_first=True, loss_reduction="mean", strict=False
+        )
+        return private, self._poisson()
+
+    def _reserve(self, data: TrainData, batch_size: int, steps: int) -> None:
+        """The round's ``q``, ``delta`` and ``sigma``, checked against this
+        run's budget and the node's limits, and reserved in its ledger."""
         s = self.settings
         n = len(data)
         self._n = n
-        self.sample_rate = min(1.0, settings.batch_size / n)
+        self.sample_rate = min(1.0, batch_size / n)
         self.delta = self.policy.delta_for(s.delta, n)
-        steps = settings.local_steps
         self.policy.check_steps(steps)  # dp-max-steps-per-round, before the ledger
         if self.sigma <= 0:
             self.sigma = noise_multiplier_for(
@@ -315,31 +343,22 @@ class PrivateLoop:
             f"{self.sample_rate:.4g}, {steps} steps)",
         )
         self.lifetime.append(release)
-        self._params = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def _generators(self, seed: int) -> torch.Generator:
+        """The noise generator (returned) and the Poisson sampler's: OS-seeded,
+        or from ``seed`` and ``seed + 1`` where reproducible noise is asked
+        for and allowed."""
         device = self._params[0].device if self._params else torch.device("cpu")
-        self.reproducible = s.reproducible and self.policy.dp_allow_reproducible_noise
+        self.reproducible = (
+            self.settings.reproducible and self.policy.dp_allow_reproducible_noise
+        )
         if self.reproducible:
             noise = seeded_generator([seed], device)
             self._sampler = seeded_generator([seed + 1])
         else:
             noise = secure_generator(device)
             self._sampler = secure_generator()
-        api = opacus_api()
-        private = api.DPOptimizer(
-            optimizer,
-            noise_multiplier=self.sigma,
-            max_grad_norm=s.max_grad_norm,
-            expected_batch_size=max(1, round(self.sample_rate * n)),
-            loss_reduction="mean",
-            generator=noise,
-        )
-        if self.regulariser is not None:
-            # after the clipping, the noise and the 1 / (q n) scaling
-            private.attach_step_hook(self._add_regulariser)
-        self._hooks = api.GradSampleHooks(
-            model, batch_first=True, loss_reduction="mean", strict=False
-        )
-        return private
+        return noise
 
     def _add_regulariser(self, optimizer: Any) -> None:
         """``p.grad += dR/dp`` at the current parameters (Opacus's step hook:
@@ -371,7 +390,7 @@ class PrivateLoop:
                 f"{DP_NOISE_MULTIPLIER}, or plan fewer rounds)"
             )
 
-    def batches(self) -> Iterator[list[int]]:
+    def _poisson(self) -> Iterator[list[int]]:
         """Poisson sampling: each example joins a step with probability ``q``."""
         while True:
             drawn = torch.rand(self._n, generator=self._sampler) < self.sample_rate
@@ -430,10 +449,12 @@ class PrivateLoop:
 def private_loop(config: ConfigRecord, context: Context) -> PrivateLoop | None:
     """The DP-SGD loop of a ``train`` instruction, or ``None`` without DP-SGD.
 
-    The one entry point of DP-SGD on a node, whatever the payload: the LoRA
-    family (:class:`DpSgd`) and the vision payloads
-    (:func:`fedlr.tasks.image.train_sgd`) run the loop it returns. The
-    instruction's settings are checked, then the node's own limits
+    How every payload decides DP-SGD on a node: the LoRA family
+    (:class:`DpSgd`) and the vision payloads
+    (:func:`fedlr.tasks.image.train_images`) hand the loop it returns to
+    :func:`fedlr.client.train.train_steps`, which makes the round private
+    with :meth:`PrivateLoop.make_private`. The instruction's settings are
+    checked, then the node's own limits
     (:meth:`~fedlr.privacy.node_policy.NodePolicy.check_instruction`).
 
     Raises
@@ -543,13 +564,13 @@ class DpSgd(ClientFeature):
         return cls(control)
 
     def loop(self, job: RoundJob) -> PrivateLoop:
-        """The private loop; the round's loss terms become its regulariser
-        (their gradient is added after the clipping and noise).
+        """The private loop; :func:`fedlr.client.train.train_steps` hands it the
+        round's loss terms as its regulariser (their gradient is added after
+        the clipping and noise).
 
         :meth:`fedlr.client.round.ClientRound.loop_control` refuses a round whose
         terms read the data before the loop starts.
         """
-        self.control.regulariser = job.penalty if job.has_penalty else None
         return self.control
 
     def reply_records(

@@ -99,6 +99,39 @@ MODULUS_RANGE = 2**32
 """Masks and sums live modulo this (Flower's default ``modulus_range``)."""
 
 
+def _check_shares(shares: float, threshold: float) -> None:
+    """``secagg-num-shares`` and ``secagg-reconstruction-threshold``: each a
+    fraction in (0, 1] or a whole number, the threshold above half of the
+    shares and below them."""
+    if not (math.isfinite(shares) and shares > 0):
+        raise ConfigError("secagg-num-shares", f"must be > 0, got {shares}")
+    if shares > 1 and (shares != int(shares) or shares < 3):
+        raise ConfigError(
+            "secagg-num-shares",
+            f"must be a fraction in (0, 1] or a whole number >= 3, got {shares}",
+        )
+    if not (math.isfinite(threshold) and threshold > 0):
+        raise ConfigError(
+            "secagg-reconstruction-threshold", f"must be > 0, got {threshold}"
+        )
+    if threshold > 1 and (threshold != int(threshold) or threshold < 2):
+        raise ConfigError(
+            "secagg-reconstruction-threshold",
+            f"must be a fraction in (0, 1] or a whole number >= 2, got {threshold}",
+        )
+    if threshold > 1 and shares > 1 and threshold >= shares:
+        raise ConfigError(
+            "secagg-reconstruction-threshold",
+            f"must be below secagg-num-shares ({int(shares)}), got {int(threshold)}",
+        )
+    if threshold > 1 and shares > 1 and 2 * threshold <= shares:
+        raise ConfigError(
+            "secagg-reconstruction-threshold",
+            f"must be above half of secagg-num-shares ({int(shares)}), "
+            f"got {int(threshold)}",
+        )
+
+
 @dataclass(frozen=True)
 class SecAggSettings:
     """The SecAgg+ parameters of a run (``secagg-*`` keys).
@@ -141,35 +174,7 @@ class SecAggSettings:
     client_clip: float = 1.0
 
     def __post_init__(self) -> None:
-        shares, threshold = self.num_shares, self.reconstruction_threshold
-        if not (math.isfinite(shares) and shares > 0):
-            raise ConfigError("secagg-num-shares", f"must be > 0, got {shares}")
-        if shares > 1 and (shares != int(shares) or shares < 3):
-            raise ConfigError(
-                "secagg-num-shares",
-                f"must be a fraction in (0, 1] or a whole number >= 3, got {shares}",
-            )
-        if not (math.isfinite(threshold) and threshold > 0):
-            raise ConfigError(
-                "secagg-reconstruction-threshold", f"must be > 0, got {threshold}"
-            )
-        if threshold > 1 and (threshold != int(threshold) or threshold < 2):
-            raise ConfigError(
-                "secagg-reconstruction-threshold",
-                f"must be a fraction in (0, 1] or a whole number >= 2, got {threshold}",
-            )
-        if threshold > 1 and shares > 1 and threshold >= shares:
-            raise ConfigError(
-                "secagg-reconstruction-threshold",
-                f"must be below secagg-num-shares ({int(shares)}), "
-                f"got {int(threshold)}",
-            )
-        if threshold > 1 and shares > 1 and 2 * threshold <= shares:
-            raise ConfigError(
-                "secagg-reconstruction-threshold",
-                f"must be above half of secagg-num-shares ({int(shares)}), "
-                f"got {int(threshold)}",
-            )
+        _check_shares(self.num_shares, self.reconstruction_threshold)
         if not (math.isfinite(self.clipping_range) and self.clipping_range > 0):
             raise ConfigError(
                 "secagg-clipping-range",

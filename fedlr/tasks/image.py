@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from numpy.typing import NDArray
 
-from fedlr.client.train import LoopControl, TrainSettings, in_batches
+from fedlr.client.train import LoopControl, TrainSettings, in_batches, train_steps
 from fedlr.config.run import RunConfig
 from fedlr.data import DATASETS, dataset_info, load_dataset
 from fedlr.data.images import NORMALISATION, ImageData, to_image_data
@@ -39,6 +39,8 @@ __all__ = [
     "ImageTask",
     "VisionOptions",
     "evaluate_images",
+    "image_logits",
+    "image_loss",
     "image_pixels",
     "image_scores",
     "to_image_data",
@@ -206,15 +208,6 @@ class ImageTask:
 # ------------------------------------------------------------ train / eval
 
 
-def _batches(
-    n: int, batch_size: int, generator: torch.Generator
-) -> Iterator[torch.Tensor]:
-    while True:
-        order = torch.randperm(n, generator=generator)
-        for start in range(0, n, batch_size):
-            yield order[start : start + batch_size]
-
-
 @dataclass(frozen=True)
 class ImageRows:
     """:class:`~fedlr.data.images.ImageData` as the training loops'
@@ -247,6 +240,10 @@ def train_sgd(
 ) -> float:
     """Run ``steps`` SGD steps of cross-entropy on the trainable parameters.
 
+    The training loop of the text payloads
+    (:func:`fedlr.client.train.train_steps`, with :func:`image_logits` and
+    :func:`image_loss`), run without touching the caller's CPU random state.
+
     Parameters
     ----------
     model : torch.nn.Module
@@ -265,8 +262,7 @@ def train_sgd(
         A loop that draws the batches, computes the loss and wraps the
         optimizer itself: sample-level DP-SGD
         (:func:`fedlr.privacy.dp_sgd.private_loop`: Poisson batches,
-        per-example clipping and secure noise, charged to the node's ledger),
-        the same loop as the text payloads'.
+        per-example clipping and secure noise, charged to the node's ledger).
 
     Returns
     -------
@@ -278,51 +274,40 @@ def train_sgd(
     ValueError
         On an empty ``data`` or ``steps < 1``.
     """
-    if len(data) == 0:
-        raise ValueError("cannot train on an empty partition")
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    device = device or torch.device("cpu")
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer: torch.optim.Optimizer = torch.optim.SGD(
-        params, lr=lr, momentum=momentum, weight_decay=weight_decay
+    settings = TrainSettings(
+        local_steps=steps,
+        lr=lr,
+        batch_size=batch_size,
+        weight_decay=weight_decay,
+        max_grad_norm=0.0,
+        optimizer="sgd",
+        momentum=momentum,
     )
-    generator = torch.Generator().manual_seed(seed)
-    model.to(device).train()
-    batches: Iterator[torch.Tensor | list[int]] = _batches(
-        len(data), batch_size, generator
-    )
-    if control is not None:
-        settings = TrainSettings(local_steps=steps, lr=lr, batch_size=batch_size)
-        optimizer = control.start(model, optimizer, ImageRows(data), settings, seed)
-        batches = control.batches()
-    total, counted = 0.0, 0
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)  # dropout
-            for _ in range(steps):
-                idx = torch.as_tensor(next(batches), dtype=torch.long)
-                optimizer.zero_grad(set_to_none=True)
-                if len(idx) == 0:  # a Poisson draw of no example: the step is noise
-                    if control is not None:
-                        control.empty_step()
-                    optimizer.step()
-                    continue
-                x, y = data.x[idx].to(device), data.y[idx].to(device)
-                logits = model(x)
-                loss = (
-                    torch.nn.functional.cross_entropy(logits, y)
-                    if control is None
-                    else control.loss(logits, {"labels": y})
-                )
-                loss.backward()
-                optimizer.step()
-                total += float(loss.detach())
-                counted += 1
-    finally:
-        if control is not None:
-            control.stop()
-    return total / counted if counted else math.nan
+    with torch.random.fork_rng(devices=[]):
+        return train_steps(
+            model,
+            ImageRows(data),
+            settings,
+            seed=seed,
+            device=device or torch.device("cpu"),
+            control=control,
+            forward=image_logits,
+            loss=image_loss,
+        )
+
+
+def image_logits(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """A vision model's logits on ``batch["x"]``."""
+    return model(batch["x"])  # type: ignore[no-any-return]
+
+
+def image_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The mean cross-entropy of ``logits`` against ``batch["labels"]``."""
+    return torch.nn.functional.cross_entropy(logits, batch["labels"])
 
 
 @torch.no_grad()

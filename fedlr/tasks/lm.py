@@ -152,8 +152,30 @@ def evaluate_lm(
         return {"accuracy": nan, "loss": nan, "perplexity": nan, "exact-match": nan}
     model.to(device).eval()
     order = sorted(range(len(data)), key=lambda i: len(data.input_ids[i]))
+    nll = _response_nll(model, data, order, batch_size, device)
+    hits = _exact_matches(
+        model, data, tokenizer, order, batch_size, device, max_new_tokens
+    )
+    loss = nll[0] / max(nll[1], 1)
+    em = hits / len(data)
+    return {
+        "accuracy": em,
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 80.0)),
+        "exact-match": em,
+    }
+
+
+def _response_nll(
+    model: torch.nn.Module,
+    data: EncodedInstructions,
+    order: list[int],
+    batch_size: int,
+    device: torch.device,
+) -> tuple[float, int]:
+    """The summed next-token cross-entropy over every response token of
+    ``data``, and the number of those tokens (batches taken in ``order``)."""
     nll = [0.0, 0]  # summed loss, tokens
-    hits = [0]
 
     def score(start: int, stop: int) -> None:
         idx = order[start:stop]
@@ -170,6 +192,23 @@ def evaluate_lm(
         )
         nll[0] += float(loss)
         nll[1] += int((target != IGNORE).sum())
+
+    in_batches(len(data), batch_size, score)
+    return float(nll[0]), int(nll[1])
+
+
+def _exact_matches(
+    model: torch.nn.Module,
+    data: EncodedInstructions,
+    tokenizer: PreTrainedTokenizerBase,
+    order: list[int],
+    batch_size: int,
+    device: torch.device,
+    max_new_tokens: int,
+) -> int:
+    """How many greedily generated answers (at most ``max_new_tokens``
+    tokens, stopped at end-of-sequence) match their reference."""
+    hits = [0]
 
     def generate(start: int, stop: int) -> None:
         idx = order[start:stop]
@@ -189,13 +228,5 @@ def evaluate_lm(
             for text, i in zip(texts, idx, strict=True)
         )
 
-    in_batches(len(data), batch_size, score)
     in_batches(len(data), batch_size, generate)
-    loss = nll[0] / max(nll[1], 1)
-    em = hits[0] / len(data)
-    return {
-        "accuracy": em,
-        "loss": loss,
-        "perplexity": math.exp(min(loss, 80.0)),
-        "exact-match": em,
-    }
+    return hits[0]

@@ -144,7 +144,7 @@ def test_per_example_gradients_are_real_and_clipped_to_the_bound(kind):
         DpSgdSettings(max_grad_norm=clip, noise_multiplier=1.0), RecordDict()
     )
     settings = TrainSettings(local_steps=1, lr=0.1, batch_size=size)
-    private = control.start(
+    private, _ = control.make_private(
         model, torch.optim.SGD(params, lr=0.1), _Data(batch), settings, seed=0
     )
     loss = control.loss(model(**batch), batch)
@@ -226,7 +226,9 @@ def test_a_node_past_its_budget_refuses_naming_dp_epsilon():
     for _ in range(50):
         control = PrivateLoop(settings, state)
         try:
-            control.start(model, torch.optim.SGD(params, lr=0.1), data, loop, seed=0)
+            control.make_private(
+                model, torch.optim.SGD(params, lr=0.1), data, loop, seed=0
+            )
         except PrivacyBudgetError as exc:
             assert "dp-epsilon 2 would be exceeded" in str(exc)
             break

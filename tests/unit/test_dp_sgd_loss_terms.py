@@ -294,3 +294,61 @@ def test_the_node_refuses_a_data_reading_term_beside_dp_sgd(tmp_path, monkeypatc
         ProtocolError, match=r"\['_ReadsData'\] \(a loss term that reads"
     ):
         job.loop_control()
+
+
+# ----------------------------------------------------- once per step
+class _Counted(ClientFeature):
+    """A loss term that reads no data and counts its calls."""
+
+    order = 42
+    loss_reads_data = False
+    calls = 0
+
+    @classmethod
+    def training_change(cls, options: Any) -> str | None:
+        return "a counted term of the parameters"
+
+    @classmethod
+    def for_round(cls, job: RoundJob) -> _Counted | None:
+        return cls() if job.is_train and "count-weight" in job.config else None
+
+    def loss(self, job: RoundJob) -> Any:
+        params = job.parameters()
+
+        def term() -> torch.Tensor:
+            _Counted.calls += 1
+            return 1e-3 * sum(p.square().sum() for p in params)
+
+        return term
+
+
+@pytest.mark.parametrize("private", [True, False])
+def test_a_data_free_term_runs_once_per_step(tmp_path, monkeypatch, private):
+    """Under DP-SGD the term runs in the step hook only (not in the loss as
+    well); without it, in the loss: one call per step either way."""
+    import fedlr.client.round as client
+
+    features = client.client_features()
+    monkeypatch.setattr(client, "client_features", lambda: [*features, _Counted])
+    model = _model()
+    message = _instruction(model, None)
+    config = message.content[protocol.CONFIG]
+    config["count-weight"] = 1.0
+    if not private:
+        for key in DpSgdSettings(max_grad_norm=CLIP, epsilon=1.0).instruction():
+            config.pop(key, None)
+    job = apply_round(model, message, _context(tmp_path))
+    control = job.loop_control()
+    assert (control is not None) is private and job.has_penalty
+    steps = 5
+    _Counted.calls = 0
+    train_steps(
+        job.model,
+        _Data(),
+        TrainSettings(local_steps=steps, lr=0.1, batch_size=BATCH),
+        seed=SEED,
+        device=torch.device("cpu"),
+        penalty=job.penalty,
+        control=control,
+    )
+    assert _Counted.calls == steps
