@@ -33,7 +33,7 @@ the server aggregated for).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from logging import WARNING, getLogger
 from typing import cast
@@ -488,30 +488,10 @@ def conform_lora(
     for name, (rank, scaling) in targets.items():
         layer = layers[name]
         old_a = cast(torch.nn.Linear, layer.lora_A[adapter])
-        old_b = cast(torch.nn.Linear, layer.lora_B[adapter])
         old_rank = int(old_a.weight.shape[0])
         old_scaling = float(layer.scaling[adapter])
         if rank != old_rank:
-            d_in, d_out = int(old_a.weight.shape[1]), int(old_b.weight.shape[0])
-            if not 1 <= rank <= min(d_in, d_out):
-                raise ShapeMismatchError(
-                    f"layer '{name}' ({d_out} x {d_in}) cannot take LoRA rank {rank}"
-                )
-            if adapter in getattr(layer, "lora_variant", {}):
-                raise UnsupportedModelError(
-                    f"layer '{name}' uses a LoRA variant "
-                    f"({type(layer.lora_variant[adapter]).__name__}); fedlr "
-                    "rebuilds plain LoRA layers only"
-                )
-            like = {"device": old_a.weight.device, "dtype": old_a.weight.dtype}
-            new_a = torch.nn.Linear(d_in, rank, bias=False, **like)
-            new_b = torch.nn.Linear(rank, d_out, bias=old_b.bias is not None, **like)
-            torch.nn.init.zeros_(new_b.weight)
-            if new_b.bias is not None:
-                torch.nn.init.zeros_(new_b.bias)
-            layer.lora_A[adapter] = new_a
-            layer.lora_B[adapter] = new_b
-            layer.r[adapter] = rank
+            _rebuild_at_rank(name, layer, adapter, rank)
         if rank != old_rank or not math.isclose(old_scaling, scaling, rel_tol=1e-9):
             layer.scaling[adapter] = scaling
             layer.lora_alpha[adapter] = scaling * rank
@@ -525,14 +505,46 @@ def conform_lora(
                 )
             )
     if changes:
-        ranks = {int(layer.r[adapter]) for layer in layers.values()}
-        alphas = {
-            round(float(layer.scaling[adapter]) * int(layer.r[adapter]), 9)
-            for layer in layers.values()
-        }
-        config = model.peft_config[adapter]
-        if isinstance(config, LoraConfig) and len(ranks) == 1:
-            config.r = ranks.pop()
-        if isinstance(config, LoraConfig) and len(alphas) == 1:
-            config.lora_alpha = cast(int, alphas.pop())  # peft accepts floats
+        _sync_config(model, list(layers.values()), adapter)
     return changes
+
+
+def _rebuild_at_rank(name: str, layer: LoraLayer, adapter: str, rank: int) -> None:
+    """New zero-update ``lora_A`` (rank, d_in) and ``lora_B`` (d_out, rank)
+    for ``layer``, ``A`` initialised as ``nn.Linear`` does (:func:`conform_lora`)."""
+    old_a = cast(torch.nn.Linear, layer.lora_A[adapter])
+    old_b = cast(torch.nn.Linear, layer.lora_B[adapter])
+    d_in, d_out = int(old_a.weight.shape[1]), int(old_b.weight.shape[0])
+    if not 1 <= rank <= min(d_in, d_out):
+        raise ShapeMismatchError(
+            f"layer '{name}' ({d_out} x {d_in}) cannot take LoRA rank {rank}"
+        )
+    if adapter in getattr(layer, "lora_variant", {}):
+        raise UnsupportedModelError(
+            f"layer '{name}' uses a LoRA variant "
+            f"({type(layer.lora_variant[adapter]).__name__}); fedlr "
+            "rebuilds plain LoRA layers only"
+        )
+    like = {"device": old_a.weight.device, "dtype": old_a.weight.dtype}
+    new_a = torch.nn.Linear(d_in, rank, bias=False, **like)
+    new_b = torch.nn.Linear(rank, d_out, bias=old_b.bias is not None, **like)
+    torch.nn.init.zeros_(new_b.weight)
+    if new_b.bias is not None:
+        torch.nn.init.zeros_(new_b.bias)
+    layer.lora_A[adapter] = new_a
+    layer.lora_B[adapter] = new_b
+    layer.r[adapter] = rank
+
+
+def _sync_config(model: PeftModel, layers: Sequence[LoraLayer], adapter: str) -> None:
+    """The peft config's ``r`` and ``lora_alpha``, when every layer has one."""
+    ranks = {int(layer.r[adapter]) for layer in layers}
+    alphas = {
+        round(float(layer.scaling[adapter]) * int(layer.r[adapter]), 9)
+        for layer in layers
+    }
+    config = model.peft_config[adapter]
+    if isinstance(config, LoraConfig) and len(ranks) == 1:
+        config.r = ranks.pop()
+    if isinstance(config, LoraConfig) and len(alphas) == 1:
+        config.lora_alpha = cast(int, alphas.pop())  # peft accepts floats

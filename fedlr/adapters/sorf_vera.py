@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -307,9 +307,30 @@ def apply_sorf_vera(
     d_in = max(m.in_features for _, m in targets)
     d_out = max(m.out_features for _, m in targets)
     a, b = shared_sorf_projections(settings.rank, d_in, d_out, settings.projection_seed)
-    signs_by_size: dict[int, SorfSigns] = {}
     for param in model.parameters():
         param.requires_grad_(False)
+    modules = _wrap(model, targets, a, b, settings)
+    head = _train_head(
+        model, settings.head_modules if head_modules is None else head_modules
+    )
+    return SorfVeraLayout(
+        modules=tuple(modules),
+        head_shapes=head,
+        rank=settings.rank,
+        projection_seed=settings.projection_seed,
+    )
+
+
+def _wrap(
+    model: torch.nn.Module,
+    targets: list[tuple[str, torch.nn.Linear]],
+    a: torch.Tensor,
+    b: torch.Tensor,
+    settings: SorfVeraSettings,
+) -> list[SorfVeraModule]:
+    """Replace each target ``nn.Linear`` by a :class:`SorfVeraLinear` over the
+    shared projections (one set of SORF signs per output size); their roles."""
+    signs_by_size: dict[int, SorfSigns] = {}
     modules: list[SorfVeraModule] = []
     for name, linear in targets:
         size = linear.out_features
@@ -334,19 +355,19 @@ def apply_sorf_vera(
                 rank=settings.rank,
             )
         )
+    return modules
+
+
+def _train_head(
+    model: torch.nn.Module, head_modules: Sequence[str]
+) -> dict[str, tuple[int, ...]]:
+    """Make the head's parameters trainable; their shapes by key."""
     head: dict[str, tuple[int, ...]] = {}
-    if head_modules is None:
-        head_modules = settings.head_modules
     for head_name in head_modules:
         for pname, param in model.get_submodule(head_name).named_parameters():
             param.requires_grad_(True)
             head[f"{head_name}.{pname}"] = tuple(param.shape)
-    return SorfVeraLayout(
-        modules=tuple(modules),
-        head_shapes=head,
-        rank=settings.rank,
-        projection_seed=settings.projection_seed,
-    )
+    return head
 
 
 class SorfVeraModel(torch.nn.Module, VeraModel):

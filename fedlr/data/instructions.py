@@ -738,6 +738,23 @@ def partition_examples(
         For an unknown scheme, ``alpha <= 0``, ``num_partitions < 1``, or when
         N examples cannot give every partition ``min_partition_size``.
     """
+    _check_partitioning(
+        len(families), num_partitions, scheme, alpha, min_partition_size
+    )
+    rng = np.random.default_rng(seed)
+    if scheme == "iid":
+        return [
+            s.tolist()
+            for s in np.array_split(rng.permutation(len(families)), num_partitions)
+        ]
+    return _family_dirichlet(families, num_partitions, alpha, rng)
+
+
+def _check_partitioning(
+    n: int, num_partitions: int, scheme: str, alpha: float, min_partition_size: int
+) -> None:
+    """Refuse arguments :func:`partition_examples` cannot partition ``n``
+    examples with (``ValueError`` naming the argument)."""
     if scheme not in PARTITION_SCHEMES:
         raise ValueError(
             f"scheme must be one of {', '.join(PARTITION_SCHEMES)}, got {scheme!r}"
@@ -752,17 +769,23 @@ def partition_examples(
         )
     if not isinstance(alpha, numbers.Real) or not math.isfinite(alpha) or alpha <= 0:
         raise ValueError(f"alpha must be > 0 and finite, got {alpha!r}")
-    n = len(families)
     if n < num_partitions * min_partition_size:
         raise ValueError(
             f"{n} examples cannot fill {num_partitions} partitions with at least "
             f"{min_partition_size} each; use at most {n // min_partition_size} "
             "partitions or generate more examples"
         )
-    rng = np.random.default_rng(seed)
-    if scheme == "iid":
-        return [s.tolist() for s in np.array_split(rng.permutation(n), num_partitions)]
 
+
+def _family_dirichlet(
+    families: Sequence[str],
+    num_partitions: int,
+    alpha: float,
+    rng: np.random.Generator,
+) -> list[list[int]]:
+    """``family-dirichlet`` (:func:`partition_examples`): each client's family
+    mix from ``Dir(alpha)``, then the clients draw in seeded turns."""
+    n = len(families)
     codes, names = _family_codes(families)
     num_families = len(names)
     mix = rng.dirichlet(np.full(num_families, float(alpha)), size=num_partitions)

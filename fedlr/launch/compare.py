@@ -224,6 +224,16 @@ def run_sweep(
         else:
             run_in_process(config, num_nodes=nodes)
 
+    return _run_cells(cells, engine, launch)
+
+
+def _run_cells(
+    cells: list[tuple[str, dict[str, Any]]],
+    engine: str,
+    launch: Callable[[dict[str, Any]], None],
+) -> tuple[list[Path], dict[str, str]]:
+    """Run the cells in order: the finished run directories and the failures
+    (a failed cell does not stop the sweep; Ctrl-C does)."""
     run_dirs: list[Path] = []
     failures: dict[str, str] = {}
     for n, (cell, config) in enumerate(cells, start=1):

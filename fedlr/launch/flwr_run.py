@@ -239,18 +239,7 @@ def flwr_run(
     _LOG.debug("running: %s", " ".join(cmd))
     stream = OutputStream(echo=echo, verbose=verbose)
     processes = _Processes(home=link.home if link is not None else None)
-    proc = subprocess.Popen(
-        cmd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    if proc.stdout is None:  # pragma: no cover - PIPE was requested
-        raise FlwrRunError("no output pipe from `flwr run`")
-    reader = threading.Thread(target=stream.read, args=(proc.stdout,), daemon=True)
-    reader.start()
+    proc, reader = _start(cmd, env, stream)
     completed = False
     try:
         try:
@@ -278,9 +267,29 @@ def flwr_run(
         with _no_interrupts():
             _stop_processes(proc, processes, link, keep=keep_superlink)
             reader.join(timeout=5)
-            proc.stdout.close()
+            proc.stdout.close()  # type: ignore[union-attr]  # a PIPE (_start)
             if completed and link is not None and not keep_superlink:
                 shutil.rmtree(link.home, ignore_errors=True)
+
+
+def _start(
+    cmd: list[str], env: Mapping[str, str], stream: OutputStream
+) -> tuple[subprocess.Popen[str], threading.Thread]:
+    """Start ``cmd`` in a session of its own, its output read into ``stream``
+    by a daemon thread."""
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    if proc.stdout is None:  # pragma: no cover - PIPE was requested
+        raise FlwrRunError("no output pipe from `flwr run`")
+    reader = threading.Thread(target=stream.read, args=(proc.stdout,), daemon=True)
+    reader.start()
+    return proc, reader
 
 
 def _flwr_command(
@@ -424,6 +433,17 @@ def main(argv: list[str] | None = None) -> int:
     stderr, before anything starts), 130 interrupted (Ctrl-C or SIGTERM: the
     run and every process the launch started are stopped).
     """
+    args = _parser().parse_args(argv)
+    with cli_logging():
+        try:
+            return _launch(args)
+        except KeyboardInterrupt:  # before the run started: nothing to stop
+            _LOG.error("fedlr: interrupted before the run started")
+            return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m fedlr.launch``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--app", default=".", help="app directory")
     parser.add_argument(
@@ -443,6 +463,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--run-config", default="", help="extra `key=value ...` overrides (TOML)"
     )
+    _add_simulation_arguments(parser)
+    parser.add_argument(
+        "--keep-superlink",
+        action="store_true",
+        help="leave the local SuperLink running after the run",
+    )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show Flower's, Ray's and transformers' hints, warnings and "
+        "progress bars too",
+    )
+    return parser
+
+
+def _add_simulation_arguments(parser: argparse.ArgumentParser) -> None:
+    """The local simulation's options: its nodes' resources and settings."""
     parser.add_argument(
         "--client-cpus",
         type=int,
@@ -463,24 +500,6 @@ def main(argv: list[str] | None = None) -> int:
         "limits: dp-required, dp-epsilon-budget, ...; a [partition.<id>] table "
         "for one node), passed to them as FEDLR_NODE_CONFIG; see docs/privacy.md",
     )
-    parser.add_argument(
-        "--keep-superlink",
-        action="store_true",
-        help="leave the local SuperLink running after the run",
-    )
-    parser.add_argument(
-        "--verbose",
-        action="store_true",
-        help="show Flower's, Ray's and transformers' hints, warnings and "
-        "progress bars too",
-    )
-    args = parser.parse_args(argv)
-    with cli_logging():
-        try:
-            return _launch(args)
-        except KeyboardInterrupt:  # before the run started: nothing to stop
-            _LOG.error("fedlr: interrupted before the run started")
-            return 130
 
 
 def _nodes_file(args: argparse.Namespace) -> str:
@@ -508,36 +527,49 @@ def _check_nodes(
         _LOG.info("fedlr: simulated nodes' own settings from %s", path)
 
 
+def _check_launch(args: argparse.Namespace, app: Path) -> None:
+    """Every check before anything starts: the node settings, the run config
+    (a fedlr app's in full, checked as the ServerApp would), CUDA, the
+    simulated nodes' refusals.
+
+    Raises
+    ------
+    FedLRError
+        The first check that fails.
+    """
+    if args.superlink and args.node_config_file:
+        raise ConfigError(
+            "--node-config-file",
+            "sets the simulated nodes' settings; a deployment's SuperNodes "
+            "take theirs with flower-supernode --node-config",
+        )
+    nodes = "" if args.superlink else _nodes_file(args)
+    method = None
+    if is_fedlr_app(app):
+        method = check_run_config(app, args.run_config)
+        check_before_start(
+            method,
+            num_supernodes=None if args.superlink else args.num_supernodes,
+            client_gpus=args.client_gpus,
+        )
+    else:
+        parse_run_config(args.run_config)
+        if not args.superlink:
+            check_cuda("none", args.client_gpus)
+    if not args.superlink:
+        _check_nodes(args, method, nodes)
+    if method is not None:
+        _LOG.info(
+            "fedlr: run config checked: method %s, %d rounds",
+            method.spec.name,
+            method.run.num_server_rounds,
+        )
+
+
 def _launch(args: argparse.Namespace) -> int:
     app = Path(args.app)
     try:
-        if args.superlink and args.node_config_file:
-            raise ConfigError(
-                "--node-config-file",
-                "sets the simulated nodes' settings; a deployment's SuperNodes "
-                "take theirs with flower-supernode --node-config",
-            )
-        nodes = "" if args.superlink else _nodes_file(args)
-        method = None
-        if is_fedlr_app(app):
-            method = check_run_config(app, args.run_config)
-            check_before_start(
-                method,
-                num_supernodes=None if args.superlink else args.num_supernodes,
-                client_gpus=args.client_gpus,
-            )
-        else:
-            parse_run_config(args.run_config)
-            if not args.superlink:
-                check_cuda("none", args.client_gpus)
-        if not args.superlink:
-            _check_nodes(args, method, nodes)
-        if method is not None:
-            _LOG.info(
-                "fedlr: run config checked: method %s, %d rounds",
-                method.spec.name,
-                method.run.num_server_rounds,
-            )
+        _check_launch(args, app)
     except FedLRError as exc:
         _LOG.error("error: %s", exc)
         return 2

@@ -64,7 +64,7 @@ from fedlr.linalg.sorf_pair_signs import (
     SignSearch,
     choose_pair_signs,
 )
-from fedlr.linalg.svd import factored_svd
+from fedlr.linalg.svd import TruncatedSVD, factored_svd
 
 __all__ = ["LayerRefit", "mean_lambda_d_rot", "refit_layer", "sorf_left"]
 
@@ -106,6 +106,23 @@ class LayerRefit:
     target_norm: float
     pair_signs: torch.Tensor | None = None
     sign_choice: SignChoice | None = None
+
+    @classmethod
+    def unchanged(
+        cls, b_real: torch.Tensor, b_imag: torch.Tensor, r: int, target_norm: float
+    ) -> LayerRefit:
+        """A zero update's refit: ``b`` kept, ``m = 0``, the gap the target's norm."""
+        dtype = b_real.dtype
+        return cls(
+            b_real=b_real.clone(),
+            b_imag=b_imag.clone(),
+            d_scale=torch.zeros(1, dtype=dtype),
+            d_angles=torch.zeros(r * (r - 1) // 2, dtype=dtype),
+            b_residual=0.0,
+            d_residual=0.0,
+            gap=target_norm,
+            target_norm=target_norm,
+        )
 
 
 def sorf_left(
@@ -166,6 +183,70 @@ def mean_lambda_d_rot(
     return total
 
 
+def _check_refit(
+    lambda_bar: torch.Tensor,
+    a_matrix: torch.Tensor,
+    b_matrix: torch.Tensor,
+    signs: SorfSigns,
+    sign_search: str,
+    pair_signs: torch.Tensor | None,
+) -> None:
+    """Refuse :func:`refit_layer`'s arguments when they disagree."""
+    r = int(a_matrix.shape[0])
+    d_out = int(b_matrix.shape[0])
+    if (
+        a_matrix.ndim != 2
+        or b_matrix.ndim != 2
+        or b_matrix.shape[1] != r
+        or lambda_bar.shape != (r, r)
+        or signs.d != d_out
+    ):
+        raise ShapeMismatchError(
+            f"SORF refit shapes disagree: Lambda_bar {tuple(lambda_bar.shape)}, A "
+            f"{tuple(a_matrix.shape)}, B {tuple(b_matrix.shape)}, S of size "
+            f"{signs.d}; expected (r, r), (r, d_in), (d_out, r), d_out"
+        )
+    if sign_search not in SIGN_RULES:
+        raise ValueError(
+            f"sign_search must be one of {SIGN_RULES}, got {sign_search!r}"
+        )
+    if pair_signs is not None and (
+        pair_signs.shape != (r,) or not bool((pair_signs.abs() == 1).all())
+    ):
+        raise ValueError(
+            f"pair_signs must be ({r},) entries +-1, got shape "
+            f"{tuple(pair_signs.shape)}"
+        )
+
+
+def _pair_signs(
+    svd: TruncatedSVD,
+    polar: PolarFactor,
+    a_matrix: torch.Tensor,
+    b64: torch.Tensor,
+    s64: SorfSigns,
+    sign_search: str,
+    search: SignSearch | None,
+    pair_signs: torch.Tensor | None,
+) -> tuple[torch.Tensor, SignChoice | None]:
+    """The pairs' signs ``eps`` that make ``D O`` a rotation (the rule's
+    choice, or ``pair_signs`` with its last pair flipped for a reflection),
+    and the gap rule's :class:`SignChoice` (``None`` under the peak rule)."""
+    choice: SignChoice | None = None
+    if pair_signs is None:
+        choice = choose_pair_signs(
+            svd, polar, a_matrix, b64, s64, rule=sign_search, search=search
+        )
+        eps = choice.signs.to(svd.u.device)
+        if sign_search == "peak":
+            choice = None
+    else:
+        eps = pair_signs.to(device=svd.u.device, dtype=F64).clone()
+        if float(eps.prod()) * float(torch.linalg.det(polar.o)) < 0:
+            eps[-1] = -eps[-1]
+    return eps, choice
+
+
 def refit_layer(
     lambda_bar: torch.Tensor,
     b_real: torch.Tensor,
@@ -224,31 +305,8 @@ def refit_layer(
         For an unknown ``sign_search`` or ``pair_signs`` entries other than
         ``+-1``.
     """
+    _check_refit(lambda_bar, a_matrix, b_matrix, signs, sign_search, pair_signs)
     r = int(a_matrix.shape[0])
-    d_out = int(b_matrix.shape[0])
-    if (
-        a_matrix.ndim != 2
-        or b_matrix.ndim != 2
-        or b_matrix.shape[1] != r
-        or lambda_bar.shape != (r, r)
-        or signs.d != d_out
-    ):
-        raise ShapeMismatchError(
-            f"SORF refit shapes disagree: Lambda_bar {tuple(lambda_bar.shape)}, A "
-            f"{tuple(a_matrix.shape)}, B {tuple(b_matrix.shape)}, S of size "
-            f"{signs.d}; expected (r, r), (r, d_in), (d_out, r), d_out"
-        )
-    if sign_search not in SIGN_RULES:
-        raise ValueError(
-            f"sign_search must be one of {SIGN_RULES}, got {sign_search!r}"
-        )
-    if pair_signs is not None and (
-        pair_signs.shape != (r,) or not bool((pair_signs.abs() == 1).all())
-    ):
-        raise ValueError(
-            f"pair_signs must be ({r},) entries +-1, got shape "
-            f"{tuple(pair_signs.shape)}"
-        )
     dtype = b_real.dtype
     s64 = signs.to(F64)
     b64 = b_matrix.to(F64)
@@ -258,33 +316,15 @@ def refit_layer(
     svd = factored_svd(left, right, rank=r)
     target_norm = math.sqrt(svd.total_energy)
     if svd.rank < r or float(svd.s[0]) == 0.0:
-        return LayerRefit(
-            b_real=b_real.clone(),
-            b_imag=b_imag.clone(),
-            d_scale=torch.zeros(1, dtype=dtype),
-            d_angles=torch.zeros(r * (r - 1) // 2, dtype=dtype),
-            b_residual=0.0,
-            d_residual=0.0,
-            gap=target_norm,
-            target_norm=target_norm,
-        )
+        return LayerRefit.unchanged(b_real, b_imag, r, target_norm)
     # 2. Polar factor of V_r^T pinv(A), once: flipping the pairs by
     #    D = diag(eps) gives the polar factor D O with the same singular
     #    values. eps makes D O a rotation (the peak rule flips the last pair
     #    of a reflection; the gap rule searches the admissible patterns).
     polar = polar_factor(polar_target(a_matrix, svd.vh))
-    choice: SignChoice | None = None
-    if pair_signs is None:
-        choice = choose_pair_signs(
-            svd, polar, a_matrix, b64, s64, rule=sign_search, search=search
-        )
-        eps = choice.signs.to(svd.u.device)
-        if sign_search == "peak":
-            choice = None
-    else:
-        eps = pair_signs.to(device=svd.u.device, dtype=F64).clone()
-        if float(eps.prod()) * float(torch.linalg.det(polar.o)) < 0:
-            eps[-1] = -eps[-1]
+    eps, choice = _pair_signs(
+        svd, polar, a_matrix, b64, s64, sign_search, search, pair_signs
+    )
     u, vh = svd.u * eps, svd.vh * eps[:, None]
     polar = PolarFactor(o=eps[:, None] * polar.o, singular_values=polar.singular_values)
     # 3. Refit d from the polar factor, b by least squares.

@@ -72,6 +72,30 @@ def work_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float32
 
 
+def _product_shape(
+    bs: Sequence[torch.Tensor], as_: Sequence[torch.Tensor]
+) -> tuple[int, int]:
+    """``(d_out, d_in)`` of k factor pairs of any ranks ``(d_out, r_i) x (r_i, d_in)``.
+
+    Raises
+    ------
+    ShapeMismatchError
+        Naming the client whose factors do not fit.
+    """
+    d_out, d_in = int(bs[0].shape[0]), int(as_[0].shape[-1])
+    for i, (b, a) in enumerate(zip(bs, as_, strict=True)):
+        if b.ndim != 2 or a.ndim != 2 or b.shape[0] != d_out or a.shape[1] != d_in:
+            raise ShapeMismatchError(
+                f"client {i}: B {tuple(b.shape)} and A {tuple(a.shape)} do not "
+                f"fit (d_out, r) x (r, d_in) with d_out={d_out}, d_in={d_in}"
+            )
+        if b.shape[1] != a.shape[0]:
+            raise ShapeMismatchError(
+                f"client {i}: B {tuple(b.shape)} and A {tuple(a.shape)} disagree on r"
+            )
+    return d_out, d_in
+
+
 class ProductSum:
     """``M = sum_i c_i (B_i - B_shift)(A_i - A_shift)`` as a streamed operator.
 
@@ -124,18 +148,7 @@ class ProductSum:
             raise ShapeMismatchError(
                 f"expected {len(bs)} coefficients, got {coef.numel()}"
             )
-        d_out, d_in = int(bs[0].shape[0]), int(as_[0].shape[-1])
-        for i, (b, a) in enumerate(zip(bs, as_, strict=True)):
-            if b.ndim != 2 or a.ndim != 2 or b.shape[0] != d_out or a.shape[1] != d_in:
-                raise ShapeMismatchError(
-                    f"client {i}: B {tuple(b.shape)} and A {tuple(a.shape)} do not "
-                    f"fit (d_out, r) x (r, d_in) with d_out={d_out}, d_in={d_in}"
-                )
-            if b.shape[1] != a.shape[0]:
-                raise ShapeMismatchError(
-                    f"client {i}: B {tuple(b.shape)} and A {tuple(a.shape)} "
-                    "disagree on r"
-                )
+        d_out, d_in = _product_shape(bs, as_)
         self.ranks = [int(b.shape[1]) for b in bs]
         uniform = len(set(self.ranks)) == 1
         for name, shift, want in (
@@ -734,27 +747,43 @@ def aggregate_gap(
             left, right = _weighted_sum(bs, w), as_[0].double()
         else:
             left, right = bs[0].double(), _weighted_sum(as_, w)
-        return GapNorms(
-            factored_frobenius_norm(
-                torch.cat([left, -b64], dim=1), torch.cat([right, a64], dim=0)
-            ),
-            factored_frobenius_norm(left, right),
-        )
+        return _factored_gap(left, right, b64, a64)
     cost = cost if cost is not None else DEFAULT_COST_MODEL
     path = cost.aggregate_gap(len(bs), r, int(b_agg.shape[1]), d_out, d_in).path
     if path == FACTORED:
         left, right = mean_of_products_factors(bs, as_, w)
-        return GapNorms(
-            factored_frobenius_norm(
-                torch.cat([left, -b64], dim=1), torch.cat([right, a64], dim=0)
-            ),
-            factored_frobenius_norm(left, right),
-        )
+        return _factored_gap(left, right, b64, a64)
     if path == DENSE:
         m = ProductSum(bs, as_, w, dtype=torch.float64, cost=cost).dense()
         reference = float(torch.linalg.vector_norm(m))
         m.addmm_(b64, a64, alpha=-1.0)
         return GapNorms(float(torch.linalg.vector_norm(m)), reference)
+    return _estimated_gap(bs, as_, w, b_agg, a_agg, cost, seed)
+
+
+def _factored_gap(
+    left: torch.Tensor, right: torch.Tensor, b64: torch.Tensor, a64: torch.Tensor
+) -> GapNorms:
+    """``||left right - B A||_F`` and ``||left right||_F`` from stacked factors."""
+    return GapNorms(
+        factored_frobenius_norm(
+            torch.cat([left, -b64], dim=1), torch.cat([right, a64], dim=0)
+        ),
+        factored_frobenius_norm(left, right),
+    )
+
+
+def _estimated_gap(
+    bs: Sequence[torch.Tensor],
+    as_: Sequence[torch.Tensor],
+    w: torch.Tensor,
+    b_agg: torch.Tensor,
+    a_agg: torch.Tensor,
+    cost: CostModel,
+    seed: int,
+) -> GapNorms:
+    """The gap and the mean's norm estimated by randomized trace estimates
+    (seeds ``seed``, ``seed + 1``) of streamed product sums."""
     dtype = work_dtype(*bs, *as_)
     mean = ProductSum(bs, as_, w, dtype=dtype, cost=cost)
     diff = ProductSum(

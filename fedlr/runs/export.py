@@ -51,7 +51,7 @@ from fedlr.adapters.lora import LoraModel
 from fedlr.adapters.roles import AdaptedModel
 from fedlr.adapters.vera import VeraModel
 from fedlr.errors import FedLRError, UnknownKeyError
-from fedlr.strategies.registry import MethodConfig
+from fedlr.strategies.registry import MethodConfig, MethodSpec
 from fedlr.tasks.text import published_rank, server_config, text_task
 from fedlr.tasks.vera import VeraOptions, build_vera_text_model
 
@@ -222,6 +222,32 @@ def _export(
         return {}
     out = run_dir / EXPORT_DIR
     adapted.model.save_pretrained(str(out))
+    content, description = _content(spec, adapted, state, out)
+    info = {
+        "method": spec.name,
+        "model": config.model,
+        "dataset": config.dataset,
+        "seed": config.seed,
+        "rounds": rounds,
+        "content": content,
+        "base-weights": BASE_WEIGHTS if content == "adapter+folded-base" else None,
+        "description": description,
+    }
+    (out / EXPORT_INFO).write_text(json.dumps(info, indent=2))
+    (out / "README.txt").write_text(_readme(info))
+    _LOG.info("fedlr: adapter (%s) exported to %s", content, out)
+    return {"adapter-export": str(out), "adapter-content": content}
+
+
+def _content(
+    spec: MethodSpec,
+    adapted: AdaptedModel,
+    state: Mapping[str, torch.Tensor],
+    out: Path,
+) -> tuple[str, str]:
+    """What the exported directory ``out`` holds, and its description; a
+    method that folds into the base also gets its folded base weights
+    written there."""
     folded = folded_base_weights(adapted) if spec.traits.folds_base else {}
     if spec.traits.personalised:
         content = "shared-part"
@@ -244,20 +270,7 @@ def _export(
     else:
         content = "adapter"
         description = "The global adapter; the base model is unchanged."
-    info = {
-        "method": spec.name,
-        "model": config.model,
-        "dataset": config.dataset,
-        "seed": config.seed,
-        "rounds": rounds,
-        "content": content,
-        "base-weights": BASE_WEIGHTS if content == "adapter+folded-base" else None,
-        "description": description,
-    }
-    (out / EXPORT_INFO).write_text(json.dumps(info, indent=2))
-    (out / "README.txt").write_text(_readme(info))
-    _LOG.info("fedlr: adapter (%s) exported to %s", content, out)
-    return {"adapter-export": str(out), "adapter-content": content}
+    return content, description
 
 
 def _folded_note(method: str, count: int) -> str:

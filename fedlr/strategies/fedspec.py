@@ -264,6 +264,35 @@ class FedSpec(SvdSolverChoice, SeededLoraStrategy):
             )
             for m in self.layout.modules
         }
+        svds = self._layer_svds(server_round, factors, weights, reach)
+        # 2. Rank rule on the largest tail fraction at the current rank, from
+        #    bounds where the SVD was randomized (undecided layers measured
+        #    again, exactly).
+        decisive = self.decide(server_round, svds, factors, weights, reach)
+        tail = self.tail_fraction(svds.values())
+        new_rank = adaptive_rank(rank, decisive, self.threshold, self.max_rank)
+        new_layout = layout_at_rank(self.layout, new_rank)
+        gain = math.sqrt(new_rank / rank)  # (alpha / r') B A == (alpha / r) M_r'
+        # 3. Balanced factors of the rank-r' truncation, padded if needed.
+        gaps = self._balanced(server_round, svds, new_layout, new_rank, gain, state)
+        self.set_rank(server_round, new_layout, tail)
+        report = self._report(
+            {name: g.pair for name, g in gaps.items()},
+            **gap_summary(gaps.values()),
+            **{"svd-randomized": float(any(v.randomized for v in svds.values()))},
+        )
+        report.metrics["tail-energy"] = tail
+        return state, report
+
+    def _layer_svds(
+        self,
+        server_round: int,
+        factors: Mapping[str, tuple[list[torch.Tensor], list[torch.Tensor]]],
+        weights: list[float],
+        reach: int,
+    ) -> dict[str, TruncatedSVD]:
+        """Each layer's truncated SVD of its mean of products at rank ``reach``
+        (the path, factored QR, dense or randomized, is the cost model's)."""
         svds: dict[str, TruncatedSVD] = {}
         for m in self.layout.modules:
             svds[m.name] = svd_of_mean(
@@ -278,25 +307,30 @@ class FedSpec(SvdSolverChoice, SeededLoraStrategy):
                 "fedspec",
                 m.name,
                 svds[m.name],
-                clients=len(updates),
-                rank=rank,
+                clients=len(weights),
+                rank=self.rank,
                 shape=(m.d_out, m.d_in),
             )
-        # 2. Rank rule on the largest tail fraction at the current rank, from
-        #    bounds where the SVD was randomized (undecided layers measured
-        #    again, exactly).
-        decisive = self.decide(server_round, svds, factors, weights, reach)
-        tail = self.tail_fraction(svds.values())
-        new_rank = adaptive_rank(rank, decisive, self.threshold, self.max_rank)
-        new_layout = layout_at_rank(self.layout, new_rank)
-        gain = math.sqrt(new_rank / rank)  # (alpha / r') B A == (alpha / r) M_r'
-        # 3. Balanced factors of the rank-r' truncation, padded if needed.
+        return svds
+
+    def _balanced(
+        self,
+        server_round: int,
+        svds: Mapping[str, TruncatedSVD],
+        new_layout: AdapterLayout,
+        new_rank: int,
+        gain: float,
+        state: dict[str, torch.Tensor],
+    ) -> dict[str, GapNorms]:
+        """Write into ``state`` the balanced factors of each layer's rank-r'
+        truncation (padded if needed, scaled by ``gain``, in the factors'
+        dtype) in place of the old ones; each layer's gap norms."""
         gaps: dict[str, GapNorms] = {}
         for m, new_m in zip(self.layout.modules, new_layout.modules, strict=True):
             cut = truncate(svds[m.name], new_rank)
             b, a = cut.split_sqrt()
             b, a = pad_factors(b, a, new_rank, seed=self.seed + server_round)
-            dtype = current[m.b_key].dtype
+            dtype = state[m.b_key].dtype
             del state[m.b_key], state[m.a_key]
             state[new_m.b_key] = (gain * b).to(dtype)
             state[new_m.a_key] = (gain * a).to(dtype)
@@ -306,14 +340,7 @@ class FedSpec(SvdSolverChoice, SeededLoraStrategy):
                 estimated=cut.energy_estimated,
                 gap_sq_error=cut.energy_error,
             )
-        self.set_rank(server_round, new_layout, tail)
-        report = self._report(
-            {name: g.pair for name, g in gaps.items()},
-            **gap_summary(gaps.values()),
-            **{"svd-randomized": float(any(v.randomized for v in svds.values()))},
-        )
-        report.metrics["tail-energy"] = tail
-        return state, report
+        return gaps
 
     def fraction_bounds(self, svd: TruncatedSVD) -> tuple[float, float]:
         """Bounds of one layer's tail fraction at the current rank (of

@@ -447,6 +447,25 @@ def receive_base(
         if protocol.BASE_DELTA in content.array_records
         else {}
     )
+    held = _apply_steps(base, held, steps, keys, projections)
+    if held != target:
+        raise BaseOutOfSyncError(
+            f"this node keeps base weights version {held}, the round needs {target}"
+        )
+    _check_sum(base, keys, config.get(protocol.BASE_CHECK), target)
+    _store(state, base, target)
+    return base, target
+
+
+def _apply_steps(
+    base: dict[str, torch.Tensor],
+    held: int,
+    steps: Mapping[int, Mapping[str, BaseDelta]],
+    keys: Sequence[str],
+    projections: Projections | None,
+) -> int:
+    """Apply to ``base`` (version ``held``) the changes of ``steps`` it does
+    not hold yet, in order; the version it reaches."""
     for version in sorted(steps):
         if version <= held:
             continue
@@ -464,11 +483,13 @@ def receive_base(
         for key, delta in deltas.items():
             base[key] = delta.apply(base[key], projections)
         held = version
-    if held != target:
-        raise BaseOutOfSyncError(
-            f"this node keeps base weights version {held}, the round needs {target}"
-        )
-    expected = config.get(protocol.BASE_CHECK)
+    return held
+
+
+def _check_sum(
+    base: Mapping[str, torch.Tensor], keys: Sequence[str], expected: object, target: int
+) -> None:
+    """Refuse base weights that fail the instruction's ``base-check`` sums."""
     if isinstance(expected, list) and len(expected) == len(keys):
         bad = [
             key
@@ -480,8 +501,6 @@ def receive_base(
                 f"base weights version {target} fail the checksum on {bad}; "
                 "this node's copy drifted from the server's"
             )
-    _store(state, base, target)
-    return base, target
 
 
 def _store(state: RecordDict, base: Mapping[str, torch.Tensor], version: int) -> None:
