@@ -444,7 +444,10 @@ class ServerProbe:
         s = self.strategy
         if s is None:
             raise RuntimeError("ServerProbe.attach was not called (observe=)")
-        instruction = s.server_instruction
+        sent = s.round
+        if sent is None or sent.instruction is None:
+            raise RuntimeError("ServerProbe.delta called before a round was sent")
+        instruction = sent.instruction
         reply = s.server_update.train(instruction)
         full = _delta(_state(reply), _state(instruction))
         return {k: full[k] for k in keys}

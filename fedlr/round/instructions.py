@@ -41,7 +41,6 @@ __all__ = [
     "fingerprint_model",
     "instruction_config",
     "message_nbytes",
-    "rejected_rounds",
     "train_config",
     "train_round",
     "with_records",
@@ -170,13 +169,8 @@ def train_round(
         population=population,
         bytes_down=sum(message_nbytes(m) for m in messages),
         instruction=messages[0] if messages else None,
-        rejected_before=rejected_rounds(strategy),
+        rejected_before=strategy.rejected_rounds,
     )
-
-
-def rejected_rounds(strategy: RoundStrategy) -> int:
-    """The rejected rounds of the run so far (its latest round's count)."""
-    return strategy.round.rejected_rounds if strategy.round is not None else 0
 
 
 def with_records(message: Message, records: Mapping[str, Any]) -> Message:

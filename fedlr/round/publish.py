@@ -36,7 +36,6 @@ __all__ = [
     "mean_train_loss",
     "merged_metrics",
     "round_metrics",
-    "with_trimmed",
     "without_helper_metrics",
 ]
 
@@ -183,17 +182,6 @@ def round_metrics(
     return metrics
 
 
-def with_trimmed(
-    clients: MetricRecord | None, trimmed: MetricRecord | None
-) -> MetricRecord:
-    """The clients' aggregated metrics plus those of the clients a robust rule
-    left out, aggregated apart, each key prefixed ``trimmed-``."""
-    values: dict[str, MetricRecordValues] = dict(clients or {})
-    for key, value in (trimmed or {}).items():
-        values[f"trimmed-{key}"] = value
-    return MetricRecord(values)
-
-
 def client_metrics(
     aggregate: MetricsAggregation,
     weighted_by_key: str,
@@ -207,12 +195,15 @@ def client_metrics(
     clients = aggregate(
         [without_helper_metrics(u.content) for u in updates], weighted_by_key
     )
-    if left_out:
-        trimmed = aggregate(
-            [without_helper_metrics(u.content) for u in left_out], weighted_by_key
-        )
-        clients = with_trimmed(clients, trimmed)
-    return clients
+    if not left_out:
+        return clients
+    trimmed = aggregate(
+        [without_helper_metrics(u.content) for u in left_out], weighted_by_key
+    )
+    values: dict[str, MetricRecordValues] = dict(clients or {})
+    for key, value in (trimmed or {}).items():
+        values[f"trimmed-{key}"] = value
+    return MetricRecord(values)
 
 
 def merged_metrics(

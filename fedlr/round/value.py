@@ -6,8 +6,8 @@ A strategy's ``configure_train`` makes the :class:`Round` (what it sent,
 through the steps (:func:`fedlr.round.pipeline.aggregate_round`), each adding
 its result with ``dataclasses.replace``, and keeps the finished one as the
 strategy's ``round``. The strategy keeps nothing else of a round:
-:class:`LatestRound` reads its fields under the names a strategy has always
-had (``last_report``, ``last_dropped``...).
+:class:`LatestRound` reads its fields under the names a strategy had
+(``last_report``, ``rejected_rounds``, ``instructed``...).
 """
 
 from __future__ import annotations
@@ -94,8 +94,9 @@ class Round:
 
 
 class LatestRound:
-    """A strategy's read access to its latest round (``round``), by the
-    names the strategy's attributes had before the round was a value."""
+    """A strategy's read access to its latest round (``round``) under the
+    names its run-wide readers use (the runner, the server plan, client-level
+    DP's ``m`` and ``N``); anything else of a round is ``round``'s field."""
 
     round: Round | None = None
     """The latest round: set by the strategy's own hooks (``configure_train``
@@ -106,18 +107,6 @@ class LatestRound:
     @property
     def last_report(self) -> RoundReport:
         return self.round.report if self.round is not None else RoundReport()
-
-    @property
-    def last_dropped(self) -> list[str]:
-        return self.round.dropped if self.round is not None else []
-
-    @property
-    def last_screen(self) -> ScreenOutcome | None:
-        return self.round.screen if self.round is not None else None
-
-    @property
-    def last_robust(self) -> list[str]:
-        return self.round.robust if self.round is not None else []
 
     @property
     def last_rejection(self) -> str | None:
@@ -142,7 +131,3 @@ class LatestRound:
     @property
     def nodes_sampled_from(self) -> int:
         return self.round.population if self.round is not None else 0
-
-    @property
-    def server_instruction(self) -> Message | None:
-        return self.round.instruction if self.round is not None else None

@@ -63,7 +63,7 @@ from fedlr.flower.virtual_clock import (
     generated_trace,
     read_trace,
 )
-from fedlr.round.instructions import message_nbytes, rejected_rounds, train_config
+from fedlr.round.instructions import message_nbytes, train_config
 from fedlr.round.pipeline import aggregate_accepted
 from fedlr.round.publish import RoundReport
 from fedlr.round.value import Round
@@ -419,7 +419,7 @@ class AsyncEngine:
             self.arrays,
             instructed=len(updates),
             bytes_down=self.bytes_down,
-            rejected_before=rejected_rounds(strategy),
+            rejected_before=strategy.rejected_rounds,
             dropped=list(self.dropped),
         )  # the round in progress: client-level DP reads its m
         started = time.perf_counter()

@@ -40,7 +40,6 @@ from fedlr.round.evaluation import (
 )
 from fedlr.round.instructions import (
     check_arrays,
-    rejected_rounds,
     train_config,
     train_round,
     with_round_values,
@@ -302,7 +301,7 @@ class FedLRStrategy(LatestRound, FedAvg):
         """Begin a round on ``arrays`` without sampling (the legacy adapter,
         replies built by hand; ``sent``: other :class:`Round` fields); its
         train ConfigRecord (:func:`~fedlr.round.instructions.train_config`)."""
-        before = rejected_rounds(self)
+        before = self.rejected_rounds
         self.round = Round(server_round, arrays, rejected_before=before, **sent)
         return train_config(self, server_round, config or ConfigRecord())
 

@@ -134,8 +134,8 @@ def outcome(method: str, name: str, plans) -> str:  # noqa: F811
     dtypes = {k: v.dtype for k, v in state.items()}
     assert all(new[k].dtype == dtypes[k] for k in new if k in dtypes), name
     assert all(bool(torch.isfinite(v).all()) for v in new.values()), name
-    if strategy.last_dropped:
-        (reason,) = strategy.last_dropped
+    if strategy.round.dropped:
+        (reason,) = strategy.round.dropped
         assert f"node {ATTACKER}" in reason, reason
         _, without, _, _ = _round(method, plans, lost=True)
         assert without is not None and without.keys() == new.keys()
@@ -162,7 +162,7 @@ def test_hostile_reply_is_dropped_or_harmless_by_default(method, name, plans):  
 def test_the_screen_reason_names_the_node_and_the_ratio(plans):  # noqa: F811
     strategy, _, metrics, _ = _round("fedex-lora", plans, HOSTILE["x1e4 update"][0])
     assert metrics["dropped"] == 1
-    (reason,) = strategy.last_dropped
+    (reason,) = strategy.round.dropped
     assert reason.startswith(f"reply from node {ATTACKER} rejected: update norm")
     assert "above screen-ratio 20" in reason
     ratio = float(reason.split(" is ")[1].split(" x ")[0])

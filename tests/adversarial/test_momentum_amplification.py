@@ -232,8 +232,8 @@ def test_a_dropped_reply_never_reaches_the_momentum():
         else:
             new, metrics = _round(strategy, 2, x, steps[1], hostile)
             assert metrics["dropped"] == 1
-            assert len(strategy.last_dropped) == 1
-            assert "node 1004" in strategy.last_dropped[0]
+            assert len(strategy.round.dropped) == 1
+            assert "node 1004" in strategy.round.dropped[0]
         results.append((new, {k: v.clone() for k, v in strategy.momentum.items()}))
     (a, va), (b, vb) = results
     for k in a:

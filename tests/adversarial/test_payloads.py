@@ -277,8 +277,8 @@ def _check_dropped(method, payload, plans):  # noqa: F811
     p = PAYLOADS[payload]
     strategy, new, metrics, _ = _round(method, plans, p)
     assert new is not None and metrics is not None
-    assert metrics["dropped"] == 1, strategy.last_dropped
-    (reason,) = strategy.last_dropped
+    assert metrics["dropped"] == 1, strategy.round.dropped
+    (reason,) = strategy.round.dropped
     node = 4242 if payload == "stranger" else ATTACKER
     assert f"node {node}" in reason, reason
     assert re.search(p.reason, reason), reason
@@ -294,8 +294,8 @@ def _check_numbers(method, payload, rule, plans):  # noqa: F811
         method, plans, PAYLOADS[payload], robust=rule
     )
     assert metrics is not None
-    if strategy.last_dropped:  # caught by a method's own consistency checks
-        (reason,) = strategy.last_dropped
+    if strategy.round.dropped:  # caught by a method's own consistency checks
+        (reason,) = strategy.round.dropped
         assert f"node {ATTACKER}" in reason
         want = _reference(method, plans, attacker_lost=True, robust=rule)
         assert new is not None
@@ -309,8 +309,8 @@ def _check_numbers(method, payload, rule, plans):  # noqa: F811
     assert all(bool(torch.isfinite(t).all()) for t in new.values())
     if rule == "none":
         return
-    assert any(f"node {ATTACKER}" in r for r in strategy.last_robust), (
-        strategy.last_robust
+    assert any(f"node {ATTACKER}" in r for r in strategy.round.robust), (
+        strategy.round.robust
     )
     want = _reference(method, plans, attacker_lost=True)
     # A record (FOT's sketches, FedLEASE's router, SCAFFOLD's delta) is
@@ -318,7 +318,7 @@ def _check_numbers(method, payload, rule, plans):  # noqa: F811
     # is honest, trimmed mean trims an honest node's record, and the round
     # differs from the one without the attacker by that record.
     honest_record_trimmed = any(
-        "record '" in r and f"node {ATTACKER}:" not in r for r in strategy.last_robust
+        "record '" in r and f"node {ATTACKER}:" not in r for r in strategy.round.robust
     )
     if rule == "trimmed-mean" and not honest_record_trimmed:
         zero = {k: torch.zeros_like(v) for k, v in want.items()}

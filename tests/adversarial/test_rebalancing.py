@@ -141,10 +141,10 @@ def _check(method, rule, c, where, plans):
         return
     named = [
         r
-        for r in strategy.last_dropped + strategy.last_robust
+        for r in strategy.round.dropped + strategy.round.robust
         if f"node {ATTACKER}" in r
     ]
-    assert named, (method, rule, strategy.last_dropped, strategy.last_robust)
+    assert named, (method, rule, strategy.round.dropped, strategy.round.robust)
     assert new is not None, strategy.last_rejection
     want = _reference(method, plans, attacker_lost=True, robust=rule)
     moved = _distance(want, state)

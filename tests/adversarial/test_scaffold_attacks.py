@@ -189,14 +189,14 @@ def test_every_payload_on_the_control_delta_is_dropped_or_harmless(name, plans):
     assert metrics is not None and new is not None  # the run goes on
     assert all(bool(torch.isfinite(v).all()) for v in strategy.control.values())
     if p.outcome == "extra":  # the extra message is dropped, the honest kept
-        (reason,) = strategy.last_dropped
+        (reason,) = strategy.round.dropped
         assert re.search(p.reason, reason), reason
         want, control = _reference(plans, lost=False)
         _same(new, want)
         _same(strategy.control, control)
         return
-    if strategy.last_dropped:  # dropped: as if the attacker never replied
-        (reason,) = strategy.last_dropped
+    if strategy.round.dropped:  # dropped: as if the attacker never replied
+        (reason,) = strategy.round.dropped
         assert f"node {ATTACKER}" in reason, reason
         if p.outcome == "drop" and not re.search(p.reason, reason):
             # the fault is named in the delta record's own words
@@ -220,7 +220,7 @@ def test_every_payload_on_the_control_delta_is_dropped_or_harmless(name, plans):
 def test_finite_huge_deltas_are_dropped_by_the_record_screen(name, robust, plans):  # noqa: F811
     strategy, new, metrics = _round(plans, HUGE[name], robust=robust)
     assert new is not None and metrics["dropped"] == 1
-    (reason,) = strategy.last_dropped
+    (reason,) = strategy.round.dropped
     assert f"node {ATTACKER}" in reason and CONTROL_DELTA in reason, reason
     assert re.search(r"screen-ratio|overflows|not finite", reason), reason
     want, control = _reference(plans, lost=True, robust=robust)
@@ -235,8 +235,8 @@ def test_under_norm_clip_a_flipped_delta_is_clipped_and_named(plans):  # noqa: F
         plans, _on_delta(PAYLOADS["flipped-10x"]), robust="norm-clip"
     )
     assert new is not None
-    named = [r for r in strategy.last_robust if f"node {ATTACKER}" in r]
-    assert any(CONTROL_DELTA in r for r in named), strategy.last_robust
+    named = [r for r in strategy.round.robust if f"node {ATTACKER}" in r]
+    assert any(CONTROL_DELTA in r for r in named), strategy.round.robust
     _, f, g = strategy.applied[ATTACKER]
     assert f == 1.0 and 0.0 < g < 1.0  # the record clip, told to the node
 

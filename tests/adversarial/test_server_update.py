@@ -311,7 +311,7 @@ def test_the_published_arrays_are_the_weighted_mean_with_the_servers_share(
     assert frame["server-update-weight"].dropna().tolist() == pytest.approx([share])
     assert frame["clients"].dropna().tolist() == [4.0]  # the server is not a client
     strategy = recorder.strategy
-    instruction = strategy.server_instruction
+    instruction = strategy.round.instruction
     own = strategy.server_update.train(instruction)  # its round's, not a new one
     sent = record_to_state(instruction.content.array_records[protocol.ARRAYS])
     server = record_to_state(own.content.array_records[protocol.ARRAYS])

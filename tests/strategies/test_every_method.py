@@ -1121,7 +1121,7 @@ def warm(case: Case, plan: ServerPlan) -> tuple[FedLRStrategy, State]:
         replies = distinct_replies(case, strategy, server_round, state)
         arrays, metrics = strategy.aggregate_train(server_round, replies)
         assert arrays is not None and metrics is not None
-        assert metrics["dropped"] == 0, strategy.last_dropped
+        assert metrics["dropped"] == 0, strategy.round.dropped
         state = record_to_state(arrays)
     return strategy, state
 
@@ -1204,7 +1204,7 @@ def test_reduces_to_fedavg_when_all_clients_agree(method, plans):
     start = _effective_before(case, strategy, current)
     arrays, metrics = strategy.aggregate_train(1, replies)
     assert arrays is not None and metrics is not None
-    assert metrics["clients"] == 3 and metrics["dropped"] == 0, strategy.last_dropped
+    assert metrics["clients"] == 3 and metrics["dropped"] == 0, strategy.round.dropped
     new = record_to_state(arrays)
     eps = torch.finfo(next(iter(common.values())).dtype).eps
     client = {**current, **common}
@@ -1267,7 +1267,7 @@ def test_reply_with_a_missing_or_an_extra_key_is_dropped(method, plans):
     assert arrays is not None and metrics is not None
     assert metrics["dropped"] == 2 and metrics["clients"] == 3
     assert metrics[protocol.NUM_EXAMPLES] == sum(WEIGHTS)
-    reasons = with_bad.last_dropped
+    reasons = with_bad.round.dropped
     assert len(reasons) == 2, reasons
     (short_reason,) = [r for r in reasons if f"node {MISSING_NODE} " in r]
     (extra_reason,) = [r for r in reasons if f"node {EXTRA_NODE} " in r]
@@ -1281,7 +1281,7 @@ def test_reply_with_a_missing_or_an_extra_key_is_dropped(method, plans):
     # the two silent nodes are dropped as silent; the same three are aggregated
     assert clean["clients"] == 3 and clean["dropped"] == 2
     assert clean[protocol.NUM_EXAMPLES] == metrics[protocol.NUM_EXAMPLES]
-    silent = sorted(only_valid.last_dropped)
+    silent = sorted(only_valid.round.dropped)
     assert [r.split(":")[0] for r in silent] == [
         f"node {n}" for n in (MISSING_NODE, EXTRA_NODE)
     ]
@@ -1309,7 +1309,7 @@ def test_state_dict_round_trips(method, plans):
         replies = distinct_replies(case, strategy, server_round, state)
         arrays, metrics = strategy.aggregate_train(server_round, replies)
         assert arrays is not None and metrics is not None
-        assert metrics["dropped"] == 0, strategy.last_dropped
+        assert metrics["dropped"] == 0, strategy.round.dropped
         behaviour["arrays"] = record_to_state(arrays)
         behaviour["metrics"] = dict(metrics)
         behaviour["state_dict"] = strategy.state_dict()
@@ -1459,7 +1459,7 @@ def test_the_method_matches_its_reference_implementation(
         want = reference(server_round, dict(state), replies)
         arrays, metrics = strategy.aggregate_train(server_round, replies)
         assert arrays is not None and metrics is not None
-        assert metrics["dropped"] == 0, strategy.last_dropped
+        assert metrics["dropped"] == 0, strategy.round.dropped
         got = record_to_state(arrays)
         eps = torch.finfo(next(iter(state.values())).dtype).eps
         assert_close(got, want, eps, f"{method} round {server_round}")

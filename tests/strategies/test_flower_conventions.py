@@ -274,7 +274,7 @@ def test_a_lost_reply_is_dropped_under_start():
     for server_round in (1, 2):
         metrics = result.train_metrics_clientapp[server_round]
         assert metrics["dropped"] == 1 and metrics["clients"] == 2
-    assert strategy.last_dropped == ["node 1001: no reply (timed out or lost)"]
+    assert strategy.round.dropped == ["node 1001: no reply (timed out or lost)"]
 
 
 def test_duplicate_and_uninstructed_replies_are_dropped_with_reasons():
@@ -294,7 +294,7 @@ def test_duplicate_and_uninstructed_replies_are_dropped_with_reasons():
         ],
     )
     assert metrics["clients"] == 2 and metrics["dropped"] == 3
-    assert strategy.last_dropped == [
+    assert strategy.round.dropped == [
         "reply from node 1000 rejected: duplicate reply (the node's first reply "
         "is kept)",
         "reply from node 7 rejected: the node was not sent an instruction this round",
@@ -311,7 +311,7 @@ def test_run_round_counts_lost_replies_through_aggregate_train():
     grid = InProcessGrid(_client_app(), num_nodes=3, run_config={}, reply_hook=lose)
     run_round(strategy, grid, 1, _initial(strategy), ConfigRecord(), timeout=5.0)
     assert strategy.last_report.metrics["dropped"] == 1
-    assert strategy.last_dropped == ["node 1002: no reply (timed out or lost)"]
+    assert strategy.round.dropped == ["node 1002: no reply (timed out or lost)"]
     assert not hasattr(strategy, "_missing")
 
 
@@ -366,7 +366,7 @@ def test_wrong_keys_reason_names_train_roles():
         [reply(1, good, {NUM_EXAMPLES: 2}), reply(2, everything, {NUM_EXAMPLES: 2})],
     )
     assert metrics["dropped"] == 1
-    (reason,) = strategy.last_dropped
+    (reason,) = strategy.round.dropped
     assert reason.startswith("reply from node 2 rejected: 'arrays' has wrong keys")
     assert "2 unexpected" in reason
     assert "the client must send exactly the arrays of train-roles=lora_B,head" in (

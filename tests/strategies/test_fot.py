@@ -233,8 +233,8 @@ def test_bad_sketch_reply_is_dropped_with_reason(case, caplog):
     with caplog.at_level(logging.WARNING):
         _, metrics = s.aggregate_train(3, replies)
     assert metrics is not None and metrics["dropped"] == 1 and metrics["clients"] == 1
-    assert len(s.last_dropped) == 1 and "node 1001" in s.last_dropped[0]
-    assert re.search(reason, s.last_dropped[0]), s.last_dropped
+    assert len(s.round.dropped) == 1 and "node 1001" in s.round.dropped[0]
+    assert re.search(reason, s.round.dropped[0]), s.round.dropped
     assert any("node 1001" in r.getMessage() for r in caplog.records)
 
 

@@ -178,11 +178,11 @@ def test_default_screen_drops_a_boosted_client_of_another_rank(method):
     clients = _clients(attacked, current)
     new, metrics = _round(attacked, current, clients)
     assert metrics["dropped"] == 1 and metrics["clients"] == len(NODES) - 1
-    (reason,) = attacked.last_dropped
+    (reason,) = attacked.round.dropped
     assert f"node {ATTACKER}" in reason and "screen-ratio 20" in reason
     ratio = float(reason.split(" is ")[1].split(" x ")[0])
     assert ratio > 1e3
-    honest = attacked.last_screen
+    honest = attacked.round.screen
     assert honest is not None and max(honest.ratios[:-1]) < 4.0, honest.ratios
     without, _ = _round(
         _strategy(method), current, _clients(attacked, current), without=(ATTACKER,)
@@ -201,8 +201,8 @@ def test_robust_rules_contain_a_boosted_client_of_another_rank(method, rule):
     clients = _clients(attacked, current)
     new, metrics = _round(attacked, current, clients)
     assert new is not None and metrics["dropped"] == 0
-    assert any(f"node {ATTACKER}" in r for r in attacked.last_robust), (
-        attacked.last_robust
+    assert any(f"node {ATTACKER}" in r for r in attacked.round.robust), (
+        attacked.round.robust
     )
     # the plain round without the attacker (trimmed-mean trims one of 5)
     reference = _strategy(method, screen_ratio=0.0)
@@ -236,7 +236,7 @@ def test_a_node_that_changes_its_rank_is_dropped_and_keeps_its_rank():
     again[0] = _clients(strategy, new, boost=1.0, seed=3)[1]  # a rank-4 reply
     _, metrics = _round(strategy, new, again, server_round=2)
     assert metrics["dropped"] == 1
-    (reason,) = strategy.last_dropped
+    (reason,) = strategy.round.dropped
     assert f"node {NODES[0]}" in reason
     assert "rank 4 differs from the node's rank 2" in reason
     assert strategy.node_ranks[NODES[0]] == 2
@@ -261,7 +261,7 @@ def test_a_first_reply_must_be_at_its_partitions_rank():
     extra[NODES[1]] = {"partition-id": 0}
     _, metrics = _round(strategy, current, clients, extra=extra)
     assert metrics["dropped"] == 1
-    (reason,) = strategy.last_dropped
+    (reason,) = strategy.round.dropped
     assert f"node {NODES[1]}" in reason
     assert "rank 4 is not partition 0's rank 2" in reason
     assert NODES[1] not in strategy.node_ranks

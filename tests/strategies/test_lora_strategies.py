@@ -236,11 +236,11 @@ def test_bad_reply_is_dropped_with_reason_and_round_goes_on(case, cls, caplog):
         new, agg_metrics = strategy.aggregate_train(1, replies)
     assert agg_metrics is not None and agg_metrics["dropped"] == 1
     assert agg_metrics["clients"] == 2
-    assert len(strategy.last_dropped) == 1
+    assert len(strategy.round.dropped) == 1
     import re
 
-    assert re.search(reason, strategy.last_dropped[0]), strategy.last_dropped
-    assert "node 1001" in strategy.last_dropped[0]
+    assert re.search(reason, strategy.round.dropped[0]), strategy.round.dropped
+    assert "node 1001" in strategy.round.dropped[0]
     assert any("node 1001" in r.getMessage() for r in caplog.records)
     # The aggregate is the mean of the two good clients only.
     state = record_to_state(new)
@@ -267,8 +267,8 @@ def test_error_reply_is_dropped():
         ],
     )
     assert metrics["dropped"] == 1 and metrics["clients"] == 2
-    assert "node 1001" in strategy.last_dropped[0]
-    assert "ClientApp crashed" in strategy.last_dropped[0]
+    assert "node 1001" in strategy.round.dropped[0]
+    assert "ClientApp crashed" in strategy.round.dropped[0]
 
 
 def test_a_node_that_never_replies_is_dropped_as_missing():
@@ -294,7 +294,7 @@ def test_a_node_that_never_replies_is_dropped_as_missing():
     state = run_round(strategy, grid, 1, initial, ConfigRecord(), timeout=5.0)
     metrics = strategy.last_report.metrics
     assert metrics["dropped"] == 2 and metrics["clients"] == 1
-    assert strategy.last_dropped == [
+    assert strategy.round.dropped == [
         "node 1001: no reply (timed out or lost)",
         "node 1002: no reply (timed out or lost)",
     ]

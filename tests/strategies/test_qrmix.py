@@ -274,9 +274,9 @@ def test_bad_eigen_reply_is_dropped_with_reason(how, reason, caplog):
     with caplog.at_level(logging.WARNING, logger="flwr"):
         arrays, metrics = strategy.aggregate_train(2, replies)
     assert metrics["dropped"] == 1.0 and metrics["clients"] == 2.0
-    assert len(strategy.last_dropped) == 1
-    assert "node 1001" in strategy.last_dropped[0]
-    assert reason in strategy.last_dropped[0]
+    assert len(strategy.round.dropped) == 1
+    assert "node 1001" in strategy.round.dropped[0]
+    assert reason in strategy.round.dropped[0]
     assert any(reason in m for m in caplog.messages)
     good = [eigens[0], eigens[2]]
     step = qrmix_update(

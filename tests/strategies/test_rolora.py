@@ -77,7 +77,7 @@ def test_the_published_product_is_the_mean_of_the_clients_products():
         ]
         arrays, metrics = strategy.aggregate_train(server_round, replies)
         assert arrays is not None and metrics is not None
-        assert metrics["dropped"] == 0, strategy.last_dropped
+        assert metrics["dropped"] == 0, strategy.round.dropped
         new = record_to_state(arrays)
         assert all(v.dtype == F64 for v in new.values())
         frozen = Role.LORA_A if factor is Role.LORA_B else Role.LORA_B
@@ -134,7 +134,7 @@ def test_a_reply_with_the_other_factor_is_dropped_naming_this_rounds_roles():
     arrays, metrics = strategy.aggregate_train(2, replies)
     assert arrays is not None and metrics is not None
     assert metrics["dropped"] == 1 and metrics["clients"] == 2
-    (reason,) = strategy.last_dropped
+    (reason,) = strategy.round.dropped
     assert "node 1001" in reason and "train-roles=lora_A,head" in reason
 
 

@@ -117,7 +117,7 @@ def test_c_is_the_mean_of_the_committed_c_i_through_lost_dropped_rejected_rounds
         if server_round == 2:
             assert metrics["dropped"] == 1
             assert any(
-                "node 1001" in r and CONTROL_DELTA in r for r in strategy.last_dropped
+                "node 1001" in r and CONTROL_DELTA in r for r in strategy.round.dropped
             )
         if server_round == 3:  # rejected: the map is round 2's again
             assert arrays is None and metrics["rejected"] == 1.0
@@ -212,7 +212,7 @@ def test_nodes_commit_or_roll_back_in_process_so_c_is_their_mean():
         arrays = run_round(strategy, grid, server_round, arrays, ConfigRecord({}))
         dropped = strategy.last_report.metrics["dropped"]
         assert dropped == (1 if server_round < 3 else 0)
-    assert any(CONTROL_DELTA in r for r in strategy.last_dropped) is False
+    assert any(CONTROL_DELTA in r for r in strategy.round.dropped) is False
     # round 3's instruction carried c after round 2; each node committed what
     # the server applied before training round 3
     for k in controls[2]:

@@ -59,7 +59,7 @@ def _round(strategy: SLoRA, server_round: int, state: dict) -> tuple[dict, dict,
     ]
     arrays, metrics = strategy.aggregate_train(server_round, replies)
     assert arrays is not None and metrics is not None
-    assert metrics["dropped"] == 0, strategy.last_dropped
+    assert metrics["dropped"] == 0, strategy.round.dropped
     config = dict(messages[0].content["config"])
     return record_to_state(arrays), {**dict(metrics), "config": config}, sent
 

@@ -252,7 +252,7 @@ def test_rank_mismatch_raises_a_named_error_and_drops_live_replies(caplog):
     with caplog.at_level(logging.WARNING, logger="flwr"):
         _, metrics = strategy.aggregate_train(1, replies)
     assert metrics["dropped"] == 1 and metrics["clients"] == 1
-    assert any("rank mismatch in layer 'l0'" in r for r in strategy.last_dropped)
+    assert any("rank mismatch in layer 'l0'" in r for r in strategy.round.dropped)
 
 
 # --------------------------------------------------------------- FedSA-LoRA

@@ -147,7 +147,7 @@ def test_reply_with_other_projection_is_dropped(caplog):
     with caplog.at_level(logging.WARNING, logger="flwr"):
         _, metrics = strategy.aggregate_train(1, [good, other_seed, no_echo])
     assert metrics["clients"] == 1 and metrics["dropped"] == 2
-    reasons = sorted(strategy.last_dropped)
+    reasons = sorted(strategy.round.dropped)
     assert all("projection mismatch" in r for r in reasons)
     assert "node 1001" in reasons[0] and "(6.0, 3.0)" in reasons[0]
     assert "node 1002" in reasons[1] and "(None, None)" in reasons[1]
