@@ -30,6 +30,7 @@ from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.serverapp import Grid
@@ -231,6 +232,33 @@ def guarantee_lines(
             "who knows it can subtract the noise"
         )
     return lines
+
+
+def _metrics_summary(
+    method: str, frame: pd.DataFrame, initial: Mapping[str, float]
+) -> dict[str, Any]:
+    """``summary.json``'s measured part: the metrics before training and after
+    the last round, the bytes, the time, the privacy spent (if any)."""
+    summary: dict[str, Any] = {
+        "status": "finished",
+        "method": method,
+        "rounds": len(frame),
+        "initial-accuracy": initial.get("accuracy", float("nan")),
+        "initial-loss": initial.get("loss", float("nan")),
+        "final-accuracy": float(frame["accuracy"].iloc[-1]),
+        "final-loss": float(frame["loss"].iloc[-1]),
+        "total-bytes-up": float(frame["bytes-up"].sum()),
+        "total-bytes-down": float(frame["bytes-down"].sum()),
+        "seconds": float(frame["seconds"].sum()),
+    }
+    for key, value in initial.items():  # e.g. perplexity, exact-match
+        if key not in ("accuracy", "loss") and key in frame:
+            summary[f"initial-{key}"] = float(value)
+            summary[f"final-{key}"] = float(frame[key].iloc[-1])
+    for key in (DP_EPSILON, CLIENT_DP_EPSILON):  # the privacy spent, if any
+        if key in frame and bool(frame[key].notna().any()):
+            summary[key] = float(frame[key].max())
+    return summary
 
 
 def run_server(
@@ -589,26 +617,7 @@ class ServerRun:
         final = record_to_state(arrays)
         save_arrays(run_dir / "final_arrays.pt", final)
         frame = self.writer.frame
-        initial = self.initial_metrics
-        summary: dict[str, Any] = {
-            "status": "finished",
-            "method": config.method,
-            "rounds": len(frame),
-            "initial-accuracy": initial.get("accuracy", float("nan")),
-            "initial-loss": initial.get("loss", float("nan")),
-            "final-accuracy": float(frame["accuracy"].iloc[-1]),
-            "final-loss": float(frame["loss"].iloc[-1]),
-            "total-bytes-up": float(frame["bytes-up"].sum()),
-            "total-bytes-down": float(frame["bytes-down"].sum()),
-            "seconds": float(frame["seconds"].sum()),
-        }
-        for key, value in initial.items():  # e.g. perplexity, exact-match
-            if key not in ("accuracy", "loss") and key in frame:
-                summary[f"initial-{key}"] = float(value)
-                summary[f"final-{key}"] = float(frame[key].iloc[-1])
-        for key in (DP_EPSILON, CLIENT_DP_EPSILON):  # the privacy spent, if any
-            if key in frame and bool(frame[key].notna().any()):
-                summary[key] = float(frame[key].max())
+        summary = _metrics_summary(config.method, frame, self.initial_metrics)
         strategy = self.strategy  # "privacy-noise", "outside-epsilon" (DP on):
         own_eval = not (strategy.personalised or strategy.federated_evaluation)
         privacy = privacy_summary(
