@@ -18,8 +18,8 @@ data-independent denominator):
 
 The sensitivity of ``sum_i u_i / m`` to one client is ``C / m``, so step 3 is
 the Gaussian mechanism with noise multiplier ``z``. ``m`` is counted when the
-instructions go out (:meth:`FedLRStrategy.note_sent
-<fedlr.strategies.base.FedLRStrategy.note_sent>`), so a reply that is lost,
+instructions go out (the round's ``instructed``,
+:class:`fedlr.round.value.Round`), so a reply that is lost,
 fails validation or is dropped by the update-size screen counts as a zero
 update and never shrinks the denominator. Under client-level DP the screen
 judges each update on its own (``ReplyChecks.screen_update_sizes``: against
