@@ -192,13 +192,13 @@ def test_auto_is_no_rule_where_the_server_cannot_train_and_says_why(settings, wh
 
 
 def test_a_rule_that_is_set_is_kept_and_a_share_that_is_set_is_used():
-    for rule in ("none", "median", "norm-clip"):
+    for rule in ("none", "median", "norm-clip", "krum"):
         config = resolve({"robust": rule})
         assert config.run.robust == rule and config.auto == ""
         assert config.run.server_update_share == 0
     assert resolve({"server-update-share": 0.25}).run.server_update_share == 0.25
     with pytest.raises(ConfigError, match="must be one of") as caught:
-        resolve({"robust": "krum"})
+        resolve({"robust": "kurm"})
     assert caught.value.key == "robust" and "'auto'" in str(caught.value)
     # an explicit share the method cannot take is refused, not turned off
     with pytest.raises(ConfigError, match="personalised") as caught:
