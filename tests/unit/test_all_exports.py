@@ -21,7 +21,9 @@ def _module_names() -> list[str]:
         raise ImportError(f"cannot import package {name}")
 
     found = pkgutil.walk_packages(fedlr.__path__, prefix="fedlr.", onerror=fail)
-    return ["fedlr", *sorted(info.name for info in found)]
+    # a package's __main__ is the `python -m` entry point: importing it runs it
+    names = (info.name for info in found if not info.name.endswith(".__main__"))
+    return ["fedlr", *sorted(names)]
 
 
 MODULES = _module_names()
