@@ -375,6 +375,25 @@ def gram_records(
     return factors
 
 
+def selection_rule(
+    select: Callable[[torch.Tensor, RobustConfig], list[int]],
+    why: Callable[[RobustConfig], str],
+) -> Apply:
+    """A rule's step that keeps the updates ``select`` picks from the round's
+    Gram matrix, at their own weights (:func:`keep_only`, ``why(config)`` the
+    reason for each update left out)."""
+
+    def choose(
+        kept: list[ClientUpdate],
+        weights: torch.Tensor,
+        gram: torch.Tensor,
+        config: RobustConfig,
+    ) -> RuleResult:
+        return keep_only(kept, weights, select(gram, config), why(config))
+
+    return gram_rule(choose)
+
+
 def selected_records(
     select: Callable[[torch.Tensor, RobustConfig], list[int]], why: str
 ) -> RecordFactors:

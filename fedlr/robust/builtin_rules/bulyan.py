@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fedlr.robust.builtin_rules.krum import KrumOptions, krum_select
+from fedlr.robust.builtin_rules.krum import KrumOptions, krum_byzantine, krum_select
 from fedlr.robust.estimators import distances, geometric_median_weights
 from fedlr.robust.registration import (
     RobustConfig,
@@ -56,17 +56,13 @@ def bulyan_select(gram: torch.Tensor, byzantine: int) -> tuple[list[int], list[i
     return chosen, [chosen[i] for i in order[: theta - 2 * f]]
 
 
-def _byzantine(config: RobustConfig) -> int:
-    return KrumOptions.of(config.options).krum_byzantine
-
-
 def _choose(
     kept: list[ClientUpdate],
     weights: torch.Tensor,
     gram: torch.Tensor,
     config: RobustConfig,
 ) -> RuleResult:
-    f = _byzantine(config)
+    f = krum_byzantine(config)
     at = bulyan_byzantine(len(kept), f)
     _, final = bulyan_select(gram, f)
     why = f"not kept by Bulyan, f={at}"
@@ -85,10 +81,10 @@ register_rule(
     "(Flower's `Bulyan`, its second, coordinate-wise step made client-level)",
     defends="up to `f` Byzantine clients of `k >= 4f + 3` (El Mhamdi et al., "
     "2018); fewer clients: the largest `f` they allow",
-    startup=lambda config: f"Bulyan, f = {_byzantine(config)}",
+    startup=lambda config: f"Bulyan, f = {krum_byzantine(config)}",
     apply=gram_rule(_choose),
     records=selected_records(
-        lambda gram, config: bulyan_select(gram, _byzantine(config))[1],
+        lambda gram, config: bulyan_select(gram, krum_byzantine(config))[1],
         "not kept by Bulyan on the record",
     ),
     options=KrumOptions,

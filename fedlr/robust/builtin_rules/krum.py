@@ -13,24 +13,18 @@ to its reference.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from fedlr.options import NoOptions, option
 from fedlr.robust.registration import (
     RobustConfig,
-    RuleResult,
-    gram_rule,
-    keep_only,
     register_rule,
     selected_records,
+    selection_rule,
 )
 
-if TYPE_CHECKING:
-    from fedlr.wire.updates import ClientUpdate
-
-__all__ = ["KrumOptions", "krum_select"]
+__all__ = ["KrumOptions", "krum_byzantine", "krum_select"]
 
 
 @dataclass(frozen=True)
@@ -71,20 +65,13 @@ def krum_select(gram: torch.Tensor, byzantine: int, keep: int) -> list[int]:
     return [int(i) for i in torch.argsort(scores, stable=True)[:keep]]
 
 
-def _byzantine(config: RobustConfig) -> int:
+def krum_byzantine(config: RobustConfig) -> int:
+    """The rule's ``f`` (``krum-byzantine``)."""
     return KrumOptions.of(config.options).krum_byzantine
 
 
-def _choose(
-    kept: list[ClientUpdate],
-    weights: torch.Tensor,
-    gram: torch.Tensor,
-    config: RobustConfig,
-) -> RuleResult:
-    f = _byzantine(config)
-    return keep_only(
-        kept, weights, krum_select(gram, f, 1), f"not Krum's choice, f={f}"
-    )
+def _select(gram: torch.Tensor, config: RobustConfig) -> list[int]:
+    return krum_select(gram, krum_byzantine(config), 1)
 
 
 register_rule(
@@ -94,11 +81,10 @@ register_rule(
     "`f` = `krum-byzantine`",
     defends="up to `f` Byzantine clients of `k > 2f + 2` (Blanchard et al., "
     "2017); one client's data per round, so it costs accuracy without an attack",
-    startup=lambda config: f"Krum selecting 1 client, f = {_byzantine(config)}",
-    apply=gram_rule(_choose),
-    records=selected_records(
-        lambda gram, config: krum_select(gram, _byzantine(config), 1),
-        "not Krum's choice on the record",
+    startup=lambda config: f"Krum selecting 1 client, f = {krum_byzantine(config)}",
+    apply=selection_rule(
+        _select, lambda config: f"not Krum's choice, f={krum_byzantine(config)}"
     ),
+    records=selected_records(_select, "not Krum's choice on the record"),
     options=KrumOptions,
 )

@@ -9,7 +9,6 @@ its reference.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,15 +16,10 @@ from fedlr.options import option
 from fedlr.robust.builtin_rules.krum import KrumOptions, krum_select
 from fedlr.robust.registration import (
     RobustConfig,
-    RuleResult,
-    gram_rule,
-    keep_only,
     register_rule,
     selected_records,
+    selection_rule,
 )
-
-if TYPE_CHECKING:
-    from fedlr.wire.updates import ClientUpdate
 
 
 @dataclass(frozen=True)
@@ -48,15 +42,6 @@ def _select(gram: torch.Tensor, config: RobustConfig) -> list[int]:
     return krum_select(gram, f, keep)
 
 
-def _choose(
-    kept: list[ClientUpdate],
-    weights: torch.Tensor,
-    gram: torch.Tensor,
-    config: RobustConfig,
-) -> RuleResult:
-    return keep_only(kept, weights, _select(gram, config), "Krum score not kept")
-
-
 def _startup(config: RobustConfig) -> str:
     options = MultiKrumOptions.of(config.options)
     keep = options.multi_krum_keep or "the round's clients less f"
@@ -70,7 +55,7 @@ register_rule(
     defends="up to `f` Byzantine clients of `k > 2f + 2`, keeping more honest "
     "data per round than Krum (El Mhamdi et al., 2018)",
     startup=_startup,
-    apply=gram_rule(_choose),
+    apply=selection_rule(_select, lambda config: "Krum score not kept"),
     records=selected_records(_select, "Krum score on the record not kept"),
     options=MultiKrumOptions,
 )
