@@ -14,7 +14,9 @@ The default task (fedex-lora, MiniLM with LoRA r = 8 on polarity, Dirichlet
   are taken out of every round): what a defence that left out exactly the
   attackers would keep, the ceiling of any rule, since the attackers' data
   are lost with them (a non-IID partition may hold most of a class);
-* ``<attack>-<m>of5``: the last ``m`` partitions (1 or 2) collude. They train
+* ``<attack>-<m>of<n>``: ``m`` partitions of ``n`` (``--clients``, five by
+  default) collude, drawn per seed (:func:`attacker_partitions`; ``--placement
+  last`` puts them at the last partitions, as the study did before). They train
   honestly, see every honest reply of the round (the omniscient adversary of
   the ALIE paper, :class:`Colluders`, through the in-process grid's
   ``round_hook``) and replace their replies by:
@@ -52,6 +54,18 @@ The default task (fedex-lora, MiniLM with LoRA r = 8 on polarity, Dirichlet
       "server"`` its norm is 0.999 of ``clip-ratio`` times the server's
       update norm, the largest the clip keeps.
 
+  ``rebalance``
+      their own honest reply with every adapted layer's ``A`` times
+      ``c = 1e10`` and ``B`` over ``c`` (:data:`REBALANCE`): the product
+      ``B A`` is unchanged, the factors a factor-averaging method publishes
+      are not; honest example count;
+  ``minus-server``
+      minus the server's own update of the round (:class:`ServerProbe`), at
+      0.999 of its norm in the method's space, claiming the cap.
+
+Norms are measured in the space the method aggregates in, the space of the
+server's screen and rules (:meth:`Colluders.attach`).
+
 Every run is one line of ``DIR/runs*.jsonl`` (resumable: a finished run is not
 run again; ``--shard I/N`` runs every N-th run starting at I, so that two
 processes share the grid). ``table`` writes ``DIR/robustness.csv`` (one row
@@ -71,6 +85,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib.pyplot as plt
+import numpy as np
 import pandas as pd
 import torch
 from flwr.app import Message, MessageType, MetricRecord, RecordDict
@@ -80,7 +95,7 @@ from fedlr.flower.records import config_int, record_to_state, state_to_record
 from fedlr.launch.compare import parse_overrides
 from fedlr.launch.local import run_in_process
 from fedlr.robust.screen import DEFAULT_SCREEN_RATIO
-from fedlr.robust.spaces import ProductSpace
+from fedlr.robust.spaces import ProductSpace, UpdateSpace
 from fedlr.round.protect import HeldOutStep
 from fedlr.round.state import method_state
 from fedlr.server_apps.builtin_plans import build_plan
@@ -95,11 +110,17 @@ ATTACKS = (
     "under-the-clip",
     "under-the-cap",
     "adaptive",
+    "rebalance",
+    "minus-server",
 )
 CEILING = "absent"
 """Not an attack: the attackers' replies are taken out (the best any rule
 does is to leave out exactly them); not counted in a defence's worst case."""
 NUM_CLIENTS = 5
+"""Clients of a run unless ``--clients`` says otherwise."""
+REBALANCE = 1e10
+"""``rebalance``'s factor ``c``: it sends ``c A`` and ``B / c``."""
+MINUS_SERVER_MARGIN = 0.999
 CLIP_MARGIN = 0.99
 SCREEN_MARGIN = 0.9
 ADAPTIVE_MARGIN = 0.999
@@ -116,6 +137,7 @@ DEFENCES: dict[str, dict[str, Any]] = {
     "heldout-check": {"robust": "none", "heldout-check": True},
     "centred-clip": {"robust": "centred-clip"},
     "centred-clip+cap2": {"robust": "centred-clip", "max-weight-ratio": 2.0},
+    "default": {"robust": "auto"},
     "serverclip": {
         "robust": "norm-clip",
         "clip-reference": "server",
@@ -131,6 +153,7 @@ evaluated on the same 672 examples (polarity's held-out split has 800)."""
 
 
 LEGEND = {
+    "default": 'robust = "auto"\n(the default)',
     "serverclip": 'robust = "auto"\n(norm-clip at the server\'s\nupdate, share 0.5)',
 }
 """The figure's name of a defence where its key is not what a user sets:
@@ -139,9 +162,22 @@ default task (``tests/adversarial/test_server_update.py`` checks it key for
 key)."""
 
 
-def settings(attackers: list[int]) -> list[str]:
-    """The table's rows: no attacker, then every attack with ``m`` of 5."""
-    return ["clean", *(f"{a} {m}/5" for a in ATTACKS for m in attackers)]
+def settings(attackers: list[tuple[int, int]]) -> list[str]:
+    """The table's rows: no attacker, then every attack with each ``(m, n)``:
+    ``m`` attackers of ``n`` clients."""
+    return ["clean", *(f"{a} {m}/{n}" for a in ATTACKS for m, n in attackers)]
+
+
+def attacker_partitions(seed: int, clients: int, m: int, placement: str) -> set[int]:
+    """The attackers' partitions: ``m`` of ``clients`` drawn from ``seed``
+    (``placement = "drawn"``, the study's default: a partition's data, not
+    its position, decides what an attack does), or the last ``m``."""
+    if placement == "last":
+        return set(range(clients - m, clients))
+    if placement != "drawn":
+        raise ValueError(f"placement must be 'drawn' or 'last', got {placement!r}")
+    draw = np.random.default_rng([seed, clients, m]).choice(clients, m, replace=False)
+    return {int(p) for p in draw}
 
 
 def alie_z(n: int, m: int) -> float:
@@ -160,7 +196,12 @@ def _pairs(keys: Mapping[str, Any]) -> list[tuple[str, str]]:
 
 
 class Colluders:
-    """The last ``m`` partitions, replacing their train replies each round.
+    """The attackers' partitions, replacing their train replies each round.
+
+    Norms are measured in the space the server's method aggregates in
+    (``strategy.replies.space``, read by :meth:`attach` through
+    ``run_in_process``'s ``observe``), the space its screen and rules use;
+    unattached, in the product space.
 
     Parameters
     ----------
@@ -206,6 +247,11 @@ class Colluders:
         self.probe = probe
         self.server = server
         self.norms: list[tuple[float, float]] = []  # (attacker, honest median)
+        self.space_of: Callable[[Mapping[str, torch.Tensor]], UpdateSpace] | None = None
+
+    def attach(self, strategy: Any) -> None:
+        """Measure in the server's method's space (``observe``)."""
+        self.space_of = strategy.replies.space
 
     def __call__(
         self, round_: list[tuple[int, Message, Message]]
@@ -218,7 +264,11 @@ class Colluders:
             gone = {id(rep) for p, _, rep in train if p in self.attackers}
             return [None if id(rep) in gone else rep for _, _, rep in round_]
         ref = _state(honest[0][1])
-        space = ProductSpace(ref, _pairs(ref))
+        space = (
+            self.space_of(ref)
+            if self.space_of is not None
+            else ProductSpace(ref, _pairs(ref))
+        )
         deltas = [_delta(_state(rep), _state(ins)) for _, ins, rep in honest]
         keys = list(deltas[0])
         stacked = {k: torch.stack([d[k] for d in deltas]) for k in keys}
@@ -241,6 +291,15 @@ class Colluders:
             claim = None
             if self.attack == "sign-flip":
                 delta = {k: -d for k, d in _delta(own, sent).items()}
+            elif self.attack == "rebalance":
+                delta = _delta(_rebalanced(own), sent)
+            elif self.attack == "minus-server":
+                if self.server is None:
+                    raise ValueError("minus-server needs server-update-share > 0")
+                own = self.server.delta(keys)
+                target = MINUS_SERVER_MARGIN * space.norm(_update(ref, own))
+                delta = _scaled(space, ref, {k: -d for k, d in own.items()}, target)
+                claim = self.cap
             elif self.attack == "alie":
                 delta = {k: mean[k] - z * std[k] for k in keys}
             else:
@@ -292,6 +351,15 @@ class Colluders:
             self.norms.append((space.norm(_update(ref, sent_delta)), honest_median))
         forged = forge_at(scale)
         return [forged.get(id(rep), rep) for _, _, rep in round_]
+
+
+def _rebalanced(arrays: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``arrays`` with every adapted layer's ``A`` times :data:`REBALANCE`
+    and its ``B`` over it: each product ``B A`` is unchanged."""
+    out = {k: v.double() for k, v in arrays.items()}
+    for a, b in _pairs(arrays):
+        out[a], out[b] = out[a] * REBALANCE, out[b] / REBALANCE
+    return out
 
 
 def train_replies(
@@ -497,7 +565,7 @@ def _update(
 
 
 def _scaled(
-    space: ProductSpace,
+    space: UpdateSpace,
     ref: Mapping[str, torch.Tensor],
     direction: Mapping[str, torch.Tensor],
     target: float,
@@ -538,22 +606,25 @@ def plan(
     defences: list[str] | None = None,
     attackers: tuple[int, ...] = (1, 2),
     attacks: tuple[str, ...] = ATTACKS,
+    clients: int = NUM_CLIENTS,
 ) -> dict[str, dict[str, Any]]:
-    """Every run of the study, by name."""
+    """Every run of the study, by name (``clients`` other than five are
+    named in the clean runs' names too)."""
     runs: dict[str, dict[str, Any]] = {}
     for seed in seeds:
         for defence in defences or list(DEFENCES):
             if defence not in DEFENCES:
                 raise ValueError(f"defence must be one of {list(DEFENCES)}")
-            base = {"defence": defence, "seed": seed}
-            runs[f"clean-{defence}-seed{seed}"] = {
+            base = {"defence": defence, "seed": seed, "clients": clients}
+            of = "" if clients == NUM_CLIENTS else f"of{clients}-"
+            runs[f"clean-{of}{defence}-seed{seed}"] = {
                 **base,
                 "attack": "none",
                 "attackers": 0,
             }
             for attack in attacks:
                 for m in attackers:
-                    runs[f"{attack}-{m}of5-{defence}-seed{seed}"] = {
+                    runs[f"{attack}-{m}of{clients}-{defence}-seed{seed}"] = {
                         **base,
                         "attack": attack,
                         "attackers": m,
@@ -569,6 +640,7 @@ def run(args: argparse.Namespace) -> None:
         args.defences.split(",") if args.defences else None,
         tuple(int(m) for m in args.attackers.split(",")),
         tuple(args.attacks.split(",")) if args.attacks else ATTACKS,
+        args.clients,
     )
     index, count = (int(x) for x in args.shard.split("/"))
     finished = {row["run"] for row in _rows(out)}
@@ -579,8 +651,9 @@ def run(args: argparse.Namespace) -> None:
     for number, name in enumerate(todo, 1):
         spec = runs[name]
         defence = DEFENCES[spec["defence"]]
+        clients = spec["clients"]
         config = {
-            "num-partitions": NUM_CLIENTS,
+            "num-partitions": clients,
             "num-server-rounds": args.rounds,
             "eval-every": args.rounds,
             "output-dir": str(out / "runs" / name),
@@ -589,29 +662,33 @@ def run(args: argparse.Namespace) -> None:
             **defence,
         }
         hook, probe, server = None, None, None
+        attackers: set[int] = set()
         if spec["attack"] != "none":
-            method = resolve(config)
+            method = resolve(config)  # robust = "auto" resolved, as the server does
             largest = build_plan(method).largest_partition
-            cap = method.run.max_num_examples or (
-                largest(NUM_CLIENTS) if largest else 0
+            cap = method.run.max_num_examples or (largest(clients) if largest else 0)
+            attackers = attacker_partitions(
+                spec["seed"], clients, spec["attackers"], args.placement
             )
-            attackers = set(range(NUM_CLIENTS - spec["attackers"], NUM_CLIENTS))
-            clips = defence["robust"] == "norm-clip"
+            clips = method.run.robust == "norm-clip"
             if spec["attack"] == "adaptive" and method.run.heldout_check:
                 probe = CheckProbe()
-            if spec["attack"] == "adaptive" and method.run.server_update_share > 0:
+            if (
+                spec["attack"] in ("adaptive", "minus-server")
+                and method.run.server_update_share > 0
+            ):
                 server = ServerProbe()
             hook = Colluders(
                 spec["attack"],
                 attackers,
                 cap,
                 float(config.get("screen-ratio", DEFAULT_SCREEN_RATIO)),
-                float(defence.get("clip-ratio", 1.0)) if clips else None,
+                float(method.run.clip_ratio) if clips else None,
                 probe,
                 server,
             )
         start = time.perf_counter()
-        observers = [p.attach for p in (probe, server) if p is not None]
+        observers = [p.attach for p in (probe, server, hook) if p is not None]
 
         def observe(strategy: Any, observers: list[Any] = observers) -> None:
             for attach in observers:
@@ -624,6 +701,8 @@ def run(args: argparse.Namespace) -> None:
             "run": name,
             **spec,
             "robust": defence["robust"],
+            "placement": args.placement,
+            "attacker-partitions": sorted(attackers),
             "final-accuracy": float(accuracy.iloc[-1]),
             "accuracy-by-round": [round(float(a), 4) for a in accuracy],
             "final-loss": float(frame["loss"].dropna().iloc[-1]),
@@ -668,7 +747,14 @@ def _defences(rows: pd.DataFrame) -> list[str]:
 
 
 def _settings(rows: pd.DataFrame) -> list[str]:
-    attackers = sorted({int(m) for m in rows["attackers"] if int(m) > 0})
+    attackers = sorted(
+        {
+            (int(m), int(n))
+            for m, n in zip(rows["attackers"], rows["clients"], strict=True)
+            if int(m) > 0
+        },
+        key=lambda mn: (mn[1], mn[0]),
+    )
     present = set(rows["setting"])
     return [s for s in settings(attackers) if s in present]
 
@@ -756,7 +842,7 @@ def summarise(rows: pd.DataFrame) -> str:
         "",
     ]
     table = verdicts(rows)
-    attacked = [c for c in table.columns if "/5" in c]
+    attacked = [c for c in table.columns if "/" in c]
     lines.append(
         "| defence | clean | clean cost | " + " | ".join(attacked) + " | worst |"
     )
@@ -784,9 +870,14 @@ def _with_setting(rows: pd.DataFrame) -> pd.DataFrame:
     if "defence" not in rows:
         rows["defence"] = rows["robust"]
     rows["defence"] = rows["defence"].fillna(rows["robust"])
+    rows["clients"] = (
+        rows["clients"].fillna(NUM_CLIENTS) if "clients" in rows else NUM_CLIENTS
+    )
     rows["setting"] = [
-        "clean" if a == "none" else f"{a} {m}/5"
-        for a, m in zip(rows["attack"], rows["attackers"], strict=True)
+        "clean" if a == "none" else f"{a} {m}/{int(n)}"
+        for a, m, n in zip(
+            rows["attack"], rows["attackers"], rows["clients"], strict=True
+        )
     ]
     return rows
 
@@ -861,7 +952,14 @@ def main(argv: list[str] | None = None) -> None:
     go.add_argument(
         "--defences", default="", help=f"comma-separated, of {list(DEFENCES)}"
     )
-    go.add_argument("--attackers", default="1", help="colluders of 5, e.g. 1,2")
+    go.add_argument("--attackers", default="1", help="colluders, e.g. 1,2")
+    go.add_argument("--clients", type=int, default=NUM_CLIENTS)
+    go.add_argument(
+        "--placement",
+        choices=("drawn", "last"),
+        default="drawn",
+        help="the attackers' partitions: drawn per seed, or the last ones",
+    )
     go.add_argument("--attacks", default="", help=f"comma-separated, of {ATTACKS}")
     go.add_argument("--shard", default="0/1", help="I/N: every N-th run from I")
     go.add_argument(

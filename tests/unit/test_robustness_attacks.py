@@ -22,17 +22,22 @@ from benchmarks.robustness import (
     ATTACKS,
     CLIP_MARGIN,
     DEFENCES,
+    MINUS_SERVER_MARGIN,
+    REBALANCE,
     SCREEN_MARGIN,
     CheckProbe,
     Colluders,
+    ServerProbe,
     adaptive_limit,
     alie_z,
+    attacker_partitions,
     plan,
 )
 from fedlr.flower.records import record_to_state
 from fedlr.launch.local import run_in_process
 from fedlr.robust.screen import DEFAULT_SCREEN_RATIO
 from fedlr.wire import protocol
+from fedlr.wire.updates import ClientUpdate
 from tests.conftest import tiny_run_config
 
 
@@ -53,6 +58,8 @@ def test_the_plan_covers_every_defence_attack_count_and_seed():
         "under-the-clip",
         "under-the-cap",
         "adaptive",
+        "rebalance",
+        "minus-server",
     }
     one = plan([0], ["none", "clip+cap"], (1,), ("adaptive",))
     assert sorted(one) == [
@@ -63,6 +70,21 @@ def test_the_plan_covers_every_defence_attack_count_and_seed():
     ]
     with pytest.raises(ValueError, match="defence must be one of"):
         plan([0], ["krum"])
+    ten = plan([0], ["default"], (2,), ("rebalance",), clients=10)
+    assert sorted(ten) == ["clean-of10-default-seed0", "rebalance-2of10-default-seed0"]
+    assert {r["clients"] for r in ten.values()} == {10}
+
+
+def test_attackers_sit_at_partitions_drawn_per_seed():
+    drawn = [attacker_partitions(seed, 5, 1, "drawn") for seed in range(20)]
+    assert all(len(d) == 1 and d <= set(range(5)) for d in drawn)
+    assert len({min(d) for d in drawn}) >= 4  # not always the same partition
+    assert drawn == [attacker_partitions(s, 5, 1, "drawn") for s in range(20)]
+    two = attacker_partitions(3, 10, 2, "drawn")
+    assert len(two) == 2 and two <= set(range(10))
+    assert attacker_partitions(0, 5, 2, "last") == {3, 4}
+    with pytest.raises(ValueError, match="placement must be"):
+        attacker_partitions(0, 5, 1, "first")
 
 
 def test_the_adaptive_limit_is_the_highest_median_the_attackers_can_push():
@@ -161,6 +183,87 @@ def test_sign_flip_sends_the_attackers_own_update_negated(tmp_path, assets):
             rtol=1e-5,
             atol=1e-7,
         )
+
+
+@pytest.mark.slow  # two in-process federations
+def test_rebalance_keeps_each_product_and_the_factor_screen_drops_it(tmp_path, assets):
+    hook = Recorder("rebalance", {1}, 999, DEFAULT_SCREEN_RATIO)
+    config = tiny_run_config(tmp_path, robust="auto")
+    frame = pd.read_csv(
+        run_in_process(config, round_hook=hook, observe=hook.attach) / "results.csv"
+    )
+    honest = Recorder("rebalance", set(), 999, DEFAULT_SCREEN_RATIO)
+    run_in_process(tiny_run_config(tmp_path / "b"), round_hook=honest)
+    (_, _, forged, _) = next(r for r in hook.rounds[0] if r[0] == 1)
+    (_, _, trained, _) = next(r for r in honest.rounds[0] if r[0] == 1)
+    pairs = [(k, k.replace("lora_A", "lora_B")) for k in trained if "lora_A" in k]
+    assert pairs
+    for a, b in pairs:  # the product is the honest one, the factors are not
+        torch.testing.assert_close(
+            forged[b].double() @ forged[a].double(),
+            trained[b].double() @ trained[a].double(),
+            rtol=1e-4,
+            atol=1e-9,
+        )
+        torch.testing.assert_close(
+            forged[a].double(), REBALANCE * trained[a].double(), rtol=1e-6, atol=0
+        )
+    # measured in the factors (fedex-lora averages them): dropped every round
+    assert frame["dropped"].tolist() == [1, 1]
+
+
+@pytest.mark.slow  # a federation with the server's own update
+def test_minus_server_sends_the_servers_update_negated_under_its_norm(tmp_path, assets):
+    server = ServerProbe()
+    hook = Recorder("minus-server", {1}, 999, DEFAULT_SCREEN_RATIO, 1.0, None, server)
+    seen = []
+
+    def observe(strategy):
+        server.attach(strategy)
+        hook.attach(strategy)
+        seen.append(strategy)
+
+    def probed(round_):  # the server's update of the round, asked first
+        train = [
+            rep
+            for _, ins, rep in round_
+            if ins.metadata.message_type == "train" and not rep.has_error()
+        ]
+        if train:
+            keys = list(
+                record_to_state(train[0].content.array_records[protocol.ARRAYS])
+            )
+            probed.deltas.append(server.delta(keys))
+        return hook(round_)
+
+    probed.deltas = []
+    config = tiny_run_config(tmp_path, robust="auto")
+    frame = pd.read_csv(
+        run_in_process(config, round_hook=probed, observe=observe) / "results.csv"
+    )
+    assert len(hook.rounds) == len(probed.deltas) == 2
+    space_of = seen[0].replies.space
+    for round_, own in zip(hook.rounds, probed.deltas, strict=True):
+        ((_, sent, forged, claimed),) = [r for r in round_ if r[0] == 1]
+        delta = {k: forged[k].double() - sent[k].double() for k in own}
+        t = [
+            float((delta[k] * own[k]).sum() / (own[k] * own[k]).sum())
+            for k in own
+            if float(own[k].abs().max()) > 0
+        ]  # minus t times the server's update, one t for every array
+        # t is near -1, not exactly 0.999: a factor pair's product change is
+        # not linear in t, and the norm (0.999 of the server's) is the target
+        assert -1.1 < t[0] < -0.9
+        for k in own:
+            torch.testing.assert_close(delta[k], t[0] * own[k], rtol=1e-3, atol=1e-7)
+        space = space_of(sent)
+        moved = space.norm(ClientUpdate.of_arrays(forged))
+        full = space.norm(
+            ClientUpdate.of_arrays({k: sent[k].double() + own[k] for k in own})
+        )
+        assert moved == pytest.approx(MINUS_SERVER_MARGIN * full, rel=1e-3)
+        assert claimed == 999
+    assert frame["clients"].tolist()[-1] >= 2
 
 
 def test_absent_attackers_never_reply_and_the_round_goes_on(tmp_path, assets):
