@@ -92,14 +92,9 @@ def cell_state(cell_dir: Path | str) -> tuple[Path | None, Path | None]:
     )
     finished = [p for p in runs if (p / "summary.json").is_file()]
     resumable = [
-        p
-        for p in runs
-        if not (p / "summary.json").is_file() and (p / "checkpoint.json").is_file()
+        p for p in runs if p not in finished and (p / "checkpoint.json").is_file()
     ]
-    return (
-        finished[-1] if finished else None,
-        resumable[-1] if resumable else None,
-    )
+    return finished[-1] if finished else None, resumable[-1] if resumable else None
 
 
 def read_conf(path: Path | str) -> dict[str, Any]:
@@ -208,21 +203,18 @@ def run_sweep(
 
     def launch(config: dict[str, Any]) -> None:
         with _cell_nodes(Path(str(config["output-dir"]))):
-            _launch_cell(config)
-
-    def _launch_cell(config: dict[str, Any]) -> None:
-        if engine == "flwr":
-            flwr_run(
-                app_dir,
-                flwr_home=(flwr_home or Path(".flwr")).resolve(),
-                run_config=config,
-                federation_config=federation,
-                echo=True,
-                verbose=verbose,
-                keep_superlink=False,
-            )
-        else:
-            run_in_process(config, num_nodes=nodes)
+            if engine == "flwr":
+                flwr_run(
+                    app_dir,
+                    flwr_home=(flwr_home or Path(".flwr")).resolve(),
+                    run_config=config,
+                    federation_config=federation,
+                    echo=True,
+                    verbose=verbose,
+                    keep_superlink=False,
+                )
+            else:
+                run_in_process(config, num_nodes=nodes)
 
     return _run_cells(cells, engine, launch)
 
@@ -373,11 +365,15 @@ def main(argv: list[str] | None = None) -> int:
     """Command line: ``run`` or ``table`` (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run methods x seeds, then tabulate")
+    table_options = argparse.ArgumentParser(add_help=False)
+    table_options.add_argument("--out", required=True, type=Path)
+    table_options.add_argument("--by", default="", help="config keys that split rows")
+    run = sub.add_parser(
+        "run", parents=[table_options], help="run methods x seeds, then tabulate"
+    )
     run.add_argument("--conf", required=True, type=Path, help="TOML run config")
     run.add_argument("--methods", required=True, help="comma-separated")
     run.add_argument("--seeds", default="0", help="comma-separated integers")
-    run.add_argument("--out", required=True, type=Path)
     run.add_argument(
         "--set",
         nargs="*",
@@ -406,11 +402,10 @@ def main(argv: list[str] | None = None) -> int:
         help="show Flower's, Ray's and transformers' hints, warnings and "
         "progress bars too",
     )
-    run.add_argument("--by", default="", help="config keys that split rows")
-    table = sub.add_parser("table", help="tabulate finished runs")
+    table = sub.add_parser(
+        "table", parents=[table_options], help="tabulate finished runs"
+    )
     table.add_argument("run_dirs", nargs="+", type=Path)
-    table.add_argument("--out", required=True, type=Path)
-    table.add_argument("--by", default="", help="config keys that split rows")
     args = parser.parse_args(argv)
     verbose = getattr(args, "verbose", False)
     with cli_logging(), quiet_in_process(verbose):

@@ -42,7 +42,7 @@ from types import FrameType
 import psutil
 
 from fedlr.errors import ConfigError, FedLRError
-from fedlr.flower.output import OutputStream, is_noise, strip_ansi
+from fedlr.flower.output import OutputStream, is_noise
 from fedlr.flower.superlink import (
     FlwrRunError,
     LocalSuperLink,
@@ -56,7 +56,6 @@ from fedlr.flower.superlink import (
     write_superlink_connection,
 )
 from fedlr.launch.run_config import (
-    app_run_config,
     check_before_start,
     check_cuda,
     check_nodes,
@@ -74,7 +73,6 @@ __all__ = [
     "LocalSuperLink",
     "RunInterrupted",
     "RunOutcome",
-    "app_run_config",
     "check_before_start",
     "check_run_config",
     "cli_logging",
@@ -86,7 +84,6 @@ __all__ = [
     "parse_run_config",
     "register_supernode",
     "stop_local_superlinks",
-    "strip_ansi",
     "write_superlink_connection",
 ]
 
@@ -257,12 +254,7 @@ def flwr_run(
         with _no_interrupts():
             status = _stop_run(env, stream.run_id, superlink)
             stopped = _stop_processes(proc, processes, link, keep=False)
-        run = f"run {stream.run_id}" if stream.run_id else "the run (not started yet)"
-        raise RunInterrupted(
-            f"interrupted: {run} stopped ({status}); stopped {stopped} processes "
-            "it started"
-            + ("" if link is None else f" (SuperLink log: {link.log_file})")
-        ) from None
+        raise _interrupted(stream.run_id, status, stopped, link) from None
     finally:
         with _no_interrupts():
             _stop_processes(proc, processes, link, keep=keep_superlink)
@@ -270,6 +262,17 @@ def flwr_run(
             proc.stdout.close()  # type: ignore[union-attr]  # a PIPE (_start)
             if completed and link is not None and not keep_superlink:
                 shutil.rmtree(link.home, ignore_errors=True)
+
+
+def _interrupted(
+    run_id: str | None, status: str, stopped: int, link: LocalSuperLink | None
+) -> RunInterrupted:
+    """The one-line error of a run stopped by Ctrl-C."""
+    run = f"run {run_id}" if run_id else "the run (not started yet)"
+    return RunInterrupted(
+        f"interrupted: {run} stopped ({status}); stopped {stopped} processes "
+        "it started" + ("" if link is None else f" (SuperLink log: {link.log_file})")
+    )
 
 
 def _start(

@@ -57,8 +57,8 @@ def format_run_config(values: Mapping[str, bool | int | float | str]) -> str:
     return " ".join(parts)
 
 
-def app_run_config(app_dir: Path | str) -> dict[str, Any]:
-    """The app's ``[tool.flwr.app.config]`` table, flattened as Flower does.
+def _app_table(app_dir: Path | str) -> dict[str, Any]:
+    """The app's ``[tool.flwr.app]`` table.
 
     Raises
     ------
@@ -71,21 +71,27 @@ def app_run_config(app_dir: Path | str) -> dict[str, Any]:
             data = tomllib.load(fh)
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError("--app", f"cannot read {path}: {exc}") from None
-    table = data.get("tool", {}).get("flwr", {}).get("app", {})
-    return dict(flatten_dict(table.get("config", {})))
+    return dict(data.get("tool", {}).get("flwr", {}).get("app", {}))
+
+
+def app_run_config(app_dir: Path | str) -> dict[str, Any]:
+    """The app's ``[tool.flwr.app.config]`` table, flattened as Flower does.
+
+    Raises
+    ------
+    ConfigError
+        If ``APP_DIR/pyproject.toml`` is missing or not TOML.
+    """
+    return dict(flatten_dict(_app_table(app_dir).get("config", {})))
 
 
 def is_fedlr_app(app_dir: Path | str) -> bool:
     """Whether the app's ServerApp is fedlr's (so its run config is fedlr's)."""
-    path = Path(app_dir) / "pyproject.toml"
     try:
-        with open(path, "rb") as fh:
-            data = tomllib.load(fh)
-    except (OSError, tomllib.TOMLDecodeError):
+        components = _app_table(app_dir).get("components", {})
+    except ConfigError:
         return False
-    components = data.get("tool", {}).get("flwr", {}).get("app", {})
-    server = str(components.get("components", {}).get("serverapp", ""))
-    return server.startswith(("server_apps.", "fedlr."))
+    return str(components.get("serverapp", "")).startswith(("server_apps.", "fedlr."))
 
 
 def parse_run_config(text: str | None) -> dict[str, Any]:
@@ -206,25 +212,25 @@ def check_before_start(
 
     run = method.run
     _check_dataset(method)
-    if num_supernodes is not None:  # a deployment's server has its own packages
-        check_tracker_installed(run.tracker)
-    sampled = None
-    if num_supernodes is not None:
-        sampled = max(int(num_supernodes * run.fraction_train), 1)
-        if run.min_replies > sampled:
-            raise ConfigError(
-                "min-replies",
-                f"{run.min_replies} valid replies are needed per round but a "
-                f"round samples {sampled} of the {num_supernodes} simulated nodes "
-                f"(fraction-train {run.fraction_train}); lower min-replies or "
-                "raise --num-supernodes",
-            )
+    if num_supernodes is None:  # a deployment: its server has its own packages
+        if run.secure_aggregation:
+            _check_secure(method, None)
+        return
+    check_tracker_installed(run.tracker)
+    sampled = max(int(num_supernodes * run.fraction_train), 1)
+    if run.min_replies > sampled:
+        raise ConfigError(
+            "min-replies",
+            f"{run.min_replies} valid replies are needed per round but a "
+            f"round samples {sampled} of the {num_supernodes} simulated nodes "
+            f"(fraction-train {run.fraction_train}); lower min-replies or "
+            "raise --num-supernodes",
+        )
     if run.secure_aggregation:
         _check_secure(method, sampled)
-    if num_supernodes is not None:
-        check_cuda(run.quantization, client_gpus)
-        if run.resume_from:  # a deployment's checkpoint is on its server
-            _check_resume(method)
+    check_cuda(run.quantization, client_gpus)
+    if run.resume_from:  # a deployment's checkpoint is on its server
+        _check_resume(method)
 
 
 def _check_resume(method: MethodConfig) -> None:

@@ -15,35 +15,13 @@ would import the runner and the apps too, which import this module.
 from __future__ import annotations
 
 from fedlr.server_apps import gpse, lora, qrmix, vera
-from fedlr.server_apps.plans import (
-    PlanBuilder,
-    ServerPlan,
-    registered_kinds,
-    registered_plan,
-)
+from fedlr.server_apps.plans import ServerPlan, plan_builder
 from fedlr.strategies.registry import MethodConfig
 
 __all__ = ["BUILTIN_PLANS", "build_plan", "plan_builder"]
 
 BUILTIN_PLANS = (gpse, lora, qrmix, vera)
 """fedlr's plan modules (importing one registers its kinds' plans)."""
-
-
-def plan_builder(payload: str) -> PlanBuilder:
-    """The server plan registered for payload kind ``payload``.
-
-    Raises
-    ------
-    LookupError
-        If no plan is registered for the kind.
-    """
-    builder = registered_plan(payload)
-    if builder is None:
-        raise LookupError(
-            f"no server plan is registered for payload kind '{payload}'; "
-            f"registered: {', '.join(registered_kinds())}"
-        )
-    return builder
 
 
 def build_plan(method: MethodConfig) -> ServerPlan:

@@ -92,18 +92,6 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
     heldout = task.heldout()
     device = pick_device(config.device)
     evaluate_on = _PublishedModel(task, config, lm, device)
-
-    def evaluate_global(
-        server_round: int, state: Mapping[str, torch.Tensor]
-    ) -> dict[str, float]:
-        if server_round > 0 and traits.personalised:
-            result = dict(strategy.last_evaluation)
-            if not result:
-                nan = float("nan")
-                return {"accuracy": nan, "loss": nan}
-            return {k: v for k, v in result.items() if k != "evaluated-clients"}
-        return evaluate_on(state, heldout)
-
     note = (
         "; personalised: each client evaluates on its own held-out part"
         if traits.personalised
@@ -114,7 +102,9 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
         config,
         strategy=strategy,
         initial_arrays=initial,
-        evaluate=evaluate_global,
+        evaluate=_global_evaluation(
+            strategy, traits.personalised, evaluate_on, heldout
+        ),
         heldout_examples=len(heldout),
         device=device,
         columns=(
@@ -125,6 +115,29 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
         ),
         note=note,
     )
+
+
+def _global_evaluation(
+    strategy: LoraStrategy,
+    personalised: bool,
+    evaluate_on: _PublishedModel,
+    heldout: Any,
+) -> Callable[[int, Mapping[str, torch.Tensor]], dict[str, float]]:
+    """The plan's evaluation: the published model on ``heldout``; after a
+    round of a personalised method, the clients' own evaluations instead."""
+
+    def evaluate_global(
+        server_round: int, state: Mapping[str, torch.Tensor]
+    ) -> dict[str, float]:
+        if server_round > 0 and personalised:
+            result = dict(strategy.last_evaluation)
+            if not result:
+                nan = float("nan")
+                return {"accuracy": nan, "loss": nan}
+            return {k: v for k, v in result.items() if k != "evaluated-clients"}
+        return evaluate_on(state, heldout)
+
+    return evaluate_global
 
 
 class _PublishedModel:

@@ -33,7 +33,7 @@ which import this one).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +52,8 @@ __all__ = [
     "base_train_config",
     "check_strategy",
     "heldout_plan",
+    "plan_builder",
     "register_plan",
-    "registered_kinds",
-    "registered_plan",
 ]
 
 EvaluateFn = Callable[[int, Mapping[str, torch.Tensor]], dict[str, float]]
@@ -109,7 +108,6 @@ class ServerPlan:
     load_state: Callable[[dict[str, Any]], None] | None = None
     largest_partition: Callable[[int], int] | None = None
     needs_evaluation: Callable[[int], bool] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def check_strategy(spec: MethodSpec, base: type) -> None:
@@ -221,13 +219,18 @@ def register_plan(payload: str) -> Callable[[PlanBuilder], PlanBuilder]:
     return decorator
 
 
-def registered_plan(payload: str) -> PlanBuilder | None:
-    """The plan registered so far for payload kind ``payload``, or ``None``
-    (:func:`fedlr.server_apps.builtin_plans.plan_builder` loads fedlr's own
-    plans first)."""
-    return _PLANS.get(payload)
+def plan_builder(payload: str) -> PlanBuilder:
+    """The server plan registered so far for payload kind ``payload``
+    (:mod:`fedlr.server_apps.builtin_plans` registers fedlr's own first).
 
-
-def registered_kinds() -> list[str]:
-    """The payload kinds with a registered plan, sorted."""
-    return sorted(_PLANS)
+    Raises
+    ------
+    LookupError
+        If no plan is registered for the kind.
+    """
+    if payload not in _PLANS:
+        raise LookupError(
+            f"no server plan is registered for payload kind '{payload}'; "
+            f"registered: {', '.join(sorted(_PLANS))}"
+        )
+    return _PLANS[payload]

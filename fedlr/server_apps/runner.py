@@ -131,6 +131,18 @@ def _check_federation(grid: Grid, config: RunConfig) -> int:
     return nodes
 
 
+def _set_weight_scale(plan: ServerPlan, config: RunConfig, nodes: int) -> None:
+    """The strategy's ``max_num_examples``: the run config's, else the
+    largest partition the plan's data set gives the connected nodes."""
+    if config.max_num_examples:
+        plan.strategy.max_num_examples = config.max_num_examples
+    elif plan.largest_partition is not None:
+        # Fewer partitions are larger: the smaller count never drops an
+        # honest client whose node config cut the data into fewer parts.
+        parts = min(nodes, config.num_partitions) if nodes else config.num_partitions
+        plan.strategy.max_num_examples = plan.largest_partition(parts)
+
+
 def _mb(nbytes: float) -> str:
     return f"{nbytes / 1e6:.2f} MB"
 
@@ -147,91 +159,116 @@ def guarantee_lines(
     under SecAgg+), SecAgg+, the robust rule, the update-size screen, and
     ``REPRODUCIBLE NOISE`` when ``reproducible-noise`` is set. ``nodes``: the
     connected nodes (client-level DP's default delta, SecAgg+'s shares)."""
-    lines: list[str] = []
-    privacy = config.privacy
-    dp = privacy.dp_sgd
-    if dp is not None:
-        if dp.noise_multiplier > 0:
-            noise = f"sigma {_g(dp.noise_multiplier)}"
-            if dp.epsilon > 0:
-                noise += f", run budget epsilon {_g(dp.epsilon)}"
-        else:
-            noise = (
-                f"sigma derived on each node from the run budget epsilon "
-                f"{_g(dp.epsilon)} over {dp.rounds} rounds x {config.local_steps} "
-                "local steps"
-            )
-        delta = _g(dp.delta) if dp.delta else "min(1e-5, 1/(10 n)), n a node's examples"
-        lines.append(
-            f"DP-SGD on every client: per-example clip {_g(dp.max_grad_norm)}, "
-            f"{noise}, delta {delta}, accountant {dp.accountant}; a node's own "
-            "limits (dp-required, dp-epsilon-budget, its delta and clip ceilings) "
-            "may refuse a round"
-        )
-    client = privacy.client_dp
-    if client is not None:
-        delta_value = client.delta or default_delta(nodes)
-        delta = (
-            _g(client.delta)
-            if client.delta
-            else (f"{_g(delta_value)} (min(1e-5, 1/(10 N)), N = {nodes} nodes)")
-        )
-        if exchange is not None:
-            where = (
-                "distributed under SecAgg+ (each node clips its update and adds "
-                "its share of Skellam noise; the server unmasks only the noised "
-                "sum), accountant Skellam RDP without subsampling"
-            )
-        else:
-            where = (
-                f"central (the server clips each update and noises the mean), "
-                f"accountant {client.accountant}"
-            )
-        lines.append(
-            f"client-level DP: update clip {_g(client.clip)}, z "
-            f"{_g(client.noise_multiplier)}, delta {delta}, {where}"
-        )
-    if exchange is not None:
-        settings = exchange.settings
-        sampled = max(int(nodes * config.fraction_train), 1)
-        shares, threshold = settings.shares_and_threshold(sampled)
-        lines.append(
-            f"SecAgg+ on every train round (the server sees only the sum): "
-            f"{shares} shares of {sampled} clients, threshold {threshold}, "
-            f"clipping range [-{_g(settings.clipping_range)}, "
-            f"{_g(settings.clipping_range)}], {settings.quantization_range} "
-            "quantisation levels"
-        )
-    robust = config.robust_config
-    if robust.active:
-        detail = rule_named(robust.rule).startup(robust)
-        cap = (
-            f", max client weight {_g(robust.max_client_weight)}"
-            if robust.max_client_weight < 1.0
-            else ""
-        ) + (
-            f", weights capped at {_g(robust.max_weight_ratio)} x the round's "
-            "median weight"
-            if robust.max_weight_ratio > 0
-            else ""
-        )
-        lines.append(f"robust aggregation: {detail}{cap}")
-    if config.screen_ratio > 0 and exchange is None:
-        against = (
-            "the published global state's norm"
-            if client is not None
-            else "the round's median update norm (and above the model's norm)"
-        )
-        lines.append(
-            f"update-size screen: a reply whose update norm is above "
-            f"{_g(config.screen_ratio)}x {against} is dropped"
-        )
+    lines = [
+        _dp_sgd_line(config),
+        _client_dp_line(config, nodes, exchange),
+        _secagg_line(config, nodes, exchange),
+        _robust_line(config),
+        _screen_line(config, exchange),
+    ]
     if config.reproducible_noise:
         lines.append(
             f"{REPRODUCIBLE}: the privacy noise comes from the run seed; anyone "
             "who knows it can subtract the noise"
         )
-    return lines
+    return [line for line in lines if line]
+
+
+def _dp_sgd_line(config: RunConfig) -> str:
+    dp = config.privacy.dp_sgd
+    if dp is None:
+        return ""
+    if dp.noise_multiplier > 0:
+        noise = f"sigma {_g(dp.noise_multiplier)}"
+        if dp.epsilon > 0:
+            noise += f", run budget epsilon {_g(dp.epsilon)}"
+    else:
+        noise = (
+            f"sigma derived on each node from the run budget epsilon "
+            f"{_g(dp.epsilon)} over {dp.rounds} rounds x {config.local_steps} "
+            "local steps"
+        )
+    delta = _g(dp.delta) if dp.delta else "min(1e-5, 1/(10 n)), n a node's examples"
+    return (
+        f"DP-SGD on every client: per-example clip {_g(dp.max_grad_norm)}, "
+        f"{noise}, delta {delta}, accountant {dp.accountant}; a node's own "
+        "limits (dp-required, dp-epsilon-budget, its delta and clip ceilings) "
+        "may refuse a round"
+    )
+
+
+def _client_dp_line(
+    config: RunConfig, nodes: int, exchange: SecAggPlusExchange | None
+) -> str:
+    client = config.privacy.client_dp
+    if client is None:
+        return ""
+    delta = (
+        _g(client.delta)
+        if client.delta
+        else f"{_g(default_delta(nodes))} (min(1e-5, 1/(10 N)), N = {nodes} nodes)"
+    )
+    if exchange is not None:
+        where = (
+            "distributed under SecAgg+ (each node clips its update and adds "
+            "its share of Skellam noise; the server unmasks only the noised "
+            "sum), accountant Skellam RDP without subsampling"
+        )
+    else:
+        where = (
+            f"central (the server clips each update and noises the mean), "
+            f"accountant {client.accountant}"
+        )
+    return (
+        f"client-level DP: update clip {_g(client.clip)}, z "
+        f"{_g(client.noise_multiplier)}, delta {delta}, {where}"
+    )
+
+
+def _secagg_line(
+    config: RunConfig, nodes: int, exchange: SecAggPlusExchange | None
+) -> str:
+    if exchange is None:
+        return ""
+    settings = exchange.settings
+    sampled = max(int(nodes * config.fraction_train), 1)
+    shares, threshold = settings.shares_and_threshold(sampled)
+    return (
+        f"SecAgg+ on every train round (the server sees only the sum): "
+        f"{shares} shares of {sampled} clients, threshold {threshold}, "
+        f"clipping range [-{_g(settings.clipping_range)}, "
+        f"{_g(settings.clipping_range)}], {settings.quantization_range} "
+        "quantisation levels"
+    )
+
+
+def _robust_line(config: RunConfig) -> str:
+    robust = config.robust_config
+    if not robust.active:
+        return ""
+    line = f"robust aggregation: {rule_named(robust.rule).startup(robust)}"
+    if robust.max_client_weight < 1.0:
+        line += f", max client weight {_g(robust.max_client_weight)}"
+    if robust.max_weight_ratio > 0:
+        line += (
+            f", weights capped at {_g(robust.max_weight_ratio)} x the round's "
+            "median weight"
+        )
+    return line
+
+
+def _screen_line(config: RunConfig, exchange: SecAggPlusExchange | None) -> str:
+    if config.screen_ratio <= 0 or exchange is not None:
+        return ""
+    against = (
+        "the published global state's norm"
+        if config.privacy.client_dp is not None
+        else "the round's median update norm (and above the model's norm)"
+    )
+    return (
+        f"update-size screen: a reply whose update norm is above "
+        f"{_g(config.screen_ratio)}x {against} is dropped"
+    )
 
 
 def _metrics_summary(
@@ -365,15 +402,7 @@ class ServerRun:
         plan = build_plan(method)
         strategy = plan.strategy
         nodes = _check_federation(grid, config)
-        if config.max_num_examples:
-            strategy.max_num_examples = config.max_num_examples
-        elif plan.largest_partition is not None:
-            # Fewer partitions are larger: the smaller count never drops an
-            # honest client whose node config cut the data into fewer parts.
-            parts = (
-                min(nodes, config.num_partitions) if nodes else config.num_partitions
-            )
-            strategy.max_num_examples = plan.largest_partition(parts)
+        _set_weight_scale(plan, config, nodes)
         exchange = secure_exchange(method, strategy, nodes)
         if resume is not None:
             run_dir = Path(config.resume_from)
@@ -399,12 +428,13 @@ class ServerRun:
             spec.summary,
             run_dir,
         )
-        if plan.description:
-            log(INFO, "fedlr: %s", plan.description)
-        if method.auto:
-            log(INFO, "fedlr: %s", method.auto)
-        for line in guarantee_lines(config, nodes, exchange):
-            log(INFO, "fedlr: %s", line)
+        for line in (
+            plan.description,
+            method.auto,
+            *guarantee_lines(config, nodes, exchange),
+        ):
+            if line:
+                log(INFO, "fedlr: %s", line)
         strategy.summary()
         return cls(method, plan, run_dir, writer, resume, exchange=exchange)
 

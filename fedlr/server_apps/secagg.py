@@ -313,19 +313,10 @@ class SecAggPlusExchange(UnmaskStage):
     ) -> set[int]:
         contents: dict[int, RecordDict] = {}
         for nid in sorted(active):
-            record = ConfigRecord(
-                {
-                    str(n): list(state.public_keys[n])
-                    for n in sorted(state.neighbours[nid] & active)
-                }
-            )
+            near = sorted(state.neighbours[nid] & active)
+            record = ConfigRecord({str(n): list(state.public_keys[n]) for n in near})
             record[Key.STAGE] = Stage.SHARE_KEYS
-            signing = ConfigRecord(
-                {
-                    str(n): state.signing_keys[n]
-                    for n in sorted(state.neighbours[nid] & active)
-                }
-            )
+            signing = ConfigRecord({str(n): state.signing_keys[n] for n in near})
             contents[nid] = RecordDict(
                 {RECORD_KEY_CONFIGS: record, SIGN_RECORD: signing}
             )
@@ -345,19 +336,6 @@ class SecAggPlusExchange(UnmaskStage):
         state.key_holders = holders
         state.forward = forward
         return holders
-
-    def expected_manifest(self) -> list[tuple[str, tuple[int, ...]]]:
-        """``(record/key, shape)`` of every summand a reply must carry, in order."""
-        strategy = self.strategy
-        records: dict[str, Mapping[str, tuple[int, ...]]] = {
-            strategy.arrayrecord_key: strategy.reply_shapes(),
-            **strategy.replies.records(),
-        }
-        return [
-            (f"{record}/{key}", tuple(records[record][key]))
-            for record in sorted(records)
-            for key in sorted(records[record])
-        ]
 
     def scalar_weights(self) -> dict[str, str]:
         """The round's secure scalars ``{key: weight key}``: the examples, the
@@ -463,16 +441,22 @@ class SecAggPlusExchange(UnmaskStage):
         return content
 
     def round_manifest(self, instruction: Message) -> list[Summand]:
-        """The summands every reply masks, from the strategy's declared shapes;
-        dtypes from the instruction's arrays (float32 where it has none)."""
+        """The summands every reply masks, in order, from the strategy's
+        declared shapes (its reply shapes, then its extra records); dtypes
+        from the instruction's arrays (float32 where it has none)."""
+        strategy = self.strategy
+        records: dict[str, Mapping[str, tuple[int, ...]]] = {
+            strategy.arrayrecord_key: strategy.reply_shapes(),
+            **strategy.replies.records(),
+        }
         sent = instruction.content.array_records
         out = []
-        for name, shape in self.expected_manifest():
-            record, key = name.split("/", 1)
-            dtype = "float32"
-            if record in sent and key in sent[record]:
-                dtype = str(sent[record][key].dtype)
-            out.append(Summand(record, key, shape, dtype))
+        for record in sorted(records):
+            for key in sorted(records[record]):
+                dtype = "float32"
+                if record in sent and key in sent[record]:
+                    dtype = str(sent[record][key].dtype)
+                out.append(Summand(record, key, tuple(records[record][key]), dtype))
         return out
 
     def _sum_masked(

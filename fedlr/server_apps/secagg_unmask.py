@@ -264,15 +264,33 @@ class UnmaskStage:
         if secrets is None:
             return []
         vector = _remove_masks(state, collected.masked, secrets, alive, dead)
+        try:
+            sums, totals, weight = self._sums(vector, collected.scalars, len(alive))
+        except SecureAggregationError as exc:
+            return self._fail(state, str(exc))
+        return self._mean_replies(state, collected, sums, totals, weight)
+
+    def _sums(
+        self, vector: Masked, scalars: SecureScalars, k: int
+    ) -> tuple[list[np.ndarray[Any, Any]], dict[str, int], float]:
+        """The unmasked ``vector`` of ``k`` summands dequantised: the sums of
+        the arrays, the secure scalars' totals, and the round's weight (the
+        ``num-examples`` sum over the weight scale; ``k`` under DP).
+
+        Raises
+        ------
+        SecureAggregationError
+            If the weight sum is not ``k`` times the quantisation range, the
+            scalars do not decode, or the ``num-examples`` sum is outside the
+            range ``k`` honest weights give.
+        """
         settings = self.settings
         factor, quantised = factor_extract(vector)
-        k = len(alive)
         if int(factor) != k * settings.quantization_range:
-            return self._fail(
-                state,
+            raise SecureAggregationError(
                 f"the weight sum {int(factor)} is not {k} x "
                 f"{settings.quantization_range}: a mask was not removed or a "
-                "masked vector was tampered with",
+                "masked vector was tampered with"
             )
         offset = (k - 1) * settings.clipping_range
         sums = [
@@ -281,24 +299,32 @@ class UnmaskStage:
                 quantised, settings.clipping_range, settings.quantization_range
             )
         ]
-        try:
-            totals = collected.scalars.decode(sums[-1])
-        except SecureAggregationError as exc:
-            return self._fail(state, str(exc))
+        totals = scalars.decode(sums[-1])
         scale = float(cast(int, self.strategy.max_num_examples))
         examples = totals.get(protocol.NUM_EXAMPLES, k * scale)  # DP: not sent
         if not k <= examples <= k * scale:
-            return self._fail(
-                state,
+            raise SecureAggregationError(
                 f"the secure sum of num-examples {examples} is outside [{k}, "
                 f"{k} x {scale:g}]: a client claimed a weight outside (0, "
-                f"{scale:g}] (the sum cannot tell which)",
+                f"{scale:g}] (the sum cannot tell which)"
             )
-        weight = examples / scale
-        means = self._means(state, collected.manifest, sums[:-1], weight, k)
+        return sums[:-1], totals, examples / scale
+
+    def _mean_replies(
+        self,
+        state: RoundState,
+        collected: Collected,
+        sums: list[np.ndarray[Any, Any]],
+        totals: Mapping[str, int],
+        weight: float,
+    ) -> list[Message]:
+        """Each survivor's reply carrying the secure means and its share of
+        the round's scalars; the round's error bound and clipped entries."""
+        k = len(collected.replies)
+        means = self._means(state, collected.manifest, sums, weight, k)
         weighted = means.get(self.strategy.arrayrecord_key, {}).values()
         state.stats.setdefault(
-            "secagg-bound", mean_error_bound(settings, [weight / k] * k, weighted)
+            "secagg-bound", mean_error_bound(self.settings, [weight / k] * k, weighted)
         )
         state.stats["secagg-clipped"] = float(totals[CLIPPED])
         if totals[CLIPPED]:
@@ -309,14 +335,14 @@ class UnmaskStage:
                 "secagg-clipping-range",
                 state.number,
                 totals[CLIPPED],
-                settings.clipping_range,
+                self.settings.clipping_range,
             )
         metrics = collected.scalars.means(totals)
         metrics.setdefault(protocol.NUM_EXAMPLES, float(k))  # DP: a weight of 1
         metrics.update({m: v for m, v in state.stats.items() if "client-dp" in m})
         return [
             _with_means(collected.replies[nid], means, _metrics_share(metrics, i, k))
-            for i, nid in enumerate(sorted(alive))
+            for i, nid in enumerate(sorted(collected.replies))
         ]
 
     def _fail(self, state: RoundState, reason: str) -> list[Message]:
