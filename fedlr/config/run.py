@@ -645,14 +645,11 @@ class RunConfig(Options):
     @property
     def secagg(self) -> SecAggSettings:
         """The SecAgg+ parameters (:class:`~fedlr.privacy.secagg.SecAggSettings`)."""
-        return SecAggSettings(
-            num_shares=self.secagg_num_shares,
-            reconstruction_threshold=self.secagg_reconstruction_threshold,
-            clipping_range=self.secagg_clipping_range,
-            quantization_range=self.secagg_quantization_range,
-            check_ratio=self.secagg_check_ratio,
-            check_first_ratio=self.secagg_check_first_ratio,
-            client_clip=self.secagg_client_clip,
+        return SecAggSettings(  # each setting is the run-config key secagg-<name>
+            **{
+                f.name: getattr(self, f"secagg_{f.name}")
+                for f in dataclasses.fields(SecAggSettings)
+            }
         )
 
     @property

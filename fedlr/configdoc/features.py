@@ -42,6 +42,7 @@ __all__ = [
     "FEATURES",
     "KEYS",
     "METHOD_PRIVACY",
+    "cell",
     "generated",
     "render_features",
     "render_keys",
@@ -57,7 +58,7 @@ END = "<!-- end generated -->"
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _cell(text: str) -> str:
+def cell(text: str) -> str:
     if "|" in text or "\n" in text:
         raise ValueError(f"a table cell cannot hold '|' or a newline: {text!r}")
     return text
@@ -95,7 +96,7 @@ def render_keys() -> str:
         "|---|---|---|",
     ]
     lines += [
-        f"| `{b.key}` | {_cell(b.describe())} | the common round |" for b in BOUNDS
+        f"| `{b.key}` | {cell(b.describe())} | the common round |" for b in BOUNDS
     ]
     for declared in declared_keys():
         feature = features.get(declared.owner)
@@ -107,7 +108,7 @@ def render_keys() -> str:
             else f"checked with its settings by `{feature.__name__}`"
         )
         lines.append(
-            f"| `{declared.key}` | {_cell(accepted)} | {_cell(_who(feature, users))} |"
+            f"| `{declared.key}` | {cell(accepted)} | {cell(_who(feature, users))} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -134,7 +135,7 @@ def render_features() -> str:
             _records(f.sends),
             ", ".join(f"`{m.name}`" for m in f.metrics) or "—",
         ]
-        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+        lines.append("| " + " | ".join(cell(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -214,7 +215,7 @@ def render_method_privacy() -> str:
     ]
     for spec in registered_methods():
         cells = (f"`{spec.name}`", *_privacy_cells(spec))
-        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+        lines.append("| " + " | ".join(cell(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
 

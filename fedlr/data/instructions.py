@@ -60,7 +60,7 @@ import logging
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
@@ -347,10 +347,6 @@ class InstructionConfig:
         order = np.argsort(-(share - counts), kind="stable")
         counts[order[:short]] += 1
         return dict(zip(self.families, counts.tolist(), strict=True))
-
-    def cache_key(self) -> str:
-        """Return a short hash of these settings (hex, 16 characters)."""
-        return _digest({"generator": asdict(self)})
 
 
 def _digest(payload: Mapping[str, Any]) -> str:

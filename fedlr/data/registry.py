@@ -325,95 +325,36 @@ def _load_arith_instruct() -> datasets.Dataset:
     return load_arith_instruct()
 
 
-for _spec in (
-    DatasetSpec(
-        name="polarity",
-        kind="text",
-        num_classes=2,
-        offline=True,
-        loader=_load_polarity,
-        description="Pang & Lee sentence polarity (4,000 movie-review sentences, "
-        "negative/positive; SST-2's source)",
-    ),
-    DatasetSpec(
-        name="bbc-news",
-        kind="text",
-        num_classes=5,
-        offline=True,
-        loader=_load_bbc_news,
-        description="BBC News articles (2,225 documents; business, entertainment, "
-        "politics, sports, tech)",
-    ),
-    DatasetSpec(
-        name="mnist",
-        kind="image",
-        num_classes=10,
-        offline=True,
-        loader=_load_mnist,
-        description="MNIST handwritten digits (70,000 28x28 grayscale; offline "
-        "asset, hub ylecun/mnist as fallback)",
-    ),
-    DatasetSpec(
-        name="digits",
-        kind="image",
-        num_classes=10,
-        offline=True,
-        loader=_load_digits,
-        description="scikit-learn digits (1,797 8x8 grayscale, scaled to 0..255)",
-    ),
-    DatasetSpec(
-        name="sst2",
-        kind="text",
-        num_classes=2,
-        offline=False,
-        loader=load_sst2,
-        description="GLUE SST-2 train split (67,349 sentences; hub nyu-mll/glue)",
-    ),
-    DatasetSpec(
-        name="cifar10",
-        kind="image",
-        num_classes=10,
-        offline=False,
-        loader=functools.partial(load_cifar, "cifar10", "uoft-cs/cifar10", "label"),
-        description="CIFAR-10 train+test (60,000 32x32 colour; hub uoft-cs/cifar10)",
-    ),
-    DatasetSpec(
-        name="cifar100",
-        kind="image",
-        num_classes=100,
-        offline=False,
-        loader=functools.partial(
-            load_cifar, "cifar100", "uoft-cs/cifar100", "fine_label"
-        ),
-        description="CIFAR-100 train+test, fine labels (60,000 32x32 colour; "
-        "hub uoft-cs/cifar100)",
-    ),
-    DatasetSpec(
-        name="arith-instruct",
-        kind="instruct",
-        num_classes=6,
-        offline=True,
-        loader=_load_arith_instruct,
-        description="arithmetic word problems generated from a seed (10,000; six "
-        "operation families; problem-disjoint train/test)",
-    ),
-    DatasetSpec(
-        name="alpaca",
-        kind="instruct",
-        num_classes=2,
-        offline=False,
-        loader=load_alpaca,
-        description="Stanford Alpaca instructions (52,002; hub tatsu-lab/alpaca)",
-    ),
-    DatasetSpec(
-        name="gsm8k",
-        kind="instruct",
-        num_classes=2,
-        offline=False,
-        loader=load_gsm8k,
-        description="GSM8K grade-school math, worked solutions (8,792; hub "
-        "openai/gsm8k)",
-    ),
-):
-    register_dataset(_spec)
-del _spec
+# name, kind, classes, offline, loader, description
+for _row in (
+    ("polarity", "text", 2, True, _load_polarity,
+     "Pang & Lee sentence polarity (4,000 movie-review sentences, "
+     "negative/positive; SST-2's source)"),
+    ("bbc-news", "text", 5, True, _load_bbc_news,
+     "BBC News articles (2,225 documents; business, entertainment, "
+     "politics, sports, tech)"),
+    ("mnist", "image", 10, True, _load_mnist,
+     "MNIST handwritten digits (70,000 28x28 grayscale; offline "
+     "asset, hub ylecun/mnist as fallback)"),
+    ("digits", "image", 10, True, _load_digits,
+     "scikit-learn digits (1,797 8x8 grayscale, scaled to 0..255)"),
+    ("sst2", "text", 2, False, load_sst2,
+     "GLUE SST-2 train split (67,349 sentences; hub nyu-mll/glue)"),
+    ("cifar10", "image", 10, False,
+     functools.partial(load_cifar, "cifar10", "uoft-cs/cifar10", "label"),
+     "CIFAR-10 train+test (60,000 32x32 colour; hub uoft-cs/cifar10)"),
+    ("cifar100", "image", 100, False,
+     functools.partial(load_cifar, "cifar100", "uoft-cs/cifar100", "fine_label"),
+     "CIFAR-100 train+test, fine labels (60,000 32x32 colour; "
+     "hub uoft-cs/cifar100)"),
+    ("arith-instruct", "instruct", 6, True, _load_arith_instruct,
+     "arithmetic word problems generated from a seed (10,000; six "
+     "operation families; problem-disjoint train/test)"),
+    ("alpaca", "instruct", 2, False, load_alpaca,
+     "Stanford Alpaca instructions (52,002; hub tatsu-lab/alpaca)"),
+    ("gsm8k", "instruct", 2, False, load_gsm8k,
+     "GSM8K grade-school math, worked solutions (8,792; hub "
+     "openai/gsm8k)"),
+):  # fmt: skip
+    register_dataset(DatasetSpec(*_row))
+del _row

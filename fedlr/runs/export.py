@@ -73,8 +73,6 @@ EXPORT_DIR = "adapter"
 """The adapter directory inside a run directory."""
 BASE_WEIGHTS = "base_weights.safetensors"
 EXPORT_INFO = "fedlr_export.json"
-EXPORTED_KINDS = ("lora", "vera")
-"""Payload kinds whose adapters are peft methods."""
 BASE_WEIGHTS_MARKER = "fedlr_requires_base_weights_safetensors"
 """Key added to ``adapter_config.json`` of an ``adapter+folded-base`` export
 (value: what to do). peft ignores unknown keys with a ``UserWarning`` that

@@ -197,6 +197,10 @@ def _read_matrix(path: Path) -> np.ndarray | None:
     return frame[columns].to_numpy(dtype=float)
 
 
+def _json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def load_run(run_dir: Path | str) -> RunData:
     """Read a run directory (``results.csv`` required).
 
@@ -207,11 +211,8 @@ def load_run(run_dir: Path | str) -> RunData:
     """
     path = Path(run_dir)
     results = read_results(path)
-    config_path = path / "config.json"
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    config, summary = (_json(path / name) for name in ("config.json", "summary.json"))
     method = str(results["method"].iloc[0]) if len(results) else path.name
-    summary_path = path / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     initial = {
         key: float(summary[f"initial-{key}"])
         for key in ("accuracy", "loss", "exact-match", "perplexity")
@@ -230,16 +231,20 @@ def load_run(run_dir: Path | str) -> RunData:
     )
 
 
-def _trait(method: str, name: str) -> bool:
-    """A registered method's trait, when the registry is loaded already
-    (the ServerApp, ``fedlr.launch.compare``); plotting alone does not load it."""
+def _registered(method: str) -> Any:
+    """The method's registration, when the registry is loaded already (the
+    ServerApp, ``fedlr.launch.compare``; plotting alone does not load it)."""
     registry = sys.modules.get("fedlr.strategies.registry")
-    if registry is None:
-        return False
     try:
-        return bool(getattr(registry.get_method(method).traits, name))
+        return registry.get_method(method) if registry else None
     except (KeyError, LookupError, ValueError):
-        return False
+        return None
+
+
+def _trait(method: str, name: str) -> bool:
+    """A registered method's trait (False when the registry is not loaded)."""
+    spec = _registered(method)
+    return spec is not None and bool(getattr(spec.traits, name))
 
 
 def _personalised(summary: dict[str, Any], results: pd.DataFrame, method: str) -> bool:
@@ -261,11 +266,7 @@ def _folds_base(summary: dict[str, Any], method: str) -> bool:
         if "folds-base" in summary
         else _trait(method, "folds_base")
     )
-    registry = sys.modules.get("fedlr.strategies.registry")
-    try:
-        strategy = registry.get_method(method).strategy if registry else None
-    except (KeyError, LookupError, ValueError):
-        strategy = None
+    strategy = getattr(_registered(method), "strategy", None)
     return folds and bool(getattr(strategy, "folds_gap", True))
 
 
@@ -315,12 +316,16 @@ def run_labels(runs: Sequence[RunData], skip: Sequence[str] = ()) -> list[str]:
     ]
 
 
+def _numbers(run: RunData, column: str) -> pd.Series:
+    """The run's ``column`` as numbers (NaN where not one; empty if absent)."""
+    if column not in run.results:
+        return pd.Series(dtype=float)
+    return pd.to_numeric(run.results[column], errors="coerce")
+
+
 def _asynchronous(run: RunData) -> bool:
     """The run wrote the virtual clock's time (fedlr's asynchronous engine)."""
-    frame = run.results
-    return VIRTUAL_TIME in frame and bool(
-        pd.to_numeric(frame[VIRTUAL_TIME], errors="coerce").notna().any()
-    )
+    return bool(_numbers(run, VIRTUAL_TIME).notna().any())
 
 
 def x_axis(runs: Sequence[RunData]) -> XAxis:
@@ -374,12 +379,9 @@ def continual_metrics(matrix: np.ndarray) -> tuple[float, float]:
 
 def _has(runs: Sequence[RunData], column: str, positive: bool = False) -> bool:
     for run in runs:
-        if column in run.results:
-            values = pd.to_numeric(run.results[column], errors="coerce").dropna()
-            if positive:
-                values = values[values > 0]
-            if len(values):
-                return True
+        values = _numbers(run, column).dropna()
+        if len(values[values > 0] if positive else values):
+            return True
     return False
 
 
@@ -484,11 +486,7 @@ def outside_legend(ax: Any) -> None:
 
 
 def _rank_changes(runs: Sequence[RunData]) -> bool:
-    ranks: set[float] = set()
-    for run in runs:
-        if "rank" in run.results:
-            values = pd.to_numeric(run.results["rank"], errors="coerce").dropna()
-            ranks.update(float(v) for v in values)
+    ranks = {float(v) for run in runs for v in _numbers(run, "rank").dropna()}
     return len(ranks) > 1
 
 
@@ -664,11 +662,7 @@ def epsilon_figure(runs: Sequence[RunData], x: XAxis | None = None) -> Figure:
 
 
 def _reproducible(run: RunData) -> bool:
-    column = "noise-reproducible"
-    if column not in run.results:
-        return False
-    values = pd.to_numeric(run.results[column], errors="coerce")
-    return bool((values == 1).any())
+    return bool((_numbers(run, "noise-reproducible") == 1).any())
 
 
 def _rank_figure(runs: Sequence[RunData], x: XAxis) -> Figure:

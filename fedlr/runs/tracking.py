@@ -39,7 +39,6 @@ import numbers
 import os
 import subprocess
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, distribution, version
 from pathlib import Path
@@ -146,35 +145,24 @@ def _git_describe(package_dir: Path) -> str | None:
     return _git(package_dir, "describe", "--always", "--dirty") or None
 
 
-class Tracker(ABC):
-    """Receives a run's settings and its per-round metrics."""
+class Tracker:
+    """Receives a run's settings and its per-round metrics (this base records
+    nothing: each tracker overrides all three methods)."""
 
     name = "none"
 
-    @abstractmethod
     def log_params(self, params: Mapping[str, Any]) -> None:
         """Record the run's settings (once, at the start of a new run)."""
 
-    @abstractmethod
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         """Record the finite numbers of one round (``step`` = the round)."""
 
-    @abstractmethod
     def close(self) -> None:
         """Flush and finish (the run is over)."""
 
 
 class NoTracker(Tracker):
     """``tracker = "none"``: the CSVs only."""
-
-    def log_params(self, params: Mapping[str, Any]) -> None:
-        return None
-
-    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
 
 
 def _settings_text(params: Mapping[str, Any]) -> str:

@@ -76,7 +76,6 @@ __all__ = [
     "EIGEN",
     "EIGEN_KEYS",
     "EXACT_MATCH",
-    "FLOAT_DTYPES",
     "GPSE_EXAMPLES",
     "GPSE_TASK",
     "HELPER_METRICS",
@@ -221,9 +220,6 @@ RANK_PRUNED = "rank-pruned"
 """HetLoRA reply metric with ``prune-gamma`` < 1
 (:data:`fedlr.client.pruning.PRUNE_GAMMA`): 1 if the node pruned its rank
 after this round's training (the reply is at the lower rank), else 0."""
-
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-"""Dtypes a reply's arrays may have."""
 
 _WIRE_DTYPES = {"float16": 2, "float32": 4, "float64": 8}
 """The dtypes a reply's arrays may declare on the wire, with their item sizes
