@@ -380,10 +380,12 @@ def _forge(
     delta: Mapping[str, torch.Tensor],
     claim: int | None,
 ) -> Message:
-    """``reply`` with its arrays moved to ``sent + delta`` (and ``claim``)."""
+    """``reply`` with its arrays moved to ``sent + delta`` (and ``claim``),
+    added in float64 and cast once (``rebalance``'s ``B / c`` is far below
+    a float32 ``B``'s rounding step)."""
     sent, own = _state(instruction), _state(reply)
     arrays = {
-        k: (sent.get(k, torch.zeros_like(v)) + delta[k].to(v.dtype))
+        k: (sent.get(k, torch.zeros_like(v)).double() + delta[k]).to(v.dtype)
         if k in delta
         else v
         for k, v in own.items()

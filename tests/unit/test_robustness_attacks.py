@@ -185,29 +185,39 @@ def test_sign_flip_sends_the_attackers_own_update_negated(tmp_path, assets):
         )
 
 
-@pytest.mark.slow  # two in-process federations
+@pytest.mark.slow  # an in-process federation under the default rule
 def test_rebalance_keeps_each_product_and_the_factor_screen_drops_it(tmp_path, assets):
     hook = Recorder("rebalance", {1}, 999, DEFAULT_SCREEN_RATIO)
+    trained = []
+
+    def keep_honest(round_):  # the attacker's reply before it is rebalanced
+        trained.extend(
+            record_to_state(rep.content.array_records[protocol.ARRAYS])
+            for p, ins, rep in round_
+            if p == 1 and ins.metadata.message_type == "train"
+        )
+        return hook(round_)
+
     config = tiny_run_config(tmp_path, robust="auto")
     frame = pd.read_csv(
-        run_in_process(config, round_hook=hook, observe=hook.attach) / "results.csv"
+        run_in_process(config, round_hook=keep_honest, observe=hook.attach)
+        / "results.csv"
     )
-    honest = Recorder("rebalance", set(), 999, DEFAULT_SCREEN_RATIO)
-    run_in_process(tiny_run_config(tmp_path / "b"), round_hook=honest)
-    (_, _, forged, _) = next(r for r in hook.rounds[0] if r[0] == 1)
-    (_, _, trained, _) = next(r for r in honest.rounds[0] if r[0] == 1)
-    pairs = [(k, k.replace("lora_A", "lora_B")) for k in trained if "lora_A" in k]
-    assert pairs
-    for a, b in pairs:  # the product is the honest one, the factors are not
-        torch.testing.assert_close(
-            forged[b].double() @ forged[a].double(),
-            trained[b].double() @ trained[a].double(),
-            rtol=1e-4,
-            atol=1e-9,
-        )
-        torch.testing.assert_close(
-            forged[a].double(), REBALANCE * trained[a].double(), rtol=1e-6, atol=0
-        )
+    forged = [arrays for round_ in hook.rounds for p, _, arrays, _ in round_ if p == 1]
+    assert len(forged) == len(trained) == 2
+    for mine, honest in zip(forged, trained, strict=True):
+        pairs = [(k, k.replace("lora_A", "lora_B")) for k in honest if "lora_A" in k]
+        assert pairs
+        for a, b in pairs:  # the product is the honest one, the factors are not
+            torch.testing.assert_close(
+                mine[b].double() @ mine[a].double(),
+                honest[b].double() @ honest[a].double(),
+                rtol=1e-4,
+                atol=1e-9,
+            )
+            torch.testing.assert_close(
+                mine[a].double(), REBALANCE * honest[a].double(), rtol=1e-6, atol=0
+            )
     # measured in the factors (fedex-lora averages them): dropped every round
     assert frame["dropped"].tolist() == [1, 1]
 
