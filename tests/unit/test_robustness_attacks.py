@@ -213,7 +213,7 @@ def test_rebalance_keeps_each_product_and_the_factor_screen_drops_it(tmp_path, a
                 mine[b].double() @ mine[a].double(),
                 honest[b].double() @ honest[a].double(),
                 rtol=1e-4,
-                atol=1e-9,
+                atol=1e-8,  # float32 factors: products of about 1e-2
             )
             torch.testing.assert_close(
                 mine[a].double(), REBALANCE * honest[a].double(), rtol=1e-6, atol=0
