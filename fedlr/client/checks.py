@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -48,7 +48,6 @@ from fedlr.adapters.plugin import adapted
 from fedlr.adapters.roles import (
     AdaptedModel,
     AdapterLayout,
-    LoraModule,
     Role,
     RoleLayout,
 )
@@ -83,7 +82,6 @@ __all__ = [
     "RecordRule",
     "base_delta_expected",
     "bound_of",
-    "check_adapter_instruction",
     "check_config",
     "check_model_instruction",
     "check_records",
@@ -163,7 +161,9 @@ class NodeLimits:
         most = None
         bases = len(layout.keys(Role.BASE)) or None
         if isinstance(layout, AdapterLayout) and layout.modules:
-            most = min(_rank_limit(m) for m in layout.modules)
+            # the largest rank a layer is sent: min(d_in, d_out), or its own
+            # rank if the model was built wider
+            most = min(max(min(m.d_in, m.d_out), m.rank) for m in layout.modules)
         return cls.of_node(node_config, max_rank=most, base_keys=bases)
 
 
@@ -204,9 +204,9 @@ class Bound:
     note: str = ""
 
     def __post_init__(self) -> None:
-        if self.kind not in _KINDS:
+        if self.kind not in _TYPES:
             raise ValueError(
-                f"Bound '{self.key}': kind must be one of {sorted(_KINDS)}, "
+                f"Bound '{self.key}': kind must be one of {sorted(_TYPES)}, "
                 f"got {self.kind!r}"
             )
         if isinstance(self.high, str) and self.high not in _LIMITS:
@@ -224,38 +224,21 @@ class Bound:
 
     def check(self, value: object, limits: NodeLimits) -> None:
         """Raise :class:`InstructionError` unless ``value`` is accepted."""
-        if self.kind == "bool":
-            if not isinstance(value, bool):
-                raise InstructionError(self.key, f"is {_shown(value)}, expected a bool")
+        accepts, expected = _TYPES[self.kind]
+        if not accepts(value):
+            raise InstructionError(self.key, f"is {_shown(value)}, expected {expected}")
+        if self.kind in ("bool", "str"):
             return
-        if self.kind == "str":
-            if not isinstance(value, str):
-                raise InstructionError(
-                    self.key, f"is {_shown(value)}, expected a string"
-                )
-            return
-        if self.kind == "floats":
-            if not isinstance(value, list) or not all(_is_number(v) for v in value):
-                raise InstructionError(
-                    self.key, f"is {_shown(value)}, expected a list of numbers"
-                )
+        high = self.limit(limits)
+        if isinstance(value, list):  # floats
             if not all(math.isfinite(float(v)) for v in value):
                 raise InstructionError(self.key, "holds NaN or Inf")
-            most = self.limit(limits)
-            if most is not None and len(value) > most:
+            if high is not None and len(value) > high:
                 raise InstructionError(
-                    self.key, f"has {len(value)} items, this node at most {int(most)}"
+                    self.key, f"has {len(value)} items, this node at most {int(high)}"
                 )
             return
-        if self.kind == "int":
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise InstructionError(
-                    self.key, f"is {_shown(value)}, expected an integer"
-                )
-        elif not _is_number(value):
-            raise InstructionError(self.key, f"is {_shown(value)}, expected a number")
-        number = float(value)  # type: ignore[arg-type]
-        high = self.limit(limits)
+        number = float(cast(float, value))
         low_ok = (
             self.low is None
             or number > self.low
@@ -265,21 +248,27 @@ class Bound:
             return
         raise InstructionError(self.key, f"{self.accepted(limits)}, got {value!r}")
 
+    def _range(self, low: str | None, high: str | None) -> str:
+        """``in [low, high]`` (``(`` when ``low`` is refused), ``>= low``,
+        ``<= high`` or ``""``, as the ends are given."""
+        if low is not None and high is not None:
+            return f"in {'(' if self.low_open else '['}{low}, {high}]"
+        if low is not None:
+            return f"{'>' if self.low_open else '>='} {low}"
+        return "" if high is None else f"<= {high}"
+
     def accepted(self, limits: NodeLimits) -> str:
         """``must be in [1, 10000] (the node's max-local-steps)``: the range."""
         high = self.limit(limits)
-        finite = "finite and " if self.kind == "float" else ""
-        left = "(" if self.low_open else "["
-        if self.low is not None and high is not None:
-            text = f"must be in {left}{_num(self.low)}, {_num(high)}]"
-        elif self.low is not None:
-            sign = ">" if self.low_open else ">="
-            text = f"must be {finite}{sign} {_num(self.low)}"
-        else:
-            text = f"must be {finite}<= {_num(high)}" if high is not None else ""
+        low = None if self.low is None else _num(self.low)
+        text = self._range(low, None if high is None else _num(high))
+        if not text:
+            return "must be finite"
+        if self.kind == "float" and (low is None or high is None):
+            text = f"finite and {text}"
         if isinstance(self.high, str) and high is not None:
             text += f" ({_LIMITS[self.high]})"
-        return text or "must be finite"
+        return f"must be {text}"
 
     def describe(self) -> str:
         """What the key accepts, in words, for the docs' table.
@@ -295,22 +284,28 @@ class Bound:
                 text += f", at most {_shown_limit(self.high, 'items')}"
         else:
             noun = "integer" if self.kind == "int" else "number"
-            left = "(" if self.low_open else "["
-            if self.low is not None and self.high is not None:
-                low = _power(self.low)
-                text = f"{noun} in {left}{low}, {_shown_limit(self.high)}]"
-            elif self.low is not None:
-                sign = ">" if self.low_open else ">="
-                finite = "finite " if self.kind == "float" else ""
-                text = f"{finite}{noun} {sign} {_power(self.low)}"
-            elif self.high is not None:
-                text = f"{noun} <= {_shown_limit(self.high)}"
-            else:
-                text = f"finite {noun}" if self.kind == "float" else noun
+            finite = "finite " if self.kind == "float" and self.high is None else ""
+            low = None if self.low is None else _power(self.low)
+            high = None if self.high is None else _shown_limit(self.high)
+            text = f"{finite}{noun} {self._range(low, high)}".rstrip()
         return f"{text} {self.note}" if self.note else text
 
 
-_KINDS = frozenset({"int", "float", "bool", "str", "floats"})
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+_TYPES: dict[str, tuple[Callable[[object], bool], str]] = {
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "float": (_is_number, "a number"),
+    "bool": (lambda v: isinstance(v, bool), "a bool"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "floats": (
+        lambda v: isinstance(v, list) and all(_is_number(x) for x in v),
+        "a list of numbers",
+    ),
+}
+"""Each kind of :class:`Bound`: whether a value is of it, and its name."""
 
 _LIMITS = {
     "max_local_steps": "the node config's max-local-steps",
@@ -632,7 +627,7 @@ def lora_round_shapes(
 
 @dataclass
 class CheckedInstruction:
-    """What :func:`check_adapter_instruction` proved of an instruction.
+    """What :func:`check_model_instruction` proved of an instruction.
 
     Attributes
     ----------
@@ -663,29 +658,33 @@ def role_groups(layout: RoleLayout) -> list[list[str]]:
     return list(groups.values())
 
 
-def check_adapter_instruction(
-    layout: RoleLayout,
+def check_model_instruction(
+    model: torch.nn.Module | AdaptedModel,
     content: RecordDict,
     config: Mapping[str, object],
     node_config: Mapping[str, object],
     *,
-    node_rank: int | None,
+    rank: int | None = None,
     state: RecordDict | None = None,
 ) -> CheckedInstruction:
     """Check an instruction for a LoRA, VeRA or SORF-VeRA model, change nothing.
 
+    The layout is read from a fresh view of the model (a LoRA model's
+    current rank).
+
     Parameters
     ----------
-    layout : RoleLayout
-        The model's layout now (a LoRA model's at its current rank).
+    model : torch.nn.Module or AdaptedModel
+        The user's model as it is now.
     content : RecordDict
         The instruction's records.
     config : ConfigRecord
         Its ConfigRecord (empty if it has none).
     node_config : mapping
         The node config (its limits).
-    node_rank : int or None
-        The node's own LoRA rank (``None``: the model's): where
+    rank : int or None
+        The node's own LoRA rank (``None``: the model's;
+        :func:`fedlr.client.round.apply_round`'s): where
         :func:`fedlr.client.pruning.round_rank` starts when the instruction has no
         ``lora-rank``.
     state : flwr.app.RecordDict, optional
@@ -705,52 +704,29 @@ def check_adapter_instruction(
     RecordMissingError, RecordTypeError
         If the instruction has no ArrayRecord ``arrays``.
     """
-    limits = NodeLimits.of_layout(node_config, layout)
-    check_config(config, limits)
-    arrays = array_record(content, protocol.ARRAYS)
-    rank: RoundRank | None = None
-    if isinstance(layout, AdapterLayout):
-        rank = round_rank(
-            config,
-            state,
-            own=node_rank,
-            received=received_width(layout, content),
-            model_rank=max((m.rank for m in layout.modules), default=None),
-        )
-        leading = bool(config.get(protocol.LEADING_RANK, False))
-        expected = lora_round_shapes(layout, arrays, rank.rank, leading)
-    else:
-        expected = {key: shape for _, key, shape in layout.entries()}
-    groups = role_groups(layout)
-    decoded = decode_checked(arrays, expected, complete=groups)
-    at_rank = layout
-    if isinstance(layout, AdapterLayout) and rank is not None and rank.rank:
-        at_rank = layout.at_rank(rank.rank)
-    return CheckedInstruction(decoded, at_rank, limits, rank)
-
-
-def check_model_instruction(
-    model: torch.nn.Module | AdaptedModel,
-    content: RecordDict,
-    config: Mapping[str, object],
-    node_config: Mapping[str, object],
-    *,
-    rank: int | None = None,
-    state: RecordDict | None = None,
-) -> CheckedInstruction:
-    """:func:`check_adapter_instruction` for a user's model as it is now.
-
-    The layout is read from a fresh view of the model (a LoRA model's
-    current rank); ``rank`` is :func:`fedlr.client.round.apply_round`'s (the node's
-    own LoRA rank), ``state`` the node's ``context.state``. Nothing of the
-    model or the state is changed.
-    """
     view = adapted(model)
     if isinstance(view, LoraModel):  # a model serving many nodes: its rank now
         view = adapted(view.model)
-    return check_adapter_instruction(
-        view.layout, content, config, node_config, node_rank=rank, state=state
+    layout = view.layout
+    limits = NodeLimits.of_layout(node_config, layout)
+    check_config(config, limits)
+    arrays = array_record(content, protocol.ARRAYS)
+    if not isinstance(layout, AdapterLayout):
+        expected = {key: shape for _, key, shape in layout.entries()}
+        decoded = decode_checked(arrays, expected, complete=role_groups(layout))
+        return CheckedInstruction(decoded, layout, limits)
+    rank_now = round_rank(
+        config,
+        state,
+        own=rank,
+        received=received_width(layout, content),
+        model_rank=max((m.rank for m in layout.modules), default=None),
     )
+    leading = bool(config.get(protocol.LEADING_RANK, False))
+    expected = lora_round_shapes(layout, arrays, rank_now.rank, leading)
+    decoded = decode_checked(arrays, expected, complete=role_groups(layout))
+    at_rank = layout.at_rank(rank_now.rank) if rank_now.rank else layout
+    return CheckedInstruction(decoded, at_rank, limits, rank_now)
 
 
 @dataclass(frozen=True)
@@ -893,16 +869,6 @@ def _inner_width(record: ArrayRecord, prefix: str) -> int:
         if name in record and len(record[name].shape) == 2:
             return int(record[name].shape[axis])
     return -1
-
-
-def _rank_limit(module: LoraModule) -> int:
-    """The largest rank a layer is sent: ``min(d_in, d_out)``, or its own
-    rank if the model was built wider."""
-    return max(min(module.d_in, module.d_out), module.rank)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _num(value: float) -> str:

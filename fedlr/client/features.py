@@ -263,20 +263,21 @@ class ClientFeature:
             )
 
     @classmethod
+    def _overrides(cls, *hooks: str) -> bool:
+        """Whether the class overrides any of the ``hooks`` (method names)."""
+        return any(getattr(cls, h) is not getattr(ClientFeature, h) for h in hooks)
+
+    @classmethod
     def adds_loss(cls) -> bool:
         """Whether the feature may add a loss term (it overrides :meth:`loss`)."""
-        return cls.loss is not ClientFeature.loss
+        return cls._overrides("loss")
 
     @classmethod
     def changes_gradients(cls) -> bool:
         """Whether the feature transforms gradients or the optimizer step, or
         runs the loop (:meth:`after_backward`, :meth:`wrap_optimizer`,
         :meth:`loop`)."""
-        return (
-            cls.after_backward is not ClientFeature.after_backward
-            or cls.wrap_optimizer is not ClientFeature.wrap_optimizer
-            or cls.loop is not ClientFeature.loop
-        )
+        return cls._overrides("after_backward", "wrap_optimizer", "loop")
 
     @classmethod
     def training_change(cls, options: Any) -> str | None:
@@ -361,11 +362,7 @@ class ClientFeature:
     @property
     def trains(self) -> bool:
         """Whether the feature acts during training (a loss term excluded)."""
-        cls = type(self)
-        return (
-            cls.after_backward is not ClientFeature.after_backward
-            or cls.wrap_optimizer is not ClientFeature.wrap_optimizer
-        )
+        return self._overrides("after_backward", "wrap_optimizer")
 
 
 def check_received(features: Iterable[type[ClientFeature]], incoming: Incoming) -> None:
@@ -377,15 +374,8 @@ def check_received(features: Iterable[type[ClientFeature]], incoming: Incoming) 
     FeatureRecordError
         Naming the record and the array refused.
     """
-    check_records(
-        incoming,
-        (
-            (record.name, record.expects)
-            for feature in features
-            for record in feature.receives
-            if record.expects is not None
-        ),
-    )
+    rules = [(r.name, r.expects) for f in features for r in f.receives if r.expects]
+    check_records(incoming, rules)
 
 
 _COMMON: dict[str, type[ClientFeature]] = {}

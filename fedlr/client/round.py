@@ -91,8 +91,10 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import reduce
 from logging import INFO, WARNING, getLogger
 from typing import cast
 
@@ -108,12 +110,7 @@ from flwr.app import (
 )
 
 from fedlr.adapters.lora import LoraModel
-from fedlr.adapters.plugin import (
-    LoraLayerChange,
-    adapted,
-    conform_lora,
-    initial_state,
-)
+from fedlr.adapters.plugin import LoraLayerChange, adapted, conform_lora, initial_state
 from fedlr.adapters.ranks import leading_rank
 from fedlr.adapters.roles import AdaptedModel, AdapterLayout, Role, RoleLayout
 from fedlr.adapters.sorf_vera import SorfVeraLayout
@@ -527,9 +524,10 @@ def _set_training(job: ClientRound) -> None:
     for feature in job.features:
         for param in feature.train_also(job):
             param.requires_grad_(True)
-    terms = [(feature, feature.loss(job)) for feature in job.features]
-    job._loss_features = tuple(f for f, t in terms if t is not None)
-    job._penalty = _sum_of([t for _, t in terms if t is not None])
+    terms = [(f, term) for f in job.features if (term := f.loss(job)) is not None]
+    job._loss_features = tuple(f for f, _ in terms)
+    if terms:  # one term from several, added in the features' order
+        job._penalty = lambda: reduce(operator.add, (term() for _, term in terms))
 
 
 def _conform_model(
@@ -561,22 +559,6 @@ def _conform_model(
     if changes:
         view = cast(LoraModel, adapted(view.model))  # the layout follows the rank
     return view, changes
-
-
-def _sum_of(
-    terms: list[Callable[[], torch.Tensor]],
-) -> Callable[[], torch.Tensor] | None:
-    """One loss term from several (``None``: none; one: itself, unchanged)."""
-    if len(terms) <= 1:
-        return terms[0] if terms else None
-
-    def total() -> torch.Tensor:
-        value = terms[0]()
-        for term in terms[1:]:
-            value = value + term()
-        return value
-
-    return total
 
 
 def _is_train(message: Message) -> bool:

@@ -16,7 +16,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.app import MetricRecordValues as Values
 from torch import nn
 
-from fedlr.client.checks import NodeLimits, check_value
+from fedlr.client.checks import NodeLimits, check_config, check_value, decode_checked
 from fedlr.client.round import ClientRound
 from fedlr.client.train import (
     LOCAL_OPTIMIZER,
@@ -31,7 +31,13 @@ from fedlr.client.train import (
 from fedlr.config.run import RunConfig
 from fedlr.data.images import ImageData
 from fedlr.errors import ConfigError, InstructionError, NodePolicyError, RecordTypeError
-from fedlr.flower.records import config_float, config_int, config_str
+from fedlr.flower.records import (
+    array_record,
+    config_float,
+    config_int,
+    config_record,
+    config_str,
+)
 from fedlr.privacy.budget import data_key
 from fedlr.privacy.dp_evaluation import noised_metrics, reserve
 from fedlr.privacy.dp_sgd import private_loop
@@ -41,7 +47,9 @@ from fedlr.tasks.lm import EncodedInstructions
 from fedlr.wire import protocol
 
 __all__ = [
+    "checked_arrays",
     "image_evaluate_reply",
+    "partition_key",
     "partition_of",
     "private_evaluation",
     "train_images",
@@ -79,6 +87,36 @@ def partition_of(context: Context, config: RunConfig) -> tuple[int, int]:
     if not 0 <= pid < num:
         raise ConfigError(protocol.PARTITION_ID, f"{pid} is outside [0, {num})")
     return pid, num
+
+
+def partition_key(config: RunConfig, *more: object) -> tuple[object, ...]:
+    """What a node's data depends on (a cache key): the data set, the seed
+    and the partitioning of ``config``, then ``more``."""
+    return (
+        config.dataset,
+        config.seed,
+        config.partitioner,
+        config.dirichlet_alpha,
+        config.classes_per_partition,
+        config.min_partition_size,
+        config.eval_fraction,
+        *more,
+    )
+
+
+def checked_arrays(
+    message: Message, shapes: Mapping[str, tuple[int, ...]], limits: NodeLimits
+) -> dict[str, torch.Tensor]:
+    """A vision instruction's ``arrays``, checked before anything is decoded.
+
+    Its ConfigRecord (if any) against :data:`BOUNDS
+    <fedlr.client.checks.BOUNDS>` within the node's ``limits``; ``arrays``
+    must hold exactly the keys of ``shapes``, with those shapes
+    (:func:`~fedlr.client.checks.decode_checked`).
+    """
+    if protocol.CONFIG in message.content.config_records:
+        check_config(config_record(message.content), limits)
+    return decode_checked(array_record(message.content), shapes, required=True)
 
 
 def train_settings(

@@ -33,10 +33,12 @@ from flwr.app import (
 )
 from flwr.app import MetricRecordValues as Values
 
-from fedlr.client.checks import NodeLimits, check_config, decode_checked
+from fedlr.client.checks import NodeLimits, decode_checked
 from fedlr.client.train import client_seed
 from fedlr.client_apps.common import (
+    checked_arrays,
     image_evaluate_reply,
+    partition_key,
     partition_of,
     train_images,
 )
@@ -44,12 +46,7 @@ from fedlr.config.run import RunConfig
 from fedlr.data.continual import ContinualStream
 from fedlr.data.images import ImageData
 from fedlr.errors import InstructionError
-from fedlr.flower.records import (
-    array_record,
-    config_int,
-    config_record,
-    state_to_record,
-)
+from fedlr.flower.records import config_int, config_record, state_to_record
 from fedlr.models.vision import VisionModel
 from fedlr.tasks.continual import (
     ContinualOptions,
@@ -76,18 +73,7 @@ def _model(config: RunConfig) -> VisionModel:
 
 
 def _stream(config: RunConfig, options: ContinualOptions, num: int) -> ContinualStream:
-    key = (
-        config.dataset,
-        options.num_tasks,
-        options.task_examples,
-        config.partitioner,
-        config.dirichlet_alpha,
-        config.classes_per_partition,
-        config.min_partition_size,
-        config.eval_fraction,
-        config.seed,
-        num,
-    )
+    key = partition_key(config, options.num_tasks, options.task_examples, num)
     if key not in _STREAMS:
         _STREAMS.clear()
         _STREAMS[key] = stream_from_config(config, options, num)
@@ -110,10 +96,10 @@ def _checked(
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], NodeLimits]:
     """The instruction's weights and bases, checked before anything is decoded.
 
-    The ConfigRecord (if any) against :data:`BOUNDS
-    <fedlr.client.checks.BOUNDS>` (``sketch-dim`` at most the widest
-    projected layer's ``d``, tasks within the run's); ``arrays`` exactly the
-    model's state; ``bases`` one ``(d, k)`` basis, ``1 <= k <= d``, per
+    The ConfigRecord and ``arrays`` by
+    :func:`~fedlr.client_apps.common.checked_arrays` (``sketch-dim`` at most
+    the widest projected layer's ``d``, tasks within the run's; ``arrays``
+    exactly the model's state); ``bases`` one ``(d, k)`` basis, ``1 <= k <= d``, per
     projected layer at most.
     """
     dims = _input_dims(model)
@@ -122,10 +108,8 @@ def _checked(
         widest_input=max(dims.values(), default=0),
         last_task=options.num_tasks - 1,
     )
-    if protocol.CONFIG in message.content.config_records:
-        check_config(config_record(message.content), limits)
     shapes = {key: tuple(value.shape) for key, value in model.state_dict().items()}
-    state = decode_checked(array_record(message.content), shapes, required=True)
+    state = checked_arrays(message, shapes, limits)
     bases: dict[str, torch.Tensor] = {}
     record = message.content.array_records.get(protocol.BASES)
     if record is not None:
@@ -234,11 +218,8 @@ def evaluate_message(message: Message, context: Context) -> Message:
     stream = _stream(config, options, num)
     model = _model(config)
     model.load_state_dict(_checked(model, message, context, options)[0])
-    task = (
-        config_int(config_record(message.content), protocol.TASK, 0)
-        if (protocol.CONFIG in message.content.config_records)
-        else 0
-    )
+    round_config = message.content.config_records.get(protocol.CONFIG, ConfigRecord())
+    task = config_int(round_config, protocol.TASK, 0)
     module, view = task_view(
         model,
         stream.partition(task, pid),

@@ -12,9 +12,11 @@ the strategies, whose modules import this one.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 from fedlr.client_apps import gpse, lora, qrmix, sorf_vera, vera
 from fedlr.client_apps.payload_kind import PayloadKind
-from fedlr.options import NoOptions
+from fedlr.options import NoOptions, Options
 from fedlr.tasks.continual import ContinualOptions
 from fedlr.tasks.image import EigenOptions
 from fedlr.tasks.vera import SorfVeraOptions, VeraOptions
@@ -22,47 +24,29 @@ from fedlr.tasks.vera import SorfVeraOptions, VeraOptions
 __all__ = ["GPSE", "LORA", "PAYLOADS", "QRMIX", "SORF_VERA", "VERA"]
 
 
-LORA = PayloadKind(
-    name="lora",
-    options=NoOptions,
-    train=lora.train_message,
-    evaluate=lora.evaluate_message,
-    plugin=True,
-)
+def _kind(
+    name: str, options: type[Options], handlers: ModuleType, *, plugin: bool = False
+) -> PayloadKind:
+    """The kind ``name`` whose ClientApp handlers are the ``train_message`` and
+    ``evaluate_message`` of the module ``handlers``."""
+    return PayloadKind(
+        name, options, handlers.train_message, handlers.evaluate_message, plugin
+    )
+
+
+LORA = _kind("lora", NoOptions, lora, plugin=True)
 """LoRA factors (A, B), the head and, for FedEx-LoRA, updated base weights."""
 
-VERA = PayloadKind(
-    name="vera",
-    options=VeraOptions,
-    train=vera.train_message,
-    evaluate=vera.evaluate_message,
-    plugin=True,
-)
+VERA = _kind("vera", VeraOptions, vera, plugin=True)
 """VeRA scaling vectors over frozen projections shared by seed."""
 
-SORF_VERA = PayloadKind(
-    name="sorf-vera",
-    options=SorfVeraOptions,
-    train=sorf_vera.train_message,
-    evaluate=sorf_vera.evaluate_message,
-    plugin=True,
-)
+SORF_VERA = _kind("sorf-vera", SorfVeraOptions, sorf_vera, plugin=True)
 """SORF-VeRA's rotation angles and scale (b is refit on the server)."""
 
-QRMIX = PayloadKind(
-    name="qrmix",
-    options=EigenOptions,
-    train=qrmix.train_message,
-    evaluate=qrmix.evaluate_message,
-)
+QRMIX = _kind("qrmix", EigenOptions, qrmix)
 """Every weight of a vision model; in QR-Mix's stage 2 also Hessian eigenpairs."""
 
-GPSE = PayloadKind(
-    name="gpse",
-    options=ContinualOptions,
-    train=gpse.train_message,
-    evaluate=gpse.evaluate_message,
-)
+GPSE = _kind("gpse", ContinualOptions, gpse)
 """Every weight of a vision model; at task boundaries activation sketches."""
 
 PAYLOADS = (LORA, VERA, SORF_VERA, QRMIX, GPSE)

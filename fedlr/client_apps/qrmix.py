@@ -24,21 +24,18 @@ import time
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 
-from fedlr.client.checks import NodeLimits, check_config, decode_checked
+from fedlr.client.checks import NodeLimits
 from fedlr.client.train import client_seed
 from fedlr.client_apps.common import (
+    checked_arrays,
     image_evaluate_reply,
+    partition_key,
     partition_of,
     train_images,
 )
 from fedlr.config.run import RunConfig
 from fedlr.data.images import ImageData
-from fedlr.flower.records import (
-    array_record,
-    config_int,
-    config_record,
-    state_to_record,
-)
+from fedlr.flower.records import config_int, config_record, state_to_record
 from fedlr.linalg.qrmix import fc_flatten, fc_hessian_eigenpairs
 from fedlr.models.vision import VisionModel
 from fedlr.tasks.image import EigenOptions, ImageTask
@@ -60,17 +57,7 @@ def _model(config: RunConfig) -> VisionModel:
 
 
 def _partition(config: RunConfig, pid: int, num: int) -> ImageData:
-    key = (
-        config.dataset,
-        config.seed,
-        config.partitioner,
-        config.dirichlet_alpha,
-        config.classes_per_partition,
-        config.min_partition_size,
-        config.eval_fraction,
-        pid,
-        num,
-    )
+    key = partition_key(config, pid, num)
     if key not in _DATA:
         _DATA[key] = ImageTask(config).partition(pid, num)
     return _DATA[key]
@@ -89,24 +76,6 @@ def head_features(
     return torch.cat(parts)
 
 
-def _checked_state(
-    model: VisionModel, message: Message, context: Context
-) -> tuple[dict[str, torch.Tensor], NodeLimits]:
-    """The instruction's parameters, checked against the model before decoding.
-
-    The ConfigRecord (if any) is checked against :data:`BOUNDS
-    <fedlr.client.checks.BOUNDS>`; ``arrays`` must hold exactly the
-    model's parameters, with their shapes.
-    """
-    limits = NodeLimits.of_node(context.node_config)
-    if protocol.CONFIG in message.content.config_records:
-        check_config(config_record(message.content), limits)
-    state = decode_checked(
-        array_record(message.content), model.parameter_shapes(), required=True
-    )
-    return state, limits
-
-
 def train_message(message: Message, context: Context) -> Message:
     """Handle a ``train`` instruction for ``fedavg`` / ``qrmix``."""
     config = RunConfig.from_mapping(context.run_config)
@@ -114,7 +83,8 @@ def train_message(message: Message, context: Context) -> Message:
     pid, num = partition_of(context, config)
     round_config = config_record(message.content)
     model = _model(config)
-    global_state, limits = _checked_state(model, message, context)
+    limits = NodeLimits.of_node(context.node_config)
+    global_state = checked_arrays(message, model.parameter_shapes(), limits)
     model.load_parameters(global_state)
     data = _partition(config, pid, num)
     server_round = config_int(round_config, protocol.SERVER_ROUND, 0)
@@ -179,7 +149,8 @@ def evaluate_message(message: Message, context: Context) -> Message:
     config = RunConfig.from_mapping(context.run_config)
     pid, num = partition_of(context, config)
     model = _model(config)
-    model.load_parameters(_checked_state(model, message, context)[0])
+    limits = NodeLimits.of_node(context.node_config)
+    model.load_parameters(checked_arrays(message, model.parameter_shapes(), limits))
     return image_evaluate_reply(
         message, context, model, _partition(config, pid, num), config
     )

@@ -54,13 +54,12 @@ from flwr.app import (
     MetricRecord,
     RecordDict,
 )
-from flwr.app.message_type import MessageType
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 from numpy.typing import NDArray
 
-from fedlr.client_apps.secagg_guard import secagg_guard
+from fedlr.client_apps.secagg_guard import secagg_guard, secagg_stage
 from fedlr.config.run import RunConfig
 from fedlr.errors import ProtocolError
 from fedlr.privacy import distributed_dp as ddp
@@ -103,11 +102,7 @@ _FIT = ("fitres.parameters", "fitres.num_examples", "fitres.metrics", "fitres.st
 
 def secagg_mod(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> Message:
     """Run Flower's SecAgg+ client stages around fedlr's train handler."""
-    if (
-        msg.metadata.message_type != MessageType.TRAIN
-        or not msg.has_content()
-        or RECORD_KEY_CONFIGS not in msg.content.config_records
-    ):
+    if secagg_stage(msg) is None:
         return call_next(msg, ctxt)
     saved: list[Any] = []
 
@@ -143,26 +138,19 @@ def _as_fit_reply(
     server_round = int(cast(int, round_config.get(protocol.SERVER_ROUND, 0)))
     partition = int(cast(int, ctxt.node_config.get(protocol.PARTITION_ID, 0)))
     weighted = str(options[WEIGHTED_RECORD])
+    received = content.array_records.get(weighted)
+    base = {key: received[key].numpy() for key in received} if received else {}
     cut = 0.0
     if DP_THRESHOLD in options:  # distributed client DP: the noised update
-        threshold = int(cast(int, options[DP_THRESHOLD]))
+        where = (int(cast(int, options[DP_THRESHOLD])), server_round, partition)
         allow = node_policy(ctxt.node_config).dp_allow_reproducible_noise
         values, cut = _noised_update(
-            records,
-            content,
-            weighted,
-            config,
-            limit,
-            (threshold, server_round, partition),
-            allow,
+            records, base, weighted, config, limit, where, allow
         )
     else:
-        received = content.array_records.get(weighted)
         if weighted in records and received is not None:
             records[weighted], _ = clip_update(
-                records[weighted],
-                {key: received[key].numpy() for key in received},
-                config.secagg.client_clip,
+                records[weighted], base, config.secagg.client_clip
             )
         scale = float(cast(float, options[WEIGHT_SCALE]))
         _, values = flatten_summands(
@@ -256,7 +244,7 @@ def _fit_content(values: list[Any]) -> RecordDict:
 
 def _noised_update(
     records: dict[str, dict[str, Any]],
-    sent: RecordDict,
+    base: dict[str, Any],
     weighted: str,
     config: RunConfig,
     limit: float,
@@ -264,7 +252,7 @@ def _noised_update(
     allow: bool,
 ) -> tuple[list[Any], float]:
     """Distributed client DP's summands: the update (reply minus the arrays
-    received) clipped to ``client-dp-clip``, plus Skellam noise on the
+    received, ``base``) clipped to ``client-dp-clip``, plus Skellam noise on the
     quantiser's grid (:mod:`fedlr.privacy.distributed_dp`); 1.0 if clipped.
 
     ``where`` is ``(t, round, partition)``. The clip, ``z``, the step and the
@@ -290,8 +278,6 @@ def _noised_update(
             "this node's run config has client-dp-clip = 0 or t < 2"
         )
     extra = sorted(set(records) - {weighted})
-    received = sent.array_records.get(weighted)
-    base = {k: received[k].numpy() for k in received} if received else {}
     arrays = records.get(weighted, {})
     if extra or any(
         k not in base or base[k].shape != a.shape for k, a in arrays.items()

@@ -62,7 +62,6 @@ answered, so a refused message leaves the node's state as it was.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from typing import Any, cast
 
 from flwr.app import ConfigRecord, Context, Message, RecordDict
@@ -100,6 +99,7 @@ __all__ = [
     "SIGN_RECORD",
     "SURVIVORS",
     "secagg_guard",
+    "secagg_stage",
 ]
 
 GUARD_STATE = "fedlr-secagg-guard"
@@ -135,20 +135,16 @@ def secagg_guard(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
     SecAggGuardError
         Naming the check that failed (see the module doc).
     """
-    if (
-        msg.metadata.message_type != MessageType.TRAIN
-        or not msg.has_content()
-        or RECORD_KEY_CONFIGS not in msg.content.config_records
-    ):
+    configs = secagg_stage(msg)
+    if configs is None:
         return call_next(msg, ctxt)
-    configs = msg.content.config_records[RECORD_KEY_CONFIGS]
     stage = configs.get(Key.STAGE)
     record = ctxt.state.config_records.get(GUARD_STATE, ConfigRecord())
     book = _Book(record, str(msg.metadata.group_id), int(msg.metadata.dst_node_id))
     signed = msg.content.config_records.get(SIGN_RECORD, ConfigRecord())
     if stage == Stage.SETUP:
         settings = _check_setup(configs, _max_shares(ctxt))
-        book.check_unchanged(settings)
+        book.check_unchanged(dict(zip(_SETTINGS, settings, strict=True)))
     else:
         book.check_round(str(stage))
         book.check_unchanged(_stated(msg))
@@ -166,17 +162,22 @@ def secagg_guard(msg: Message, ctxt: Context, call_next: ClientAppCallable) -> M
             book.check_consistent(configs, signed, msg.metadata.run_id)
     reply = call_next(msg, ctxt)
     if not reply.has_error():
-        book.answered(str(stage), configs if stage != Stage.SETUP else settings)
         if stage == Stage.SETUP:  # the session's signing key, advertised
-            private, public = new_signing_key()
-            book.keep_signing_key(private, public)
+            public = book.set_up(settings)
             reply.content.config_records[SIGN_RECORD] = ConfigRecord(
                 {SIGNING_KEY: public}
             )
-        elif stage == Stage.SHARE_KEYS:
-            book.keep_peer_keys(signed)
+        else:
+            book.answered(str(stage), configs, signed)
         ctxt.state.config_records[GUARD_STATE] = book.record
     return reply
+
+
+def secagg_stage(msg: Message) -> ConfigRecord | None:
+    """A train message's SecAgg+ stage record (``None``: not a SecAgg+ stage)."""
+    if msg.metadata.message_type != MessageType.TRAIN or not msg.has_content():
+        return None
+    return msg.content.config_records.get(RECORD_KEY_CONFIGS)
 
 
 def _max_shares(ctxt: Context) -> int:
@@ -234,28 +235,21 @@ def _check_setup(configs: ConfigRecord, ceiling: int) -> list[float]:
 
 
 def _stated(msg: Message) -> dict[str, float]:
-    """Settings a later-stage message states (Flower's keys, fedlr's clipping)."""
+    """Settings a later-stage message states: Flower's keys, fedlr's clipping
+    range and the threshold distributed DP sizes each node's noise share by
+    (it must be the round's: a larger one would shrink every node's noise)."""
     configs = msg.content.config_records[RECORD_KEY_CONFIGS]
-    out = {
-        key: float(cast(float, configs[key]))
-        for key in _SETTINGS
-        if isinstance(configs.get(key), (int, float))
-    }
-    fedlr = msg.content.config_records.get(_FEDLR_CLIPPING[0])
-    if fedlr is not None and isinstance(fedlr.get(_FEDLR_CLIPPING[1]), (int, float)):
-        out[Key.CLIPPING_RANGE + "/fedlr"] = float(
-            cast(float, fedlr[_FEDLR_CLIPPING[1]])
-        )
-    # distributed DP sizes each node's noise share by the threshold: it must be
-    # the round's (a larger one would shrink every node's noise)
-    if fedlr is not None and isinstance(fedlr.get("dp-threshold"), (int, float)):
-        out[Key.THRESHOLD + "/fedlr"] = float(cast(float, fedlr["dp-threshold"]))
-    return out
+    fedlr = msg.content.config_records.get(_FEDLR_CLIPPING[0], ConfigRecord())
+    stated = {key: configs.get(key) for key in _SETTINGS}
+    stated[Key.CLIPPING_RANGE + "/fedlr"] = fedlr.get(_FEDLR_CLIPPING[1])
+    stated[Key.THRESHOLD + "/fedlr"] = fedlr.get("dp-threshold")
+    return {k: float(v) for k, v in stated.items() if isinstance(v, (int, float))}
 
 
-def _ints(values: Iterable[Any], what: str) -> list[int]:
+def _ints(record: ConfigRecord, key: str, what: str) -> list[int]:
+    """The node ids ``record[key]`` lists (none when absent), each once."""
     out = []
-    for value in values:
+    for value in cast(list[Any], record.get(key, [])):
         if isinstance(value, bool) or not isinstance(value, int):
             raise SecAggGuardError("type", f"{what} must list node ids, got {value!r}")
         out.append(value)
@@ -287,16 +281,13 @@ class _Book:
                 f"set up (last set up: {self.record.get('session', '')!r})",
             )
 
-    def check_unchanged(self, settings: list[float] | dict[str, float]) -> None:
+    def check_unchanged(self, settings: dict[str, float]) -> None:
         kept = cast(list[float], self._get("settings", []))
         if not kept:
             return
-        names = [*_SETTINGS]
-        expected = dict(zip(names, kept, strict=True))
+        expected = dict(zip(_SETTINGS, kept, strict=True))
         expected[Key.CLIPPING_RANGE + "/fedlr"] = kept[2]
         expected[Key.THRESHOLD + "/fedlr"] = kept[1]
-        if isinstance(settings, list):
-            settings = dict(zip(names, settings, strict=True))
         changed = [
             f"{key} {expected[key]:g} -> {value:g}"
             for key, value in settings.items()
@@ -324,7 +315,7 @@ class _Book:
             )
 
     def check_ciphertexts(self, configs: ConfigRecord, ctxt: Context) -> None:
-        srcs = _ints(cast(list[Any], configs.get(Key.SOURCE_LIST, [])), "source list")
+        srcs = _ints(configs, Key.SOURCE_LIST, "source list")
         texts = cast(list[bytes], configs.get(Key.CIPHERTEXT_LIST, []))
         near = set(cast(list[int], self._get("neighbours", [])))
         outside = sorted(set(srcs) - near - {self.nid})
@@ -353,10 +344,8 @@ class _Book:
                 )
 
     def check_unmask(self, configs: ConfigRecord) -> None:
-        active = _ints(
-            cast(list[Any], configs.get(Key.ACTIVE_NODE_ID_LIST, [])), "active"
-        )
-        dead = _ints(cast(list[Any], configs.get(Key.DEAD_NODE_ID_LIST, [])), "dead")
+        active = _ints(configs, Key.ACTIVE_NODE_ID_LIST, "active")
+        dead = _ints(configs, Key.DEAD_NODE_ID_LIST, "dead")
         shares, threshold = (int(v) for v in self._get("settings", [0, 0])[:2])
         both = sorted(set(active) & set(dead))
         if both or self.nid in dead:
@@ -424,7 +413,7 @@ class _Book:
                 f"a consistency round of round '{self.round}' before the masked "
                 "vectors or after the unmasking",
             )
-        survivors = sorted(_ints(cast(list[Any], signed.get(SURVIVORS, [])), "U3"))
+        survivors = sorted(_ints(signed, SURVIVORS, "U3"))
         threshold = int(self._get("settings", [0, 0])[1])
         near = set(cast(list[int], self._get("holders", [])))
         told = sorted(near & set(survivors))
@@ -452,7 +441,7 @@ class _Book:
     ) -> None:
         """Unmask: the set this node signed, asked consistently, signed by at
         least ``t`` distinct neighbours (see the module doc)."""
-        survivors = sorted(_ints(cast(list[Any], signed.get(SURVIVORS, [])), "U3"))
+        survivors = sorted(_ints(signed, SURVIVORS, "U3"))
         kept = cast(list[int], self._get("signed", []))
         active = set(cast(list[int], configs.get(Key.ACTIVE_NODE_ID_LIST, [])))
         dead = set(cast(list[int], configs.get(Key.DEAD_NODE_ID_LIST, [])))
@@ -516,41 +505,41 @@ class _Book:
                 f"t = {threshold} distinct neighbours must sign it",
             )
 
-    def keep_signing_key(self, private: bytes, public: bytes) -> None:
+    # ------------------------------------------------------------ recording
+    def set_up(self, settings: list[float]) -> bytes:
+        """Open the round (forgetting all but the last rounds) with the
+        setup's ``settings`` and a new signing key: its public half."""
+        rounds = [r for r in cast(list[str], self.record.get("rounds", []))
+                  if r != self.round] + [self.round]  # fmt: skip
+        for old in rounds[:-KEPT_ROUNDS]:
+            for key in [k for k in self.record if k.startswith(f"{old}|")]:
+                del self.record[key]
+        self.record["rounds"] = rounds[-KEPT_ROUNDS:]
+        self.record["session"] = self.round
+        private, public = new_signing_key()
+        self._set("settings", settings)
+        self._set("neighbours", [])
+        self._set("holders", [])
+        self._set("unmasked", False)
         self._set("sign-key", private)
         self._set("sign-public", public)
         self._set("signed", [])
         self._set("signed-once", False)
+        return public
 
-    def keep_peer_keys(self, signed: ConfigRecord) -> None:
-        ids = sorted(int(k) for k in signed)
-        self._set("peers", ids)
-        self._set("peer-keys", [cast(bytes, signed[str(n)]) for n in ids])
-
-    # ------------------------------------------------------------ recording
-    def answered(self, stage: str, data: Any) -> None:
-        if stage == Stage.SETUP:
-            rounds = [r for r in cast(list[str], self.record.get("rounds", []))
-                      if r != self.round] + [self.round]  # fmt: skip
-            for old in rounds[:-KEPT_ROUNDS]:
-                for key in [k for k in self.record if k.startswith(f"{old}|")]:
-                    del self.record[key]
-            self.record["rounds"] = rounds[-KEPT_ROUNDS:]
-            self.record["session"] = self.round
-            self._set("settings", cast(list[float], data))
-            self._set("neighbours", [])
-            self._set("holders", [])
-            self._set("unmasked", False)
-        elif stage == Stage.SHARE_KEYS:
-            self._set("neighbours", sorted(int(k) for k in data if k != Key.STAGE))
+    def answered(self, stage: str, configs: ConfigRecord, signed: ConfigRecord) -> None:
+        """Record what a later stage's answer revealed or established."""
+        if stage == Stage.SHARE_KEYS:
+            peers = sorted(int(k) for k in signed)
+            self._set("neighbours", sorted(int(k) for k in configs if k != Key.STAGE))
+            self._set("peers", peers)
+            self._set("peer-keys", [cast(bytes, signed[str(n)]) for n in peers])
         elif stage == Stage.COLLECT_MASKED_VECTORS:
-            srcs = cast(list[int], data.get(Key.SOURCE_LIST, []))
+            srcs = cast(list[int], configs.get(Key.SOURCE_LIST, []))
             self._set("holders", sorted({*srcs, self.nid}))
         elif stage == Stage.UNMASK:
-            seeds = cast(list[int], self._get("rd-seed", []))
-            keys = cast(list[int], self._get("sk1", []))
-            active = cast(list[int], data.get(Key.ACTIVE_NODE_ID_LIST, []))
-            dead = cast(list[int], data.get(Key.DEAD_NODE_ID_LIST, []))
-            self._set("rd-seed", sorted({*seeds, *active}))
-            self._set("sk1", sorted({*keys, *dead}))
+            active = cast(list[int], configs.get(Key.ACTIVE_NODE_ID_LIST, []))
+            dead = cast(list[int], configs.get(Key.DEAD_NODE_ID_LIST, []))
+            self._set("rd-seed", sorted({*self._get("rd-seed", []), *active}))
+            self._set("sk1", sorted({*self._get("sk1", []), *dead}))
             self._set("unmasked", True)

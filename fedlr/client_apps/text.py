@@ -26,7 +26,12 @@ from flwr.app import Context, Message
 from fedlr.adapters.roles import AdaptedModel
 from fedlr.client.round import ClientRound, apply_round
 from fedlr.client.train import EncodedText, client_seed, in_batches, pick_device
-from fedlr.client_apps.common import partition_of, private_evaluation, train_reply
+from fedlr.client_apps.common import (
+    partition_key,
+    partition_of,
+    private_evaluation,
+    train_reply,
+)
 from fedlr.config.run import RunConfig
 from fedlr.errors import InstructionError, PrivacyUnsupportedError
 from fedlr.options import Options
@@ -47,16 +52,10 @@ def _partition(
     config: RunConfig, pid: int, num: int, part: str
 ) -> EncodedText | EncodedInstructions:
     """A node's data: its whole partition (``all``) or its own ``train``/``eval``."""
-    key = (
+    key = partition_key(
+        config,
         part,
         config.model,
-        config.dataset,
-        config.seed,
-        config.partitioner,
-        config.dirichlet_alpha,
-        config.classes_per_partition,
-        config.min_partition_size,
-        config.eval_fraction,
         config.max_length,
         config.max_eval_examples,
         config.prompt_template,
