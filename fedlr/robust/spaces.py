@@ -109,7 +109,40 @@ def _arrays_towards(
     return moved
 
 
-class ParameterSpace(UpdateSpace):
+def _change(x: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
+    """``x - ref`` in float64; ``x`` itself where the reference is absent or of
+    another shape (never broadcast)."""
+    x64 = x.to(torch.float64)
+    return (
+        x64 - ref.to(torch.float64) if ref is not None and ref.shape == x.shape else x64
+    )
+
+
+def _flat(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The arrays as one float64 vector (empty: a vector of length 0)."""
+    if not parts:
+        return torch.zeros(0, dtype=torch.float64)
+    return torch.cat([part.reshape(-1) for part in parts])
+
+
+class _ByVector:
+    """The Gram matrix and norms of a space whose updates are vectors
+    (:meth:`vector`)."""
+
+    def vector(self, update: ClientUpdate) -> torch.Tensor:
+        raise NotImplementedError
+
+    def gram(self, updates: Sequence[ClientUpdate]) -> torch.Tensor:
+        """``G[i, j] = <u_i, u_j>``, (k, k) float64."""
+        vectors = torch.stack([self.vector(u) for u in updates])
+        return vectors @ vectors.T
+
+    def norm(self, update: ClientUpdate) -> float:
+        """``||u||`` of one update."""
+        return float(torch.linalg.vector_norm(self.vector(update)))
+
+
+class ParameterSpace(_ByVector, UpdateSpace):
     """Updates as the change of the reply's arrays, ``x_i - x_ref``.
 
     Parameters
@@ -139,25 +172,11 @@ class ParameterSpace(UpdateSpace):
         parts = []
         keys = self.keys if self.keys is not None else sorted(update.arrays)
         for key in keys:
-            x = update.arrays[key].to(torch.float64)
-            ref = self.reference.get(key)
-            if ref is not None and ref.shape == x.shape:
-                delta = x - ref.to(torch.float64)
-            else:
-                delta = x
+            delta = _change(update.arrays[key], self.reference.get(key))
             if self.transform is not None:
                 delta = self.transform(key, delta)
-            parts.append(delta.reshape(-1))
-        if not parts:
-            return torch.zeros(0, dtype=torch.float64)
-        return torch.cat(parts)
-
-    def gram(self, updates: Sequence[ClientUpdate]) -> torch.Tensor:
-        vectors = torch.stack([self.vector(u) for u in updates])
-        return vectors @ vectors.T
-
-    def norm(self, update: ClientUpdate) -> float:
-        return float(torch.linalg.vector_norm(self.vector(update)))
+            parts.append(delta)
+        return _flat(parts)
 
     def shrink(self, update: ClientUpdate, factor: float) -> ClientUpdate:
         keys = self.keys if self.keys is not None else list(update.arrays)
@@ -321,17 +340,13 @@ class RankedProductSpace(UpdateSpace):
     ) -> torch.Tensor:
         """The other keys' change against the start, as one float64 vector."""
         paired = {k for pair in self.pairs for k in pair}
-        parts = []
-        for key in sorted(update.arrays):
-            if key in paired:
-                continue
-            x = update.arrays[key].to(torch.float64)
-            r = ref.get(key)
-            delta = (
-                x - r.to(torch.float64) if r is not None and r.shape == x.shape else x
-            )
-            parts.append(delta.reshape(-1))
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+        return _flat(
+            [
+                _change(update.arrays[key], ref.get(key))
+                for key in sorted(update.arrays)
+                if key not in paired
+            ]
+        )
 
     def gram(self, updates: Sequence[ClientUpdate]) -> torch.Tensor:
         refs = [self.start(u) for u in updates]
@@ -358,7 +373,7 @@ class RankedProductSpace(UpdateSpace):
         return replace(update, arrays=moved)
 
 
-class RankedFactorSpace(UpdateSpace):
+class RankedFactorSpace(_ByVector, UpdateSpace):
     """Updates of clients at their own ranks as the change of every array
     against what each was sent: ``x_i - x0_i`` over all the reply's keys.
 
@@ -383,20 +398,12 @@ class RankedFactorSpace(UpdateSpace):
     def deltas(self, update: ClientUpdate) -> dict[str, torch.Tensor]:
         """Each key's change against the start, float64."""
         start = self.start(update)
-        out = {}
-        for key, x in update.arrays.items():
-            ref = start.get(key)
-            x64 = x.to(torch.float64)
-            fits = ref is not None and ref.shape == x.shape
-            out[key] = x64 - ref.to(torch.float64) if ref is not None and fits else x64
-        return out
+        return {key: _change(x, start.get(key)) for key, x in update.arrays.items()}
 
     def vector(self, update: ClientUpdate) -> torch.Tensor:
         """The update as one float64 vector (keys in sorted order)."""
         deltas = self.deltas(update)
-        if not deltas:
-            return torch.zeros(0, dtype=torch.float64)
-        return torch.cat([deltas[k].reshape(-1) for k in sorted(deltas)])
+        return _flat([deltas[k] for k in sorted(deltas)])
 
     def gram(self, updates: Sequence[ClientUpdate]) -> torch.Tensor:
         """Inner products of the zero-padded changes (ranks may differ: two
@@ -418,9 +425,6 @@ class RankedFactorSpace(UpdateSpace):
                     total += float((x[common] * y[common]).sum())
                 out[i, j] = out[j, i] = total
         return out
-
-    def norm(self, update: ClientUpdate) -> float:
-        return float(torch.linalg.vector_norm(self.vector(update)))
 
     def shrink(self, update: ClientUpdate, factor: float) -> ClientUpdate:
         moved = _arrays_towards(update.arrays, self.start(update), factor)
@@ -463,7 +467,7 @@ class SumSpace(UpdateSpace):
         return self.parts[0].shrink(update, factor)
 
 
-class RecordSpace:
+class RecordSpace(_ByVector):
     """An extra reply record as an update: ``r_i - ref_i`` over its arrays.
 
     The robust rules measure a record (FOT's sketches, FedLEASE's router,
@@ -504,23 +508,7 @@ class RecordSpace:
         """The record's change as one float64 vector (keys sorted)."""
         record = update.extras[self.name]
         ref = self._ref(update)
-        parts = []
-        for key in sorted(record):
-            x = record[key].to(torch.float64)
-            r = ref.get(key)
-            fits = r is not None and r.shape == x.shape
-            parts.append(
-                (x - r.to(torch.float64) if r is not None and fits else x).reshape(-1)
-            )
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
-
-    def gram(self, updates: Sequence[ClientUpdate]) -> torch.Tensor:
-        """``G[i, j] = <r_i - ref_i, r_j - ref_j>``, (k, k) float64."""
-        vectors = torch.stack([self.vector(u) for u in updates])
-        return vectors @ vectors.T
-
-    def norm(self, update: ClientUpdate) -> float:
-        return float(torch.linalg.vector_norm(self.vector(update)))
+        return _flat([_change(record[key], ref.get(key)) for key in sorted(record)])
 
     def shrink(self, update: ClientUpdate, factor: float) -> ClientUpdate:
         """The record moved to ``ref + factor (r - ref)``, its factor kept in
