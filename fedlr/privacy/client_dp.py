@@ -76,7 +76,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -86,9 +86,6 @@ from fedlr.privacy.settings import ClientDpSettings, PrivacyConfig, default_delt
 from fedlr.randomness import secure_generator, seeded_generator
 from fedlr.robust.spaces import ParameterSpace
 from fedlr.wire.updates import ClientUpdate
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "CLIENT_DP_EPSILON",
@@ -102,7 +99,6 @@ __all__ = [
     "largest_spent",
     "noise_generator",
     "privatize",
-    "protect",
 ]
 
 CLIENT_DP_EPSILON = "client-dp-epsilon"
@@ -409,38 +405,6 @@ def _plus(update: ClientUpdate, noise: Mapping[str, torch.Tensor]) -> ClientUpda
             },
         },
     )
-
-
-def protect(
-    strategy: Any,
-    server_round: int,
-    updates: list[ClientUpdate],
-    current: Mapping[str, torch.Tensor],
-) -> tuple[list[ClientUpdate], dict[str, float]]:
-    """A strategy's round through :func:`privatize` (when client-level DP is
-    on), plus DP-SGD's largest client epsilon (:data:`DP_EPSILON`).
-
-    ``strategy`` is a :class:`~fedlr.strategies.base.FedLRStrategy`: its
-    ``privacy``, ``reply_shapes()``, ``instructed`` (``m``),
-    ``nodes_sampled_from`` (``N``) and ``client_dp_ledger`` are read.
-    """
-    metrics: dict[str, float] = {}
-    settings = strategy.privacy.client_dp
-    if settings is not None:
-        updates, metrics = privatize(
-            updates,
-            current,
-            list(strategy.reply_shapes()),
-            settings,
-            sent=strategy.instructed,
-            population=strategy.nodes_sampled_from,
-            server_round=server_round,
-            ledger=strategy.client_dp_ledger,
-        )
-    spent = largest_spent(updates)
-    if spent is not None:
-        metrics[DP_EPSILON] = spent
-    return updates, metrics
 
 
 def largest_spent(updates: Sequence[ClientUpdate]) -> float | None:

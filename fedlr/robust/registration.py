@@ -102,6 +102,11 @@ RecordFactors = Callable[
 ]
 """A rule on one extra record: the factor ``g_i`` (1: untouched) by which each
 update's record is moved towards its reference, and why."""
+FollowedRecords = Callable[
+    [list["ClientUpdate"], str, "RobustConfig"], tuple[list["ClientUpdate"], list[str]]
+]
+"""A rule on a record that has followed its arrays: (the kept updates, the
+record's name, the config) -> (the updates, a reason per record moved)."""
 
 
 def _no_settings(config: RobustConfig) -> dict[str, Any]:
@@ -129,6 +134,11 @@ class RobustRule:
     records : callable, optional
         How it bounds each extra record in the record's own space
         (:data:`RecordFactors`; :func:`gram_records`). ``None``: untouched.
+    followed_records : callable, optional
+        How it bounds a record that follows its arrays (a reply step's
+        ``clips_record``: SCAFFOLD-LoRA's control delta) once the record has
+        followed them (:data:`FollowedRecords`; ``norm-clip`` clips it by its
+        own norm). ``None``: such a record is bounded by ``records`` alone.
     options : Options class, optional
         The rule's own run-config keys (:func:`~fedlr.options.option`);
         the rule reads them as ``options.of(config.options)``, and they are
@@ -147,6 +157,7 @@ class RobustRule:
     startup: Callable[[RobustConfig], str]
     apply: Apply | None = None
     records: RecordFactors | None = None
+    followed_records: FollowedRecords | None = None
     options: type[Options] = NoOptions
     settings: Callable[[RobustConfig], dict[str, Any]] = _no_settings
     clipping: bool = False
@@ -355,11 +366,12 @@ def gram_rule(choose: Choose) -> Apply:
 
 
 def gram_records(
-    choose: Callable[[torch.Tensor, RobustConfig], tuple[list[float], list[str]]],
+    choose: Callable[[torch.Tensor, RobustConfig], tuple[list[float], str]],
 ) -> RecordFactors:
     """A rule on a record that chooses its factors from the record's Gram
-    matrix; a round of fewer than two records, or whose Gram matrix is not
-    finite (the screen drops non-finite records), is left as it is."""
+    matrix, and why it moves a record (one reason for all); a round of fewer
+    than two records, or whose Gram matrix is not finite (the screen drops
+    non-finite records), is left as it is."""
 
     def factors(
         updates: list[ClientUpdate], record: RecordSpace, config: RobustConfig
@@ -370,7 +382,8 @@ def gram_records(
         gram = record.gram(updates)
         if not bool(torch.isfinite(gram).all()):
             return [1.0] * k, [""] * k
-        return choose(gram, config)
+        factors, why = choose(gram, config)
+        return factors, [why] * k
 
     return factors
 
@@ -400,12 +413,9 @@ def selected_records(
     """A selection rule on a record: a record the rule does not select (on
     the record's own Gram matrix) is set to its reference."""
 
-    def choose(
-        gram: torch.Tensor, config: RobustConfig
-    ) -> tuple[list[float], list[str]]:
+    def choose(gram: torch.Tensor, config: RobustConfig) -> tuple[list[float], str]:
         chosen = set(select(gram, config))
-        k = len(gram)
-        return [1.0 if i in chosen else 0.0 for i in range(k)], [why] * k
+        return [1.0 if i in chosen else 0.0 for i in range(len(gram))], why
 
     return gram_records(choose)
 

@@ -23,10 +23,9 @@ import torch
 from flwr.supercore import log
 
 from fedlr.errors import ReplyValidationError, ServerUpdateError
-from fedlr.privacy.client_dp import protect
+from fedlr.privacy.client_dp import DP_EPSILON, largest_spent, privatize
 from fedlr.robust.heldout import HeldOutCheck, leave_one_out
-from fedlr.robust.rules import RobustConfig, robust_aggregate
-from fedlr.robust.screen import record_norm
+from fedlr.robust.rules import RobustConfig, robust_aggregate, rule_named
 from fedlr.robust.server_update import SERVER_NODE, ServerUpdate, server_weight
 from fedlr.robust.spaces import UpdateSpace
 from fedlr.round.contract import RoundStrategy
@@ -45,7 +44,6 @@ __all__ = [
     "ProtectionStep",
     "RobustStep",
     "ServerUpdateStep",
-    "clip_record",
     "own_update",
     "protection_steps",
 ]
@@ -94,8 +92,11 @@ class RobustStep:
     """The robust rule, in the space of the strategy's reply step.
 
     The kept updates' extra records follow their arrays
-    (:meth:`~fedlr.round.replies.Replies.clip_extras`); the reasons are logged
-    and kept in :attr:`Protected.robust`. With ``clip-reference =
+    (:meth:`~fedlr.round.replies.Replies.clip_extras`), then the rule bounds
+    each record that follows its arrays
+    (:meth:`~fedlr.round.replies.Replies.clips_record`) as it declares
+    (:attr:`~fedlr.robust.registration.RobustRule.followed_records`); the
+    reasons are logged and kept in :attr:`Protected.robust`. With ``clip-reference =
     "server"`` the round's bound is ``clip-ratio`` times the norm of the
     server's own update (:func:`own_update`) in that space.
     """
@@ -113,6 +114,14 @@ class RobustStep:
         if config.clip_reference == "server" and config.clip_norm == 0:
             config = self.server_bound(server_round, space, config)
         outcome = robust_aggregate(updates, space, config)
+        kept_nodes = {u.node_id for u in outcome.updates}
+        left_out = [u for u in updates if u.node_id not in kept_nodes]
+        kept = [self.replies.clip_extras(u) for u in outcome.updates]
+        followed = rule_named(self.config.rule).followed_records
+        for name in self.replies.records():
+            if followed is not None and self.replies.clips_record(name):
+                kept, more = followed(kept, name, self.config)
+                outcome.reasons.extend(more)
         # At the server's norm (robust = auto) a clip is the normal case, not
         # a sign of attack: counted in robust-clipped, its detail at DEBUG.
         level = DEBUG if self.config.clip_reference == "server" else WARNING
@@ -124,21 +133,6 @@ class RobustStep:
                 self.config.rule,
                 reason,
             )
-        kept_nodes = {u.node_id for u in outcome.updates}
-        left_out = [u for u in updates if u.node_id not in kept_nodes]
-        kept = [self.replies.clip_extras(u) for u in outcome.updates]
-        if self.config.rule == "norm-clip":
-            for name in self.replies.records():
-                if self.replies.clips_record(name):
-                    kept, more = clip_record(kept, name, self.config.clip_ratio)
-                    for reason in more:
-                        log(
-                            WARNING,
-                            "round %d: robust (norm-clip): %s",
-                            server_round,
-                            reason,
-                        )
-                    outcome.reasons.extend(more)
         return replace(
             done,
             updates=kept,
@@ -171,42 +165,6 @@ class RobustStep:
                 server_round, f"its norm in the method's space is {norm}{why}"
             )
         return replace(config, clip_reference="median")
-
-
-def clip_record(
-    updates: list[ClientUpdate], name: str, ratio: float
-) -> tuple[list[ClientUpdate], list[str]]:
-    """Each update's record ``name`` clipped at ``ratio`` times the round's
-    median norm of that record (the norm-clip rule applied to a record that
-    is an update, :meth:`~fedlr.round.replies.Replies.clips_record`); the factor
-    applied is kept in :attr:`ClientUpdate.record_factors`.
-    """
-    norms = [record_norm(u.extras[name]) for u in updates]
-    if not norms:
-        return updates, []
-    bound = ratio * float(torch.tensor(norms, dtype=torch.float64).median())
-    out: list[ClientUpdate] = []
-    reasons: list[str] = []
-    for update, norm in zip(updates, norms, strict=True):
-        if norm <= bound * (1 + 1e-9) or norm == 0:
-            out.append(update)
-            continue
-        g = bound / norm
-        record = {
-            k: (v.double() * g).to(v.dtype) for k, v in update.extras[name].items()
-        }
-        out.append(
-            replace(
-                update,
-                extras={**update.extras, name: record},
-                record_factors={**update.record_factors, name: g},
-            )
-        )
-        reasons.append(
-            f"node {update.node_id}: record '{name}' norm {norm:.4g} clipped to "
-            f"{bound:.4g} ({ratio:g} x the round's median of that record)"
-        )
-    return out, reasons
 
 
 @dataclass
@@ -414,18 +372,44 @@ class ServerUpdateStep:
 class ClientDpStep:
     """Client-level DP (when on) and DP-SGD's largest client epsilon.
 
-    :func:`fedlr.privacy.client_dp.protect`: reads the strategy's ``privacy``,
-    ``reply_shapes()``, ``instructed`` (``m``), ``nodes_sampled_from`` and
-    ``client_dp_ledger``.
+    :func:`fedlr.privacy.client_dp.privatize` of the strategy's ``privacy``
+    on the arrays of its ``reply_shapes()``, ``m`` the round's instructed
+    nodes and ``N`` its population (:class:`~fedlr.round.value.Round`), the
+    release recorded in its ``client_dp_ledger``; then the largest
+    ``dp-epsilon-spent`` the replies report (``dp-epsilon``).
     """
 
     strategy: RoundStrategy
+    sent: Round
 
     def __call__(
         self, server_round: int, done: Protected, current: Mapping[str, torch.Tensor]
     ) -> Protected:
-        updates, metrics = protect(self.strategy, server_round, done.updates, current)
-        return replace(done, updates=updates, metrics={**done.metrics, **metrics})
+        updates, metrics = done.updates, dict(done.metrics)
+        settings, ledger = (
+            self.strategy.privacy.client_dp,
+            self.strategy.client_dp_ledger,
+        )
+        if settings is not None:
+            if ledger is None:
+                raise RuntimeError(
+                    "client-level DP is on but the strategy has no ledger"
+                )
+            updates, privacy = privatize(
+                updates,
+                current,
+                list(self.strategy.reply_shapes()),
+                settings,
+                sent=self.sent.instructed,
+                population=self.sent.population,
+                server_round=server_round,
+                ledger=ledger,
+            )
+            metrics.update(privacy)
+        spent = largest_spent(updates)
+        if spent is not None:
+            metrics[DP_EPSILON] = spent
+        return replace(done, updates=updates, metrics=metrics)
 
 
 def protection_steps(strategy: RoundStrategy, sent: Round) -> list[ProtectionStep]:
@@ -445,5 +429,5 @@ def protection_steps(strategy: RoundStrategy, sent: Round) -> list[ProtectionSte
         steps.append(HeldOutStep(strategy.heldout_check, strategy))
     if server is not None and own is not None:
         steps.append(ServerUpdateStep(server, own))
-    steps.append(ClientDpStep(strategy))
+    steps.append(ClientDpStep(strategy, sent))
     return steps

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from fedlr.errors import ConfigError, ReplyValidationError
+from fedlr.robust.builtin_rules.norm_clip import clip_record
 from fedlr.robust.rules import RobustConfig, robust_aggregate
 from fedlr.robust.screen import record_norm, screen_record_sizes
 from fedlr.robust.spaces import ParameterSpace
-from fedlr.round.protect import clip_record
 from fedlr.round.replies import conform_dtypes
 from fedlr.wire.updates import ClientUpdate
 

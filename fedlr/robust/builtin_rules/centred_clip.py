@@ -68,12 +68,10 @@ def _choose(
     return RuleResult(kept, alpha * total, reasons, clipped=len(reasons))
 
 
-def _records(gram: torch.Tensor, config: RobustConfig) -> tuple[list[float], list[str]]:
+def _records(gram: torch.Tensor, config: RobustConfig) -> tuple[list[float], str]:
     ones = [1.0] * len(gram)
     _, tau, clip = centred_clip_weights(gram, ones, ratio=config.clip_ratio)
-    return [float(c) for c in clip], [f"farther than {tau:.4g} from the centre"] * len(
-        gram
-    )
+    return [float(c) for c in clip], f"farther than {tau:.4g} from the centre"
 
 
 def _startup(config: RobustConfig) -> str:

@@ -70,11 +70,11 @@ def _choose(
     )
 
 
-def _records(gram: torch.Tensor, config: RobustConfig) -> tuple[list[float], list[str]]:
+def _records(gram: torch.Tensor, config: RobustConfig) -> tuple[list[float], str]:
     k = len(gram)
     alpha = geometric_median_weights(gram, [1.0] * k)
     factors = [float(k * a) if float(k * a) < 0.5 else 1.0 for a in alpha]
-    return factors, ["far from the record's geometric median"] * k
+    return factors, "far from the record's geometric median"
 
 
 register_rule(

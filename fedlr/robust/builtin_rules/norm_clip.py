@@ -6,7 +6,8 @@ The bound is ``clip-norm``, or with ``clip-norm = 0`` ``clip-ratio`` times
 the round's median update norm (``clip-reference = "server"``: the norm of
 the server's own update). Each extra record that the method lets the rule
 clip (``by_norm_clip``) is clipped at ``clip-ratio`` times the round's median
-norm of that record.
+norm of that record; a record that follows its arrays (SCAFFOLD-LoRA's control
+delta) is clipped so after it followed them (:func:`clip_record`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fedlr.robust.registration import RobustConfig, RuleResult, register_rule
+from fedlr.robust.screen import record_norm
 from fedlr.robust.spaces import RecordSpace, UpdateSpace
 
 if TYPE_CHECKING:
@@ -120,6 +122,42 @@ def _records(
     return factors, [f"norm {n:.4g} above {tau:.4g}" for n in norms]
 
 
+def clip_record(
+    updates: list[ClientUpdate], name: str, ratio: float
+) -> tuple[list[ClientUpdate], list[str]]:
+    """Each update's record ``name`` clipped at ``ratio`` times the round's
+    median norm of that record (a record that is an update and has followed
+    its clipped arrays, :meth:`~fedlr.round.replies.Replies.clips_record`); the
+    factor applied is kept in :attr:`ClientUpdate.record_factors`.
+    """
+    norms = [record_norm(u.extras[name]) for u in updates]
+    if not norms:
+        return updates, []
+    bound = ratio * float(torch.tensor(norms, dtype=torch.float64).median())
+    out: list[ClientUpdate] = []
+    reasons: list[str] = []
+    for update, norm in zip(updates, norms, strict=True):
+        if norm <= bound * (1 + 1e-9) or norm == 0:
+            out.append(update)
+            continue
+        g = bound / norm
+        record = {
+            k: (v.double() * g).to(v.dtype) for k, v in update.extras[name].items()
+        }
+        out.append(
+            replace(
+                update,
+                extras={**update.extras, name: record},
+                record_factors={**update.record_factors, name: g},
+            )
+        )
+        reasons.append(
+            f"node {update.node_id}: record '{name}' norm {norm:.4g} clipped to "
+            f"{bound:.4g} ({ratio:g} x the round's median of that record)"
+        )
+    return out, reasons
+
+
 register_rule(
     "norm-clip",
     summary="a client whose update norm exceeds `clip-norm` (0: the round's "
@@ -130,6 +168,9 @@ register_rule(
     startup=_startup,
     apply=_apply,
     records=_records,
+    followed_records=lambda updates, name, config: clip_record(
+        updates, name, config.clip_ratio
+    ),
     settings=_settings,
     clipping=True,
 )

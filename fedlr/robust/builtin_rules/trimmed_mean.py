@@ -59,12 +59,10 @@ def _choose(
     )
 
 
-def _records(gram: torch.Tensor, config: RobustConfig) -> tuple[list[float], list[str]]:
+def _records(gram: torch.Tensor, config: RobustConfig) -> tuple[list[float], str]:
     trimmed, n_trim, _ = _farthest(gram, config.trim_fraction)
     factors = [0.0 if i in trimmed else 1.0 for i in range(len(gram))]
-    return factors, [f"among the {n_trim} farthest from the record's median"] * len(
-        gram
-    )
+    return factors, f"among the {n_trim} farthest from the record's median"
 
 
 def _settings(config: RobustConfig) -> dict[str, Any]:
