@@ -75,7 +75,6 @@ __all__ = [
     "check_secure",
     "client_mu",
     "clip_update",
-    "error_vs_central",
     "noise_generator",
     "publish",
     "sensitivities",
@@ -218,24 +217,6 @@ def skellam_epsilon(
         + math.log(1.0 / delta) / (a - 1)
         for a in ORDERS
     )
-
-
-def error_vs_central(
-    noise_multiplier: float,
-    clip: float,
-    step: float,
-    survivors: int,
-    threshold: int,
-    sent: int,
-) -> dict[str, float]:
-    """Per-entry std of the published mean's noise, distributed against central
-    DP at the same ``z`` and ``C``, and the rounding's added bound."""
-    central = noise_multiplier * clip / sent
-    return {
-        "central-std": central,
-        "distributed-std": central * math.sqrt(survivors / threshold),
-        "rounding-bound": survivors * step / sent,
-    }
 
 
 def publish(

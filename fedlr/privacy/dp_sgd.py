@@ -430,15 +430,12 @@ class PrivateLoop:
         rounds = self.lifetime or self.history
         return epsilon(rounds, self.delta, self.settings.accountant)
 
-    def spent_this_run(self) -> float:
-        """The ``epsilon`` of this run's rounds alone (``context.state``)."""
-        return epsilon(self.history, self.delta, self.settings.accountant)
-
     def metrics(self) -> dict[str, float]:
         """The reply's DP-SGD metrics (:attr:`DpSgd.metrics`), after the loop."""
         return {
             DP_EPSILON_SPENT: self.spent(),
-            DP_EPSILON_RUN: self.spent_this_run(),
+            # this run's rounds alone (context.state)
+            DP_EPSILON_RUN: epsilon(self.history, self.delta, self.settings.accountant),
             DP_NOISE_MULTIPLIER: float(self.sigma),
             DP_DELTA: float(self.delta),
             DP_SAMPLE_RATE: float(self.sample_rate),

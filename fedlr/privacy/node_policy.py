@@ -47,10 +47,10 @@ from __future__ import annotations
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import Field, dataclass
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, NoReturn, Self
 
 from fedlr.errors import ConfigError, NodeConfigError, NodePolicyError, did_you_mean
 from fedlr.options import Options, coerce, option
@@ -346,12 +346,7 @@ def check_node_config(values: Mapping[str, Any], where: str = "node config") -> 
     """
     for key in sorted(values):
         if key not in NODE_CONFIG_KEYS:
-            hint = did_you_mean(key, NODE_CONFIG_KEYS)
-            raise NodeConfigError(
-                key,
-                f"unknown key in the {where}; {hint or 'no key is close; '}the "
-                "node-config keys are listed in docs/privacy.md",
-            )
+            _refuse_unknown(key, NODE_CONFIG_KEYS, where)
     NodeSettings.from_mapping(values)
     NodePolicy.from_mapping(values)
 
@@ -450,16 +445,21 @@ def _check_file_keys(values: Mapping[str, Any], where: str) -> None:
                 "(flower-supernode --node-config, run_in_process's node_config)",
             )
         if key not in NODE_POLICY_KEYS:
-            hint = did_you_mean(key, NODE_POLICY_KEYS)
-            raise NodeConfigError(
-                key,
-                f"unknown key in the {where}; {hint or 'no key is close; '}the "
-                "node-config keys are listed in docs/privacy.md",
-            )
+            _refuse_unknown(key, NODE_POLICY_KEYS, where)
     try:
         NodePolicy.from_mapping(values)
     except NodeConfigError as exc:
         raise NodeConfigError(exc.key, f"{exc.reason} (in the {where})") from None
+
+
+def _refuse_unknown(key: str, known: Iterable[str], where: str) -> NoReturn:
+    """Refuse ``key``, naming the closest of the ``known`` keys."""
+    hint = did_you_mean(key, known)
+    raise NodeConfigError(
+        key,
+        f"unknown key in the {where}; {hint or 'no key is close; '}the "
+        "node-config keys are listed in docs/privacy.md",
+    )
 
 
 def _typed(key: str, value: Any, f: Field[Any]) -> Any:

@@ -324,35 +324,22 @@ class AggregateCheck:
         ``new`` and ``current`` map names to arrays or tensors (anything
         ``np.asarray`` reads). On ``None`` the round's norm is recorded.
         """
+        self.last_ratio = math.nan
         if self.pending is not None:
             reason, self.pending = self.pending, None
-            self.last_ratio = math.nan
             return reason
-        change = math.sqrt(
-            sum(
-                float(np.sum((_f64(new[k]) - _f64(current[k])) ** 2))
-                for k in new
-                if k in current
-            )
-        )
-        self.last_ratio = math.nan
+        change = _norm(_f64(new[k]) - _f64(current[k]) for k in new if k in current)
         if self.history:
             reference = float(np.median(self.history[-CHECK_WINDOW:]))
-            limit, what = (
-                self.ratio,
-                (
-                    f"the median {reference:.4g} of the last "
-                    f"{min(len(self.history), CHECK_WINDOW)} accepted rounds' "
-                    "update norms"
-                ),
+            limit, option = self.ratio, "secagg-check-ratio"
+            what = (
+                f"the median {reference:.4g} of the last "
+                f"{min(len(self.history), CHECK_WINDOW)} accepted rounds' update norms"
             )
-            option = "secagg-check-ratio"
         else:
-            reference = math.sqrt(
-                sum(float(np.sum(_f64(a) ** 2)) for a in current.values())
-            )
-            limit, what = self.first_ratio, f"the current global norm {reference:.4g}"
-            option = "secagg-check-first-ratio"
+            reference = _norm(current.values())
+            limit, option = self.first_ratio, "secagg-check-first-ratio"
+            what = f"the current global norm {reference:.4g}"
         if limit > 0 and reference > 0:
             self.last_ratio = change / reference
             if not change <= limit * reference:  # NaN fails too
@@ -373,6 +360,11 @@ def _f64(value: object) -> NDArray[np.float64]:
     if detach is not None:
         value = detach().cpu().double().numpy()
     return np.asarray(value, dtype=np.float64)
+
+
+def _norm(arrays: Iterable[object]) -> float:
+    """The Frobenius norm of the arrays (or CPU tensors) together, in float64."""
+    return math.sqrt(sum(float(np.sum(_f64(a) ** 2)) for a in arrays))
 
 
 def clip_update(
@@ -401,9 +393,9 @@ def clip_update(
         If the update is not finite: the node does not mask it.
     """
     shared = [k for k in sorted(arrays) if k in received]
-    base = math.sqrt(sum(float(np.sum(_f64(received[k]) ** 2)) for k in shared))
+    base = _norm(received[k] for k in shared)
     update = {k: _f64(arrays[k]) - _f64(received[k]) for k in shared}
-    norm = math.sqrt(sum(float(np.sum(u**2)) for u in update.values()))
+    norm = _norm(update.values())
     if not math.isfinite(norm):
         raise ProtocolError(
             "the update is not finite: the node does not mask it (a faulty "

@@ -52,6 +52,13 @@ def _finite_at_least_zero(value: float, key: str) -> None:
         raise ConfigError(key, f"must be finite and >= 0, got {value}")
 
 
+def _accountant(value: str) -> None:
+    if value not in ACCOUNTANTS:
+        raise ConfigError(
+            "dp-accountant", f"must be one of {list(ACCOUNTANTS)}, got {value!r}"
+        )
+
+
 def _delta(value: float, key: str) -> None:
     if not (math.isfinite(value) and 0.0 <= value < 1.0):
         raise ConfigError(
@@ -104,11 +111,7 @@ class DpSgdSettings:
         ):
             _finite_at_least_zero(value, key)
         _delta(self.delta, "dp-delta")
-        if self.accountant not in ACCOUNTANTS:
-            raise ConfigError(
-                "dp-accountant",
-                f"must be one of {list(ACCOUNTANTS)}, got {self.accountant!r}",
-            )
+        _accountant(self.accountant)
         if self.max_grad_norm <= 0:
             raise ConfigError(
                 "dp-max-grad-norm", f"must be > 0 for DP-SGD, got {self.max_grad_norm}"
@@ -236,11 +239,7 @@ class PrivacyConfig:
             _finite_at_least_zero(value, key)
         _delta(dp_delta, "dp-delta")
         _delta(client_dp_delta, "client-dp-delta")
-        if dp_accountant not in ACCOUNTANTS:
-            raise ConfigError(
-                "dp-accountant",
-                f"must be one of {list(ACCOUNTANTS)}, got {dp_accountant!r}",
-            )
+        _accountant(dp_accountant)
         dp_sgd = None
         if dp_max_grad_norm > 0:
             dp_sgd = DpSgdSettings(
