@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import sys
 import time
 import tomllib
@@ -50,7 +49,7 @@ from fedlr.flower.output import is_noise
 from fedlr.flower.superlink import FlwrRunError
 from fedlr.launch.flwr_run import RunInterrupted, cli_logging, flwr_run
 from fedlr.launch.local import run_in_process
-from fedlr.launch.run_config import check_run_config
+from fedlr.launch.run_config import check_run_config, parse_run_config, unparsed_text
 from fedlr.privacy.node_policy import STATE_DIR_ENV
 from fedlr.runs.table import to_markdown, write_table
 from fedlr.strategies.registry import resolve
@@ -111,11 +110,9 @@ def read_conf(path: Path | str) -> dict[str, Any]:
     return values
 
 
-_PAIR = re.compile(r'([A-Za-z0-9_.-]+)=("(?:[^"\\]|\\.)*"|\S+)')
-
-
 def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
-    """Run-config overrides from ``--set`` arguments, parsed as ``flwr run`` does.
+    """Run-config overrides from ``--set`` arguments, parsed as ``flwr run`` does
+    (:func:`~fedlr.launch.run_config.parse_run_config`).
 
     Each item holds one or more ``key=value`` pairs separated by spaces, values in
     TOML (``'lora-rank=4 partitioner="iid"'``).
@@ -127,23 +124,14 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
     """
     out: dict[str, Any] = {}
     for item in items:
-        rest = item.strip()
-        while rest:
-            match = _PAIR.match(rest)
-            if match is None:
-                raise ConfigError(
-                    "--set",
-                    f"{rest!r} is not key=value (e.g. 'lora-rank=4 "
-                    'partitioner="iid"\', strings in double quotes)',
-                )
-            key, raw = match.group(1), match.group(2)
-            try:
-                out[key] = tomllib.loads(f"v = {raw}")["v"]
-            except tomllib.TOMLDecodeError as exc:
-                raise ConfigError(
-                    key, f"{raw!r} is not a TOML value (strings need double quotes)"
-                ) from exc
-            rest = rest[match.end() :].lstrip()
+        rest = unparsed_text(item)
+        if rest:
+            raise ConfigError(
+                "--set",
+                f"{rest!r} is not key=value (e.g. 'lora-rank=4 "
+                'partitioner="iid"\', strings in double quotes)',
+            )
+        out.update(parse_run_config(item))
     return out
 
 

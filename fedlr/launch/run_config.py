@@ -40,6 +40,7 @@ __all__ = [
     "is_fedlr_app",
     "node_policies",
     "parse_run_config",
+    "unparsed_text",
 ]
 
 
@@ -126,6 +127,12 @@ _QUOTES = "'\""
 
 #: One ``key=value`` pair of ``--run-config``, as Flower's parser splits them.
 _PAIR = re.compile(r"(\S+?)=(\'[^\']*\'|\"[^\"]*\"|\S+)")
+
+
+def unparsed_text(text: str) -> str:
+    """What of ``--run-config`` text is no ``key=value`` pair (Flower's parser
+    skips it without a word)."""
+    return _PAIR.sub(" ", text).strip()
 
 
 def _unparsable_pair(text: str) -> tuple[str, str] | None:
@@ -385,16 +392,12 @@ def check_consent(method: MethodConfig, policies: Mapping[int, NodePolicy]) -> N
         return
     refused = [pid for pid, p in policies.items() if not p.dp_allow_reproducible_noise]
     if refused:
-        _refuse(
-            {
-                (
-                    "reproducible-noise",
-                    "asks the nodes for noise drawn from the run seed, but {nodes} "
-                    "did not consent: set dp-allow-reproducible-noise = true in "
-                    "their own settings (the nodes' file, --node-config-file); "
-                    "fedlr never sets it for them",
-                ): refused
-            }
+        raise ConfigError(
+            "reproducible-noise",
+            f"asks the nodes for noise drawn from the run seed, but "
+            f"{_nodes(sorted(refused))} did not consent: set "
+            "dp-allow-reproducible-noise = true in their own settings (the "
+            "nodes' file, --node-config-file); fedlr never sets it for them",
         )
 
 

@@ -73,10 +73,9 @@ from fedlr.strategies.async_lora import (
     staleness_weight,
     with_staleness,
 )
-from fedlr.strategies.base import FedLRStrategy
 from fedlr.wire.protocol import SERVER_ROUND
 
-__all__ = ["UPDATE_COLUMNS", "AsyncEngine", "is_asynchronous", "run_async"]
+__all__ = ["UPDATE_COLUMNS", "AsyncEngine", "run_async"]
 
 UPDATE_COLUMNS = (
     "event",
@@ -94,11 +93,6 @@ UPDATE_COLUMNS = (
 ``applied`` or ``dropped``)."""
 
 _POLL_SECONDS = 0.5
-
-
-def is_asynchronous(strategy: FedLRStrategy) -> bool:
-    """Whether fedlr's ServerApp runs ``strategy`` with :func:`run_async`."""
-    return isinstance(strategy, AsyncLoraStrategy)
 
 
 def node_speeds(

@@ -53,8 +53,7 @@ COLUMNS = ("task", "task-accuracy", "acc", "fgt", "basis-dims", "projected-share
 def gpse_plan(method: MethodConfig) -> ServerPlan:
     """Stream, seeded vision model, continual strategy, per-task evaluation."""
     config = method.run
-    check_strategy(method.spec, FedAvgContinual)
-    strategy_cls: type[FedAvgContinual] = method.spec.strategy  # type: ignore[assignment]
+    strategy_cls = check_strategy(method.spec, FedAvgContinual)
     options = ContinualOptions.of(method.options)
     rounds = options.num_tasks * options.rounds_per_task
     if config.num_server_rounds != rounds:

@@ -73,7 +73,7 @@ def lora_plan(method: MethodConfig) -> ServerPlan:
     """
     config, spec = method.run, method.spec
     traits = spec.traits
-    check_strategy(spec, LoraStrategy)
+    check_strategy(spec, LoraStrategy)  # type: ignore[type-abstract]
     strategy_cls = cast(
         "type[LoraStrategy]", spec.strategy_for(client_ranks=bool(config.rank_list))
     )

@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -56,6 +56,7 @@ __all__ = [
     "register_plan",
 ]
 
+_S = TypeVar("_S", bound=FedLRStrategy)
 EvaluateFn = Callable[[int, Mapping[str, torch.Tensor]], dict[str, float]]
 FinishFn = Callable[[Path], dict[str, Any]]
 
@@ -110,8 +111,8 @@ class ServerPlan:
     needs_evaluation: Callable[[int], bool] | None = None
 
 
-def check_strategy(spec: MethodSpec, base: type) -> None:
-    """Raise ``TypeError`` unless the method's strategy is a ``base``.
+def check_strategy(spec: MethodSpec, base: type[_S]) -> type[_S]:
+    """The method's strategy class, which must be a ``base`` (else ``TypeError``).
 
     A payload kind's plan serves strategies of one family; a method registered
     with the wrong payload kind fails here, at start-up, naming both.
@@ -121,6 +122,7 @@ def check_strategy(spec: MethodSpec, base: type) -> None:
             f"method '{spec.name}' has payload kind '{spec.payload.name}' but its "
             f"strategy {spec.strategy.__qualname__} is not a {base.__name__}"
         )
+    return spec.strategy
 
 
 def base_train_config(config: RunConfig, lr: float | None = None) -> dict[str, Any]:

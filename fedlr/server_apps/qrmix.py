@@ -69,8 +69,7 @@ def load_warmup_checkpoint(
 def qrmix_plan(method: MethodConfig) -> ServerPlan:
     """Seeded vision model, its strategy and held-out evaluation."""
     config = method.run
-    check_strategy(method.spec, VisionFedAvg)
-    strategy_cls: type[VisionFedAvg] = method.spec.strategy  # type: ignore[assignment]
+    strategy_cls = check_strategy(method.spec, VisionFedAvg)
     task = ImageTask(config)
     model = task.build_model()
     shapes = model.parameter_shapes()

@@ -61,7 +61,7 @@ from fedlr.runs.export import export_adapter
 from fedlr.runs.plots import write_run_plots
 from fedlr.runs.results import ResultsWriter, ensure_output_dir, privacy_summary
 from fedlr.runs.tracking import code_version, open_tracker
-from fedlr.server_apps.asynchronous import is_asynchronous, run_async
+from fedlr.server_apps.asynchronous import run_async
 from fedlr.server_apps.builtin_plans import build_plan
 from fedlr.server_apps.plans import ServerPlan
 from fedlr.server_apps.progress import RoundClock, gap_text, round_progress
@@ -70,6 +70,7 @@ from fedlr.server_apps.secagg import (
     SecAggPlusExchange,
     secure_exchange,
 )
+from fedlr.strategies.async_lora import AsyncLoraStrategy
 from fedlr.strategies.base import FedLRStrategy
 from fedlr.strategies.registry import MethodConfig, resolve
 from fedlr.wire.protocol import EXACT_MATCH
@@ -315,7 +316,7 @@ def run_server(
     run = ServerRun.prepare(grid, context)
     if observe is not None:
         observe(run.strategy)
-    if is_asynchronous(run.strategy):  # FedAsync-LoRA, FedBuff-LoRA
+    if isinstance(run.strategy, AsyncLoraStrategy):  # FedAsync-, FedBuff-LoRA
         return run_async(run, grid)
     arrays, first = run.start()
     config, strategy = run.config, run.strategy

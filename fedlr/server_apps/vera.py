@@ -78,8 +78,7 @@ def _plan(
 @register_plan("vera")
 def vera_plan(method: MethodConfig) -> ServerPlan:
     """Seeded VeRA classifier, its strategy and held-out evaluation."""
-    check_strategy(method.spec, VeraStrategy)
-    strategy_cls: type[VeraStrategy] = method.spec.strategy  # type: ignore[assignment]
+    strategy_cls = check_strategy(method.spec, VeraStrategy)
     options = VeraOptions.of(method.options)
     vm = build_vera_text_model(method.run, options)
     strategy = strategy_cls.from_run_config(method.run, vm, options)
@@ -90,8 +89,7 @@ def vera_plan(method: MethodConfig) -> ServerPlan:
 @register_plan("sorf-vera")
 def sorf_vera_plan(method: MethodConfig) -> ServerPlan:
     """Seeded SORF-VeRA classifier, its strategy and held-out evaluation."""
-    check_strategy(method.spec, SorfVeRA)
-    strategy_cls: type[SorfVeRA] = method.spec.strategy  # type: ignore[assignment]
+    strategy_cls = check_strategy(method.spec, SorfVeRA)
     options = SorfVeraOptions.of(method.options)
     vm = build_sorf_vera_text_model(method.run, options)
     strategy = strategy_cls.from_run_config(method.run, vm, options)
