@@ -53,6 +53,8 @@ __all__ = [
     "option",
     "redeclare",
     "require",
+    "require_finite",
+    "require_nonnegative",
     "require_positive",
 ]
 
@@ -317,6 +319,20 @@ def require_positive(options: Options, *names: str, finite: bool = False) -> Non
             )
         else:
             require(value >= 1, kebab(name), f"must be >= 1, got {value}")
+
+
+def require_nonnegative(options: Options, *names: str) -> None:
+    """Every named field is >= 0."""
+    for name in names:
+        value = getattr(options, name)
+        require(value >= 0, kebab(name), f"must be >= 0, got {value}")
+
+
+def require_finite(options: Options, *names: str) -> None:
+    """Every named field is a finite number."""
+    for name in names:
+        value = getattr(options, name)
+        require(math.isfinite(value), kebab(name), f"must be finite, got {value}")
 
 
 def coerce(key: str, raw: Any, annotation: Any) -> Any:

@@ -42,11 +42,11 @@ __all__ = [
     "FEATURES",
     "KEYS",
     "METHOD_PRIVACY",
-    "cell",
     "generated",
     "render_features",
     "render_keys",
     "render_method_privacy",
+    "row",
     "splice",
 ]
 
@@ -58,10 +58,15 @@ END = "<!-- end generated -->"
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def cell(text: str) -> str:
+def _cell(text: str) -> str:
     if "|" in text or "\n" in text:
         raise ValueError(f"a table cell cannot hold '|' or a newline: {text!r}")
     return text
+
+
+def row(*cells: str) -> str:
+    """A Markdown table row of ``cells`` (each checked by :func:`_cell`)."""
+    return "| " + " | ".join(_cell(c) for c in cells) + " |"
 
 
 def _do_not_edit(what: str) -> list[str]:
@@ -96,7 +101,7 @@ def render_keys() -> str:
         "|---|---|---|",
     ]
     lines += [
-        f"| `{b.key}` | {cell(b.describe())} | the common round |" for b in BOUNDS
+        f"| `{b.key}` | {_cell(b.describe())} | the common round |" for b in BOUNDS
     ]
     for declared in declared_keys():
         feature = features.get(declared.owner)
@@ -107,9 +112,7 @@ def render_keys() -> str:
             if declared.bound is not None
             else f"checked with its settings by `{feature.__name__}`"
         )
-        lines.append(
-            f"| `{declared.key}` | {cell(accepted)} | {cell(_who(feature, users))} |"
-        )
+        lines.append(row(f"`{declared.key}`", accepted, _who(feature, users)))
     return "\n".join(lines) + "\n"
 
 
@@ -135,7 +138,7 @@ def render_features() -> str:
             _records(f.sends),
             ", ".join(f"`{m.name}`" for m in f.metrics) or "—",
         ]
-        lines.append("| " + " | ".join(cell(c) for c in cells) + " |")
+        lines.append(row(*cells))
     return "\n".join(lines) + "\n"
 
 
@@ -214,8 +217,7 @@ def render_method_privacy() -> str:
         "|---|---|---|---|---|",
     ]
     for spec in registered_methods():
-        cells = (f"`{spec.name}`", *_privacy_cells(spec))
-        lines.append("| " + " | ".join(cell(c) for c in cells) + " |")
+        lines.append(row(f"`{spec.name}`", *_privacy_cells(spec)))
     return "\n".join(lines) + "\n"
 
 

@@ -53,7 +53,7 @@ from typing import Any
 from fedlr.client_apps.payloads import PAYLOADS
 from fedlr.config.run import RunConfig
 from fedlr.configdoc import features as featuredoc
-from fedlr.configdoc.features import cell as _cell
+from fedlr.configdoc.features import row
 from fedlr.options import METHOD_DEFAULT, Options, Range
 from fedlr.robust.registration import AUTO_DEFENDS, AUTO_SUMMARY, rule_keys
 from fedlr.robust.rules import registered_rules
@@ -261,9 +261,7 @@ def render_docs() -> str:
         "|---|---|---|---|",
     ]
     for key in common_keys():
-        lines.append(
-            f"| `{key.name}` | {key.type} | {_default(key)} | {_cell(_meaning(key))} |"
-        )
+        lines.append(row(f"`{key.name}`", key.type, _default(key), _meaning(key)))
     kind = ""
     for key in method_keys():
         if key.kind != kind:
@@ -277,8 +275,7 @@ def render_docs() -> str:
             ]
         methods = ", ".join(f"`{m}`" for m in key.methods)
         lines.append(
-            f"| `{key.name}` | {key.type} | {_default(key)} | {methods} "
-            f"| {_cell(_meaning(key))} |"
+            row(f"`{key.name}`", key.type, _default(key), methods, _meaning(key))
         )
     return "\n".join(lines) + "\n"
 
@@ -294,7 +291,7 @@ def render_methods() -> str:
     ]
     for spec in registered_methods():
         page = f"docs/methods/{spec.name}.md"
-        lines.append(f"| `{spec.name}` | {_cell(spec.summary)} | [{page}]({page}) |")
+        lines.append(row(f"`{spec.name}`", spec.summary, f"[{page}]({page})"))
     return "\n".join(lines) + "\n"
 
 
@@ -311,10 +308,7 @@ def render_rules() -> str:
     ]
     for rule in registered_rules():
         page = rule.page.removeprefix("docs/")
-        lines.append(
-            f"| [`{rule.name}`]({page}) | {_cell(rule.summary)} "
-            f"| {_cell(rule.defends)} |"
-        )
+        lines.append(row(f"[`{rule.name}`]({page})", rule.summary, rule.defends))
     return "\n".join(lines) + "\n"
 
 
@@ -333,14 +327,10 @@ def render_plugin() -> str:
         contract = spec.client_contract
         if contract is None:
             continue
-        lines.append(
-            f"| `{spec.name}` | {_cell(contract.carries)} | {_cell(contract.helpers)} |"
-        )
+        lines.append(row(f"`{spec.name}`", contract.carries, contract.helpers))
         for variant in contract.variants:
-            lines.append(
-                f"| `{spec.name}` {_cell(variant.when)} | {_cell(variant.carries)} "
-                f"| {_cell(variant.helpers)} |"
-            )
+            when = f"`{spec.name}` {variant.when}"
+            lines.append(row(when, variant.carries, variant.helpers))
     return "\n".join(lines) + "\n"
 
 

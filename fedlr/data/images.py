@@ -11,14 +11,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+import pyarrow as pa
 import torch
 from numpy.typing import NDArray
 
 from fedlr.errors import ShapeMismatchError
 
-__all__ = ["NORMALISATION", "ImageData", "to_image_data"]
+if TYPE_CHECKING:
+    import datasets
+
+__all__ = ["NORMALISATION", "ImageData", "pixel_arrays", "to_image_data"]
 
 
 NORMALISATION: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
@@ -31,6 +36,25 @@ NORMALISATION: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
 
 Data sets without an entry are normalised with mean 0.5 and std 0.5.
 """
+
+
+def pixel_arrays(
+    ds: datasets.Dataset,
+) -> tuple[NDArray[np.uint8], NDArray[np.int64]]:
+    """An image data set's pixels ``(N, H, W[, 3])`` and labels, in its row order.
+
+    Read straight from the Arrow storage (milliseconds, where the ``numpy``
+    formatter takes seconds).
+    """
+    table = ds.with_format("arrow")
+    column = table["image"].combine_chunks()
+    storage = column.storage if hasattr(column, "storage") else column
+    while isinstance(storage, pa.ListArray | pa.LargeListArray | pa.FixedSizeListArray):
+        storage = storage.flatten()
+    shape = tuple(int(s) for s in ds.features["image"].shape)
+    images = np.asarray(storage.to_numpy(zero_copy_only=False), dtype=np.uint8)
+    labels = np.asarray(table["label"].to_numpy(), dtype=np.int64)
+    return images.reshape((len(ds), *shape)), labels
 
 
 @dataclass(frozen=True)

@@ -301,17 +301,16 @@ class InstructionConfig:
     weights: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
-        if not _is_int(self.num_examples) or self.num_examples < 1:
-            raise ValueError(
-                f"num_examples must be an integer >= 1, got {self.num_examples!r}"
-            )
-        if not _is_int(self.seed) or not 0 <= self.seed <= _MAX_SEED:
-            raise ValueError(
-                f"seed must be an integer in [0, 2**32), got {self.seed!r}"
-            )
-        frac = self.test_fraction
-        if not isinstance(frac, numbers.Real) or not 0 <= float(frac) < 1:
-            raise ValueError(f"test_fraction must be in [0, 1), got {frac!r}")
+        count, seed, frac = self.num_examples, self.seed, self.test_fraction
+        for name, valid, must in (
+            ("num_examples", _is_int(count) and count >= 1, "an integer >= 1"),
+            ("seed", _is_int(seed) and 0 <= seed <= _MAX_SEED,
+             "an integer in [0, 2**32)"),
+            ("test_fraction", isinstance(frac, numbers.Real) and 0 <= float(frac) < 1,
+             "in [0, 1)"),
+        ):  # fmt: skip
+            if not valid:
+                raise ValueError(f"{name} must be {must}, got {getattr(self, name)!r}")
         families = tuple(self.families)
         unknown = [f for f in families if f not in FAMILIES]
         if not families or unknown or len(set(families)) != len(families):

@@ -139,42 +139,25 @@ class PartitionConfig:
     class_assignment: str = "first-deterministic"
 
     def __post_init__(self) -> None:
-        if self.partitioner not in PARTITIONERS:
-            raise ValueError(
-                f"partitioner must be one of {', '.join(PARTITIONERS)}, "
-                f"got {self.partitioner!r}"
-            )
-        if not _is_int(self.num_partitions) or self.num_partitions < 1:
-            raise ValueError(
-                f"num_partitions must be an integer >= 1, got {self.num_partitions!r}"
-            )
-        if not _is_int(self.seed) or not 0 <= self.seed <= _MAX_SEED:
-            raise ValueError(
-                f"seed must be an integer in [0, 2**32), got {self.seed!r}"
-            )
-        if not _is_real(self.dirichlet_alpha) or self.dirichlet_alpha <= 0:
-            raise ValueError(
-                f"dirichlet_alpha must be > 0 and finite, got {self.dirichlet_alpha!r}"
-            )
-        if not _is_int(self.classes_per_partition) or self.classes_per_partition < 1:
-            raise ValueError(
-                "classes_per_partition must be an integer >= 1, "
-                f"got {self.classes_per_partition!r}"
-            )
-        if not _is_real(self.eval_fraction) or not 0 < self.eval_fraction < 1:
-            raise ValueError(
-                f"eval_fraction must be in (0, 1), got {self.eval_fraction!r}"
-            )
-        if not _is_int(self.min_partition_size) or self.min_partition_size < 0:
-            raise ValueError(
-                "min_partition_size must be an integer >= 0, "
-                f"got {self.min_partition_size!r}"
-            )
-        if self.class_assignment not in CLASS_ASSIGNMENTS:
-            raise ValueError(
-                f"class_assignment must be one of {', '.join(CLASS_ASSIGNMENTS)}, "
-                f"got {self.class_assignment!r}"
-            )
+        n, seed, alpha = self.num_partitions, self.seed, self.dirichlet_alpha
+        classes, fraction = self.classes_per_partition, self.eval_fraction
+        size = self.min_partition_size
+        for name, valid, must in (  # in field order; the first failure is raised
+            ("partitioner", self.partitioner in PARTITIONERS,
+             f"one of {', '.join(PARTITIONERS)}"),
+            ("num_partitions", _is_int(n) and n >= 1, "an integer >= 1"),
+            ("seed", _is_int(seed) and 0 <= seed <= _MAX_SEED,
+             "an integer in [0, 2**32)"),
+            ("dirichlet_alpha", _is_real(alpha) and alpha > 0, "> 0 and finite"),
+            ("classes_per_partition", _is_int(classes) and classes >= 1,
+             "an integer >= 1"),
+            ("eval_fraction", _is_real(fraction) and 0 < fraction < 1, "in (0, 1)"),
+            ("min_partition_size", _is_int(size) and size >= 0, "an integer >= 0"),
+            ("class_assignment", self.class_assignment in CLASS_ASSIGNMENTS,
+             f"one of {', '.join(CLASS_ASSIGNMENTS)}"),
+        ):  # fmt: skip
+            if not valid:
+                raise ValueError(f"{name} must be {must}, got {getattr(self, name)!r}")
 
 
 class FederatedSplit:

@@ -167,26 +167,18 @@ def _check_schema(spec: DatasetSpec, ds: datasets.Dataset) -> None:
             f"dataset '{spec.name}': label has {label.num_classes} classes, "
             f"the spec says {spec.num_classes}"
         )
-    if spec.kind == "instruct":
-        for name in ("instruction", "response"):
-            column = feats.get(name)
-            if not (isinstance(column, datasets.Value) and column.dtype == "string"):
-                raise TypeError(
-                    f"dataset '{spec.name}': column '{name}' has feature {column!r}"
-                )
-        return
-    column = feats.get(spec.kind)
-    if spec.kind == "text":
-        ok = isinstance(column, datasets.Value) and column.dtype == "string"
-    else:
-        ok = (
-            isinstance(column, datasets.Array2D | datasets.Array3D)
-            and column.dtype == "uint8"
-        )
-    if not ok:
-        raise TypeError(
-            f"dataset '{spec.name}': column '{spec.kind}' has feature {column!r}"
-        )
+    names = ("instruction", "response") if spec.kind == "instruct" else (spec.kind,)
+    for name in names:  # image: uint8 arrays; text and instructions: strings
+        column = feats.get(name)
+        if spec.kind == "image":
+            kind = isinstance(column, datasets.Array2D | datasets.Array3D)
+            ok = kind and column.dtype == "uint8"
+        else:
+            ok = isinstance(column, datasets.Value) and column.dtype == "string"
+        if not ok:
+            raise TypeError(
+                f"dataset '{spec.name}': column '{name}' has feature {column!r}"
+            )
 
 
 # ------------------------------------------------------------------ helpers
@@ -321,10 +313,6 @@ def _load_digits() -> datasets.Dataset:
     return _image_dataset(images, np.asarray(bunch.target), _DIGIT_NAMES)
 
 
-def _load_arith_instruct() -> datasets.Dataset:
-    return load_arith_instruct()
-
-
 # name, kind, classes, offline, loader, description
 for _row in (
     ("polarity", "text", 2, True, _load_polarity,
@@ -347,7 +335,7 @@ for _row in (
      functools.partial(load_cifar, "cifar100", "uoft-cs/cifar100", "fine_label"),
      "CIFAR-100 train+test, fine labels (60,000 32x32 colour; "
      "hub uoft-cs/cifar100)"),
-    ("arith-instruct", "instruct", 6, True, _load_arith_instruct,
+    ("arith-instruct", "instruct", 6, True, load_arith_instruct,
      "arithmetic word problems generated from a seed (10,000; six "
      "operation families; problem-disjoint train/test)"),
     ("alpaca", "instruct", 2, False, load_alpaca,

@@ -152,15 +152,9 @@ def _list_runs(
     env: Mapping[str, str], superlink: str | None = None, run_id: str | None = None
 ) -> list[dict[str, object]]:
     only = [] if run_id is None else ["--run-id", str(run_id)]
+    cmd = [flwr_executable(), "list", *superlink_arg(superlink), *only]
     proc = subprocess.run(
-        [
-            flwr_executable(),
-            "list",
-            *superlink_arg(superlink),
-            *only,
-            "--format",
-            "json",
-        ],
+        [*cmd, "--format", "json"],
         env=dict(env),
         capture_output=True,
         text=True,

@@ -405,17 +405,14 @@ def load_checkpoint(run_dir: Path | str) -> dict[str, Any]:
     for entry in reversed(entries):
         try:
             payload = read_checkpoint(run_dir / entry["file"], entry["sha256"])
+            if int(payload["round"]) != entry["round"]:
+                raise CheckpointError(
+                    f"{entry['file']} holds round {payload['round']}, the manifest "
+                    f"says {entry['round']}"
+                )
         except CheckpointError as exc:
             _LOG.log(WARNING, "fedlr: skipping a checkpoint: %s", exc)
             reasons.append(str(exc))
-            continue
-        if int(payload["round"]) != entry["round"]:
-            reason = (
-                f"{entry['file']} holds round {payload['round']}, the manifest says "
-                f"{entry['round']}"
-            )
-            _LOG.log(WARNING, "fedlr: skipping a checkpoint: %s", reason)
-            reasons.append(reason)
             continue
         if reasons:
             _LOG.log(

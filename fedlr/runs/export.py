@@ -293,13 +293,10 @@ def _mark_folded(out: Path, method: str, count: int) -> None:
     card = out / "README.md"
     body = card.read_text() if card.is_file() else ""
     warning = f"# Needs {BASE_WEIGHTS}\n\n{note}.\n\n"
-    if body.startswith("---"):  # keep peft's YAML front matter first
-        end = body.find("\n---", 3)
-        if end >= 0:
-            split = end + len("\n---\n")
-            body = body[:split] + "\n" + warning + body[split:]
-        else:
-            body = warning + body
+    end = body.find("\n---", 3) if body.startswith("---") else -1
+    if end >= 0:  # keep peft's YAML front matter first
+        split = end + len("\n---\n")
+        body = body[:split] + "\n" + warning + body[split:]
     else:
         body = warning + body
     card.write_text(body)

@@ -280,12 +280,7 @@ class ResultsWriter:
         self.tracker.log_metrics(numbers, step=int(row["round"]))
         if layers:
             layer_rows = [
-                {
-                    "round": row["round"],
-                    "layer": name,
-                    "frobenius-gap": gap,
-                    "relative-gap": rel,
-                }
+                dict(zip(LAYER_COLUMNS, (row["round"], name, gap, rel), strict=True))
                 for name, (gap, rel) in layers.items()
             ]
             _append_csv(layer_rows, LAYER_COLUMNS, self.layers_path)

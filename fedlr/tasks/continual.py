@@ -42,7 +42,7 @@ from fedlr.data.splits import partition_config
 from fedlr.errors import ConfigError, ShapeMismatchError
 from fedlr.linalg.fot import ResidualSketch, conv_activations, dense_activations
 from fedlr.models.vision import VisionModel, build_vision_model, vision_models
-from fedlr.options import option, require
+from fedlr.options import option, require_nonnegative, require_positive
 from fedlr.tasks.image import VisionOptions
 
 __all__ = [
@@ -87,17 +87,10 @@ class ContinualOptions(VisionOptions):
 
     def check(self) -> None:
         super().check()
-        for key, value in (
-            ("num-tasks", self.num_tasks),
-            ("rounds-per-task", self.rounds_per_task),
-            ("fot-activation-examples", self.fot_activation_examples),
-        ):
-            require(value >= 1, key, f"must be >= 1, got {value}")
-        require(
-            self.task_examples >= 0,
-            "task-examples",
-            f"must be >= 0, got {self.task_examples}",
+        require_positive(
+            self, "num_tasks", "rounds_per_task", "fot_activation_examples"
         )
+        require_nonnegative(self, "task_examples")
 
 
 def _check_rows(rows: Sequence[Sequence[float]]) -> None:

@@ -24,12 +24,18 @@ from numpy.typing import NDArray
 from fedlr.client.train import LoopControl, TrainSettings, in_batches, train_steps
 from fedlr.config.run import RunConfig
 from fedlr.data import DATASETS, dataset_info, load_dataset
-from fedlr.data.images import NORMALISATION, ImageData, to_image_data
+from fedlr.data.images import NORMALISATION, ImageData, pixel_arrays, to_image_data
 from fedlr.data.partition import FederatedSplit
 from fedlr.data.splits import dataset_split
 from fedlr.errors import ConfigError
 from fedlr.models.vision import VisionModel, build_vision_model, vision_models
-from fedlr.options import Options, option, require
+from fedlr.options import (
+    Options,
+    option,
+    require,
+    require_nonnegative,
+    require_positive,
+)
 
 __all__ = [
     "NORMALISATION",
@@ -86,12 +92,8 @@ class EigenOptions(VisionOptions):
 
     def check(self) -> None:
         super().check()
-        require(self.qrmix_k >= 1, "qrmix-k", f"must be >= 1, got {self.qrmix_k}")
-        for key, value in (
-            ("qrmix-oversample", self.qrmix_oversample),
-            ("qrmix-power-iters", self.qrmix_power_iters),
-        ):
-            require(value >= 0, key, f"must be >= 0, got {value}")
+        require_positive(self, "qrmix_k")
+        require_nonnegative(self, "qrmix_oversample", "qrmix_power_iters")
 
 
 # ------------------------------------------------------------------ loading
@@ -111,17 +113,7 @@ def image_pixels(
     images : (N, H, W) or (N, H, W, 3) uint8 array
     labels : (N,) int64 array
     """
-    ds = load_dataset(dataset, seed=seed)
-    table = ds.with_format("arrow")
-    column = table["image"].combine_chunks()
-    shape = tuple(int(s) for s in ds.features["image"].shape)
-    storage = column.storage
-    while hasattr(storage, "flatten"):
-        storage = storage.flatten()
-    flat = np.asarray(storage.to_numpy(zero_copy_only=False), dtype=np.uint8)
-    images = flat.reshape((len(ds), *shape))
-    labels = np.asarray(table["label"].to_numpy(), dtype=np.int64)
-    return images, labels
+    return pixel_arrays(load_dataset(dataset, seed=seed))
 
 
 def _image_datasets() -> list[str]:

@@ -9,14 +9,13 @@ projections.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 from fedlr.adapters.sorf_vera import SorfVeraSettings, build_sorf_vera_model
 from fedlr.adapters.vera import VeraModel, VeraSettings, build_vera_model
 from fedlr.config.run import RunConfig
-from fedlr.options import Options, option, require, require_positive
+from fedlr.options import Options, option, require, require_finite, require_positive
 from fedlr.tasks.text import text_task
 
 __all__ = [
@@ -76,11 +75,7 @@ class VeraOptions(Options):
     def check(self) -> None:
         require_positive(self, "vera_rank")
         _check_seed_and_lr(self)
-        require(
-            math.isfinite(self.vera_d_initial),
-            "vera-d-initial",
-            f"must be finite, got {self.vera_d_initial}",
-        )
+        require_finite(self, "vera_d_initial")
 
 
 @dataclass(frozen=True)
@@ -108,11 +103,7 @@ class SorfVeraOptions(Options):
             f"must be <= 64 (r(r-1)/2 Givens angles), got {self.sorf_rank}",
         )
         _check_seed_and_lr(self)
-        require(
-            math.isfinite(self.sorf_d_scale_initial),
-            "sorf-d-scale-initial",
-            f"must be finite, got {self.sorf_d_scale_initial}",
-        )
+        require_finite(self, "sorf_d_scale_initial")
 
 
 def build_vera_text_model(config: RunConfig, options: VeraOptions) -> VeraModel:

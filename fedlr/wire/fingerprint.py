@@ -74,16 +74,8 @@ about 0.2 %)."""
 _CHUNK_ROWS = 1024
 """Rows of a weight converted to float64 at a time."""
 
-_FACTOR_ROLES = (
-    Role.LORA_A,
-    Role.LORA_B,
-    Role.VERA_LAMBDA_B,
-    Role.VERA_LAMBDA_D,
-    Role.SORF_B_REAL,
-    Role.SORF_B_IMAG,
-    Role.SORF_D_SCALE,
-    Role.SORF_D_ANGLES,
-)
+_FACTOR_ROLES = tuple(r for r in Role if r not in (Role.BASE, Role.HEAD))
+"""The adapter-factor roles: every role but the frozen base and the head."""
 
 _CACHE: WeakKeyDictionary[torch.nn.Module, dict[str, tuple[float, ...]]] = (
     WeakKeyDictionary()
