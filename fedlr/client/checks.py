@@ -45,12 +45,7 @@ import torch
 
 from fedlr.adapters.lora import LoraModel
 from fedlr.adapters.plugin import adapted
-from fedlr.adapters.roles import (
-    AdaptedModel,
-    AdapterLayout,
-    Role,
-    RoleLayout,
-)
+from fedlr.adapters.roles import AdaptedModel, AdapterLayout, Role, RoleLayout
 from fedlr.adapters.sorf_vera import SorfVeraLayout
 from fedlr.adapters.vera import VeraLayout
 from fedlr.client.pruning import RoundRank, received_width, round_rank
@@ -451,11 +446,8 @@ def declared_keys() -> list[DeclaredKey]:
 def bound_of(key: str) -> Bound | None:
     """The bound of ``key``: the common round's, else the declaring
     feature's (``None``: no bound; the key passes unchecked)."""
-    bound = _BY_KEY.get(key)
-    if bound is not None:
-        return bound
     declared = _DECLARED.get(key)
-    return declared.bound if declared is not None else None
+    return _BY_KEY.get(key) or (declared.bound if declared is not None else None)
 
 
 def check_value(key: str, value: object, limits: NodeLimits) -> None:
@@ -561,10 +553,7 @@ def decode_checked(
 
 
 def lora_round_shapes(
-    layout: AdapterLayout,
-    record: ArrayRecord,
-    rank: int | None,
-    leading: bool,
+    layout: AdapterLayout, record: ArrayRecord, rank: int | None, leading: bool
 ) -> dict[str, tuple[int, ...]]:
     """The shape of every key a LoRA node accepts in this round's ``arrays``.
 

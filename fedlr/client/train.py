@@ -405,11 +405,7 @@ def _empty_step(optimizer: torch.optim.Optimizer, control: LoopControl | None) -
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module,
-    data: EncodedText,
-    *,
-    batch_size: int,
-    device: torch.device,
+    model: torch.nn.Module, data: EncodedText, *, batch_size: int, device: torch.device
 ) -> tuple[float, float]:
     """Accuracy and mean cross-entropy of ``model`` on ``data``."""
     if len(data) == 0:

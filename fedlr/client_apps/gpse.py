@@ -89,10 +89,7 @@ def _input_dims(model: VisionModel) -> dict[str, int]:
 
 
 def _checked(
-    model: VisionModel,
-    message: Message,
-    context: Context,
-    options: ContinualOptions,
+    model: VisionModel, message: Message, context: Context, options: ContinualOptions
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], NodeLimits]:
     """The instruction's weights and bases, checked before anything is decoded.
 

@@ -67,11 +67,7 @@ from fedlr.privacy.node_policy import node_policy
 from fedlr.privacy.secagg import SecureScalars, clip_update, flatten_summands
 from fedlr.wire import protocol
 
-__all__ = [
-    "DP_THRESHOLD",
-    "FEDLR_RECORD",
-    "secagg_mod",
-]
+__all__ = ["DP_THRESHOLD", "FEDLR_RECORD", "secagg_mod"]
 
 FEDLR_RECORD = "fedlr-secagg"
 """ConfigRecord of a masked-vector instruction: ``weight-scale`` (``s``),
