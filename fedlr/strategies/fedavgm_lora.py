@@ -96,11 +96,6 @@ class FedAvgMLoRA(FedAvgLoRA):
         super().__init__(**kwargs)
         self.momentum: dict[str, torch.Tensor] = {}
 
-    @property
-    def momentum_options(self) -> ServerMomentumOptions:
-        """The method's options (:attr:`method_options`), typed."""
-        return self.method_options
-
     def aggregate_updates(
         self,
         server_round: int,
@@ -108,8 +103,8 @@ class FedAvgMLoRA(FedAvgLoRA):
         current: dict[str, torch.Tensor],
     ) -> tuple[dict[str, torch.Tensor], RoundReport]:
         averaged, report = super().aggregate_updates(server_round, updates, current)
-        beta = self.momentum_options.server_momentum
-        eta = self.momentum_options.server_lr
+        beta = self.method_options.server_momentum
+        eta = self.method_options.server_lr
         state = dict(averaged)
         norm_sq = 0.0
         for key in self.layout.keys(*self.train_roles):

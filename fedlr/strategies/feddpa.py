@@ -67,6 +67,7 @@ from fedlr.errors import ProtocolError
 from fedlr.flower.records import config_float, config_int, record_to_state
 from fedlr.options import NoOptions, option
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
+from fedlr.strategies.lora import lora_model
 from fedlr.strategies.lora_svd import PersonalLoraStrategy
 from fedlr.strategies.registration import ClientContract, register_method
 
@@ -227,11 +228,7 @@ class DualAdapter(ClientFeature):
             raise ProtocolError(f"'{FEDDPA_WEIGHT}' must be in (0, 1], got {weight}")
         if mix is not None and not (0.0 < mix < 1.0):
             raise ProtocolError(f"'{FEDDPA_MIX}' must be in (0, 1), got {mix}")
-        if not isinstance(job.adapted, LoraModel):
-            raise ProtocolError(
-                f"'{FEDDPA_WEIGHT}' weighs two LoRA adapters; the model has a "
-                f"{type(job.adapted.layout).__name__}"
-            )
+        lora_model(job, f"'{FEDDPA_WEIGHT}' weighs two LoRA adapters")
         return cls(mix if job.is_train else None, weight, anchors, train=job.is_train)
 
     # ----------------------------------------------------------- the round

@@ -54,7 +54,7 @@ from fedlr.flower.records import config_float, record_to_state
 from fedlr.linalg import weighted_mean
 from fedlr.options import NoOptions, option
 from fedlr.strategies.base import ClientUpdate, RoundReport
-from fedlr.strategies.lora import LoraStrategy, saved_tensors
+from fedlr.strategies.lora import LoraStrategy, lora_model, saved_tensors
 from fedlr.strategies.registration import ClientContract, register_method
 
 __all__ = ["FEDDYN_ALPHA", "DynamicRegulariser", "FedDynLoRA", "FedDynOptions"]
@@ -126,11 +126,7 @@ class DynamicRegulariser(ClientFeature):
         alpha = config_float(job.config, FEDDYN_ALPHA)
         if not (math.isfinite(alpha) and alpha > 0):
             raise ProtocolError(f"'{FEDDYN_ALPHA}' must be finite and > 0, got {alpha}")
-        if not isinstance(job.adapted, LoraModel):
-            raise ProtocolError(
-                f"'{FEDDYN_ALPHA}' regularises LoRA factors; the model has a "
-                f"{type(job.adapted.layout).__name__}"
-            )
+        lora_model(job, f"'{FEDDYN_ALPHA}' regularises LoRA factors")
         return cls(alpha)
 
     def loss(self, job: RoundJob) -> Callable[[], torch.Tensor]:

@@ -181,11 +181,6 @@ class FedExLoRA(FactoredDownlink, FedAvgLoRA):
     """Accepts ``client-ranks`` (then :meth:`from_run_config` builds a
     :class:`HeteroFedExLoRA`, its ``hetero_variant``)."""
 
-    @property
-    def fold_scale(self) -> float:
-        """``c``: the share of the residual folded (``fedex-fold-scale``)."""
-        return self.method_options.fedex_fold_scale
-
     def step_bytes_bound(self, sampled: int) -> float:
         """One change has rank at most ``(k - 1) r`` per layer."""
         q = max(sampled - 1, 0)
@@ -217,11 +212,11 @@ class FedExLoRA(FactoredDownlink, FedAvgLoRA):
         state = dict(current)
         state.update(weighted_means(updates, self.layout.keys(*self.train_roles)))
         # fedex-fold-scale 0: FedIT's model, the base weights stay.
-        folded = self.layout.modules if self.fold_scale > 0 else ()
+        folded = self.layout.modules if self.method_options.fedex_fold_scale > 0 else ()
         for module in folded:
             residual = residuals[module.name]
             base = current[module.base_key]
-            scaling = module.scaling * self.fold_scale
+            scaling = module.scaling * self.method_options.fedex_fold_scale
             delta = (
                 lowrank_delta(
                     *module.as_stored(residual.left, residual.right),

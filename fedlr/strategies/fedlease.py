@@ -81,6 +81,7 @@ from fedlr.robust.spaces import RecordSpace, UpdateSpace
 from fedlr.round.instructions import with_records
 from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
+from fedlr.strategies.lora import lora_model
 from fedlr.strategies.lora_svd import PersonalLoraStrategy, PersonalReplies
 from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.wire import protocol
@@ -341,11 +342,7 @@ class ExpertMixture(ClientFeature):
             raise ProtocolError(
                 f"'{FEDLEASE_EXPERT}'={own} is not one of the {count} experts"
             )
-        if not isinstance(job.adapted, LoraModel):
-            raise ProtocolError(
-                f"'{FEDLEASE_EXPERT}' mixes LoRA experts; the model has a "
-                f"{type(job.adapted.layout).__name__}"
-            )
+        lora_model(job, f"'{FEDLEASE_EXPERT}' mixes LoRA experts")
         return cls(own, count, train=job.is_train)
 
     def load(

@@ -125,13 +125,8 @@ class FedProxLoRA(FedAvgLoRA):
 
     method_options: ProximalOptions
 
-    @property
-    def proximal_mu(self) -> float:
-        """``mu`` of the proximal term (the ``proximal-mu`` option)."""
-        return self.method_options.proximal_mu
-
     def round_config(self, server_round: int) -> dict[str, Any]:
         """The base round config plus ``proximal-mu``."""
         config = super().round_config(server_round)
-        config[PROXIMAL_MU] = self.proximal_mu
+        config[PROXIMAL_MU] = self.method_options.proximal_mu
         return config

@@ -51,6 +51,7 @@ from fedlr.errors import ProtocolError
 from fedlr.flower.records import config_float
 from fedlr.options import NoOptions, option
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
+from fedlr.strategies.lora import lora_model
 from fedlr.strategies.registration import ClientContract, register_method
 
 __all__ = [
@@ -206,11 +207,7 @@ class RotationAlignment(ClientFeature):
             raise ProtocolError(
                 f"'{FEDROT_STRENGTH}' must be in (0, 1], got {strength}"
             )
-        if not isinstance(job.adapted, LoraModel):
-            raise ProtocolError(
-                f"'{FEDROT_ALIGN}' rotates LoRA factors; the model has a "
-                f"{type(job.adapted.layout).__name__}"
-            )
+        lora_model(job, f"'{FEDROT_ALIGN}' rotates LoRA factors")
         missing = {Role.LORA_A, Role.LORA_B} - set(job.train_roles)
         if missing:
             raise ProtocolError(

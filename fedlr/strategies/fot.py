@@ -114,16 +114,6 @@ class FedAvgContinual(FedLRStrategy):
         self.shapes = {k: tuple(v) for k, v in shapes.items()}
         self.base_lr = lr
 
-    @property
-    def rounds_per_task(self) -> int:
-        """The ``rounds-per-task`` option."""
-        return self.method_options.rounds_per_task
-
-    @property
-    def num_tasks(self) -> int:
-        """The ``num-tasks`` option."""
-        return self.method_options.num_tasks
-
     @classmethod
     def from_run_config(
         cls,
@@ -154,7 +144,7 @@ class FedAvgContinual(FedLRStrategy):
     def task_of(self, server_round: int) -> tuple[int, int]:
         """``(task, round within the task)`` of a 1-based server round."""
         index = max(server_round - 1, 0)
-        return index // self.rounds_per_task, index % self.rounds_per_task
+        return divmod(index, self.method_options.rounds_per_task)
 
     def round_config(self, server_round: int) -> dict[str, Any]:
         task, position = self.task_of(server_round)
@@ -316,7 +306,7 @@ class FOT(FedAvgContinual):
                     "in the global arrays"
                 )
             self.dims[name] = math.prod(shape[1:])
-        self.eps = self.fot_options.fot_eps
+        self.eps = self.method_options.fot_eps
         """The current threshold ``ε`` (grows after each boundary)."""
         self.bases: dict[str, torch.Tensor] = {}
         self._round = 0
@@ -346,19 +336,9 @@ class FOT(FedAvgContinual):
         self._round = int(state.get("round", 0))
 
     @property
-    def fot_options(self) -> FOTOptions:
-        """The method's options (:attr:`method_options`), typed."""
-        return self.method_options
-
-    @property
-    def eps_inc(self) -> float:
-        """The ``fot-eps-inc`` option."""
-        return self.fot_options.fot_eps_inc
-
-    @property
     def sketch_dim(self) -> int:
         """The ``fot-sketch-dim`` option."""
-        return self.fot_options.fot_sketch_dim
+        return self.method_options.fot_sketch_dim
 
     @classmethod
     def strategy_kwargs(cls, projected: Sequence[str]) -> dict[str, Any]:
@@ -374,7 +354,7 @@ class FOT(FedAvgContinual):
             len(self.dims),
             list(self.dims),
             self.eps,
-            self.eps_inc,
+            self.method_options.fot_eps_inc,
             self.sketch_dim or "d",
         )
         super().summary()
@@ -439,7 +419,7 @@ class FOT(FedAvgContinual):
             added,
             {k: int(v.shape[1]) for k, v in self.bases.items()},
         )
-        self.eps = min(1.0, self.eps + self.eps_inc)
+        self.eps = min(1.0, self.eps + self.method_options.fot_eps_inc)
         return added
 
     def aggregate_updates(

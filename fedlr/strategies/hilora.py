@@ -78,9 +78,14 @@ from fedlr.options import NoOptions, option
 from fedlr.round.instructions import with_records
 from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
-from fedlr.strategies.lora_svd import PersonalLoraStrategy, PersonalReplies
+from fedlr.strategies.lora import lora_model
+from fedlr.strategies.lora_svd import (
+    PersonalLoraStrategy,
+    PersonalReplies,
+    RoundRoles,
+    RoundRolesReplies,
+)
 from fedlr.strategies.registration import ClientContract, register_method
-from fedlr.wire import protocol
 
 __all__ = [
     "HILORA_GAMMA_CLUSTER",
@@ -285,11 +290,7 @@ class HierarchicalTiers(ClientFeature):
         if HILORA_STAGE not in job.config:
             return None
         stage = config_int(job.config, HILORA_STAGE)
-        if not isinstance(job.adapted, LoraModel):
-            raise ProtocolError(
-                f"'{HILORA_STAGE}' stacks LoRA adapters; the model has a "
-                f"{type(job.adapted.layout).__name__}"
-            )
+        lora_model(job, f"'{HILORA_STAGE}' stacks LoRA adapters")
         return cls(
             stage,
             config_float(job.config, HILORA_GAMMA_ROOT, 0.0),
@@ -383,16 +384,10 @@ class HierarchicalTiers(ClientFeature):
 
 
 # ------------------------------------------------------------------ server
-class HiLoRAReplies(PersonalReplies):
+class HiLoRAReplies(RoundRolesReplies, PersonalReplies):
     """HiLoRA's reply step: the replies' keys follow the stage."""
 
     method: HiLoRA
-
-    def hint(self) -> str:
-        roles = protocol.encode_roles(self.method.stage_roles(self.method.last_round))
-        return (
-            f"the client must send exactly the arrays of {protocol.TRAIN_ROLES}={roles}"
-        )
 
 
 @dataclass(frozen=True)
@@ -454,7 +449,7 @@ class HiLoRAOptions(NoOptions):
         "sent) and `job.reply()` keeps them in `context.state`",
     ),
 )
-class HiLoRA(PersonalLoraStrategy):
+class HiLoRA(RoundRoles, PersonalLoraStrategy):
     """Root, cluster and leaf LoRA tiers, trained in that order.
 
     Parameters
@@ -474,7 +469,6 @@ class HiLoRA(PersonalLoraStrategy):
 
     def __init__(self, *, layout: AdapterLayout, **kwargs: Any) -> None:
         super().__init__(layout=layout, **kwargs)
-        self._round = 0
         self.ema: dict[int, dict[str, torch.Tensor]] = {}
         """Each node's averaged normalised ``B`` per layer (root stage)."""
         self.labels: dict[int, int] = {}
@@ -492,26 +486,15 @@ class HiLoRA(PersonalLoraStrategy):
             return CLUSTER
         return LEAF
 
-    def stage_roles(self, server_round: int) -> tuple[Role, ...]:
+    def round_roles(self, server_round: int) -> tuple[Role, ...]:
         """What a round's replies carry: A, B and the head (leaf stage: the head)."""
         if self.stage(server_round) == LEAF:
             return (Role.HEAD,)
         return self.train_roles
 
-    @property
-    def last_round(self) -> int:
-        """The round of the last train instructions (1 before any)."""
-        return max(self._round, 1)
-
-    def reply_shapes(self) -> dict[str, tuple[int, ...]]:
-        return self.layout.shapes(*self.stage_roles(self.last_round))
-
     def round_config(self, server_round: int) -> dict[str, Any]:
         config = super().round_config(server_round)
         opts = self.method_options
-        config[protocol.TRAIN_ROLES] = protocol.encode_roles(
-            self.stage_roles(server_round)
-        )
         config[HILORA_STAGE] = self.stage(server_round)
         config[HILORA_GAMMA_ROOT] = opts.hilora_gamma_root
         config[HILORA_GAMMA_CLUSTER] = opts.hilora_gamma_cluster
@@ -539,8 +522,6 @@ class HiLoRA(PersonalLoraStrategy):
     ) -> list[Message]:
         """From the cluster stage, each node's ``hilora-tiers``."""
         messages = super().instructions(server_round, messages, arrays, train=train)
-        if train:
-            self._round = server_round
         stage = self.stage(server_round)
         if stage == ROOT:
             return messages

@@ -18,8 +18,9 @@ from fedlr.adapters.plugin import (
     load_from_initial,
 )
 from fedlr.adapters.roles import AdaptedModel, AdapterLayout, Role
+from fedlr.client.features import RoundJob
 from fedlr.config.run import RunConfig
-from fedlr.errors import ConfigError, UnsupportedModelError
+from fedlr.errors import ConfigError, ProtocolError, UnsupportedModelError
 from fedlr.flower.records import record_to_state, state_to_record
 from fedlr.linalg import (
     DEFAULT_COST_MODEL,
@@ -45,7 +46,7 @@ from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, FedLRStrategy, RoundReport
 from fedlr.wire import protocol
 
-__all__ = ["LoraStrategy"]
+__all__ = ["LoraStrategy", "lora_model"]
 
 
 class LoraReplies(Replies):
@@ -404,6 +405,22 @@ def saved_tensors(
             f"{bad or sorted(set(shapes) ^ set(saved))})"
         )
     return {k: v.clone() for k, v in saved.items()}
+
+
+def lora_model(job: RoundJob, doing: str) -> LoraModel:
+    """The round's model as a :class:`LoraModel`, for a client feature that
+    needs LoRA layers (``doing``: what its instruction key asks of them).
+
+    Raises
+    ------
+    ProtocolError
+        ``"<doing>; the model has a <layout>"`` for any other model.
+    """
+    if not isinstance(job.adapted, LoraModel):
+        raise ProtocolError(
+            f"{doing}; the model has a {type(job.adapted.layout).__name__}"
+        )
+    return job.adapted
 
 
 def _lora_view(model: torch.nn.Module | AdaptedModel) -> LoraModel:

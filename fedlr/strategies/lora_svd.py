@@ -12,6 +12,9 @@
 * the Frobenius gap of an aggregate given as factors,
   ``||sum_i w_i B_i A_i - B_agg A_agg||_F``, without a dense product.
 
+:class:`RoundRoles` is the base of methods whose replies carry other roles
+from round to round (RoLoRA, SLoRA, HiLoRA).
+
 :class:`PersonalLoraStrategy` is the base of personalised methods (FedSA-LoRA,
 Global SVD, Local SVD): some factors stay with each client (``keep-roles`` in
 the ConfigRecord, or a per-node ArrayRecord ``personal`` the server sends), the
@@ -356,6 +359,69 @@ class SeededLoraStrategy(LoraStrategy):
         record = super().initial_arrays(model)
         self.bind_initial(adapted(model).state((Role.LORA_A, Role.LORA_B, Role.HEAD)))
         return record
+
+
+class RoundRolesReplies(SeededReplies):
+    """The reply step of a :class:`RoundRoles` method: the wrong-keys hint
+    names the roles of the last train round."""
+
+    method: RoundRoles
+
+    def hint(self) -> str:
+        roles = protocol.encode_roles(self.method.round_roles(self.method.last_round))
+        return (
+            f"the client must send exactly the arrays of {protocol.TRAIN_ROLES}={roles}"
+        )
+
+
+class RoundRoles(SeededLoraStrategy):
+    """A seeded LoRA strategy whose replies carry other roles from round to
+    round.
+
+    A subclass gives :meth:`round_roles`; they are sent as the round's
+    ``train-roles``, and replies are checked against those of the last
+    train round (:attr:`last_round`, which the subclass keeps in its
+    ``state_dict`` as ``_round``).
+    """
+
+    replies_type: ClassVar[type[Replies]] = RoundRolesReplies
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._round = 0
+
+    def round_roles(self, server_round: int) -> tuple[Role, ...]:
+        """The roles round ``server_round`` trains and its replies carry."""
+        raise NotImplementedError
+
+    @property
+    def last_round(self) -> int:
+        """The round of the last train instructions (1 before any)."""
+        return max(self._round, 1)
+
+    def reply_shapes(self) -> dict[str, tuple[int, ...]]:
+        return self.layout.shapes(*self.round_roles(self.last_round))
+
+    def round_config(self, server_round: int) -> dict[str, Any]:
+        config = super().round_config(server_round)
+        config[protocol.TRAIN_ROLES] = protocol.encode_roles(
+            self.round_roles(server_round)
+        )
+        return config
+
+    def instructions(
+        self,
+        server_round: int,
+        messages: list[Message],
+        arrays: ArrayRecord,
+        *,
+        train: bool,
+    ) -> list[Message]:
+        """A train round's number decides the replies' keys."""
+        messages = super().instructions(server_round, messages, arrays, train=train)
+        if train:
+            self._round = server_round
+        return messages
 
 
 class PersonalReplies(SeededReplies):

@@ -275,21 +275,6 @@ class QRMix(VisionFedAvg):
         self._current_head: torch.Tensor | None = None
         self.warmup_checkpoint = opts.qrmix_warmup_checkpoint
 
-    @property
-    def tau(self) -> float:
-        """The ridge ``τ`` (the ``qrmix-tau`` option)."""
-        return self.method_options.qrmix_tau
-
-    @property
-    def gamma(self) -> float:
-        """The step scale ``γ`` (the ``qrmix-gamma`` option)."""
-        return self.method_options.qrmix_gamma
-
-    @property
-    def form(self) -> str:
-        """``"fisher"`` or ``"literal"`` (the ``qrmix-form`` option)."""
-        return self.method_options.qrmix_form
-
     def summary(self) -> None:
         """Log the settings, then FedAvg's."""
         log(
@@ -297,9 +282,9 @@ class QRMix(VisionFedAvg):
             "\t├──> QRMix: %d warm-up rounds, form %s, tau %g, gamma %g, k %d, "
             "head %s (P = %d)",
             self.warmup_rounds,
-            self.form,
-            self.tau,
-            self.gamma,
+            self.method_options.qrmix_form,
+            self.method_options.qrmix_tau,
+            self.method_options.qrmix_gamma,
             self.k,
             self.weight_key.rsplit(".", 1)[0],
             self.head_dim,
@@ -374,9 +359,9 @@ class QRMix(VisionFedAvg):
         step = qrmix_update(
             payloads,
             [u.weight for u in updates],
-            tau=self.tau,
-            gamma=self.gamma,
-            form=self.form,
+            tau=self.method_options.qrmix_tau,
+            gamma=self.method_options.qrmix_gamma,
+            form=self.method_options.qrmix_form,
         )
         d_weight, d_bias = fc_unflatten(step, self.num_classes, self.num_features)
         for key, d in ((self.weight_key, d_weight), (self.bias_key, d_bias)):

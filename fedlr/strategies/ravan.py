@@ -63,6 +63,7 @@ from fedlr.linalg import normalise_weights
 from fedlr.options import NoOptions, option
 from fedlr.robust.spaces import UpdateSpace
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
+from fedlr.strategies.lora import lora_model
 from fedlr.strategies.lora_svd import SeededLoraStrategy, SeededReplies
 from fedlr.strategies.registration import ClientContract, register_method
 
@@ -272,12 +273,8 @@ class RavanHeads(ClientFeature):
             return None
         heads = config_int(job.config, RAVAN_HEADS)
         seed = config_int(job.config, RAVAN_SEED, 0)
-        if not isinstance(job.adapted, LoraModel):
-            raise ProtocolError(
-                f"'{RAVAN_HEADS}' splits LoRA adapters into heads; the model has "
-                f"a {type(job.adapted.layout).__name__}"
-            )
-        for m in job.adapted.layout.modules:
+        view = lora_model(job, f"'{RAVAN_HEADS}' splits LoRA adapters into heads")
+        for m in view.layout.modules:
             try:
                 _heads_of(m.rank, heads, m.name)
                 if m.rank > m.d_out:

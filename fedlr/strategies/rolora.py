@@ -35,15 +35,12 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
-from flwr.app import ArrayRecord, Message
 
 from fedlr.adapters.roles import Role
 from fedlr.client_apps.payloads import LORA
-from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
-from fedlr.strategies.lora_svd import SeededLoraStrategy, SeededReplies
+from fedlr.strategies.lora_svd import RoundRoles
 from fedlr.strategies.registration import ClientContract, register_method
-from fedlr.wire import protocol
 
 __all__ = ["RoLoRA", "trained_factor"]
 
@@ -51,18 +48,6 @@ __all__ = ["RoLoRA", "trained_factor"]
 def trained_factor(server_round: int) -> Role:
     """The factor round ``server_round`` trains: ``B`` when odd, ``A`` when even."""
     return Role.LORA_B if server_round % 2 == 1 else Role.LORA_A
-
-
-class RoLoRAReplies(SeededReplies):
-    """RoLoRA's reply step: the wrong-keys hint names this round's roles."""
-
-    method: RoLoRA
-
-    def hint(self) -> str:
-        roles = protocol.encode_roles(self.method.round_roles(self.method.last_round))
-        return (
-            f"the client must send exactly the arrays of {protocol.TRAIN_ROLES}={roles}"
-        )
 
 
 @register_method(
@@ -78,7 +63,7 @@ class RoLoRAReplies(SeededReplies):
         "them only",
     ),
 )
-class RoLoRA(SeededLoraStrategy):
+class RoLoRA(RoundRoles):
     """Average only this round's trained factor (and the head).
 
     ``train_roles`` lists every role a client trains over two rounds (A, B,
@@ -89,49 +74,15 @@ class RoLoRA(SeededLoraStrategy):
     Parameters: see :class:`~fedlr.strategies.lora_svd.SeededLoraStrategy`.
     """
 
-    replies_type: ClassVar[type[Replies]] = RoLoRAReplies
     send_roles: ClassVar[tuple[Role, ...]] = (Role.LORA_A, Role.LORA_B, Role.HEAD)
     train_roles: ClassVar[tuple[Role, ...]] = (Role.LORA_A, Role.LORA_B, Role.HEAD)
     extra_columns: tuple[str, ...] = ("trained-factor",)
     """0 in a round that trained ``B``, 1 in one that trained ``A``."""
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._round = 0
-
-    @property
-    def last_round(self) -> int:
-        """The round of the last train instructions (1 before any)."""
-        return max(self._round, 1)
-
     @staticmethod
     def round_roles(server_round: int) -> tuple[Role, ...]:
         """The roles round ``server_round`` trains: its factor and the head."""
         return (trained_factor(server_round), Role.HEAD)
-
-    def reply_shapes(self) -> dict[str, tuple[int, ...]]:
-        return self.layout.shapes(*self.round_roles(self.last_round))
-
-    def round_config(self, server_round: int) -> dict[str, Any]:
-        config = super().round_config(server_round)
-        config[protocol.TRAIN_ROLES] = protocol.encode_roles(
-            self.round_roles(server_round)
-        )
-        return config
-
-    def instructions(
-        self,
-        server_round: int,
-        messages: list[Message],
-        arrays: ArrayRecord,
-        *,
-        train: bool,
-    ) -> list[Message]:
-        """Unchanged; a train round's number decides the replies' keys."""
-        messages = super().instructions(server_round, messages, arrays, train=train)
-        if train:
-            self._round = server_round
-        return messages
 
     def state_dict(self) -> dict[str, Any]:
         """The last instructed round (which factor its replies carry)."""

@@ -90,7 +90,7 @@ from fedlr.round.instructions import with_records
 from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.fedavg_lora import FedAvgLoRA
-from fedlr.strategies.lora import LoraReplies, saved_tensors
+from fedlr.strategies.lora import LoraReplies, lora_model, saved_tensors
 from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.wire import protocol
 
@@ -265,12 +265,7 @@ class ScaffoldCorrection(ClientFeature):
         records = job.message.content.array_records
         if not job.is_train or CONTROL not in records:
             return None
-        if not isinstance(job.adapted, LoraModel):
-            raise ProtocolError(
-                f"'{CONTROL}' corrects LoRA gradients; the model has a "
-                f"{type(job.adapted.layout).__name__}"
-            )
-        view = job.adapted
+        view = lora_model(job, f"'{CONTROL}' corrects LoRA gradients")
         shapes = view.layout.shapes(*job.train_roles)
         params = parameters_by_key(view.model, view.layout)
         try:

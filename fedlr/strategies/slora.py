@@ -60,11 +60,10 @@ from fedlr.errors import CheckpointStateError, ProtocolError
 from fedlr.flower.records import config_float, record_to_state
 from fedlr.linalg import weighted_mean
 from fedlr.options import NoOptions, option
-from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
-from fedlr.strategies.lora_svd import SeededLoraStrategy, SeededReplies
+from fedlr.strategies.lora import lora_model
+from fedlr.strategies.lora_svd import RoundRoles
 from fedlr.strategies.registration import ClientContract, register_method
-from fedlr.wire import protocol
 
 __all__ = [
     "SLORA_DENSITY",
@@ -183,17 +182,13 @@ class SparseWarmup(ClientFeature):
             raise ProtocolError(
                 f"'{SLORA_DENSITY}' needs an integer '{SLORA_MASK_SEED}'"
             )
-        if not isinstance(job.adapted, LoraModel):
-            raise ProtocolError(
-                f"'{SLORA_DENSITY}' masks LoRA layers' base weights; the model has "
-                f"a {type(job.adapted.layout).__name__}"
-            )
+        view = lora_model(job, f"'{SLORA_DENSITY}' masks LoRA layers' base weights")
         if Role.BASE not in job.train_roles:
             raise ProtocolError(
                 f"'{SLORA_DENSITY}' is SLoRA's warm-up of the base weights, but "
                 f"train-roles does not name '{Role.BASE.value}'"
             )
-        layout = job.adapted.layout
+        layout = view.layout
         masks = {
             m.base_key: warmup_mask((m.d_out, m.d_in), density, seed, m.base_key)
             for m in layout.modules
@@ -247,18 +242,6 @@ class SLoRAOptions(NoOptions):
     )
 
 
-class SLoRAReplies(SeededReplies):
-    """SLoRA's reply step: the wrong-keys hint names this round's roles."""
-
-    method: SLoRA
-
-    def hint(self) -> str:
-        roles = protocol.encode_roles(self.method.round_roles(self.method.last_round))
-        return (
-            f"the client must send exactly the arrays of {protocol.TRAIN_ROLES}={roles}"
-        )
-
-
 @register_method(
     "slora",
     payload=LORA,
@@ -277,7 +260,7 @@ class SLoRAReplies(SeededReplies):
         "plain LoRA round",
     ),
 )
-class SLoRA(SeededLoraStrategy):
+class SLoRA(RoundRoles):
     """Stage 1: masked means of the adapted weights; then FedAvg-LoRA.
 
     ``send_roles`` holds the base weights for the whole run (the key set of
@@ -288,7 +271,6 @@ class SLoRA(SeededLoraStrategy):
     """
 
     method_options: SLoRAOptions
-    replies_type: ClassVar[type[Replies]] = SLoRAReplies
     send_roles: ClassVar[tuple[Role, ...]] = (
         Role.LORA_A,
         Role.LORA_B,
@@ -306,7 +288,6 @@ class SLoRA(SeededLoraStrategy):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._round = 0
         self.pristine: dict[str, torch.Tensor] = {}
         """``W0`` at the mask's entries, per base key (1-D, row-major)."""
         opts = self.method_options
@@ -317,19 +298,9 @@ class SLoRA(SeededLoraStrategy):
             for m in self.layout.modules
         }
 
-    @property
-    def warmup_rounds(self) -> int:
-        """The ``slora-warmup-rounds`` option."""
-        return self.method_options.slora_warmup_rounds
-
-    @property
-    def last_round(self) -> int:
-        """The round of the last train instructions (1 before any)."""
-        return max(self._round, 1)
-
     def stage(self, server_round: int) -> int:
         """1 (sparse warm-up) for ``t <= T1``, 2 (LoRA) after."""
-        return 1 if server_round <= self.warmup_rounds else 2
+        return 1 if server_round <= self.method_options.slora_warmup_rounds else 2
 
     def round_roles(self, server_round: int) -> tuple[Role, ...]:
         """Stage 1: the base weights and the head; stage 2: A, B and the head."""
@@ -337,14 +308,8 @@ class SLoRA(SeededLoraStrategy):
             return (Role.BASE, Role.HEAD)
         return (Role.LORA_A, Role.LORA_B, Role.HEAD)
 
-    def reply_shapes(self) -> dict[str, tuple[int, ...]]:
-        return self.layout.shapes(*self.round_roles(self.last_round))
-
     def round_config(self, server_round: int) -> dict[str, Any]:
         config = super().round_config(server_round)
-        config[protocol.TRAIN_ROLES] = protocol.encode_roles(
-            self.round_roles(server_round)
-        )
         if self.stage(server_round) == 1:
             config[SLORA_DENSITY] = self.method_options.slora_density
             config[SLORA_MASK_SEED] = self.seed
@@ -369,7 +334,6 @@ class SLoRA(SeededLoraStrategy):
         messages = super().instructions(server_round, messages, arrays, train=train)
         if not train:
             return messages
-        self._round = server_round
         if self.stage(server_round) == 1 and not self.pristine:
             if server_round != 1:
                 raise CheckpointStateError(
@@ -425,7 +389,7 @@ class SLoRA(SeededLoraStrategy):
                 mask, means[key].to(current[key].dtype), current[key]
             )
         metrics = {"stage": 1.0}
-        if server_round == self.warmup_rounds:
+        if server_round == self.method_options.slora_warmup_rounds:
             metrics["svd-kept-energy"] = self.switch(state)
         return state, self.warmup_gap_report(state, current, means, metrics)
 

@@ -405,11 +405,6 @@ class VeraFedEx(FactoredDownlink, VeraStrategy):
 
     method_options: VeraFedExOptions
 
-    @property
-    def fedex_lr(self) -> float:
-        """Step of the residual fold (the ``fedex-lr`` option)."""
-        return self.method_options.fedex_lr
-
     def delta_projections(self) -> Any:
         return self.projections
 
@@ -449,7 +444,7 @@ class VeraFedEx(FactoredDownlink, VeraStrategy):
                     lambda_bs,
                     lambda_ds,
                     weights,
-                    m.scaling * self.fedex_lr,
+                    m.scaling * self.method_options.fedex_lr,
                     m.d_in,
                     dtype=base.dtype,
                     transposed=m.fan_in_fan_out,
@@ -471,7 +466,7 @@ class VeraFedEx(FactoredDownlink, VeraStrategy):
                         b,
                         weights,
                         scaling=m.scaling,
-                        step=self.fedex_lr,
+                        step=self.method_options.fedex_lr,
                         transposed=m.fan_in_fan_out,
                     )
                 ),
