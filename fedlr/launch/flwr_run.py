@@ -370,9 +370,10 @@ def _stop_run(env: Mapping[str, str], run_id: str | None, superlink: str | None)
         )
         deadline = time.monotonic() + 20
         status = run_status(env, run_id, superlink)
-        while status.startswith(("running", "pending", "starting")):
-            if time.monotonic() > deadline:
-                break
+        while (
+            status.startswith(("running", "pending", "starting"))
+            and time.monotonic() <= deadline
+        ):
             time.sleep(1)
             status = run_status(env, run_id, superlink)
         return status

@@ -365,12 +365,6 @@ def _nodes(pids: list[int]) -> str:
     return f"the node{plural} of partition{plural} " + ", ".join(map(str, pids))
 
 
-def _refuse(found: dict[tuple[str, str], list[int]]) -> None:
-    """Raise the first refusal, naming every node that makes it."""
-    for (key, reason), pids in found.items():
-        raise ConfigError(key, reason.replace("{nodes}", _nodes(sorted(pids))))
-
-
 def check_consent(method: MethodConfig, policies: Mapping[int, NodePolicy]) -> None:
     """``reproducible-noise`` only from nodes whose own settings consent.
 
@@ -438,7 +432,8 @@ def check_nodes(
         reason = _node_refusal(method, policy, pid, num)
         if reason is not None:
             found.setdefault(reason, []).append(pid)
-    _refuse(found)
+    for (key, why), pids in found.items():  # the first, naming its every node
+        raise ConfigError(key, why.replace("{nodes}", _nodes(sorted(pids))))
 
 
 def _node_refusal(

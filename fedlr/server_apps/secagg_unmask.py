@@ -408,11 +408,10 @@ class UnmaskStage:
         """The consistency round: every survivor signs the survivor set ``U3``;
         the valid signatures by signer (an invalid one is left out, its node
         named)."""
-        record = {Key.STAGE: CONSISTENCY}
         contents = {
             nid: RecordDict(
                 {
-                    RECORD_KEY_CONFIGS: ConfigRecord(dict(record)),
+                    RECORD_KEY_CONFIGS: ConfigRecord({Key.STAGE: CONSISTENCY}),
                     SIGN_RECORD: ConfigRecord({SURVIVORS: sorted(alive)}),
                 }
             )
