@@ -24,7 +24,13 @@ from fedlr.adapters.orientation import (
     stores_fan_in_fan_out,
     targets_fan_in_fan_out,
 )
-from fedlr.adapters.roles import AdaptedModel, AdapterLayout, LoraModule, Role
+from fedlr.adapters.roles import (
+    AdaptedModel,
+    AdapterLayout,
+    LoraModule,
+    Role,
+    RoleLayout,
+)
 from fedlr.errors import ConfigError, ShapeMismatchError
 
 __all__ = [
@@ -32,6 +38,7 @@ __all__ = [
     "LoraSettings",
     "adapter_state",
     "apply_lora",
+    "live_parameters",
     "load_adapter_state",
     "lora_layout",
     "parameters_by_key",
@@ -209,15 +216,16 @@ def lora_layout(model: PeftModel) -> AdapterLayout:
 
 
 def adapter_state(
-    model: PeftModel, layout: AdapterLayout, roles: Iterable[Role]
+    model: torch.nn.Module, layout: RoleLayout, roles: Iterable[Role]
 ) -> dict[str, torch.Tensor]:
     """Copy the tensors with ``roles`` out of ``model`` (detached, on CPU).
 
     Parameters
     ----------
-    model : peft.PeftModel
-    layout : AdapterLayout
-        From :func:`lora_layout` on this model.
+    model : torch.nn.Module
+        A peft model, or a model with its own adapter modules (SORF-VeRA).
+    layout : RoleLayout
+        From :func:`lora_layout` (or the method's layout) on this model.
     roles : iterable of Role
 
     Returns
@@ -225,15 +233,8 @@ def adapter_state(
     dict of str to torch.Tensor
         Keyed as in ``layout``.
     """
-    roles = tuple(roles)
-    wanted = layout.keys(*roles)
-    peft_state = get_peft_model_state_dict(model)
-    params = dict(model.named_parameters())
-    out: dict[str, torch.Tensor] = {}
-    for key in wanted:
-        tensor = peft_state[key] if key in peft_state else params[key]
-        out[key] = tensor.detach().to("cpu", copy=True)
-    return out
+    tensors = _tensors(model, layout.keys(*roles))
+    return {k: t.detach().to("cpu", copy=True) for k, t in tensors.items()}
 
 
 def load_adapter_state(
@@ -266,21 +267,32 @@ def load_adapter_state(
                 params[key].copy_(state[key])
 
 
+def _tensors(model: torch.nn.Module, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+    """The tensor behind each key: peft's state-dict entry, else the named parameter."""
+    peft_state = (
+        get_peft_model_state_dict(model) if isinstance(model, PeftModel) else {}
+    )
+    named = dict(model.named_parameters())
+    return {key: peft_state[key] if key in peft_state else named[key] for key in keys}
+
+
+def live_parameters(
+    model: torch.nn.Module, keys: Iterable[str]
+) -> dict[str, torch.nn.Parameter]:
+    """The live ``nn.Parameter`` behind each key (peft's state-dict keys or the
+    model's parameter names), matched by storage, not by name.
+
+    Used to switch ``requires_grad`` by role and to load values in place.
+    """
+    by_ptr = {p.data_ptr(): p for p in model.parameters()}
+    return {key: by_ptr[t.data_ptr()] for key, t in _tensors(model, keys).items()}
+
+
 def parameters_by_key(
     model: PeftModel, layout: AdapterLayout
 ) -> dict[str, torch.nn.Parameter]:
-    """The live ``nn.Parameter`` behind every key of ``layout``.
-
-    Used to switch ``requires_grad`` by role; matched by storage, not by name.
-    """
-    params_by_ptr = {p.data_ptr(): p for p in model.parameters()}
-    peft_state = get_peft_model_state_dict(model)
-    named = dict(model.named_parameters())
-    out: dict[str, torch.nn.Parameter] = {}
-    for key in layout.all_keys():
-        tensor = peft_state[key] if key in peft_state else named[key]
-        out[key] = params_by_ptr[tensor.data_ptr()]
-    return out
+    """The live ``nn.Parameter`` behind every key of ``layout``."""
+    return live_parameters(model, layout.all_keys())
 
 
 @dataclass

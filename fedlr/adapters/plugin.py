@@ -69,7 +69,6 @@ __all__ = [
     "initial_state",
     "load_from_initial",
     "lora_layers",
-    "module_of",
     "unsaved_heads",
     "vera_view",
     "warn_unsaved_heads",
@@ -91,11 +90,6 @@ _FEDLR_SEEN = (BaseTunerLayer, AuxiliaryTrainingWrapper, SorfVeraLinear)
 _INITIAL: WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = (
     WeakKeyDictionary()
 )
-
-
-def module_of(model: torch.nn.Module | AdaptedModel) -> torch.nn.Module:
-    """The torch module to train or evaluate (``model.model`` of an AdaptedModel)."""
-    return model.model if isinstance(model, AdaptedModel) else model
 
 
 def adapted(model: torch.nn.Module | AdaptedModel) -> AdaptedModel:

@@ -23,6 +23,7 @@ from peft import PeftModel, VeraConfig, get_peft_model
 from peft.tuners.vera import VeraLayer
 from peft.utils import ModulesToSaveWrapper, get_peft_model_state_dict
 
+from fedlr.adapters.lora import adapter_state, live_parameters
 from fedlr.adapters.orientation import (
     peft_targets,
     stores_fan_in_fan_out,
@@ -192,29 +193,6 @@ def apply_vera(
     return get_peft_model(model, config)
 
 
-def _peft_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    if isinstance(model, PeftModel):
-        return dict(get_peft_model_state_dict(model))
-    return {}
-
-
-def live_parameters(
-    model: torch.nn.Module, keys: Iterable[str]
-) -> dict[str, torch.nn.Parameter]:
-    """The live ``nn.Parameter`` behind each key (peft state-dict or param name).
-
-    Matched by storage, not by name.
-    """
-    by_ptr = {p.data_ptr(): p for p in model.parameters()}
-    named = dict(model.named_parameters())
-    peft_state = _peft_tensors(model)
-    out: dict[str, torch.nn.Parameter] = {}
-    for key in keys:
-        tensor = peft_state[key] if key in peft_state else named[key]
-        out[key] = by_ptr[tensor.data_ptr()]
-    return out
-
-
 def vera_layout(model: PeftModel, settings: VeraSettings) -> VeraLayout:
     """Declare the roles of every tensor of a VeRA ``PeftModel``.
 
@@ -307,11 +285,7 @@ class VeraModel(AdaptedModel):
 
     def state(self, roles: Iterable[Role]) -> dict[str, torch.Tensor]:
         """Detached CPU copies of the tensors with ``roles``."""
-        keys = self.layout.keys(*roles)
-        return {
-            k: p.detach().to("cpu", copy=True)
-            for k, p in live_parameters(self.model, keys).items()
-        }
+        return adapter_state(self.model, self.layout, roles)
 
     def load(self, state: Mapping[str, torch.Tensor]) -> None:
         """Load ``state`` in place; base weights absent from it become pristine.

@@ -270,9 +270,12 @@ class CostModel:
         )
         return self.choose({FACTORED: factored, DENSE: dense, RANDOMIZED: randomized})
 
-    def factored_norms(self, k: int, r: int, d_out: int, d_in: int) -> PathCost:
-        """Two factored Frobenius norms of ``(k + 1) r``-wide stacks (FedEx gap)."""
-        p = (k + 1) * r
+    def factored_norms(self, p: int, d_out: int, d_in: int) -> PathCost:
+        """Two factored Frobenius norms of ``p``-wide stacks (a gap and its reference).
+
+        ``p = (k + 1) r`` for FedEx's residual, ``k r + r_agg`` for an
+        aggregate's gap.
+        """
         m_o, m_i = min(d_out, p), min(d_in, p)
         return PathCost(
             flops=self.float64
@@ -294,7 +297,7 @@ class CostModel:
         measures its norms exactly from the fold's buffer, or by
         :meth:`frobenius_norms` when there is no fold.
         """
-        factored = self.factored_norms(k, r, d_out, d_in)
+        factored = self.factored_norms((k + 1) * r, d_out, d_in)
         streamed = PathCost(
             flops=2.0 * d_out * d_in * k * r,
             nbytes=self.chunk_bytes + 4.0 * d_out * d_in,
@@ -333,18 +336,7 @@ class CostModel:
     ) -> PathChoice:
         """Path of ``||sum_i w_i B_i A_i - B_agg A_agg||_F`` and ``||M||_F``."""
         p = k * r + r_agg
-        m_o, m_i = min(d_out, p), min(d_in, p)
-        factored = PathCost(
-            flops=self.float64
-            * 2.0
-            * (
-                self.qr_flops(d_out, p, with_q=False)
-                + self.qr_flops(d_in, p, with_q=False)
-                + 2.0 * m_o * m_i * p
-            ),
-            nbytes=_F64 * (3.0 * (d_out + d_in) * p + m_o * m_i),
-            exact=True,
-        )
+        factored = self.factored_norms(p, d_out, d_in)
         dense = PathCost(
             flops=self.float64 * 2.0 * d_out * d_in * p,
             nbytes=_F64 * d_out * d_in + self.chunk_bytes,

@@ -36,7 +36,11 @@ from collections.abc import Sequence
 import torch
 
 from fedlr.errors import ShapeMismatchError
-from fedlr.linalg.lowrank import factored_frobenius_norm, normalise_weights
+from fedlr.linalg.lowrank import (
+    _stacked_factors,
+    factored_frobenius_norm,
+    normalise_weights,
+)
 from fedlr.linalg.svd import TruncatedSVD, factored_svd
 
 __all__ = [
@@ -103,15 +107,8 @@ def stacked_update(
     if len(scalings) != len(bs):
         raise ShapeMismatchError(f"{len(scalings)} scalings for {len(bs)} clients")
     w = normalise_weights(weights, len(bs))
-    left = torch.cat(
-        [
-            float(wi) * float(s) * b.to(_F64)
-            for wi, s, b in zip(w, scalings, bs, strict=True)
-        ],
-        dim=1,
-    )
-    right = torch.cat([a.to(_F64) for a in as_], dim=0)
-    return left, right
+    coefficients = [float(wi) * float(s) for wi, s in zip(w, scalings, strict=True)]
+    return _stacked_factors(bs, as_, coefficients)
 
 
 def flexlora_factors(

@@ -34,6 +34,7 @@ __all__ = [
     "GapNorms",
     "StackedResidual",
     "check_factors",
+    "check_rank",
     "factored_frobenius_norm",
     "fold_residual",
     "gap_summary",
@@ -42,6 +43,7 @@ __all__ = [
     "residual_factors",
     "stacked_residual",
     "weighted_mean",
+    "work_dtype",
 ]
 
 _COMPUTE_DTYPE = torch.float64
@@ -50,11 +52,44 @@ MEAN_CHUNK_BYTES = 64 * 2**20
 """Largest float64 group :func:`weighted_mean` stacks at once (bytes)."""
 
 
-def _work_dtype(*tensors: torch.Tensor) -> torch.dtype:
+def work_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """float64 if any input is float64, else float32 (half types are promoted)."""
     if any(t.dtype == torch.float64 for t in tensors):
         return torch.float64
     return torch.float32
+
+
+def _fold_dtype(
+    base_weight: torch.Tensor,
+    product_shape: tuple[int, int],
+    factor_dtype: torch.dtype,
+    transposed: bool,
+) -> torch.dtype:
+    """The dtype a fold of a ``product_shape`` residual into ``base_weight`` runs in.
+
+    float64 if the base weight or the factors (``factor_dtype``) are float64,
+    else float32.
+
+    Raises
+    ------
+    ShapeMismatchError
+        If ``base_weight`` is not ``product_shape`` (its transpose with
+        ``transposed``).
+    """
+    shape = product_shape[::-1] if transposed else product_shape
+    if tuple(base_weight.shape) != shape:
+        raise ShapeMismatchError(
+            f"base weight has shape {tuple(base_weight.shape)}, factors give "
+            f"{shape}" + (" (transposed)" if transposed else "")
+        )
+    dtypes = (base_weight.dtype, factor_dtype)
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def check_rank(rank: int, least: int = 1) -> None:
+    """Raise ValueError naming ``rank`` unless it is at least ``least``."""
+    if rank < least:
+        raise ValueError(f"rank must be >= {least}, got {rank}")
 
 
 def normalise_weights(
@@ -201,8 +236,15 @@ def mean_of_products_factors(
     """
     check_factors(bs, as_)
     w = normalise_weights(weights, len(bs))
+    return _stacked_factors(bs, as_, [float(wi) for wi in w])
+
+
+def _stacked_factors(
+    bs: Sequence[torch.Tensor], as_: Sequence[torch.Tensor], coefficients: list[float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[c_i B_i]`` side by side and ``[A_i]`` stacked, in float64."""
     left = torch.cat(
-        [float(wi) * b.to(_COMPUTE_DTYPE) for wi, b in zip(w, bs, strict=True)], dim=1
+        [c * b.to(_COMPUTE_DTYPE) for c, b in zip(coefficients, bs, strict=True)], dim=1
     )
     right = torch.cat([a.to(_COMPUTE_DTYPE) for a in as_], dim=0)
     return left, right
@@ -361,20 +403,11 @@ class StackedResidual:
             modified. The GEMM runs in float64 if the base weight or any client
             factor is float64, else in float32.
         """
+        product_shape = (int(self.left.shape[0]), int(self.right.shape[1]))
+        dtype = _fold_dtype(base_weight, product_shape, self.work_dtype, transposed)
         left, right = self.left, self.right
         if transposed:
             left, right = right.T, left.T
-        shape = (int(left.shape[0]), int(right.shape[1]))
-        if tuple(base_weight.shape) != shape:
-            raise ShapeMismatchError(
-                f"base weight has shape {tuple(base_weight.shape)}, factors give "
-                f"{shape}" + (" (transposed)" if transposed else "")
-            )
-        dtype = (
-            torch.float64
-            if torch.float64 in (base_weight.dtype, self.work_dtype)
-            else torch.float32
-        )
         folded = torch.addmm(
             base_weight.to(dtype),
             left.to(dtype),
@@ -412,7 +445,7 @@ def stacked_residual(
         left=torch.cat([left, -b_bar], dim=1),
         right=torch.cat([right, a_bar], dim=0),
         rank=int(bs[0].shape[1]),
-        work_dtype=_work_dtype(*bs, *as_),
+        work_dtype=work_dtype(*bs, *as_),
     )
 
 
@@ -479,13 +512,6 @@ def fold_residual(
         input is not modified. The stacked factors are formed in float64; the
         single GEMM runs in float64 if any input is float64, else in float32.
     """
-    d_out, _, d_in = check_factors(bs, as_)
-    shape = (d_in, d_out) if transposed else (d_out, d_in)
-    if tuple(base_weight.shape) != shape:
-        raise ShapeMismatchError(
-            f"base weight has shape {tuple(base_weight.shape)}, factors give "
-            f"{shape}" + (" (transposed)" if transposed else "")
-        )
     return stacked_residual(bs, as_, weights).fold(
         base_weight, scaling, transposed=transposed
     )

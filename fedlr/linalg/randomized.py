@@ -64,8 +64,8 @@ from fedlr.linalg.cost import (
     RANDOMIZED,
     CostModel,
 )
-from fedlr.linalg.lowrank import check_factors, normalise_weights
-from fedlr.linalg.streaming import ProductSum, work_dtype
+from fedlr.linalg.lowrank import check_factors, normalise_weights, work_dtype
+from fedlr.linalg.streaming import ProductSum
 from fedlr.linalg.svd import (
     TruncatedSVD,
     _positive_weights,

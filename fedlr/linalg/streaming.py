@@ -45,13 +45,16 @@ from fedlr.linalg.cost import (
     CostModel,
     PathChoice,
 )
+from fedlr.linalg.hetero import check_hetero_factors
 from fedlr.linalg.lowrank import (
     GapNorms,
+    _fold_dtype,
     check_factors,
     factored_frobenius_norm,
     mean_of_products_factors,
     normalise_weights,
     weighted_mean,
+    work_dtype,
 )
 
 __all__ = [
@@ -61,39 +64,7 @@ __all__ = [
     "aggregate_gap",
     "dense_mean_of_products",
     "estimate_frobenius_sq",
-    "work_dtype",
 ]
-
-
-def work_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    """float64 if any input is float64, else float32 (half types are promoted)."""
-    if any(t.dtype == torch.float64 for t in tensors):
-        return torch.float64
-    return torch.float32
-
-
-def _product_shape(
-    bs: Sequence[torch.Tensor], as_: Sequence[torch.Tensor]
-) -> tuple[int, int]:
-    """``(d_out, d_in)`` of k factor pairs of any ranks ``(d_out, r_i) x (r_i, d_in)``.
-
-    Raises
-    ------
-    ShapeMismatchError
-        Naming the client whose factors do not fit.
-    """
-    d_out, d_in = int(bs[0].shape[0]), int(as_[0].shape[-1])
-    for i, (b, a) in enumerate(zip(bs, as_, strict=True)):
-        if b.ndim != 2 or a.ndim != 2 or b.shape[0] != d_out or a.shape[1] != d_in:
-            raise ShapeMismatchError(
-                f"client {i}: B {tuple(b.shape)} and A {tuple(a.shape)} do not "
-                f"fit (d_out, r) x (r, d_in) with d_out={d_out}, d_in={d_in}"
-            )
-        if b.shape[1] != a.shape[0]:
-            raise ShapeMismatchError(
-                f"client {i}: B {tuple(b.shape)} and A {tuple(a.shape)} disagree on r"
-            )
-    return d_out, d_in
 
 
 class ProductSum:
@@ -148,8 +119,7 @@ class ProductSum:
             raise ShapeMismatchError(
                 f"expected {len(bs)} coefficients, got {coef.numel()}"
             )
-        d_out, d_in = _product_shape(bs, as_)
-        self.ranks = [int(b.shape[1]) for b in bs]
+        d_out, d_in, self.ranks = check_hetero_factors(bs, as_)
         uniform = len(set(self.ranks)) == 1
         for name, shift, want in (
             ("b_shift", b_shift, (d_out, self.ranks[0])),
@@ -584,17 +554,26 @@ class StreamedResidual:
         """``(d_out, d_in)``."""
         return self.centered.shape
 
-    def _bar_norm_sq(self) -> float:
-        return factored_frobenius_norm(self.b_bar, self.a_bar) ** 2
+    def _gap_norms(
+        self, gap_sq: float, x_abar: torch.Tensor, *, error: float | None = None
+    ) -> GapNorms:
+        """Both norms from ``||X||^2`` and ``X A_bar^T`` (d_out, r): ``||M||^2 =
+        ||X||^2 + 2<X, B_bar A_bar> + ||B_bar A_bar||^2``; ``error`` the bound of
+        an estimated ``||X||^2``."""
+        cross = float((self.b_bar * x_abar.double()).sum())
+        bar_sq = factored_frobenius_norm(self.b_bar, self.a_bar) ** 2
+        ref_sq = gap_sq + 2.0 * cross + bar_sq
+        return GapNorms(
+            math.sqrt(gap_sq),
+            math.sqrt(max(ref_sq, 0.0)),
+            estimated=error is not None,
+            gap_sq_error=0.0 if error is None else error,
+        )
 
     def _exact_norms(self, x: torch.Tensor) -> GapNorms:
-        """Both norms from the dense residual ``x``: ``||M||^2 = ||X||^2 + 2<X, B_bar
-        A_bar> + ||B_bar A_bar||^2``."""
+        """Both norms from the dense residual ``x``."""
         gap_sq = float(torch.linalg.vector_norm(x)) ** 2
-        x_abar = (x @ self.a_bar.T.to(x.dtype)).double()  # (d_out, r)
-        cross = float((self.b_bar * x_abar).sum())
-        ref_sq = gap_sq + 2.0 * cross + self._bar_norm_sq()
-        return GapNorms(math.sqrt(gap_sq), math.sqrt(max(ref_sq, 0.0)))
+        return self._gap_norms(gap_sq, x @ self.a_bar.T.to(x.dtype))
 
     def norms_path(self) -> PathChoice:
         """How :meth:`gap_norms` would measure the norms without a fold."""
@@ -623,15 +602,7 @@ class StreamedResidual:
         est, x_abar = estimate_frobenius_sq(
             self.centered, cost=self.cost, seed=self.seed, extra=self.a_bar.T
         )
-        cross = float((self.b_bar * x_abar.double()).sum())
-        gap_sq = max(est.value, 0.0)
-        ref_sq = gap_sq + 2.0 * cross + self._bar_norm_sq()
-        self._norms = GapNorms(
-            math.sqrt(gap_sq),
-            math.sqrt(max(ref_sq, 0.0)),
-            estimated=True,
-            gap_sq_error=est.error,
-        )
+        self._norms = self._gap_norms(max(est.value, 0.0), x_abar, error=est.error)
         return self._norms
 
     def norms(self) -> tuple[float, float]:
@@ -659,17 +630,7 @@ class StreamedResidual:
             modified. Accumulated in float64 if the base weight or any client
             factor is float64, else in float32.
         """
-        shape = self.shape[::-1] if transposed else self.shape
-        if tuple(base_weight.shape) != shape:
-            raise ShapeMismatchError(
-                f"base weight has shape {tuple(base_weight.shape)}, factors give "
-                f"{shape}" + (" (transposed)" if transposed else "")
-            )
-        dtype = (
-            torch.float64
-            if torch.float64 in (base_weight.dtype, self.work_dtype)
-            else torch.float32
-        )
+        dtype = _fold_dtype(base_weight, self.shape, self.work_dtype, transposed)
         x = self.centered.dense(dtype)
         self._norms = self._exact_norms(x)
         if transposed:

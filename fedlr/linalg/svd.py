@@ -33,8 +33,10 @@ import torch
 from fedlr.errors import RankMismatchError, ShapeMismatchError
 from fedlr.linalg.lowrank import (
     check_factors,
+    check_rank,
     mean_of_products_factors,
     normalise_weights,
+    work_dtype,
 )
 
 __all__ = [
@@ -106,8 +108,7 @@ class TruncatedSVD:
 
     def energy_beyond(self, rank: int) -> float:
         """``sum_{j >= rank} sigma_j^2``: squared error of the rank-``rank`` cut."""
-        if rank < 0:
-            raise ValueError(f"rank must be >= 0, got {rank}")
+        check_rank(rank, 0)
         tail = float((self.singular_values[rank:].double() ** 2).sum())
         return tail + self.residual_energy
 
@@ -124,8 +125,7 @@ class TruncatedSVD:
         counts as ``sqrt(residual_energy)``, the least singular-value sum it
         can have.
         """
-        if rank < 0:
-            raise ValueError(f"rank must be >= 0, got {rank}")
+        check_rank(rank, 0)
         values = self.singular_values.double()
         unseen = math.sqrt(max(self.residual_energy, 0.0))
         total = float(values.sum()) + unseen
@@ -152,8 +152,7 @@ class TruncatedSVD:
         ``energy_error`` is ``error_sigmas`` standard errors, not a
         certainty, when ``energy_estimated``).
         """
-        if rank < 0:
-            raise ValueError(f"rank must be >= 0, got {rank}")
+        check_rank(rank, 0)
         if not self.randomized:
             fraction = self.tail_fraction_at(rank)
             return fraction, fraction
@@ -177,8 +176,7 @@ class TruncatedSVD:
         the sketch saw nearly everything: a randomized round near the
         threshold is then decided exactly (:class:`fedlr.strategies.FedSpec`).
         """
-        if rank < 0:
-            raise ValueError(f"rank must be >= 0, got {rank}")
+        check_rank(rank, 0)
         if not self.randomized:
             fraction = self.sigma_fraction_at(rank)
             return fraction, fraction
@@ -251,12 +249,6 @@ def fix_signs(u: torch.Tensor, vh: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return u * signs, vh * signs[:, None]
 
 
-def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    if any(t.dtype == torch.float64 for t in tensors):
-        return torch.float64
-    return torch.float32
-
-
 def factored_svd(
     left: torch.Tensor, right: torch.Tensor, rank: int | None = None
 ) -> TruncatedSVD:
@@ -289,7 +281,7 @@ def factored_svd(
         )
     if rank is not None and rank < 1:
         raise ValueError(f"rank must be >= 1, got {rank}")
-    dtype = _compute_dtype(left, right)
+    dtype = work_dtype(left, right)
     q1, r1 = torch.linalg.qr(left.to(dtype))
     q2, r2 = torch.linalg.qr(right.to(dtype).T)
     uc, s, vch = torch.linalg.svd(r1 @ r2.T, full_matrices=False)
@@ -345,8 +337,7 @@ def tail_fraction(singular_values: torch.Tensor, rank: int) -> float:
     float
         In [0, 1]; 0 for a zero matrix.
     """
-    if rank < 0:
-        raise ValueError(f"rank must be >= 0, got {rank}")
+    check_rank(rank, 0)
     energy = singular_values.double() ** 2
     total = float(energy.sum())
     return float(energy[rank:].sum()) / total if total > 0 else 0.0
@@ -354,8 +345,7 @@ def tail_fraction(singular_values: torch.Tensor, rank: int) -> float:
 
 def truncate(svd: TruncatedSVD, rank: int) -> TruncatedSVD:
     """Keep the leading ``min(rank, svd.rank)`` triplets of ``svd``."""
-    if rank < 1:
-        raise ValueError(f"rank must be >= 1, got {rank}")
+    check_rank(rank)
     keep = min(rank, svd.rank)
     return dataclasses.replace(
         svd, u=svd.u[:, :keep], s=svd.s[:keep].clone(), vh=svd.vh[:keep]
@@ -382,8 +372,7 @@ def adaptive_rank(rank: int, tail: float, threshold: float, max_rank: int) -> in
         ``min(rank + 2, max_rank)`` if ``tail > threshold``, else ``rank``
         (and never below ``rank``).
     """
-    if rank < 1:
-        raise ValueError(f"rank must be >= 1, got {rank}")
+    check_rank(rank)
     if not 0.0 <= tail <= 1.0 + 1e-12:
         raise ValueError(f"tail fraction must be in [0, 1], got {tail}")
     if tail > threshold:
@@ -523,8 +512,7 @@ def stacked_updates_svd(
         Of ``X``; ``svd.tail_energy`` is the weighted squared gap.
     """
     w = _positive_weights(bs, as_, weights)
-    if rank < 1:
-        raise ValueError(f"rank must be >= 1, got {rank}")
+    check_rank(rank)
     k, d_out, r = len(bs), int(bs[0].shape[0]), int(bs[0].shape[1])
     roots = w.sqrt()
     # 1. QR of the stacked input-side factors.

@@ -133,6 +133,14 @@ def load_causal_tokenizer(name: str) -> PreTrainedTokenizerBase:
     return _tokenizer(name)
 
 
+def _not_a_decoder(name: str, exc: OSError) -> ConfigError:
+    return ConfigError(
+        "model",
+        f"'{name}' is not an offline decoder ({', '.join(CAUSAL_MODELS)}) and "
+        f"could not be loaded as a Hugging Face hub id: {exc}",
+    )
+
+
 @functools.lru_cache(maxsize=4)
 def _tokenizer(name: str) -> PreTrainedTokenizerBase:
     if name in CAUSAL_MODELS:
@@ -140,11 +148,7 @@ def _tokenizer(name: str) -> PreTrainedTokenizerBase:
     try:
         tok: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(name)
     except OSError as exc:
-        raise ConfigError(
-            "model",
-            f"'{name}' is not an offline decoder ({', '.join(CAUSAL_MODELS)}) and "
-            f"could not be loaded as a Hugging Face hub id: {exc}",
-        ) from exc
+        raise _not_a_decoder(name, exc) from exc
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -426,11 +430,7 @@ def _load_decoder(
         try:
             model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
         except OSError as exc:
-            raise ConfigError(
-                "model",
-                f"'{name}' is not an offline decoder ({', '.join(CAUSAL_MODELS)}) "
-                f"and could not be loaded as a Hugging Face hub id: {exc}",
-            ) from exc
+            raise _not_a_decoder(name, exc) from exc
     return model
 
 

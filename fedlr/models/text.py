@@ -19,7 +19,6 @@ Both name their head ``classifier``.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -93,13 +92,9 @@ class MeanPoolClassifier(torch.nn.Module):
         return SequenceClassifierOutput(loss=loss, logits=logits)
 
 
-def _minilm_path() -> Path:
-    return minilm_path()
-
-
 def _source(name: str) -> str:
     if name in TEXT_MODELS:
-        return str(_minilm_path())
+        return str(minilm_path())
     return name
 
 
