@@ -335,6 +335,16 @@ def require_finite(options: Options, *names: str) -> None:
         require(math.isfinite(value), kebab(name), f"must be finite, got {value}")
 
 
+_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "bool": ((bool,), "true/false"),
+    "int": ((int,), "an integer"),
+    "float": ((int, float), "a number"),
+    "str": ((str,), "a string"),
+}
+"""A field type's accepted Python types and how a refusal names it (a bool
+is no number)."""
+
+
 def coerce(key: str, raw: Any, annotation: Any) -> Any:
     """Check a run-config value's type against a field annotation.
 
@@ -344,23 +354,13 @@ def coerce(key: str, raw: Any, annotation: Any) -> Any:
         If ``raw`` is not of the field's type (ints are accepted for floats).
     """
     kind = annotation if isinstance(annotation, str) else annotation.__name__
-    if kind == "bool":
-        if isinstance(raw, bool):
-            return raw
-        raise ConfigError(key, f"expected true/false, got {raw!r}")
-    if kind == "int":
-        if isinstance(raw, bool) or not isinstance(raw, int):
-            raise ConfigError(key, f"expected an integer, got {raw!r}")
-        return raw
-    if kind == "float":
-        if isinstance(raw, bool) or not isinstance(raw, (int, float)):
-            raise ConfigError(key, f"expected a number, got {raw!r}")
-        return float(raw)
-    if kind == "str":
-        if not isinstance(raw, str):
-            raise ConfigError(key, f"expected a string, got {raw!r}")
-        return raw
-    raise ConfigError(key, f"unsupported field type {kind}")  # pragma: no cover
+    if kind not in _TYPES:
+        raise ConfigError(key, f"unsupported field type {kind}")  # pragma: no cover
+    types, expected = _TYPES[kind]
+    accepted = isinstance(raw, types) and (kind == "bool" or not isinstance(raw, bool))
+    if not accepted:
+        raise ConfigError(key, f"expected {expected}, got {raw!r}")
+    return float(raw) if kind == "float" else raw
 
 
 @dataclass(frozen=True)
