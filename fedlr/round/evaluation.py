@@ -88,10 +88,7 @@ def aggregate_evaluation(
         contents.append(without_helper_metrics(message.content))
     if not contents:
         return None
-    result: MetricRecord | None = strategy.evaluate_metrics_aggr_fn(
-        contents, strategy.weighted_by_key
-    )
-    return result
+    return strategy.evaluate_metrics_aggr_fn(contents, strategy.weighted_by_key)
 
 
 def aggregate_personal_evaluation(

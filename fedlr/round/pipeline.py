@@ -45,15 +45,12 @@ from fedlr.round.value import Round
 from fedlr.wire.updates import ClientUpdate
 
 __all__ = [
-    "NUMERIC_FAULTS",
     "Exchange",
     "RoundHooks",
     "aggregate_accepted",
     "aggregate_round",
     "method_result",
-    "method_state",
     "publish",
-    "restore_method_state",
     "run_round",
 ]
 

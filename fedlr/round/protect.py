@@ -386,15 +386,11 @@ class ClientDpStep:
         self, server_round: int, done: Protected, current: Mapping[str, torch.Tensor]
     ) -> Protected:
         updates, metrics = done.updates, dict(done.metrics)
-        settings, ledger = (
-            self.strategy.privacy.client_dp,
-            self.strategy.client_dp_ledger,
-        )
+        settings = self.strategy.privacy.client_dp
         if settings is not None:
-            if ledger is None:
-                raise RuntimeError(
-                    "client-level DP is on but the strategy has no ledger"
-                )
+            ledger = self.strategy.client_dp_ledger
+            if ledger is None:  # a strategy makes one whenever client DP is on
+                raise RuntimeError("client-level DP is on without its ledger")
             updates, privacy = privatize(
                 updates,
                 current,

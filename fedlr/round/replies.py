@@ -259,16 +259,9 @@ class Replies:
             except ReplyValidationError as exc:
                 dropped.append(str(exc))
             except Exception as exc:  # untrusted input: never crash
-                node = node_of(message)
-                dropped.append(
-                    str(
-                        ReplyValidationError(
-                            node,
-                            f"reply could not be checked: {type(exc).__name__}: "
-                            f"{short(str(exc))}",
-                        )
-                    )
-                )
+                error = f"{type(exc).__name__}: {short(str(exc))}"
+                reason = f"reply could not be checked: {error}"
+                dropped.append(str(ReplyValidationError(node_of(message), reason)))
         updates.sort(key=lambda u: (u.partition_id, u.node_id))
         return updates, dropped
 
