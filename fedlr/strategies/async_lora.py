@@ -112,8 +112,7 @@ class AsyncOptions(NoOptions):
         super().check()
         if self.async_trace and not self.async_trace.startswith("/"):
             raise ConfigError(
-                "async-trace",
-                f"must be an absolute path, got {self.async_trace!r}",
+                "async-trace", f"must be an absolute path, got {self.async_trace!r}"
             )
 
 
@@ -221,12 +220,7 @@ class AsyncLoraStrategy(LoraStrategy):
     """
 
     asynchronous: ClassVar[bool] = True
-    extra_columns = (
-        "virtual-time",
-        "staleness-mean",
-        "staleness-max",
-        "dropped-stale",
-    )
+    extra_columns = ("virtual-time", "staleness-mean", "staleness-max", "dropped-stale")
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

@@ -60,8 +60,7 @@ class FedAdagradOptions(NoOptions):
     summary="FedAvg of A and B as Adagrad's pseudo-gradient on the server",
     sum_only=True,
     client_contract=ClientContract(
-        carries="as FedAvg",
-        helpers="nothing: Adagrad on the server only",
+        carries="as FedAvg", helpers="nothing: Adagrad on the server only"
     ),
 )
 class FedAdagradLoRA(AdaptiveServerLoRA):

@@ -228,8 +228,7 @@ class AdaptiveServerLoRA(LoraStrategy):
     summary="FedAvg of A and B as Adam's pseudo-gradient on the server",
     sum_only=True,
     client_contract=ClientContract(
-        carries="as FedAvg",
-        helpers="nothing: Adam on the server only",
+        carries="as FedAvg", helpers="nothing: Adam on the server only"
     ),
 )
 class FedAdamLoRA(AdaptiveServerLoRA):

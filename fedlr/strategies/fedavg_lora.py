@@ -28,8 +28,7 @@ __all__ = ["FedAvgLoRA"]
     summary="FedIT: weighted means of A and B",
     sum_only=True,
     client_contract=ClientContract(
-        carries="`A`, `B`, head",
-        helpers="load; train all three",
+        carries="`A`, `B`, head", helpers="load; train all three"
     ),
 )
 class FedAvgLoRA(LoraStrategy):

@@ -69,8 +69,7 @@ class ServerMomentumOptions(NoOptions):
     summary="FedAvg of A and B as a pseudo-gradient, with server momentum",
     sum_only=True,
     client_contract=ClientContract(
-        carries="as FedAvg",
-        helpers="nothing: server momentum only",
+        carries="as FedAvg", helpers="nothing: server momentum only"
     ),
 )
 class FedAvgMLoRA(FedAvgLoRA):

@@ -55,13 +55,7 @@ from flwr.app import ArrayRecord, MetricRecordValues, RecordDict
 from fedlr.adapters.lora import LoraModel
 from fedlr.adapters.plugin import lora_layers
 from fedlr.adapters.roles import Role
-from fedlr.client.features import (
-    Bound,
-    ClientFeature,
-    Record,
-    RoundJob,
-    StepTogether,
-)
+from fedlr.client.features import Bound, ClientFeature, Record, RoundJob, StepTogether
 from fedlr.client_apps.payloads import LORA
 from fedlr.errors import ProtocolError
 from fedlr.flower.records import config_float, config_int, record_to_state

@@ -129,9 +129,7 @@ DOWNLINK_HELP = (
 def downlink_option() -> Any:
     """The ``fedex-downlink`` key, declared once for every method reading it."""
     return option(
-        "factored",
-        DOWNLINK_HELP,
-        bad=[("sparse", r"one of \['factored', 'dense'\]")],
+        "factored", DOWNLINK_HELP, bad=[("sparse", r"one of \['factored', 'dense'\]")]
     )
 
 

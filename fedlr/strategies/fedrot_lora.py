@@ -75,11 +75,7 @@ _ROLES = {Role.LORA_A.value: Role.LORA_A, Role.LORA_B.value: Role.LORA_B}
 
 # ------------------------------------------------------------------ kernel
 def procrustes_rotation(
-    factor: torch.Tensor,
-    reference: torch.Tensor,
-    *,
-    role: Role,
-    strength: float = 1.0,
+    factor: torch.Tensor, reference: torch.Tensor, *, role: Role, strength: float = 1.0
 ) -> torch.Tensor:
     """The orthogonal ``R`` (r x r) that best aligns ``factor`` to ``reference``.
 
@@ -162,10 +158,7 @@ def align_factors(
     """
     factor = a if role is Role.LORA_A else b
     rotation = procrustes_rotation(factor, reference, role=role, strength=strength)
-    return (
-        (rotation.T @ a.double()).to(a.dtype),
-        (b.double() @ rotation).to(b.dtype),
-    )
+    return ((rotation.T @ a.double()).to(a.dtype), (b.double() @ rotation).to(b.dtype))
 
 
 # ------------------------------------------------------------------ client

@@ -63,8 +63,7 @@ class FedYogiOptions(NoOptions):
     summary="FedAvg of A and B as Yogi's pseudo-gradient on the server",
     sum_only=True,
     client_contract=ClientContract(
-        carries="as FedAvg",
-        helpers="nothing: Yogi on the server only",
+        carries="as FedAvg", helpers="nothing: Yogi on the server only"
     ),
 )
 class FedYogiLoRA(AdaptiveServerLoRA):

@@ -15,15 +15,9 @@ from typing import ClassVar
 import torch
 
 from fedlr.client_apps.payloads import LORA
-from fedlr.linalg import (
-    flexlora_factors,
-)
+from fedlr.linalg import flexlora_factors
 from fedlr.robust.spaces import PRODUCT
-from fedlr.strategies.hetero import (
-    HeteroRankLoRA,
-    LayerResult,
-    LayerUpdates,
-)
+from fedlr.strategies.hetero import HeteroRankLoRA, LayerResult, LayerUpdates
 from fedlr.strategies.registration import ClientContract, register_method
 
 __all__ = ["FlexLoRA"]

@@ -16,18 +16,11 @@ import torch
 
 from fedlr.adapters.roles import Role
 from fedlr.client_apps.payloads import LORA
-from fedlr.linalg import (
-    factored_frobenius_norm,
-    stacked_update,
-)
+from fedlr.linalg import factored_frobenius_norm, stacked_update
 from fedlr.robust.spaces import PRODUCT
 from fedlr.strategies.base import ClientUpdate
 from fedlr.strategies.fedex_downlink import DownlinkOptions
-from fedlr.strategies.hetero import (
-    HeteroFoldLoRA,
-    LayerResult,
-    LayerUpdates,
-)
+from fedlr.strategies.hetero import HeteroFoldLoRA, LayerResult, LayerUpdates
 from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.wire.downlink import lowrank_delta
 

@@ -56,11 +56,7 @@ from fedlr.client.features import Record
 from fedlr.client_apps.payloads import GPSE
 from fedlr.config.run import RunConfig
 from fedlr.errors import ReplyValidationError
-from fedlr.linalg.fot import (
-    expand_basis,
-    project_update,
-    weighted_residual_fraction,
-)
+from fedlr.linalg.fot import expand_basis, project_update, weighted_residual_fraction
 from fedlr.options import Options, option
 from fedlr.robust.spaces import ParameterSpace, RecordSpace, UpdateSpace
 from fedlr.round.describe import app_arguments
@@ -104,11 +100,7 @@ class FedAvgContinual(FedLRStrategy):
     method_options: ContinualOptions
 
     def __init__(
-        self,
-        *,
-        shapes: Mapping[str, tuple[int, ...]],
-        lr: float,
-        **kwargs: Any,
+        self, *, shapes: Mapping[str, tuple[int, ...]], lr: float, **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
         self.shapes = {k: tuple(v) for k, v in shapes.items()}
@@ -290,12 +282,7 @@ class FOT(FedAvgContinual):
 
     replies_type: ClassVar[type[Replies]] = FotReplies
 
-    def __init__(
-        self,
-        *,
-        projected: Sequence[str],
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, *, projected: Sequence[str], **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.dims: dict[str, int] = {}
         for name in projected:

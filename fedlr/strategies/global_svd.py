@@ -45,12 +45,7 @@ from fedlr.adapters.roles import AdapterLayout, Role
 from fedlr.client.features import Bound, ClientFeature, RoundJob
 from fedlr.client_apps.payloads import LORA
 from fedlr.errors import ProtocolError
-from fedlr.linalg import (
-    DEFAULT_COST_MODEL,
-    local_svd_factors,
-    pad_factors,
-    updates_svd,
-)
+from fedlr.linalg import DEFAULT_COST_MODEL, local_svd_factors, pad_factors, updates_svd
 from fedlr.robust.spaces import PRODUCT
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.lora_svd import PersonalArrays, PersonalLoraStrategy

@@ -65,9 +65,7 @@ from fedlr.adapters.ranks import leading_rank
 from fedlr.adapters.roles import AdapterLayout, LoraModule, Role
 from fedlr.config.run import RunConfig
 from fedlr.flower.records import record_nbytes, record_to_state, state_to_record
-from fedlr.linalg import (
-    factors_for_rank,
-)
+from fedlr.linalg import factors_for_rank
 from fedlr.round.replies import Replies
 from fedlr.strategies.base import ClientUpdate, RoundReport, weighted_means
 from fedlr.strategies.fedex_downlink import FactoredDownlink

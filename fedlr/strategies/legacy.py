@@ -229,8 +229,7 @@ class LegacyStrategy(Strategy):
         record = ArrayRecord(state)
         available = client_manager.num_available()
         size = max(
-            int(available * self.strategy.fraction_train),
-            self.strategy.min_train_nodes,
+            int(available * self.strategy.fraction_train), self.strategy.min_train_nodes
         )
         clients = client_manager.sample(
             num_clients=min(size, available) if available else size,

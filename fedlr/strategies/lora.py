@@ -11,12 +11,7 @@ from flwr.app import ArrayRecord
 from flwr.supercore import log
 
 from fedlr.adapters.lora import LoraModel
-from fedlr.adapters.plugin import (
-    adapted,
-    check_layout,
-    conform_lora,
-    load_from_initial,
-)
+from fedlr.adapters.plugin import adapted, check_layout, conform_lora, load_from_initial
 from fedlr.adapters.roles import AdaptedModel, AdapterLayout, Role
 from fedlr.client.features import RoundJob
 from fedlr.config.run import RunConfig
@@ -127,10 +122,7 @@ class LoraStrategy(FedLRStrategy):
 
     @classmethod
     def from_run_config(
-        cls,
-        config: RunConfig,
-        layout: AdapterLayout,
-        options: Options | None = None,
+        cls, config: RunConfig, layout: AdapterLayout, options: Options | None = None
     ) -> Self:
         """Build from the run config's common keys and the method's options.
 

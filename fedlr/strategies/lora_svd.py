@@ -38,13 +38,7 @@ from fedlr.adapters.roles import AdaptedModel, AdapterLayout, Role
 from fedlr.adapters.sorf_vera import SorfVeraLayout
 from fedlr.adapters.vera import VeraLayout
 from fedlr.client.checks import role_groups
-from fedlr.client.features import (
-    ClientFeature,
-    Expected,
-    Incoming,
-    Record,
-    RoundJob,
-)
+from fedlr.client.features import ClientFeature, Expected, Incoming, Record, RoundJob
 from fedlr.config.run import RunConfig
 from fedlr.errors import ReplyValidationError
 from fedlr.flower.records import record_to_state, state_to_record
@@ -331,8 +325,7 @@ class SeededLoraStrategy(LoraStrategy):
             for name, (bs, as_) in client_factors.items()
         }
         return self._report(
-            {name: n.pair for name, n in norms.items()},
-            **gap_summary(norms.values()),
+            {name: n.pair for name, n in norms.items()}, **gap_summary(norms.values())
         )
 
     def _report(

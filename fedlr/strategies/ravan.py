@@ -247,10 +247,7 @@ class RavanHeads(ClientFeature):
     keeps nothing.
     """
 
-    keys = (
-        Bound(RAVAN_HEADS, "int", 1, 4096),
-        Bound(RAVAN_SEED, "int", 0, 2**62),
-    )
+    keys = (Bound(RAVAN_HEADS, "int", 1, 4096), Bound(RAVAN_SEED, "int", 0, 2**62))
     sends = (
         Record(RAVAN_CORES, "`s_h H_h` of every head, (N, r, r) per adapted layer"),
     )
@@ -358,9 +355,7 @@ class CoreSpace(UpdateSpace):
     """
 
     def __init__(
-        self,
-        reference: Mapping[str, torch.Tensor],
-        cores: Mapping[str, torch.Tensor],
+        self, reference: Mapping[str, torch.Tensor], cores: Mapping[str, torch.Tensor]
     ) -> None:
         self.reference = reference
         self.cores = cores

@@ -423,9 +423,7 @@ def _check_bound(
 
 
 def _settle(
-    kept: ArrayRecord | None,
-    control: Mapping[str, torch.Tensor],
-    config: ConfigRecord,
+    kept: ArrayRecord | None, control: Mapping[str, torch.Tensor], config: ConfigRecord
 ) -> dict[str, torch.Tensor]:
     """The node's ``c_i`` after this instruction (nothing is written).
 

@@ -40,11 +40,7 @@ import torch
 from flwr.app import ArrayRecord, Message
 from flwr.supercore import log
 
-from fedlr.adapters.plugin import (
-    check_projection_model,
-    load_from_initial,
-    vera_view,
-)
+from fedlr.adapters.plugin import check_projection_model, load_from_initial, vera_view
 from fedlr.adapters.roles import AdaptedModel, Role, RoleLayout
 from fedlr.adapters.vera import VeraLayout, VeraModel
 from fedlr.client_apps.payloads import VERA
@@ -363,9 +359,7 @@ class VeraFedExOptions(VeraOptions, DownlinkOptions):
     """VeRA-FedEx's run-config keys (the ``vera`` payload's and its own)."""
 
     fedex_lr: float = option(
-        1.0,
-        "fraction of the residual folded into W0 (1 = exact)",
-        range="(0, 1]",
+        1.0, "fraction of the residual folded into W0 (1 = exact)", range="(0, 1]"
     )
     fedex_downlink: str = downlink_option()
 
