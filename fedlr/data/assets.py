@@ -62,6 +62,7 @@ __all__ = [
     "asset_path",
     "cache_dir",
     "ensure_assets",
+    "file_sha256",
     "is_present",
     "main",
     "minilm_path",
@@ -437,11 +438,12 @@ def verify_asset_file(name: str, path: Path) -> None:
         If the file's hash differs from the asset's (the file is not read).
     """
     expected = _spec(name).sha256
-    if expected is not None and (got := _sha256(path)) != expected:
+    if expected is not None and (got := file_sha256(path)) != expected:
         raise AssetIntegrityError(name, path, got, expected)
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file (hex), read a block at a time."""
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 20), b""):
@@ -461,7 +463,7 @@ def _fetch_file(spec: AssetSpec, archive: Path, target: Path) -> None:
                     spec.name, f"{archive.name} has no member '{spec.member}'"
                 )
             arc.copy_to(spec.member, tmp)
-        if spec.sha256 is not None and (got := _sha256(tmp)) != spec.sha256:
+        if spec.sha256 is not None and (got := file_sha256(tmp)) != spec.sha256:
             raise AssetFetchError(
                 spec.name,
                 f"SHA-256 of '{spec.member}' is {got}, expected {spec.sha256}",

@@ -69,6 +69,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedlr.data.assets import file_sha256
 from fedlr.errors import (
     CheckpointError,
     CheckpointLayoutError,
@@ -158,14 +159,6 @@ def _plain(value: Any) -> Any:
 
 def _sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _read_manifest(run_dir: Path) -> list[dict[str, Any]]:
@@ -359,7 +352,7 @@ def read_checkpoint(path: Path, sha256: str | None = None) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"{path} is missing")
     if sha256 is not None:
-        actual = _sha256(path)
+        actual = file_sha256(path)
         if actual != sha256:
             raise CheckpointError(
                 f"{path} has SHA-256 {actual[:16]}..., the manifest "
