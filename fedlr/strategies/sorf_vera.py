@@ -42,13 +42,9 @@ from flwr.supercore import log
 
 from fedlr.adapters.roles import Role, RoleLayout
 from fedlr.adapters.sorf_vera import SorfVeraLayout, SorfVeraModule, layer_signs
-from fedlr.adapters.vera import VeraModel
 from fedlr.client_apps.payloads import SORF_VERA
-from fedlr.config.run import RunConfig
 from fedlr.linalg import mean_lambda_d_rot, refit_layer, weighted_mean
 from fedlr.linalg.sorf_pair_signs import SIGN_RULES
-from fedlr.options import Options
-from fedlr.round.describe import app_arguments
 from fedlr.strategies.base import ClientUpdate, RoundReport
 from fedlr.strategies.registration import ClientContract, register_method
 from fedlr.strategies.vera import ProjectionChecked
@@ -134,26 +130,6 @@ class SorfVeRA(ProjectionChecked):
         self.projection_rank = layout.rank
         self.sign_search = sign_search
 
-    @classmethod
-    def from_run_config(
-        cls, config: RunConfig, vm: VeraModel, options: Options | None = None
-    ) -> SorfVeRA:
-        """Build from the run config and the server's model (the projections).
-
-        ``options`` (:class:`~fedlr.tasks.vera.SorfVeraOptions`) shaped the
-        model; the strategy keeps them (:attr:`method_options`) and reads
-        nothing more from them.
-        """
-        if not isinstance(vm.layout, SorfVeraLayout):
-            raise TypeError("SORF-VeRA needs a SorfVeraLayout")
-        return cls(
-            layout=vm.layout,
-            projection_a=vm.projection_a,
-            projection_b=vm.projection_b,
-            options=options,
-            **app_arguments(cls, config),
-        )
-
     def summary(self) -> None:
         """Log the settings, then FedAvg's."""
         log(
@@ -167,12 +143,6 @@ class SorfVeRA(ProjectionChecked):
             self.sign_search,
         )
         super().summary()
-
-    def round_config(self, server_round: int) -> dict[str, Any]:
-        return {
-            "train-roles": ",".join(role.value for role in self.train_roles),
-            **self.projection_config(),
-        }
 
     def averaged_lambda(
         self, module: SorfVeraModule, updates: list[ClientUpdate]

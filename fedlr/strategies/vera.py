@@ -124,6 +124,28 @@ class ProjectionChecked(FedLRStrategy):
     projection_seed: int
     projection_rank: int
 
+    @classmethod
+    def from_run_config(
+        cls, config: RunConfig, vm: VeraModel, options: Options | None = None
+    ) -> Self:
+        """Build from the run config's common keys, the method's options and
+        the server's model (the projections, of a ``layout_type`` layout)."""
+        if not isinstance(vm.layout, cls.layout_type):
+            raise TypeError(f"{cls.__name__} needs a {cls.layout_type.__name__}")
+        return cls(
+            layout=vm.layout,
+            projection_a=vm.projection_a,
+            projection_b=vm.projection_b,
+            options=options,
+            **app_arguments(cls, config),
+        )
+
+    def round_config(self, server_round: int) -> dict[str, Any]:
+        return {
+            protocol.TRAIN_ROLES: protocol.encode_roles(self.train_roles),
+            **self.projection_config(),
+        }
+
     def projection_config(self) -> dict[str, Any]:
         """ConfigRecord values every client checks its projections against."""
         return {
@@ -263,22 +285,6 @@ class VeraStrategy(ProjectionChecked):
         self.projection_seed = layout.projection_seed
         self.projection_rank = layout.rank
 
-    @classmethod
-    def from_run_config(
-        cls, config: RunConfig, vm: VeraModel, options: Options | None = None
-    ) -> Self:
-        """Build from the run config's common keys, the method's options and
-        the server's model (the projections)."""
-        if not isinstance(vm.layout, VeraLayout):
-            raise TypeError("a VeRA strategy needs a VeraLayout")
-        return cls(
-            layout=vm.layout,
-            projection_a=vm.projection_a,
-            projection_b=vm.projection_b,
-            options=options,
-            **app_arguments(cls, config),
-        )
-
     def summary(self) -> None:
         """Log the settings, then FedAvg's."""
         log(
@@ -290,12 +296,6 @@ class VeraStrategy(ProjectionChecked):
             self.layout.projection_seed,
         )
         super().summary()
-
-    def round_config(self, server_round: int) -> dict[str, Any]:
-        return {
-            protocol.TRAIN_ROLES: protocol.encode_roles(self.train_roles),
-            **self.projection_config(),
-        }
 
     def projections(self, d_out: int, d_in: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``A[:, :d_in]`` and ``B[:d_out]`` of a layer."""
