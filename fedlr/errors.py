@@ -311,9 +311,7 @@ class RankMismatchError(FedLRError, ValueError):
     """
 
     def __init__(
-        self,
-        layer: str,
-        shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]],
+        self, layer: str, shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
     ) -> None:
         self.layer = layer
         self.shapes = shapes

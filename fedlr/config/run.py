@@ -64,9 +64,7 @@ class RunConfig(Options):
     )
     num_server_rounds: int = option(15, "federated rounds", range=">= 1")
     local_steps: int = option(
-        5,
-        "local optimiser steps per client per round",
-        range=">= 1",
+        5, "local optimiser steps per client per round", range=">= 1"
     )
     lr: float = option(
         3e-3,
@@ -105,9 +103,7 @@ class RunConfig(Options):
         range=">= 1",
     )
     max_length: int = option(
-        64,
-        "tokens per example (longer texts are truncated)",
-        range="[8, 4096]",
+        64, "tokens per example (longer texts are truncated)", range="[8, 4096]"
     )
     model: str = option(
         "minilm",
@@ -140,14 +136,10 @@ class RunConfig(Options):
         bad=[("2,x", "not an integer"), ("2,0", "ranks must be >= 1")],
     )
     lora_alpha: float = option(
-        16.0,
-        "LoRA alpha; the scaling is alpha / r",
-        range="> 0",
+        16.0, "LoRA alpha; the scaling is alpha / r", range="> 0"
     )
     lora_dropout: float = option(
-        0.0,
-        "dropout on the LoRA branch input",
-        range="[0, 1)",
+        0.0, "dropout on the LoRA branch input", range="[0, 1)"
     )
     target_modules: str = option(
         "auto",
@@ -204,9 +196,7 @@ class RunConfig(Options):
         bad=[("no_such_fedlr_extension", "cannot import")],
     )
     partitioner: str = option(
-        "dirichlet",
-        "`iid`, `dirichlet` or `pathological`",
-        choices=PARTITIONERS,
+        "dirichlet", "`iid`, `dirichlet` or `pathological`", choices=PARTITIONERS
     )
     dirichlet_alpha: float = option(
         0.5,
@@ -238,9 +228,7 @@ class RunConfig(Options):
         range="(0, 1)",
     )
     max_eval_examples: int = option(
-        0,
-        "cap on the held-out examples evaluated each round (`0`: all)",
-        range=">= 0",
+        0, "cap on the held-out examples evaluated each round (`0`: all)", range=">= 0"
     )
     fraction_train: float = option(
         1.0,

@@ -38,12 +38,7 @@ from fedlr.data.partition import FederatedSplit, PartitionConfig, split_dataset
 from fedlr.data.registry import load_dataset
 from fedlr.errors import FedLRError
 
-__all__ = [
-    "STREAMS",
-    "ContinualStream",
-    "StreamSpec",
-    "UnknownStreamError",
-]
+__all__ = ["STREAMS", "ContinualStream", "StreamSpec", "UnknownStreamError"]
 
 
 class UnknownStreamError(FedLRError, KeyError, ValueError):

@@ -170,10 +170,7 @@ _SOURCE_LABEL = datasets.ClassLabel(names=["train", "test"])
 
 
 def _instruction_dataset(
-    instructions: list[str],
-    responses: list[str],
-    answers: list[str],
-    splits: list[str],
+    instructions: list[str], responses: list[str], answers: list[str], splits: list[str]
 ) -> datasets.Dataset:
     """The registry's ``instruct`` schema; ``label`` is the source split."""
     strings = ("text", "instruction", "response", "answer", "split")

@@ -38,9 +38,7 @@ Data sets without an entry are normalised with mean 0.5 and std 0.5.
 """
 
 
-def pixel_arrays(
-    ds: datasets.Dataset,
-) -> tuple[NDArray[np.uint8], NDArray[np.int64]]:
+def pixel_arrays(ds: datasets.Dataset) -> tuple[NDArray[np.uint8], NDArray[np.int64]]:
     """An image data set's pixels ``(N, H, W[, 3])`` and labels, in its row order.
 
     Read straight from the Arrow storage (milliseconds, where the ``numpy``

@@ -773,10 +773,7 @@ def _check_partitioning(
 
 
 def _family_dirichlet(
-    families: Sequence[str],
-    num_partitions: int,
-    alpha: float,
-    rng: np.random.Generator,
+    families: Sequence[str], num_partitions: int, alpha: float, rng: np.random.Generator
 ) -> list[list[int]]:
     """``family-dirichlet`` (:func:`partition_examples`): each client's family
     mix from ``Dir(alpha)``, then the clients draw in seeded turns."""

@@ -137,10 +137,7 @@ def _name(common_name: str) -> x509.Name:
 
 
 def generate_tls_certificates(
-    out_dir: Path,
-    hosts: Sequence[str] = ("127.0.0.1", "localhost"),
-    *,
-    days: int = 365,
+    out_dir: Path, hosts: Sequence[str] = ("127.0.0.1", "localhost"), *, days: int = 365
 ) -> TlsFiles:
     """Write a self-signed CA and a server certificate for the SuperLink.
 

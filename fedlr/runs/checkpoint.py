@@ -243,11 +243,7 @@ def save_arrays(path: Path, arrays: Mapping[str, torch.Tensor]) -> None:
 
 
 def _write_error(
-    exc: OSError,
-    path: Path,
-    nbytes: int,
-    previous: int | None,
-    kept: str | None = None,
+    exc: OSError, path: Path, nbytes: int, previous: int | None, kept: str | None = None
 ) -> CheckpointWriteError:
     """The named error of a failed checkpoint write, saying what to do."""
     if kept is None:
@@ -477,11 +473,7 @@ def check_checkpoint_arrays(
 
 
 def check_checkpoint_state(
-    state: Any,
-    kept: Iterable[str],
-    *,
-    method: str,
-    source: str | Path,
+    state: Any, kept: Iterable[str], *, method: str, source: str | Path
 ) -> None:
     """Refuse a checkpoint's strategy state with a key the method does not keep.
 

@@ -163,8 +163,7 @@ def ensure_output_dir(path: Path) -> Path:
         )
     if path.exists() and not path.is_dir():
         raise ConfigError(
-            "output-dir",
-            f"'{path}' is a file, not a directory: move it away or {todo}",
+            "output-dir", f"'{path}' is a file, not a directory: move it away or {todo}"
         )
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -320,8 +319,7 @@ class ResultsWriter:
         _atomic_write_csv(self.frame, self.path)
         if layer_rows:
             _atomic_write_csv(
-                pd.DataFrame(layer_rows, columns=list(LAYER_COLUMNS)),
-                self.layers_path,
+                pd.DataFrame(layer_rows, columns=list(LAYER_COLUMNS)), self.layers_path
             )
         elif self.layers_path.is_file():
             self.layers_path.unlink()

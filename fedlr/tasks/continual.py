@@ -346,9 +346,7 @@ def sketch_layer_inputs(
 
 
 def stream_from_config(
-    config: RunConfig,
-    options: ContinualOptions,
-    num_partitions: int | None = None,
+    config: RunConfig, options: ContinualOptions, num_partitions: int | None = None
 ) -> ContinualStream:
     """The task stream named by ``dataset`` with the run's partitioning.
 

@@ -82,9 +82,7 @@ class EigenOptions(VisionOptions):
         bad=[(0, "must be >= 1")],
     )
     qrmix_oversample: int = option(
-        10,
-        "oversampling s of the subspace iteration (≥ 0)",
-        bad=[(-1, "must be >= 0")],
+        10, "oversampling s of the subspace iteration (≥ 0)", bad=[(-1, "must be >= 0")]
     )
     qrmix_power_iters: int = option(
         2, "power iterations q (≥ 0)", bad=[(-1, "must be >= 0")]

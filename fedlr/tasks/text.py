@@ -33,11 +33,7 @@ from fedlr.data.partition import FederatedSplit
 from fedlr.data.splits import dataset_split
 from fedlr.errors import ConfigError
 from fedlr.models import TEXT_MODELS, build_text_classifier, load_tokenizer
-from fedlr.models.causal import (
-    CAUSAL_MODELS,
-    build_causal_lm,
-    load_causal_tokenizer,
-)
+from fedlr.models.causal import CAUSAL_MODELS, build_causal_lm, load_causal_tokenizer
 from fedlr.tasks.lm import EncodedInstructions, encode_instructions, evaluate_lm
 from fedlr.wire import protocol
 
