@@ -586,6 +586,9 @@ def _launch(args: argparse.Namespace) -> int:
         federation["client-resources-num-gpus"] = args.client_gpus
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
+        # Ctrl-C stops the run even where SIGINT came in ignored (a script's
+        # background job: the shell sets SIGINT to SIG_IGN for `cmd &`)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         outcome = flwr_run(
             app,
