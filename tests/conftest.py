@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,34 @@ def pytest_configure(config: pytest.Config) -> None:
 
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
         torch.set_num_threads(max(1, cores // int(workers)))
+    # --dist loadfile hands out files in the order pytest_collection_modifyitems
+    # leaves them, not xdist's own order (most tests first), which put the
+    # single-test runs of minutes last, where one worker ran them alone.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def _file(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(trylast=True)  # after -m has deselected
+def pytest_collection_modifyitems(
+    config: pytest.Config, items: list[pytest.Item]
+) -> None:
+    """Longest first, so that no worker ends the stage alone on a long run.
+
+    Files with an ``early(seconds=...)`` test come first, longest first; then
+    the others by their number of tests, as pytest-xdist orders them. Items of
+    one file stay together and in their order."""
+    counts = Counter(_file(item) for item in items)
+    seconds: dict[str, float] = {}
+    for item in items:
+        mark = item.get_closest_marker("early")
+        if mark is not None:
+            file = _file(item)
+            seconds[file] = max(seconds.get(file, 0.0), float(mark.kwargs["seconds"]))
+    items.sort(key=lambda item: (-seconds.get(_file(item), 0.0), -counts[_file(item)]))
 
 
 def tiny_run_config(output_dir: Path, **overrides: Any) -> dict[str, Any]:

@@ -40,6 +40,7 @@ LM = {
 }
 
 
+@pytest.mark.early(seconds=74)
 @pytest.mark.parametrize(
     ("method", "model"),
     [
