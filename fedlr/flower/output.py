@@ -4,7 +4,10 @@ Flower's, Ray's and transformers' noise (the SuperNode-count hint, Ray's
 accelerator FutureWarning, weight-loading progress bars, Flower's per-round
 INFO lines) is kept out of the echo unless ``verbose``
 (:func:`is_noise`); fedlr's lines, warnings and errors stay, without ANSI
-colour codes when stdout is not a terminal (:class:`OutputStream`). Used by
+colour codes when stdout is not a terminal (:class:`OutputStream`). A
+traceback that ends in a fedlr error (a named refusal: every node refused its
+budget, no valid replies) is shown as that error's one line, once; any other
+traceback is shown whole. Used by
 :func:`fedlr.launch.flwr_run.flwr_run` and the comparison runner.
 """
 
@@ -30,6 +33,7 @@ _NOISE = re.compile(
     r"|^\s*warnings\.warn\("
     r"|\d+%\|"  # tqdm progress bars (model loading)
     r"|Loading weights"
+    r"|Manually terminating ClientAppActor"  # Ray's actors at the run's end
 )
 
 
@@ -53,6 +57,20 @@ _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 _RUN_ID = re.compile(r"Successfully started run (\d+)")
+
+_TRACEBACK = "Traceback (most recent call last):"
+_CHAINED = (
+    "The above exception was the direct cause of the following exception",
+    "During handling of the above exception, another exception occurred",
+)
+#: The last line of a traceback that ends in a fedlr error: it says it all.
+_FEDLR_ERROR = re.compile(r"fedlr\.errors\.\w+: ")
+#: Flower's lines after a ServerApp exception (its exit code and docs link).
+_FLOWER_EXIT = re.compile(
+    r"Exit Code: \d+"
+    r"|An unhandled exception occurred when running"
+    r"|For more information, visit: <https://flower\.ai"
+)
 
 
 def strip_ansi(line: str) -> str:
@@ -83,6 +101,9 @@ class OutputStream:
     run_id: str | None = None
     colour: bool | None = None
     """Keep ANSI colour codes in the echo; ``None``: only if stdout is a TTY."""
+    _traceback: list[str] | None = field(default=None, repr=False)
+    _errors_shown: set[str] = field(default_factory=set, repr=False)
+    _after_error: bool = field(default=False, repr=False)
 
     def read(self, stream: IO[str]) -> None:
         colour = self.colour
@@ -95,11 +116,52 @@ class OutputStream:
                     match = _RUN_ID.search(line)
                     if match:
                         self.run_id = match.group(1)
-                if self.echo and (self.verbose or not is_noise(line)):
-                    sys.stdout.write(line if colour else strip_ansi(line))
-                    sys.stdout.flush()
+                if self.echo:
+                    for shown in self._shown(line):
+                        sys.stdout.write(shown if colour else strip_ansi(shown))
+                        sys.stdout.flush()
         except (ValueError, OSError):  # the pipe was closed: the CLI is gone
             return
+
+    def _shown(self, line: str) -> list[str]:
+        """The lines to echo now for ``line`` (none while a traceback is read)."""
+        if self.verbose:
+            return [line]
+        plain = strip_ansi(line).rstrip("\n")
+        if self._traceback is not None:
+            self._traceback.append(line)
+            if not plain.strip() or plain.startswith((" ", "\t", *_CHAINED)):
+                return []
+            if _TRACEBACK not in plain:  # its last line: the exception
+                return self._traceback_shown(plain)
+            return []
+        if _TRACEBACK in plain or plain.startswith(_CHAINED):
+            self._traceback = [line]
+            return []
+        if self._after_error and (not plain.strip() or _FLOWER_EXIT.search(plain)):
+            return []
+        if is_noise(line):
+            return []
+        self._after_error = False
+        return [line]
+
+    def _traceback_shown(self, last: str) -> list[str]:
+        """A finished traceback: its fedlr error's one line (once), else whole.
+
+        A traceback chained to a fedlr error already shown (Flower re-raising
+        it) says nothing more."""
+        block, self._traceback = self._traceback or [], None
+        error = _FEDLR_ERROR.search(last)
+        if error is not None:
+            said = last[error.start() :]
+            self._after_error = True
+            if said in self._errors_shown:
+                return []
+            self._errors_shown.add(said)
+            return [said + "\n"]
+        if self._after_error and strip_ansi(block[0]).startswith(_CHAINED):
+            return []
+        return block
 
     @property
     def text(self) -> str:

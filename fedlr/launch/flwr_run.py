@@ -603,8 +603,8 @@ def _launch(args: argparse.Namespace) -> int:
     except RunInterrupted as exc:
         _LOG.error("fedlr: %s", exc)
         return 130
-    except FlwrRunError as exc:
-        _LOG.error("%s", exc)
+    except FlwrRunError as exc:  # its output, echoed above, says why
+        _LOG.error("fedlr: %s", str(exc).splitlines()[0].rstrip(":"))
         return 1
     _LOG.info("fedlr: run %s: %s", outcome.run_id, outcome.status)
     return 0

@@ -242,6 +242,60 @@ def test_verbose_echoes_flower_round_lines_and_a_terminal_keeps_colour(capsys):
     assert out.count("\x1b[") == 2 * 6 + 2 * 4  # every colour code kept
 
 
+def _flower_failure(error: Exception) -> str:
+    """A ServerApp failing with ``error``, as `flwr run --stream` prints it:
+    Flower's ERROR line and traceback, its re-raise chained to it, its exit
+    code lines; the same text twice (the ServerApp thread and the simulation)."""
+    import traceback
+
+    def server_app() -> None:
+        raise error
+
+    try:
+        try:
+            server_app()
+        except Exception as exc:
+            raise RuntimeError("An error was encountered. Ending simulation.") from exc
+    except RuntimeError:
+        chained = traceback.format_exc()
+    text = (
+        "\x1b[91mERROR \x1b[0m:     Simulation raised an exception\n"
+        + chained
+        + "\x1b[91mERROR \x1b[0m:     Exit Code: 700\n\n"
+        "An unhandled exception occurred when running the simulation.\n\n"
+        "For more information, visit: <https://flower.ai/docs/framework/1.41/en/"
+        "ref-exit-codes/700.html>\n"
+    )
+    return text + text
+
+
+def test_a_traceback_ending_in_a_fedlr_error_is_its_one_line(capsys):
+    from fedlr.errors import NoValidRepliesError
+
+    error = NoValidRepliesError(3, 0, 1, ["reply from node 7 rejected: budget"])
+    stream = OutputStream(echo=True, verbose=False, colour=False)
+    text = _flower_failure(error) + "INFO :      fedlr: a line after\n"
+    stream.read(io.StringIO(text))
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        "ERROR :     Simulation raised an exception",
+        f"fedlr.errors.NoValidRepliesError: {error}",
+        "ERROR :     Simulation raised an exception",  # its second copy: one line
+        "INFO :      fedlr: a line after",
+    ]
+    assert stream.text == text  # kept whole
+
+
+def test_any_other_traceback_is_shown_whole_and_verbose_shows_everything(capsys):
+    text = _flower_failure(ValueError("a bug"))
+    OutputStream(echo=True, verbose=False, colour=False).read(io.StringIO(text))
+    out = capsys.readouterr().out
+    assert out.count("Traceback (most recent call last):") == 4
+    assert out.count("ValueError: a bug") == 2 and "Exit Code: 700" in out
+    OutputStream(echo=True, verbose=True, colour=True).read(io.StringIO(text))
+    assert capsys.readouterr().out == text
+
+
 # ------------------------------------------- another run on the same machine
 def test_the_flwr_home_fixture_ignores_another_superlink(tmp_path):
     other = subprocess.Popen(  # a stand-in for someone's `flower-superlink`
