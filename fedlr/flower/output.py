@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import IO
 
-__all__ = ["OutputStream", "is_noise", "strip_ansi"]
+__all__ = ["OutputStream", "is_noise", "isatty", "strip_ansi"]
 
 #: Lines of Flower, Ray and transformers that say nothing about the run:
 #: dropped from the output unless ``verbose`` (they stay in the SuperLink log).
@@ -108,7 +108,7 @@ class OutputStream:
     def read(self, stream: IO[str]) -> None:
         colour = self.colour
         if colour is None:
-            colour = _isatty(sys.stdout)
+            colour = isatty(sys.stdout)
         try:
             for line in stream:
                 self.lines.append(line)
@@ -168,8 +168,9 @@ class OutputStream:
         return "".join(self.lines)
 
 
-def _isatty(stream: IO[str]) -> bool:
+def isatty(stream: object) -> bool:
+    """Whether ``stream`` is a terminal (False for a closed or odd stream)."""
     try:
-        return stream.isatty()
+        return bool(stream.isatty())  # type: ignore[attr-defined]
     except (AttributeError, ValueError):
         return False

@@ -45,7 +45,7 @@ matplotlib.use("Agg")
 from transformers.utils import logging as hf_logging
 
 from fedlr.errors import ConfigError, FedLRError
-from fedlr.flower.output import is_noise
+from fedlr.flower.output import is_noise, isatty
 from fedlr.flower.superlink import FlwrRunError
 from fedlr.launch.flwr_run import RunInterrupted, cli_logging, flwr_run
 from fedlr.launch.local import run_in_process
@@ -324,7 +324,7 @@ def _flower_lines_once(verbose: bool = False) -> Iterator[None]:
         if isinstance(handler, logging.StreamHandler) and hasattr(handler, "colored")
     }
     for handler in coloured:
-        handler.colored = _is_terminal(handler.stream)
+        handler.colored = isatty(handler.stream)
     try:
         yield
     finally:
@@ -332,14 +332,6 @@ def _flower_lines_once(verbose: bool = False) -> Iterator[None]:
         flower.removeFilter(quiet)
         for handler, colour in coloured.items():
             handler.colored = colour
-
-
-def _is_terminal(stream: object) -> bool:
-    isatty = getattr(stream, "isatty", None)
-    try:
-        return bool(isatty()) if callable(isatty) else False
-    except ValueError:  # a closed stream
-        return False
 
 
 class _NoiseFilter(logging.Filter):
