@@ -18,6 +18,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import IO
 
+from fedlr.errors import FedLRError
+
 __all__ = ["OutputStream", "is_noise", "isatty", "strip_ansi"]
 
 #: Lines of Flower, Ray and transformers that say nothing about the run:
@@ -64,7 +66,7 @@ _CHAINED = (
     "During handling of the above exception, another exception occurred",
 )
 #: The last line of a traceback that ends in a fedlr error: it says it all.
-_FEDLR_ERROR = re.compile(r"fedlr\.errors\.\w+: ")
+_FEDLR_ERROR = re.compile(re.escape(FedLRError.__module__) + r"\.\w+: ")
 #: Flower's lines after a ServerApp exception (its exit code and docs link).
 _FLOWER_EXIT = re.compile(
     r"Exit Code: \d+"
@@ -130,11 +132,12 @@ class OutputStream:
         plain = strip_ansi(line).rstrip("\n")
         if self._traceback is not None:
             self._traceback.append(line)
-            if not plain.strip() or plain.startswith((" ", "\t", *_CHAINED)):
-                return []
-            if _TRACEBACK not in plain:  # its last line: the exception
-                return self._traceback_shown(plain)
-            return []
+            last = (  # the exception's line ends the traceback
+                plain.strip()
+                and not plain.startswith((" ", "\t", *_CHAINED))
+                and _TRACEBACK not in plain
+            )
+            return self._traceback_shown(plain) if last else []
         if _TRACEBACK in plain or plain.startswith(_CHAINED):
             self._traceback = [line]
             return []
