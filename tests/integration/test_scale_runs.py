@@ -3,9 +3,11 @@
 The configuration of ``benchmarks/scale_runs.py`` (docs/results.md,
 "1,000 clients"): the default run (fedex-lora, MiniLM on polarity) with
 ``num-partitions=1000 fraction-train=0.1``, the ``iid`` partitioner and
-``min-partition-size=3`` (3 or 4 sentences per client), 2 rounds. To keep the
-tests short each client takes one local step and the server evaluates 200
-held-out sentences (the benchmark: two steps, all 800).
+``min-partition-size=3`` (3 or 4 sentences per client). To keep the tests
+short each client takes one local step and the server evaluates 200 held-out
+sentences (the benchmark: two steps, all 800); the in-process test runs 2
+rounds (the sample is drawn afresh each round), the Ray test 1 (a round is
+most of its time: 100 FedEx downlinks with the dense base, 7.4 MB each).
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ SAMPLED = 100
 SHORT = {"local-steps": 1, "max-eval-examples": 200}
 
 
-def _check_results(run_dir: Path) -> pd.DataFrame:
+def _check_results(run_dir: Path, rounds: int) -> pd.DataFrame:
     frame = pd.read_csv(run_dir / "results.csv")
-    assert frame["round"].tolist() == [1, 2]
-    assert frame["clients"].tolist() == [SAMPLED, SAMPLED]
+    assert frame["round"].tolist() == list(range(1, rounds + 1))
+    assert frame["clients"].tolist() == [SAMPLED] * rounds
     assert (frame["dropped"] == 0).all()
     for column in ("accuracy", "loss", "train-loss"):
         assert all(math.isfinite(v) for v in frame[column]), column
@@ -58,7 +60,7 @@ def test_thousand_clients_in_process(tmp_path, assets):
         return reply
 
     run_dir = run_in_process(config, reply_hook=note)
-    _check_results(run_dir)
+    _check_results(run_dir, rounds=2)
     assert sorted(trained) == [1, 2]
     for partitions in trained.values():
         assert len(partitions) == len(set(partitions)) == SAMPLED
@@ -67,12 +69,12 @@ def test_thousand_clients_in_process(tmp_path, assets):
     assert set(examples) <= {3, 4}  # 3,200 training sentences, 1,000 clients
 
 
-@pytest.mark.early(seconds=351)
+@pytest.mark.early(seconds=230)
 def test_thousand_clients_on_the_ray_engine(tmp_path, assets, flwr_home):
     from fedlr.launch.flwr_run import flwr_run
 
     output = tmp_path / "out"
-    config = scale_config(output, rounds=2, extra=SHORT)
+    config = scale_config(output, rounds=1, extra=SHORT)
     outcome = flwr_run(
         ROOT,
         flwr_home=flwr_home,
@@ -82,4 +84,4 @@ def test_thousand_clients_on_the_ray_engine(tmp_path, assets, flwr_home):
     )
     assert outcome.status == "finished:completed"
     (results,) = output.glob("*/results.csv")
-    _check_results(results.parent)
+    _check_results(results.parent, rounds=1)

@@ -1,10 +1,11 @@
 """Secure aggregation (SecAgg+) under the real ``flwr run`` (Ray simulation).
 
-1. FedAvg-LoRA on three nodes, once plain and once with
-   ``secure-aggregation = true``: round 1's new global arrays (its
-   checkpoint) equal the plain weighted mean within the round's stated bound
-   (``secagg-bound``), the clients' training losses are identical, the final
-   accuracies agree, and the costs (bytes, seconds per round) are printed.
+1. FedAvg-LoRA on three nodes with ``secure-aggregation = true`` under
+   ``flwr run``, against the same run plain in process: round 1's new
+   global arrays (its checkpoint) equal the plain weighted mean within the
+   round's stated bound (``secagg-bound``), the clients' training losses are
+   identical, the final accuracies agree, and the costs (bytes, seconds per
+   round) are printed.
 2. A node that fails after sharing its keys (partition 0 raises at the
    masked-vector stage, in a ClientApp that wraps fedlr's): the round goes
    on with the other two, and the global arrays equal those of a plain
@@ -83,22 +84,23 @@ def _gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float,
     return gap, scale
 
 
-@pytest.mark.early(seconds=121)
+@pytest.mark.early(seconds=90)
 def test_secure_fedavg_lora_equals_plain_within_the_bound(tmp_path, assets, flwr_home):
     from fedlr.launch.flwr_run import flwr_run
+    from fedlr.launch.local import run_in_process
 
-    runs: dict[bool, Path] = {}
-    for secure in (False, True):
-        out = tmp_path / ("secure" if secure else "plain")
-        outcome = flwr_run(
-            ROOT,
-            flwr_home=flwr_home,
-            run_config=_config(out, secure),
-            federation_config={"num-supernodes": NODES},
-            timeout=600,
-        )
-        assert outcome.status == "finished:completed"
-        runs[secure] = _run_dir(out)
+    outcome = flwr_run(
+        ROOT,
+        flwr_home=flwr_home,
+        run_config=_config(tmp_path / "secure", True),
+        federation_config={"num-supernodes": NODES},
+        timeout=600,
+    )
+    assert outcome.status == "finished:completed"
+    # The plain run in process: the same apps, the same numbers as `flwr run`
+    # (tests/integration/test_simulation.py), one flwr run start-up less.
+    plain_config = {**_config(tmp_path / "plain", False), "num-partitions": NODES}
+    runs = {True: _run_dir(tmp_path / "secure"), False: run_in_process(plain_config)}
     plain = pd.read_csv(runs[False] / "results.csv")
     secure = pd.read_csv(runs[True] / "results.csv")
     assert secure["clients"].tolist() == [NODES, NODES]
