@@ -68,7 +68,7 @@ TABLES = {
 SUMMARIES = {
     "frontier": (
         "Newer LoRA methods on the LoRA-family task (MiniLM, polarity, "
-        "4 clients, Dirichlet 0.5, 6 rounds, 3 seeds)",
+        "4 clients, Dirichlet 0.5, 6 rounds, 5 seeds)",
         "fedavg-lora",
     ),
     "llm": (

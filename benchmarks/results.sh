@@ -8,8 +8,9 @@
 # privacy table, claims and plot (benchmarks/privacy.py); it is not in the
 # default list (about 1 h more on 2 cores). `frontier` runs the newer LoRA
 # methods (server optimisers, RoLoRA, SLoRA, FedRot-LoRA, ILoRA, RAVAN, FedDPA,
-# FedLEASE, HiLoRA, FedAsync, FedBuff) on the same task, 3 seeds, and tables
-# them beside lora-dirichlet's FedIT runs (about 50 min more; not default).
+# FedLEASE, HiLoRA, FedAsync, FedBuff) and FedIT on the same task, 5 seeds, and
+# tables them with each method's paired difference to FedIT (about 70 min
+# more; not default).
 #
 #   bash benchmarks/results.sh [NAME ...]     # default: every sweep
 #   ENGINE=flwr bash benchmarks/results.sh    # through `flwr run` instead
@@ -37,6 +38,7 @@ publish() {  # NAME: copy the sweep's table and plots into docs/results/NAME/
     mkdir -p "docs/results/$1"
     cp "$OUT/$1"/table.{md,csv} "$OUT/$1"/*.png "docs/results/$1/"
     [[ -f $OUT/$1/claims.md ]] && cp "$OUT/$1/claims.md" "docs/results/$1/"
+    [[ -f $OUT/$1/paired.md ]] && cp "$OUT/$1"/paired.{md,csv} "docs/results/$1/"
     return 0
 }
 
@@ -65,22 +67,24 @@ run_one() {
         done
         "$PY" -m fedlr.launch.compare table "$OUT"/svd-rank*/runs/*/*/ \
             --by lora-rank --out "$OUT/svd" >/dev/null ;;
-    frontier)  # the methods of issue 36 on lora-dirichlet's task, beside FedIT
+    frontier)  # the newer methods on lora-dirichlet's task, beside FedIT, 5 seeds
+        local five=0,1,2,3,4
+        sweep frontier-fedit benchmarks/conf/lora-family.toml fedavg-lora $five
+        sweep frontier benchmarks/conf/lora-family.toml $FRONTIER $five
         # HiLoRA's default stages (15 root, 20 cluster rounds) would leave a
         # 6-round run root-only: 2 rounds per stage here
-        sweep frontier benchmarks/conf/lora-family.toml $FRONTIER 0,1,2
-        sweep frontier-hilora benchmarks/conf/lora-family.toml hilora 0,1,2 \
+        sweep frontier-hilora benchmarks/conf/lora-family.toml hilora $five \
             'hilora-root-rounds=2 hilora-cluster-rounds=2'
         # asynchronous, all 4 nodes busy on the generated 10x-spread trace, the
         # same 24 client trainings as 6 synchronous rounds: FedBuff K = 4 over
         # 6 versions; FedAsync 24 versions, lr-decay 0.85 per 4 of them
-        sweep frontier-fedbuff benchmarks/conf/lora-family.toml fedbuff-lora 0,1,2 \
+        sweep frontier-fedbuff benchmarks/conf/lora-family.toml fedbuff-lora $five \
             'buffer-size=4'
-        sweep frontier-fedasync benchmarks/conf/lora-family.toml fedasync-lora 0,1,2 \
+        sweep frontier-fedasync benchmarks/conf/lora-family.toml fedasync-lora $five \
             'num-server-rounds=24 lr-decay=0.9602'
-        [[ -d $OUT/lora-dirichlet/runs ]] || run_one lora-dirichlet
-        "$PY" -m fedlr.launch.compare table "$OUT"/lora-dirichlet/runs/fedavg-lora-seed*/*/ \
-            "$OUT"/frontier*/runs/*/*/ \
+        "$PY" -m fedlr.launch.compare table "$OUT"/frontier*/runs/*/*/ \
+            --out "$OUT/frontier" >/dev/null
+        "$PY" -m benchmarks.frontier "$OUT"/frontier*/runs/*/*/ \
             --out "$OUT/frontier" >/dev/null ;;
     privacy)  # DP-SGD at each epsilon; the no-DP runs are lora-dirichlet's
         # (publish copies table.md, table.csv and privacy.png; claims.md too)

@@ -47,3 +47,16 @@ def test_the_frontier_marks_its_three_personalised_methods() -> None:
         "hilora (personalised)",
     ]
     assert (RESULTS / "frontier" / "summary.png").stat().st_size > 20_000
+
+
+def test_the_frontier_pairs_each_method_with_fedit_on_five_seeds() -> None:
+    from benchmarks.frontier import to_markdown as paired_markdown
+
+    paired = pd.read_csv(RESULTS / "frontier" / "paired.csv")
+    assert (RESULTS / "frontier" / "paired.md").read_text() == paired_markdown(paired)
+    assert (paired["seeds"] == 5).all()
+    assert paired["personalised"].tolist() == [
+        get_method(m).traits.personalised for m in paired["method"]
+    ]
+    # a personalised row's accuracy is not the global model's: never separated
+    assert not paired[paired["personalised"]]["separated"].any()
