@@ -28,6 +28,11 @@ from fedlr.runs.table import collect
 BASELINE = "fedavg-lora"
 
 
+def separates(mean: float, half: float) -> bool:
+    """The 95% interval ``mean ± half`` excludes 0."""
+    return math.isfinite(half) and abs(mean) > half
+
+
 def paired_table(runs: pd.DataFrame) -> pd.DataFrame:
     """One row per method: per-seed accuracies, mean, std and the paired
     difference to :data:`BASELINE` (points), best shared-model method first.
@@ -65,12 +70,9 @@ def paired_table(runs: pd.DataFrame) -> pd.DataFrame:
                 "accuracy-std": float(acc.std(ddof=1)) if len(acc) > 1 else math.nan,
                 "diff-points": mean if compared else math.nan,
                 "diff-ci95": half if compared else math.nan,
-                "separated": bool(
-                    compared
-                    and not traits["personalised"]
-                    and math.isfinite(half)
-                    and abs(mean) > half
-                ),
+                "separated": compared
+                and not traits["personalised"]
+                and separates(mean, half),
                 "total-bytes": float(mine["total-bytes"].mean()),
             }
         )
@@ -104,7 +106,7 @@ def personalised_pairs(table: pd.DataFrame) -> pd.DataFrame:
 
 def _interval(mean: float, half: float) -> str:
     text = f"{mean:+.2f} ± {half:.2f}"
-    return f"**{text}**" if math.isfinite(half) and abs(mean) > half else text
+    return f"**{text}**" if separates(mean, half) else text
 
 
 def to_markdown(table: pd.DataFrame) -> str:
