@@ -30,7 +30,7 @@ from tests.integration.test_launch import (
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.early(seconds=120)
+@pytest.mark.early(seconds=105)
 def test_a_flwr_run_test_passes_while_another_run_is_going(tmp_path, assets):
     other = _start("users-run", tmp_path / "users-home", tmp_path / "users-out", 200)
     try:

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 RANKS = (2, 4, 8, 16)
 
 
-@pytest.mark.early(seconds=92)
+@pytest.mark.early(seconds=72)
 def test_every_heterogeneous_rank_method_runs_under_flwr_run(
     tmp_path,
     assets,

@@ -166,7 +166,7 @@ def _cleanup(launches: list[Launch]) -> None:
                 continue
 
 
-@pytest.mark.early(seconds=95)
+@pytest.mark.early(seconds=99)
 def test_concurrent_launches_keep_to_their_runs_and_ctrl_c_stops_one(tmp_path, assets):
     home = tmp_path / "flwr-home"  # the same for all three: no sharing anyway
     started = time.monotonic()

@@ -40,7 +40,7 @@ LM = {
 }
 
 
-@pytest.mark.early(seconds=74)
+@pytest.mark.early(seconds=47)
 @pytest.mark.parametrize(
     ("method", "model"),
     [

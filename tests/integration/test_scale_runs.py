@@ -68,7 +68,7 @@ def test_thousand_clients_in_process(tmp_path, assets):
     assert set(examples) <= {3, 4}  # 3,200 training sentences, 1,000 clients
 
 
-@pytest.mark.early(seconds=400)
+@pytest.mark.early(seconds=100)
 def test_thousand_clients_on_the_ray_engine(tmp_path, assets, flwr_home):
     from fedlr.launch.flwr_run import flwr_run
 

@@ -84,7 +84,7 @@ def _gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float,
     return gap, scale
 
 
-@pytest.mark.early(seconds=70)
+@pytest.mark.early(seconds=64)
 def test_secure_fedavg_lora_equals_plain_within_the_bound(tmp_path, assets, flwr_home):
     from fedlr.launch.flwr_run import flwr_run
     from fedlr.launch.local import run_in_process

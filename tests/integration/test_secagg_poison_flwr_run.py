@@ -94,7 +94,7 @@ def _arrays(path: Path) -> dict[str, torch.Tensor]:
     return payload.get("arrays", payload)
 
 
-@pytest.mark.early(seconds=101)
+@pytest.mark.early(seconds=86)
 def test_a_poisoned_masked_vector_is_rejected_under_flwr_run(
     tmp_path, assets, flwr_home
 ):

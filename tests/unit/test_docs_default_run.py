@@ -51,7 +51,7 @@ def test_the_docs_quote_the_quoted_lines_and_numbers_of_one_run():
         assert "0.7425" in page and 'robust = "none"' in page  # labelled
 
 
-@pytest.mark.early(seconds=308)
+@pytest.mark.early(seconds=355)
 @pytest.mark.slow  # the whole default run: about 5 minutes on 2 cores
 def test_the_quoted_lines_are_a_fresh_default_runs(tmp_path, assets, caplog):
     with caplog.at_level(logging.INFO, logger="flwr"):
