@@ -50,6 +50,10 @@ ROBUSTNESS = {
     "robustness/server-update-cpu": (
         'robust = "auto" (the default), default task, 15 rounds, CPU, seeds 0-4'
     ),
+    "robustness/drawn-5": (
+        'robust = "auto", one attacker of five at a drawn partition, 15 rounds, '
+        "CPU, seeds 0-4"
+    ),
 }
 """Study folder under docs/results: the figure's title."""
 

@@ -867,6 +867,54 @@ def summarise(rows: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
+def per_seed(rows: pd.DataFrame, defence: str, attackers: int, clients: int) -> str:
+    """One defence against ``attackers`` of ``clients``, seed by seed: each
+    attack's final accuracy, its share of the same seed's clean run (and the
+    replies dropped, or for ``absent`` missing), and the lowest share over
+    the seeds it ran on; the attackers' drawn partitions head each seed
+    (docs/results/robustness.md's drawn-partition tables)."""
+    rows = rows[(rows["defence"] == defence) & (rows["clients"] == clients)]
+    clean = {int(r["seed"]): r for _, r in rows[rows["attack"] == "none"].iterrows()}
+    attacked = rows[(rows["attack"] != "none") & (rows["attackers"] == attackers)]
+    seeds = sorted(clean)
+    partitions = {
+        int(r["seed"]): ", ".join(f"p{p}" for p in r["attacker-partitions"])
+        for _, r in attacked.iterrows()
+    }
+    head = [
+        f"seed {s} ({partitions[s]})" if s in partitions else f"seed {s}" for s in seeds
+    ]
+    lines = [
+        f"| attack ({attackers} of {clients}) | "
+        + " | ".join(head)
+        + " | lowest share of clean |",
+        "|---|" + "---|" * (len(seeds) + 1),
+        "| clean | "
+        + " | ".join(f"{clean[s]['final-accuracy']:.4f}" for s in seeds)
+        + " | — |",
+    ]
+    for attack in ATTACKS:
+        runs = {
+            int(r["seed"]): r
+            for _, r in attacked[attacked["attack"] == attack].iterrows()
+        }
+        if not runs:
+            continue
+        cells, shares = [], []
+        for seed in seeds:
+            if seed not in runs:
+                cells.append("not run")
+                continue
+            run = runs[seed]
+            share = run["final-accuracy"] / clean[seed]["final-accuracy"]
+            shares.append(share)
+            dropped = f"; dropped {int(run['dropped'])}" if run["dropped"] else ""
+            cells.append(f"{run['final-accuracy']:.4f} ({share:.1%}{dropped})")
+        lowest = f"{min(shares):.1%} ({len(shares)} seed{'s' * (len(shares) > 1)})"
+        lines.append(f"| {attack} | " + " | ".join(cells) + f" | {lowest} |")
+    return "\n".join(lines) + "\n"
+
+
 def _with_setting(rows: pd.DataFrame) -> pd.DataFrame:
     rows = rows.copy()
     if "defence" not in rows:
@@ -937,6 +985,18 @@ def table(args: argparse.Namespace) -> None:
         raise SystemExit(f"robustness: no finished runs under {out}")
     rows.to_csv(out / "robustness.csv", index=False)
     text = summarise(rows)
+    for defence in _defences(_with_setting(rows)):
+        for m, n in sorted(
+            {
+                (int(m), int(n))
+                for m, n in zip(rows["attackers"], rows["clients"], strict=True)
+                if m
+            },
+            key=lambda mn: (mn[1], mn[0]),
+        ):
+            text += f"\n`{defence}`, seed by seed:\n\n" + per_seed(
+                _with_setting(rows), defence, m, n
+            )
     (out / "summary.md").write_text(text)
     figure(rows, args.title).savefig(
         out / "robustness.png", dpi=120, bbox_inches="tight"
