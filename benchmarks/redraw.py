@@ -54,6 +54,10 @@ ROBUSTNESS = {
         'robust = "auto", one attacker of five at a drawn partition, 15 rounds, '
         "CPU, seeds 0-4"
     ),
+    "robustness/drawn-10": (
+        'robust = "auto", two attackers of ten at drawn partitions, 15 rounds, '
+        "CPU, seeds 0-2"
+    ),
 }
 """Study folder under docs/results: the figure's title."""
 

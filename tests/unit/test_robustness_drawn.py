@@ -39,7 +39,9 @@ def _lowest(rows: pd.DataFrame, attackers: int, clients: int) -> float:
     return min(r["final-accuracy"] / clean[r["seed"]] for _, r in hit.iterrows())
 
 
-@pytest.mark.parametrize(("folder", "attackers", "clients"), [("drawn-5", 1, 5)])
+@pytest.mark.parametrize(
+    ("folder", "attackers", "clients"), [("drawn-5", 1, 5), ("drawn-10", 2, 10)]
+)
 def test_the_page_pastes_the_committed_runs_table(folder, attackers, clients):
     rows = _rows(folder)
     assert set(rows["placement"]) == {"drawn"}
