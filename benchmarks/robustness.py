@@ -985,18 +985,13 @@ def table(args: argparse.Namespace) -> None:
         raise SystemExit(f"robustness: no finished runs under {out}")
     rows.to_csv(out / "robustness.csv", index=False)
     text = summarise(rows)
-    for defence in _defences(_with_setting(rows)):
-        for m, n in sorted(
-            {
-                (int(m), int(n))
-                for m, n in zip(rows["attackers"], rows["clients"], strict=True)
-                if m
-            },
-            key=lambda mn: (mn[1], mn[0]),
-        ):
-            text += f"\n`{defence}`, seed by seed:\n\n" + per_seed(
-                _with_setting(rows), defence, m, n
-            )
+    named = _with_setting(rows)
+    pairs = zip(named["attackers"], named["clients"], strict=True)
+    attacked = sorted({(int(n), int(m)) for m, n in pairs if m})  # (clients, m)
+    for defence in _defences(named):
+        for n, m in attacked:
+            text += f"\n`{defence}`, seed by seed:\n\n"
+            text += per_seed(named, defence, m, n)
     (out / "summary.md").write_text(text)
     figure(rows, args.title).savefig(
         out / "robustness.png", dpi=120, bbox_inches="tight"
