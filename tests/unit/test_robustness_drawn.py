@@ -7,12 +7,11 @@ verbatim; the prose's lowest share of clean accuracy is those rows' lowest.
 
 from __future__ import annotations
 
-import json
-
 import pandas as pd
 import pytest
 
 from benchmarks.robustness import CEILING, _with_setting, per_seed
+from benchmarks.robustness import _rows as study_rows
 from tests.conftest import ROOT
 
 RESULTS = ROOT / "docs" / "results" / "robustness"
@@ -20,11 +19,7 @@ PAGE = (ROOT / "docs" / "results" / "robustness.md").read_text(encoding="utf-8")
 
 
 def _rows(folder: str) -> pd.DataFrame:
-    lines = [
-        json.loads(line)
-        for path in sorted((RESULTS / folder).glob("runs-*.jsonl"))
-        for line in path.read_text().splitlines()
-    ]
+    lines = study_rows(RESULTS / folder)
     assert lines, folder
     return _with_setting(pd.DataFrame(lines))
 
